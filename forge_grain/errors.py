@@ -1,0 +1,13 @@
+"""Errors that name the file and the problem, so a user can act on them."""
+
+
+class ForgeGrainError(ValueError):
+    """Base class of every error forge-grain raises on bad input."""
+
+
+class StoreError(ForgeGrainError):
+    """A token store on disk is missing, corrupt, or disagrees with its manifest."""
+
+
+class PrepareError(ForgeGrainError):
+    """A text corpus or tokenizer cannot be turned into a token store."""

@@ -1,0 +1,250 @@
+"""`TokenStore`: a read-only, zero-copy, memory-mapped view of a tokenized corpus as documents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from . import foreign
+from .errors import StoreError
+from .manifest import MANIFEST_NAME, Manifest, sha256_file
+
+
+class TokenStore:
+    """Documents of a token store, each a numpy view into memory-mapped shards.
+
+    Open a forge-grain store (a directory with `manifest.json`, layout `bin` or
+    `arrayrecord`) or foreign `.npy`/`.bin` token files (see `forge_grain.foreign`).
+    Random access is O(1) and thread-safe; pickling sends only the path and options,
+    and the other side maps the files again, so Grain workers get it cheaply.
+    It is a Grain `RandomAccessDataSource`: `grain.MapDataset.source(store)` works.
+    """
+
+    def __init__(self, path: str | Path, **options):
+        self.path = Path(path)
+        self._options = options
+        self.manifest: Manifest | None = None
+        self._arrays: list[np.ndarray] = []  # per shard tokens ("bin" and foreign layouts)
+        self._records = None  # grain ArrayRecordDataSource ("arrayrecord" layout)
+        self._files: list[Path] = []
+        if (self.path / MANIFEST_NAME).exists():
+            self._open_manifest()
+        else:
+            self._open_foreign(**options)
+        self._shard_token_starts = np.concatenate([[0], np.cumsum(self._shard_tokens)]).astype(np.int64)
+        self._shard_doc_starts = np.concatenate([[0], np.cumsum(self._shard_docs)]).astype(np.int64)
+        self._lengths: np.ndarray | None = None
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        verify: bool = False,
+        dtype: str | None = None,
+        eos_id: int | None = None,
+        bos_id: int | None = None,
+        vocab_size: int | None = None,
+    ) -> "TokenStore":
+        """Open a store; `verify=True` also checks every checksum and token id (reads all data).
+
+        `dtype`, `eos_id`, `bos_id` and `vocab_size` describe foreign token files
+        (a forge-grain store carries them in its manifest and ignores them).
+        """
+        store = cls(path, dtype=dtype, eos_id=eos_id, bos_id=bos_id, vocab_size=vocab_size)
+        if verify:
+            store.verify()
+        return store
+
+    # -- opening -------------------------------------------------------------------------
+
+    def _open_manifest(self) -> None:
+        m = self.manifest = Manifest.load(self.path)
+        self.dtype = np.dtype(m.dtype)
+        self.vocab_size, self.bos_id, self.eos_id = m.vocab_size, m.bos_id, m.eos_id
+        self.tokenizer = m.tokenizer
+        self._files = [self.path / s.tokens for s in m.shards]
+        offsets = []
+        for shard, file in zip(m.shards, self._files):
+            if not file.exists():
+                raise StoreError(f"{file}: shard listed in {self.path / MANIFEST_NAME} is missing")
+            if m.layout == "bin":
+                self._arrays.append(self._map_bin_shard(file, shard))
+            offsets.append(self._load_index(self.path / shard.index, shard))
+        if m.layout == "arrayrecord":
+            import grain  # lazy: only this layout needs it at open time
+
+            self._records = grain.sources.ArrayRecordDataSource([str(f) for f in self._files])
+            if len(self._records) != m.num_documents:
+                raise StoreError(
+                    f"{self.path}: ArrayRecord shards hold {len(self._records)} records, "
+                    f"manifest says {m.num_documents} documents"
+                )
+        self._shard_tokens = [s.num_tokens for s in m.shards]
+        self._shard_docs = [s.num_documents for s in m.shards]
+        self._offsets = _join_offsets(offsets)
+
+    def _map_bin_shard(self, file: Path, shard) -> np.ndarray:
+        size = file.stat().st_size
+        if size % self.dtype.itemsize:
+            raise StoreError(
+                f"{file}: {size} bytes is not a multiple of the {self.dtype} item size "
+                f"({self.dtype.itemsize}); the shard is truncated or corrupt"
+            )
+        if size != shard.num_tokens * self.dtype.itemsize:
+            raise StoreError(
+                f"{file}: holds {size // self.dtype.itemsize} tokens, manifest says {shard.num_tokens}; "
+                "the shard is truncated or was replaced"
+            )
+        return np.memmap(file, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+
+    @staticmethod
+    def _load_index(file: Path, shard) -> np.ndarray:
+        try:
+            idx = np.load(file)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise StoreError(f"{file}: document index missing or unreadable ({e})") from None
+        ok = (
+            idx.ndim == 1
+            and len(idx) == shard.num_documents + 1
+            and idx[0] == 0
+            and idx[-1] == shard.num_tokens
+            and bool(np.all(np.diff(idx) >= 0))
+        )
+        if not ok:
+            raise StoreError(
+                f"{file}: document index disagrees with its shard {shard.tokens} "
+                f"(expected {shard.num_documents + 1} non-decreasing offsets from 0 to {shard.num_tokens})"
+            )
+        return idx.astype(np.int64, copy=False)
+
+    def _open_foreign(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None) -> None:
+        self._files = foreign.find_token_files(self.path)
+        self._arrays = [foreign.map_tokens(f, dtype) for f in self._files]
+        dtypes = {a.dtype for a in self._arrays}
+        if len(dtypes) > 1:
+            raise StoreError(f"{self.path}: token files mix dtypes {sorted(map(str, dtypes))}")
+        self.dtype = self._arrays[0].dtype
+        self.vocab_size, self.bos_id, self.eos_id = vocab_size, bos_id, eos_id
+        self.tokenizer = None
+        offsets = []
+        for f, a in zip(self._files, self._arrays):
+            off, max_token = foreign.document_offsets(f, a, eos_id=eos_id, bos_id=bos_id)
+            if vocab_size is not None and max_token >= vocab_size:
+                raise StoreError(f"{f}: token id {max_token} is at or past vocab_size {vocab_size}")
+            offsets.append(off)
+        self._shard_tokens = [len(a) for a in self._arrays]
+        self._shard_docs = [len(o) - 1 for o in offsets]
+        self._offsets = _join_offsets(offsets)
+
+    # -- the data ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        n = len(self)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"document {i} out of range for a store of {n} documents")
+        if self._records is not None:
+            return np.frombuffer(self._records[i], dtype=self.dtype)
+        s = self.shard_of(i)
+        base = self._shard_token_starts[s]
+        return self._arrays[s][self._offsets[i] - base : self._offsets[i + 1] - base]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+    def shard_of(self, doc: int) -> int:
+        """The shard holding document `doc`."""
+        if len(self._shard_docs) == 1:
+            return 0
+        return int(np.searchsorted(self._shard_doc_starts, doc, side="right") - 1)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Start of each document (and the end of the last) in the shards' concatenated tokens."""
+        return self._offsets
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Every document's length in tokens, one int64 array (no token is read)."""
+        if self._lengths is None:
+            self._lengths = np.diff(self._offsets)
+        return self._lengths
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def files(self) -> list[Path]:
+        return list(self._files)
+
+    @property
+    def layout(self) -> str:
+        return self.manifest.layout if self.manifest else "foreign"
+
+    def verify(self) -> None:
+        """Check every shard's checksum and that every token id is below `vocab_size`."""
+        if self.manifest is not None:
+            for shard, file in zip(self.manifest.shards, self._files):
+                if sha256_file(file) != shard.sha256:
+                    raise StoreError(f"{file}: checksum mismatch; the shard is corrupt (re-run `forge-grain prepare`)")
+        if self.vocab_size is None:
+            return
+        for s, file in enumerate(self._files):
+            lo, hi = self._shard_doc_starts[s], self._shard_doc_starts[s + 1]
+            tokens = self._arrays[s] if self._arrays else (self[i] for i in range(lo, hi))
+            top = max((int(t.max()) for t in _chunks(tokens) if len(t)), default=-1)
+            if top >= self.vocab_size:
+                raise StoreError(f"{file}: token id {top} is at or past vocab_size {self.vocab_size}")
+
+    def close(self) -> None:
+        """Drop the memory maps (views already handed out stay valid while referenced)."""
+        self._arrays = []
+        if self._records is not None and hasattr(self._records, "close"):
+            self._records.close()
+        self._records = None
+
+    def __enter__(self) -> "TokenStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        return (_reopen, (type(self), self.path, self._options))
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenStore({str(self.path)!r}, layout={self.layout}, documents={len(self)}, "
+            f"tokens={self.num_tokens}, dtype={self.dtype}, vocab_size={self.vocab_size})"
+        )
+
+
+def _reopen(cls, path, options):
+    return cls(path, **options)
+
+
+def _join_offsets(per_shard: list[np.ndarray]) -> np.ndarray:
+    """Concatenate per-shard offsets into offsets over all shards' tokens in order."""
+    parts, base = [], 0
+    for off in per_shard:
+        parts.append(off[:-1] + base)
+        base += int(off[-1])
+    parts.append(np.array([base], np.int64))
+    return np.concatenate(parts).astype(np.int64)
+
+
+def _chunks(tokens, size: int = 1 << 24):
+    if isinstance(tokens, np.ndarray):
+        for lo in range(0, len(tokens), size):
+            yield np.asarray(tokens[lo : lo + size])
+    else:
+        yield from tokens

@@ -1,0 +1,78 @@
+"""`forge-grain inspect`: what a token store holds, as text (and optionally a PNG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .store import TokenStore
+
+PERCENTILES = (0, 10, 50, 90, 99, 100)
+
+
+def describe(store: TokenStore) -> dict:
+    lengths = store.lengths
+    pct = np.percentile(lengths, PERCENTILES).round().astype(int) if len(lengths) else np.zeros(len(PERCENTILES), int)
+    return {
+        "path": str(store.path),
+        "layout": store.layout,
+        "documents": len(store),
+        "tokens": store.num_tokens,
+        "dtype": str(store.dtype),
+        "vocab_size": store.vocab_size,
+        "bos_id": store.bos_id,
+        "eos_id": store.eos_id,
+        "shards": len(store.files),
+        "length_percentiles": dict(zip(PERCENTILES, pct.tolist())),
+        "mean_length": float(lengths.mean()) if len(lengths) else 0.0,
+    }
+
+
+def histogram_text(lengths: np.ndarray, bins: int = 16, width: int = 40) -> str:
+    """A log-spaced histogram of document lengths, one text line a bin."""
+    if len(lengths) == 0:
+        return "(no documents)"
+    lo, hi = max(1, int(lengths.min())), max(2, int(lengths.max()) + 1)
+    edges = np.unique(np.geomspace(lo, hi, bins + 1).astype(np.int64))
+    counts, _ = np.histogram(np.clip(lengths, lo, hi - 1), bins=edges)
+    top = max(1, counts.max())
+    rows = []
+    for a, b, c in zip(edges[:-1], edges[1:], counts):
+        rows.append(f"{a:>9,}-{b - 1:<9,} {'#' * int(round(width * c / top)):<{width}} {c:,}")
+    return "\n".join(rows)
+
+
+def format_summary(store: TokenStore) -> str:
+    d = describe(store)
+    pct = "  ".join(f"p{k}={v:,}" for k, v in d["length_percentiles"].items())
+    return "\n".join(
+        [
+            f"{d['path']}  ({d['layout']}, {d['shards']} shard(s))",
+            f"  documents   {d['documents']:,}",
+            f"  tokens      {d['tokens']:,}  (mean {d['mean_length']:,.1f} per document)",
+            f"  dtype       {d['dtype']}   vocab_size {d['vocab_size']}   bos_id {d['bos_id']}   eos_id {d['eos_id']}",
+            f"  lengths     {pct}",
+            "  length histogram (tokens per document):",
+            *("    " + line for line in histogram_text(store.lengths).splitlines()),
+        ]
+    )
+
+
+def plot_lengths(store: TokenStore, png: str | Path) -> Path:
+    """Write a log-log histogram of document lengths to `png` (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'forge-grain[plot]'") from None
+    lengths = store.lengths[store.lengths > 0]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(lengths, bins=np.geomspace(1, max(2, lengths.max() + 1), 50))
+    ax.set(xscale="log", yscale="log", xlabel="tokens per document", ylabel="documents", title=str(store.path))
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
