@@ -31,12 +31,19 @@ def find_token_files(path: str | Path) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
+        if list(p.glob("shard-*.idx.npy")):
+            raise StoreError(f"{p}: a forge-grain store without manifest.json is incomplete (re-run `forge-grain prepare`)")
+        files = sorted(f for f in p.iterdir() if _is_token_file(f))
     else:
-        files = sorted(Path(f) for f in globlib.glob(str(path)) if Path(f).suffix in SUFFIXES)
+        files = sorted(Path(f) for f in globlib.glob(str(path)) if _is_token_file(Path(f)))
     if not files:
         raise StoreError(f"{path}: no manifest.json and no .npy/.bin token files found")
     return files
+
+
+def _is_token_file(f: Path) -> bool:
+    """Token arrays, not our own index caches (hidden) or store indices (.idx.npy)."""
+    return f.suffix in SUFFIXES and not f.name.startswith(".") and not f.name.endswith(".idx.npy") and f.is_file()
 
 
 def map_tokens(path: Path, dtype: np.dtype | str | None) -> np.ndarray:

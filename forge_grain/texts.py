@@ -39,7 +39,12 @@ def load_texts(
         files = _data_files(source)
         builder = _builder(files, source)
         kwargs = {"sample_by": text_unit} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+        if all(f.stat().st_size == 0 for f in files):
+            raise PrepareError(f"{source}: the corpus is empty (no documents)")
+        try:
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+        except Exception as e:  # datasets raises many kinds; name the input and the cause
+            raise PrepareError(f"{source}: cannot read as {builder} ({type(e).__name__}: {e})") from None
         if builder == "text" and text_field != "text":
             ds = ds.rename_column("text", text_field)
     else:

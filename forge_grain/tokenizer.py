@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 from .errors import PrepareError
@@ -29,7 +30,12 @@ class TextTokenizer:
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.backend.to_str().encode()).hexdigest()
+        """Hash of what maps text to ids; padding, truncation and post-processing (unused
+        here: the store adds BOS/EOS itself) are left out, so one tokenizer saved by
+        `tokenizers` or by `transformers` has one identity."""
+        spec = json.loads(self.backend.to_str())
+        keys = ("added_tokens", "normalizer", "pre_tokenizer", "model")
+        return hashlib.sha256(json.dumps({k: spec.get(k) for k in keys}, sort_keys=True).encode()).hexdigest()
 
     @property
     def identity(self) -> dict:

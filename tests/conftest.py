@@ -1,0 +1,76 @@
+"""Shared fixtures: small corpora made on the spot, and the shipped tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from forge_grain.tokenizer import DEFAULT_TOKENIZER
+
+WORDS = (
+    "the of and to in is that for it as with was on be by data token model train grain "
+    "shard pack mix resume checkpoint def return class import self None True False 42 "
+    "naïve café 数据 ∑ λ → 🙂"
+).split()
+
+
+def make_texts(n: int, seed: int = 0, empty_every: int = 0) -> list[str]:
+    """Deterministic documents of log-normally varying length (and a few empty ones)."""
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        if empty_every and i % empty_every == empty_every - 1:
+            texts.append("")
+            continue
+        k = max(1, int(rng.lognormvariate(3.0, 1.0)))
+        texts.append(" ".join(rng.choice(WORDS) for _ in range(k)) + ("\n" if rng.random() < 0.3 else ""))
+    return texts
+
+
+def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: t, "n": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def texts() -> list[str]:
+    return make_texts(400, seed=1, empty_every=50)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, texts) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", texts)
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer() -> Tokenizer:
+    """The shipped tokenizer, loaded independently of forge-grain's code."""
+    return Tokenizer.from_file(str(DEFAULT_TOKENIZER))
+
+
+def expected_documents(tok: Tokenizer, texts: list[str], bos: int | None = 0, eos: int | None = 1) -> list[list[int]]:
+    docs = []
+    for t in texts:
+        if not t:
+            continue
+        ids = tok.encode(t, add_special_tokens=False).ids
+        docs.append(([bos] if bos is not None else []) + ids + ([eos] if eos is not None else []))
+    return docs
+
+
+@pytest.fixture(scope="session")
+def bin_store(tmp_path_factory, corpus) -> Path:
+    from forge_grain import prepare
+
+    return prepare(corpus, tmp_path_factory.mktemp("stores") / "bin", num_shards=3, progress=False)
+
+
+@pytest.fixture(scope="session")
+def ar_store(tmp_path_factory, corpus) -> Path:
+    from forge_grain import prepare
+
+    return prepare(corpus, tmp_path_factory.mktemp("stores") / "ar", layout="arrayrecord", num_shards=2, progress=False)

@@ -1,0 +1,227 @@
+"""TokenStore: exact documents, layouts, foreign files, pickling, Grain, and corrupt shards."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+
+import grain
+import numpy as np
+import pytest
+
+from conftest import expected_documents
+from forge_grain import StoreError, TokenStore
+from forge_grain import foreign
+
+
+def docs_of(store) -> list[list[int]]:
+    return [store[i].tolist() for i in range(len(store))]
+
+
+def test_every_document_equals_the_tokenizer_run_independently(bin_store, texts, reference_tokenizer):
+    store = TokenStore.open(bin_store, verify=True)
+    expected = expected_documents(reference_tokenizer, texts)
+    assert len(store) == len(expected)
+    assert docs_of(store) == expected
+    assert store.num_tokens == sum(map(len, expected))
+    assert store.lengths.tolist() == [len(d) for d in expected]
+    assert store.dtype == np.uint16 and store.vocab_size == 8192
+    assert (store.bos_id, store.eos_id) == (0, 1)
+
+
+def test_arrayrecord_and_bin_layouts_hold_identical_documents(bin_store, ar_store):
+    a, b = TokenStore.open(bin_store), TokenStore.open(ar_store, verify=True)
+    assert (a.layout, b.layout) == ("bin", "arrayrecord")
+    assert docs_of(a) == docs_of(b)
+    assert np.array_equal(a.lengths, b.lengths)
+
+
+def test_documents_are_zero_copy_views_and_negative_indices_work(bin_store):
+    store = TokenStore.open(bin_store)
+    doc = store[5]
+    assert not doc.flags.owndata and not doc.flags.writeable
+    assert store[-1].tolist() == store[len(store) - 1].tolist()
+    with pytest.raises(IndexError):
+        store[len(store)]
+
+
+def test_pickles_cheaply_and_reopens(bin_store, ar_store):
+    for path in (bin_store, ar_store):
+        store = TokenStore.open(path)
+        blob = pickle.dumps(store)
+        assert len(blob) < 1000  # the path and options, never the tokens
+        again = pickle.loads(blob)
+        assert docs_of(again) == docs_of(store)
+
+
+@pytest.mark.parametrize("which", ["bin", "ar"])
+def test_grain_map_dataset_source_with_worker_threads(which, bin_store, ar_store):
+    store = TokenStore.open(bin_store if which == "bin" else ar_store)
+    ds = grain.MapDataset.source(store).to_iter_dataset(grain.ReadOptions(num_threads=8, prefetch_buffer_size=64))
+    got = [d.tolist() for d in ds]
+    assert got == docs_of(store)
+
+
+def test_concurrent_random_access_from_threads(bin_store):
+    store = TokenStore.open(bin_store)
+    expected = docs_of(store)
+    errors = []
+
+    def read(seed):
+        rng = np.random.default_rng(seed)
+        for i in rng.integers(0, len(store), 2000):
+            if store[i].tolist() != expected[i]:
+                errors.append(i)
+
+    threads = [threading.Thread(target=read, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# -- foreign token files ----------------------------------------------------------------------
+
+
+def foreign_docs(seed=0, n=50, eos=1):
+    rng = np.random.default_rng(seed)
+    return [np.append(rng.integers(2, 500, rng.integers(1, 40)), eos) for _ in range(n)]
+
+
+def test_foreign_npy_and_bin_with_eos_scanning(tmp_path):
+    docs = foreign_docs()
+    half = len(docs) // 2
+    np.save(tmp_path / "a.npy", np.concatenate(docs[:half]).astype(np.uint32))
+    np.concatenate(docs[half:]).astype(np.uint16).tofile(tmp_path / "b.bin")
+    npy = TokenStore.open(tmp_path / "a.npy", eos_id=1)
+    assert docs_of(npy) == [d.tolist() for d in docs[:half]]
+    binary = TokenStore.open(tmp_path / "b.bin", eos_id=1, dtype="uint16")
+    assert docs_of(binary) == [d.tolist() for d in docs[half:]]
+
+
+def test_foreign_directory_and_glob_join_files_in_order(tmp_path):
+    docs = foreign_docs(seed=3)
+    for k in range(3):
+        np.concatenate(docs[k::3]).astype(np.uint16).tofile(tmp_path / f"part{k}.bin")
+    expected = [d.tolist() for k in range(3) for d in docs[k::3]]
+    assert docs_of(TokenStore.open(tmp_path, eos_id=1)) == expected
+    assert docs_of(TokenStore.open(str(tmp_path / "part*.bin"), eos_id=1)) == expected
+
+
+def test_foreign_bos_scanning_and_plain_stream(tmp_path):
+    rng = np.random.default_rng(1)
+    docs = [np.concatenate([[0], rng.integers(2, 100, rng.integers(1, 20))]) for _ in range(20)]
+    np.concatenate([[5, 6]] + docs).astype(np.uint16).tofile(tmp_path / "t.bin")  # a head before the first BOS
+    store = TokenStore.open(tmp_path / "t.bin", bos_id=0)
+    assert docs_of(store) == [[5, 6]] + [d.tolist() for d in docs]
+    stream = TokenStore.open(tmp_path / "t.bin")
+    assert len(stream) == 1 and stream.num_tokens == 2 + sum(map(len, docs))
+
+
+def test_foreign_index_is_cached_and_reused(tmp_path, monkeypatch):
+    np.concatenate(foreign_docs()).astype(np.uint16).tofile(tmp_path / "t.bin")
+    first = TokenStore.open(tmp_path / "t.bin", eos_id=1)
+    assert list(tmp_path.glob(".t.bin.forge-grain-*.idx.npy"))
+
+    def no_scan(*a, **k):
+        raise AssertionError("rescanned although the cached index is valid")
+
+    monkeypatch.setattr(foreign, "_scan", no_scan)
+    assert docs_of(TokenStore.open(tmp_path / "t.bin", eos_id=1)) == docs_of(first)
+    with pytest.raises(AssertionError):  # another EOS id is another index
+        TokenStore.open(tmp_path / "t.bin", eos_id=2)
+
+
+def test_foreign_token_ids_past_vocab_size(tmp_path):
+    np.array([3, 9000, 1], np.uint16).tofile(tmp_path / "t.bin")
+    with pytest.raises(StoreError, match=r"t\.bin.*9000.*vocab_size 8192"):
+        TokenStore.open(tmp_path / "t.bin", eos_id=1, vocab_size=8192)
+
+
+def test_foreign_bin_size_not_a_multiple_of_dtype(tmp_path):
+    (tmp_path / "t.bin").write_bytes(b"\x01\x00\x02\x00\x03")
+    with pytest.raises(StoreError, match=r"t\.bin.*5 bytes.*not a multiple"):
+        TokenStore.open(tmp_path / "t.bin")
+
+
+def test_foreign_npy_must_be_1d_integers(tmp_path):
+    np.save(tmp_path / "t.npy", np.zeros((2, 3), np.float32))
+    with pytest.raises(StoreError, match=r"t\.npy.*1-D integer"):
+        TokenStore.open(tmp_path / "t.npy")
+
+
+def test_nothing_to_open(tmp_path):
+    with pytest.raises(StoreError, match="no manifest.json"):
+        TokenStore.open(tmp_path)
+
+
+# -- corrupt stores ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store_copy(tmp_path, bin_store):
+    dst = tmp_path / "store"
+    shutil.copytree(bin_store, dst)
+    return dst
+
+
+def test_truncated_shard(store_copy):
+    shard = store_copy / "shard-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(StoreError, match=r"shard-00001\.bin.*not a multiple"):
+        TokenStore.open(store_copy)
+    shard.write_bytes(shard.read_bytes()[:-3])
+    with pytest.raises(StoreError, match=r"shard-00001\.bin.*truncated"):
+        TokenStore.open(store_copy)
+
+
+def test_missing_shard(store_copy):
+    (store_copy / "shard-00002.bin").unlink()
+    with pytest.raises(StoreError, match=r"shard-00002\.bin.*missing"):
+        TokenStore.open(store_copy)
+
+
+def test_index_disagreeing_with_its_shard(store_copy):
+    idx_path = store_copy / "shard-00000.idx.npy"
+    idx = np.load(idx_path)
+    idx[-1] -= 1
+    np.save(idx_path, idx)
+    with pytest.raises(StoreError, match=r"shard-00000\.idx\.npy.*disagrees"):
+        TokenStore.open(store_copy)
+
+
+def test_checksum_mismatch(store_copy):
+    shard = store_copy / "shard-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0x01
+    shard.write_bytes(bytes(data))
+    TokenStore.open(store_copy)  # sizes still agree: only verification reads the bytes
+    with pytest.raises(StoreError, match=r"shard-00000\.bin.*checksum mismatch"):
+        TokenStore.open(store_copy, verify=True)
+
+
+def test_token_ids_past_vocab_size_in_a_store(store_copy):
+    m = json.loads((store_copy / "manifest.json").read_text())
+    m["vocab_size"] = 100  # the shards hold larger ids
+    (store_copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match=r"shard-0000\d\.bin.*past vocab_size 100"):
+        TokenStore.open(store_copy, verify=True)
+
+
+def test_manifest_of_unknown_version(store_copy):
+    m = json.loads((store_copy / "manifest.json").read_text())
+    m["version"] = 99
+    (store_copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match=r"manifest\.json.*version 99.*not supported"):
+        TokenStore.open(store_copy)
+
+
+def test_importing_forge_grain_loads_neither_torch_nor_jax():
+    code = "import sys, forge_grain; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
