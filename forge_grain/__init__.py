@@ -4,9 +4,25 @@ Importing this package loads neither torch nor jax; the bridges do.
 """
 
 from .errors import ForgeGrainError, PrepareError, StoreError
+from .packed import PackedDataset, pack
+from .packing import PackingError, PackingPlan, plan
 from .preparation import prepare
 from .store import TokenStore
+from .writer import write_store
 
 __version__ = "0.1.0"
 
-__all__ = ["ForgeGrainError", "PrepareError", "StoreError", "TokenStore", "prepare", "__version__"]
+__all__ = [
+    "ForgeGrainError",
+    "PackedDataset",
+    "PackingError",
+    "PackingPlan",
+    "PrepareError",
+    "StoreError",
+    "TokenStore",
+    "pack",
+    "plan",
+    "prepare",
+    "write_store",
+    "__version__",
+]

@@ -1,0 +1,283 @@
+"""Compiled (numba) kernels: packing plans from document lengths, row gathers, index shuffles.
+
+Plans are arrays of *segments*: a run of `length` tokens starting at `start` in the
+store's concatenated token space, with a loss-masked head of `skip` positions and
+`flags` (bit 0: the segment ends where its document really ends). `row_ptr[r]` to
+`row_ptr[r + 1]` are row r's segments, laid out from slot 0 of a buffer of
+`seq_len + 1` slots: inputs are slots [0, seq_len), targets slots [1, seq_len + 1).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+NATURAL_END = np.uint8(1)
+
+
+# -- best-fit bins over integer capacities -------------------------------------------------
+
+
+@nb.njit(cache=True, inline="always")
+def _tree_add(tree, size, leaf, delta):
+    i = size + leaf
+    while i >= 1:
+        tree[i] += delta
+        i //= 2
+
+
+@nb.njit(cache=True)
+def _tree_find_ge(tree, size, leaf):
+    """Smallest capacity >= leaf that has an open bin, or -1 (segment tree descent)."""
+    i = size + leaf
+    if tree[i] > 0:
+        return leaf
+    while i > 1:
+        if i % 2 == 0 and tree[i + 1] > 0:
+            i += 1
+            while i < size:
+                i = 2 * i if tree[2 * i] > 0 else 2 * i + 1
+            return i - size
+        i //= 2
+    return -1
+
+
+@nb.njit(cache=True)
+def best_fit(item_len, cap):
+    """Best-fit of items, in the given order, into bins of capacity `cap`: O(n log cap).
+
+    Returns each item's bin and each bin's fill.
+    """
+    n = len(item_len)
+    size = 1
+    while size < cap + 1:
+        size *= 2
+    tree = np.zeros(2 * size, np.int64)
+    head = np.full(cap + 1, -1, np.int64)  # open bins by remaining capacity: linked stacks
+    nxt = np.full(max(n, 1), -1, np.int64)
+    fill = np.zeros(max(n, 1), np.int64)
+    item_bin = np.empty(n, np.int64)
+    nbins = 0
+    for k in range(n):
+        length = item_len[k]
+        c = _tree_find_ge(tree, size, length)
+        if c < 0:
+            b = nbins
+            nbins += 1
+        else:
+            b = head[c]
+            head[c] = nxt[b]
+            _tree_add(tree, size, c, -1)
+        item_bin[k] = b
+        fill[b] += length
+        rem = cap - fill[b]
+        if rem > 0:
+            nxt[b] = head[rem]
+            head[rem] = b
+            _tree_add(tree, size, rem, 1)
+    return item_bin, fill[:nbins]
+
+
+@nb.njit(cache=True)
+def group_by_bin(item_bin, nbins):
+    """Items ordered by bin (stable), and row_ptr over them."""
+    counts = np.zeros(nbins + 1, np.int64)
+    for b in item_bin:
+        counts[b + 1] += 1
+    row_ptr = np.cumsum(counts)
+    pos = row_ptr[:-1].copy()
+    order = np.empty(len(item_bin), np.int64)
+    for k in range(len(item_bin)):
+        b = item_bin[k]
+        order[pos[b]] = k
+        pos[b] += 1
+    return order, row_ptr
+
+
+# -- items: what the packers place --------------------------------------------------------
+
+
+@nb.njit(cache=True)
+def split_items(offsets, order, seq_len, stride):
+    """Documents in `order` as items of at most `seq_len` tokens (no token dropped).
+
+    A longer document becomes windows starting every `stride` tokens; each window after
+    the first masks the loss on the `seq_len - stride - 1` positions whose targets the
+    previous window already trained (stride == seq_len: plain chunks, nothing masked).
+    """
+    n_items = 0
+    for d in order:
+        length = offsets[d + 1] - offsets[d]
+        if length > seq_len:
+            n_items += 1 + (length - seq_len + stride - 1) // stride
+        elif length > 0:
+            n_items += 1
+    start = np.empty(n_items, np.int64)
+    ilen = np.empty(n_items, np.int64)
+    skip = np.zeros(n_items, np.int32)
+    flags = np.zeros(n_items, np.uint8)
+    k = 0
+    head = max(seq_len - stride - 1, 0)
+    for d in order:
+        s, e = offsets[d], offsets[d + 1]
+        w = 0
+        while s + w < e:
+            hi = min(s + w + seq_len, e)
+            start[k] = s + w
+            ilen[k] = hi - s - w
+            skip[k] = head if w > 0 else 0
+            flags[k] = NATURAL_END if hi == e else 0
+            k += 1
+            if hi == e:
+                break
+            w += stride
+    return start, ilen, skip, flags
+
+
+@nb.njit(cache=True)
+def plan_concat(offsets, order, seq_len):
+    """Concatenate documents in `order`; row r is stream tokens [r*T, r*T + T + 1)."""
+    lengths = np.empty(len(order), np.int64)
+    total = 0
+    for i in range(len(order)):
+        lengths[i] = offsets[order[i] + 1] - offsets[order[i]]
+        total += lengths[i]
+    rows = (total - 1) // seq_len if total > seq_len else 0
+    cap = len(order) + 2 * rows + 1
+    start = np.empty(cap, np.int64)
+    slen = np.empty(cap, np.int64)
+    flags = np.zeros(cap, np.uint8)
+    row_ptr = np.zeros(rows + 1, np.int64)
+    k, ds, nseg = 0, 0, 0  # first document still in view, its stream start, segments so far
+    for r in range(rows):
+        a = r * seq_len
+        b = a + seq_len + 1
+        while ds + lengths[k] <= a:
+            ds += lengths[k]
+            k += 1
+        j, s = k, ds
+        while s < b and j < len(order):
+            e = s + lengths[j]
+            if e > s:
+                lo, hi = max(a, s), min(b, e)
+                if hi > lo:
+                    start[nseg] = offsets[order[j]] + lo - s
+                    slen[nseg] = hi - lo
+                    flags[nseg] = NATURAL_END if hi == e else 0
+                    nseg += 1
+            s = e
+            j += 1
+        row_ptr[r + 1] = nseg
+    return row_ptr, start[:nseg], slen[:nseg], np.zeros(nseg, np.int32), flags[:nseg], total - rows * seq_len - 1
+
+
+@nb.njit(cache=True)
+def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
+    """Fill every bin's gap with slices of the pool, in order. Returns the pieces and
+    each piece's bin; pool tokens left over are the cropped ones."""
+    n_pieces_max = len(pool_start) + len(bin_fill)
+    p_start = np.empty(n_pieces_max, np.int64)
+    p_len = np.empty(n_pieces_max, np.int64)
+    p_flags = np.zeros(n_pieces_max, np.uint8)
+    p_bin = np.empty(n_pieces_max, np.int64)
+    q, used = 0, 0  # pool item, tokens of it already used
+    n = 0
+    for b in range(len(bin_fill)):
+        gap = cap - bin_fill[b]
+        while gap > 0:
+            avail = pool_len[q] - used
+            take = min(gap, avail)
+            p_start[n] = pool_start[q] + used
+            p_len[n] = take
+            p_flags[n] = NATURAL_END if (take == avail and pool_natural_end[q]) else 0
+            p_bin[n] = b
+            n += 1
+            gap -= take
+            used += take
+            if used == pool_len[q]:
+                q += 1
+                used = 0
+    return p_start[:n], p_len[:n], p_flags[:n], p_bin[:n]
+
+
+# -- gathering rows -----------------------------------------------------------------------
+
+
+@nb.njit(cache=True, nogil=True)
+def fill_rows(
+    rows, row_ptr, seg_start, seg_len, seg_skip, seg_flags, shards, shard_starts, seq_len, pad_id,
+    inputs, targets, segment_ids, positions, loss_mask, natural_stop,
+):
+    """Write rows `rows` of a plan into the preallocated [len(rows), seq_len] outputs."""
+    for i in range(len(rows)):
+        r = rows[i]
+        p = 0
+        for s in range(row_ptr[r], row_ptr[r + 1]):
+            g = seg_start[s]
+            length = seg_len[s]
+            sh = np.searchsorted(shard_starts, g, side="right") - 1
+            tok = shards[sh]
+            loc = g - shard_starts[sh]
+            sid = s - row_ptr[r] + 1
+            skip = seg_skip[s]
+            for j in range(length):
+                q = p + j
+                t = tok[loc + j]
+                if q < seq_len:
+                    inputs[i, q] = t
+                    segment_ids[i, q] = sid
+                    positions[i, q] = j
+                    loss_mask[i, q] = j >= skip and j < length - 1
+                    natural_stop[i, q] = False
+                if q >= 1:
+                    targets[i, q - 1] = t
+            if seg_flags[s] & NATURAL_END and length >= 2 and p + length - 2 < seq_len:
+                natural_stop[i, p + length - 2] = True
+            p += length
+        for q in range(p, seq_len):
+            inputs[i, q] = pad_id
+            segment_ids[i, q] = 0
+            positions[i, q] = 0
+            loss_mask[i, q] = False
+            natural_stop[i, q] = False
+        for q in range(max(p, 1), seq_len + 1):
+            targets[i, q - 1] = pad_id
+
+
+# -- index shuffle --------------------------------------------------------------------------
+
+
+@nb.njit(cache=True, inline="always")
+def _mix64(x):
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@nb.njit(cache=True, nogil=True)
+def shuffle_indices(idx, n, key):
+    """A seeded permutation of [0, n) applied to `idx`: O(1) memory, O(1) per index.
+
+    A 4-round Feistel network over the smallest even bit width covering n, with cycle
+    walking to stay below n (as Grain's index_shuffle and MosaicML's shuffles do).
+    """
+    bits = 2
+    while (np.uint64(1) << np.uint64(bits)) < np.uint64(n):
+        bits += 2
+    half = np.uint64(bits // 2)
+    mask = (np.uint64(1) << half) - np.uint64(1)
+    out = np.empty(len(idx), np.int64)
+    k = np.uint64(key)
+    for i in range(len(idx)):
+        x = np.uint64(idx[i])
+        while True:
+            left = x >> half
+            right = x & mask
+            for rnd in range(4):
+                f = _mix64(right ^ (k + np.uint64(rnd) * np.uint64(0x9E3779B97F4A7C15))) & mask
+                left, right = right, left ^ f
+            x = (left << half) | right
+            if x < np.uint64(n):
+                break
+        out[i] = np.int64(x)
+    return out

@@ -1,0 +1,206 @@
+"""`pack()` and `PackedDataset`: a Grain `MapDataset` of packed rows over a token store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from . import kernels
+from .packing import PLAN_VERSION, ROW_KEYS, PackingPlan, plan
+from .store import TokenStore
+
+ROW_DTYPES = {
+    "inputs": np.int32,
+    "targets": np.int32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+    "loss_mask": np.bool_,
+    "natural_stop": np.bool_,
+}
+
+
+def pack(
+    store: TokenStore | str | Path,
+    seq_len: int,
+    strategy: str = "bestfit",
+    *,
+    bos_id: int | None = None,
+    seed: int = 0,
+    stride: int | None = None,
+    shuffle: bool = True,
+    num_epochs: int | None = 1,
+    pad_id: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> "PackedDataset":
+    """Pack a token store into rows of `seq_len`; the plan is cached on disk and reused.
+
+    strategy: "concat" (split the concatenated stream; rows cross documents),
+    "bos_bestfit" (every row starts at a document's BOS; 100% fill, crops little) or
+    "bestfit" (best-fit decreasing with padding; long documents split, no token lost;
+    `stride < seq_len` makes overlapping windows whose repeated head is loss-masked).
+    `num_epochs=None` repeats forever; each epoch visits the rows in a new seeded order
+    (`shuffle=False`: plan order).
+    """
+    store = store if isinstance(store, TokenStore) else TokenStore.open(store)
+    directory = plan_cache_dir(store, cache_dir) / plan_key(store, seq_len, strategy, seed, stride)
+    p = _load_valid(directory, store)
+    if p is None:
+        p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id)
+        p.save(directory)
+        p = _load_valid(directory, store) or p
+    return PackedDataset(store, p, seed=seed, shuffle=shuffle, num_epochs=num_epochs, pad_id=pad_id, plan_dir=directory)
+
+
+def plan_key(store: TokenStore, seq_len: int, strategy: str, seed: int, stride: int | None) -> str:
+    """Fingerprint of everything a plan depends on: document lengths and the parameters."""
+    h = hashlib.sha256(np.ascontiguousarray(store.offsets).view(np.uint8))
+    h.update(json.dumps([PLAN_VERSION, seq_len, strategy, seed, stride]).encode())
+    return f"{strategy}-{seq_len}-{h.hexdigest()[:20]}"
+
+
+def plan_cache_dir(store: TokenStore, cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    home = store.path if store.path.is_dir() else store.path.parent
+    if os.access(home, os.W_OK):
+        return home / ".plans"
+    tag = hashlib.sha256(str(store.path.resolve()).encode()).hexdigest()[:16]
+    return Path(os.environ.get("FORGE_GRAIN_CACHE", Path.home() / ".cache" / "forge_grain")) / "plans" / tag
+
+
+def _load_valid(directory: Path, store: TokenStore) -> PackingPlan | None:
+    """The cached plan if present and consistent with the store, else None (rebuild)."""
+    if not (directory / "plan.json").exists():
+        return None
+    try:
+        p = PackingPlan.load(directory)
+    except (OSError, ValueError, KeyError):
+        return None
+    ends = np.asarray(p.seg_start) + np.asarray(p.seg_len)
+    if len(p.row_ptr) < 1 or p.row_ptr[-1] != len(p.seg_start) or (len(ends) and ends.max() > store.num_tokens):
+        return None
+    return p
+
+
+def epoch_key(seed: int, epoch: int) -> int:
+    """A 63-bit key per (seed, epoch) for the row shuffle."""
+    digest = hashlib.sha256(f"forge-grain-rows:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class PackedDataset(grain.MapDataset):
+    """Packed rows of a token store: element i is a dict of `seq_len` arrays.
+
+    Keys: `inputs`, `targets` (next token), `segment_ids` (1-based per segment, 0 on
+    padding), `positions` (within the segment), `loss_mask` (0 on padding, on targets
+    that would cross into another segment, and on overlap heads), `natural_stop`
+    (1 where the target is the last token of its document: its true end, not a crop
+    or split). `get_batch(indices)` returns the same keys with a leading batch axis,
+    gathered in one compiled call.
+    """
+
+    def __init__(self, store, packing_plan, *, seed=0, shuffle=True, num_epochs=1, pad_id=None, plan_dir=None):
+        super().__init__()
+        self.store = store
+        self.plan = packing_plan
+        self.seq_len = packing_plan.seq_len
+        self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
+        self.pad_id = pad_id if pad_id is not None else (store.eos_id if store.eos_id is not None else 0)
+        self._plan_dir = plan_dir
+        self._shards = tuple(np.asarray(a) for a in store._arrays) or None  # None: not memory-mapped
+        self._shard_starts = store._shard_token_starts[:-1].copy()
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in one epoch."""
+        return self.plan.num_rows
+
+    @property
+    def stats(self) -> dict:
+        return dict(self.plan.stats)
+
+    def __len__(self) -> int:
+        return sys.maxsize if self.num_epochs is None else self.num_rows * self.num_epochs
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        batch = self.get_batch(np.array([index], np.int64))
+        return {k: v[0] for k, v in batch.items()}
+
+    def rows_of(self, indices) -> np.ndarray:
+        """Plan rows of dataset indices: epoch e = i // num_rows, permuted by (seed, e)."""
+        idx = np.asarray(indices, np.int64)
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"index out of range for a packed dataset of {len(self)} rows")
+        n = self.num_rows
+        within = idx % n
+        if not self.shuffle:
+            return within
+        epochs = idx // n
+        rows = np.empty_like(within)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            rows[sel] = kernels.shuffle_indices(within[sel], n, epoch_key(self.seed, int(e)))
+        return rows
+
+    def get_batch(self, indices, out: dict | None = None) -> dict:
+        """Rows `indices` as [len(indices), seq_len] arrays (into `out` when given)."""
+        rows = self.rows_of(indices)
+        n = len(rows)
+        out = out if out is not None else {k: np.empty((n, self.seq_len), ROW_DTYPES[k]) for k in ROW_KEYS}
+        p = self.plan
+        if self._shards is not None:
+            row_ptr, start, length, skip, flags, shards, starts = (
+                p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, self._shards, self._shard_starts
+            )
+        else:
+            rows, row_ptr, start, length, skip, flags, shards, starts = self._read_segments(rows)
+        kernels.fill_rows(
+            rows, row_ptr, start, length, skip, flags, shards, starts, self.seq_len, self.pad_id,
+            *(out[k] for k in ROW_KEYS),
+        )
+        return out
+
+    def _read_segments(self, rows):
+        """For stores that are not memory-mapped (ArrayRecord): read the rows' segments
+        into one buffer and describe them as a plan over that buffer."""
+        p = self.plan
+        seg = np.concatenate([np.arange(p.row_ptr[r], p.row_ptr[r + 1]) for r in rows]) if len(rows) else np.zeros(0, int)
+        counts = np.array([p.row_ptr[r + 1] - p.row_ptr[r] for r in rows], np.int64)
+        offsets = self.store.offsets
+        parts = []
+        for s in seg:
+            g = int(p.seg_start[s])
+            doc = int(np.searchsorted(offsets, g, side="right") - 1)
+            lo = g - int(offsets[doc])
+            parts.append(self.store[doc][lo : lo + int(p.seg_len[s])])
+        length = np.asarray(p.seg_len)[seg]
+        start = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+        flat = np.concatenate(parts) if parts else np.zeros(0, self.store.dtype)
+        row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return (
+            np.arange(len(rows), dtype=np.int64), row_ptr, start, length,
+            np.asarray(p.seg_skip)[seg], np.asarray(p.seg_flags)[seg], (flat,), np.zeros(1, np.int64),
+        )
+
+    def __reduce__(self):
+        plan_ref = self._plan_dir if self._plan_dir is not None and (self._plan_dir / "plan.json").exists() else self.plan
+        return (
+            _restore,
+            (self.store, plan_ref, dict(seed=self.seed, shuffle=self.shuffle, num_epochs=self.num_epochs, pad_id=self.pad_id)),
+        )
+
+    def __str__(self) -> str:
+        return f"PackedDataset({self.plan.strategy}, seq_len={self.seq_len}, rows={self.num_rows}, epochs={self.num_epochs})"
+
+
+def _restore(store, plan_ref, kwargs):
+    p = PackingPlan.load(plan_ref) if isinstance(plan_ref, Path) else plan_ref
+    return PackedDataset(store, p, plan_dir=plan_ref if isinstance(plan_ref, Path) else None, **kwargs)

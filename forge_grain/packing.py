@@ -1,0 +1,214 @@
+"""Packing plans and packed datasets: documents into fixed-length rows, planned from lengths alone.
+
+`pack(store, seq_len, strategy)` plans once (a compiled kernel over document lengths; no
+token is read), caches the plan on disk keyed by a fingerprint of the store's document
+lengths and the parameters, and returns a `PackedDataset`: a Grain `MapDataset` with an
+exact length whose element i is row i, and whose `get_batch(indices)` gathers many rows
+into preallocated arrays in one call.
+
+Epochs reuse the one plan: epoch e visits its rows in a permutation seeded by
+(seed, e). Re-planning per epoch would change which documents share a row but not the
+fill or the crop, and would cost a planning pass and a plan's worth of disk per epoch;
+with one plan, any row of any epoch is O(1) to find, which exact resume relies on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from . import kernels
+from .errors import ForgeGrainError
+from .store import TokenStore
+
+STRATEGIES = ("concat", "bos_bestfit", "bestfit")
+PLAN_VERSION = 1
+ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop")
+_ARRAYS = ("row_ptr", "seg_start", "seg_len", "seg_skip", "seg_flags")
+
+
+class PackingError(ForgeGrainError):
+    """Packing parameters that cannot work for this store."""
+
+
+@dataclasses.dataclass
+class PackingPlan:
+    """Which token runs make up each row; see `forge_grain.kernels` for the layout."""
+
+    strategy: str
+    seq_len: int
+    row_ptr: np.ndarray
+    seg_start: np.ndarray
+    seg_len: np.ndarray
+    seg_skip: np.ndarray
+    seg_flags: np.ndarray
+    stats: dict
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ptr) - 1
+
+    def save(self, directory: Path) -> None:
+        """Write atomically: a temporary directory renamed into place (first writer wins)."""
+        tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in _ARRAYS:
+            np.save(tmp / f"{name}.npy", getattr(self, name))
+        meta = {"strategy": self.strategy, "seq_len": self.seq_len, "stats": self.stats, "version": PLAN_VERSION}
+        (tmp / "plan.json").write_text(json.dumps(meta, indent=2))
+        try:
+            os.rename(tmp, directory)
+        except OSError:  # another process saved the same plan first
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @classmethod
+    def load(cls, directory: Path) -> "PackingPlan":
+        meta = json.loads((directory / "plan.json").read_text())
+        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+        return cls(meta["strategy"], meta["seq_len"], stats=meta["stats"], **arrays)
+
+
+def plan(
+    store: TokenStore,
+    seq_len: int,
+    strategy: str = "bestfit",
+    *,
+    seed: int = 0,
+    stride: int | None = None,
+    bos_id: int | None = None,
+) -> PackingPlan:
+    """Plan rows from document lengths (never tokens). Deterministic in (lengths, arguments)."""
+    _check_args(store, seq_len, strategy, stride, bos_id)
+    t0 = time.perf_counter()
+    offsets = store.offsets
+    order = np.random.default_rng(seed).permutation(len(store)).astype(np.int64)
+    if strategy == "concat":
+        row_ptr, start, length, skip, flags, lost = kernels.plan_concat(offsets, order, seq_len)
+        cropped = 0
+    elif strategy == "bestfit":
+        start, length, skip, flags = kernels.split_items(offsets, order, seq_len, stride or seq_len)
+        row_ptr, (start, length, skip, flags) = _best_fit_rows(seq_len, start, length, skip, flags)
+        lost = cropped = 0
+    else:
+        row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(store, order, seq_len + 1)
+        lost = cropped
+    stats = _stats(store, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost))
+    stats["planning_seconds"] = round(time.perf_counter() - t0, 4)
+    return PackingPlan(strategy, seq_len, row_ptr, start, length.astype(np.int32), skip.astype(np.int32), flags, stats)
+
+
+def _check_args(store, seq_len, strategy, stride, bos_id) -> None:
+    if strategy not in STRATEGIES:
+        raise PackingError(f"unknown packing strategy {strategy!r} (choose one of {STRATEGIES})")
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise PackingError(f"seq_len must be a positive integer, not {seq_len!r}")
+    if len(store) == 0 or store.num_tokens == 0:
+        raise PackingError(f"{store.path}: the store is empty; nothing to pack")
+    if stride is not None and (strategy != "bestfit" or not 1 <= stride <= seq_len):
+        raise PackingError(f"stride applies to 'bestfit' only and must be in [1, seq_len], not {stride!r}")
+    if strategy == "bos_bestfit" and bos_id is None and store.bos_id is None:
+        raise PackingError(
+            f"{store.path}: 'bos_bestfit' starts every row at a document's BOS, but the store has no BOS id "
+            "(prepare it with BOS, or pass bos_id=)"
+        )
+
+
+def _best_fit_rows(cap, start, length, skip, flags):
+    """Best-fit decreasing: items sorted by length (stable, so the seeded order breaks ties)."""
+    by_len = np.argsort(-length, kind="stable")
+    item_bin, fill = kernels.best_fit(length[by_len], cap)
+    order, row_ptr = kernels.group_by_bin(item_bin, len(fill))
+    pick = by_len[order]
+    return row_ptr, (start[pick], length[pick], skip[pick], flags[pick])
+
+
+def _plan_bos_bestfit(store, order, cap):
+    """Rows of exactly `cap` = seq_len + 1 tokens, each starting at a document start.
+
+    Documents longer than a row give their first `cap` tokens a row of their own; the
+    rest is best-fit decreasing. The gaps best-fit leaves are filled with slices of the
+    long documents' tails (tokens no BOS-aligned row could start with); only if those
+    run short are the least-filled rows dissolved into filler. Tokens of the filler left
+    over are the cropped ones.
+    """
+    offsets = store.offsets
+    lengths = np.diff(offsets)[order]
+    starts = offsets[:-1][order]
+    keep = lengths > 0
+    lengths, starts = lengths[keep], starts[keep]
+    long = lengths >= cap
+    head_start, head_natural = starts[long], (lengths[long] == cap).astype(np.uint8)
+    has_tail = lengths > cap
+    tail_start, tail_len = starts[has_tail] + cap, lengths[has_tail] - cap
+    whole_start, whole_len = starts[~long], lengths[~long]
+    row_ptr, (w_start, w_len, _, _) = _best_fit_rows(
+        cap, whole_start, whole_len, np.zeros(len(whole_len), np.int32), np.ones(len(whole_len), np.uint8)
+    )
+    fill = np.add.reduceat(w_len, row_ptr[:-1]) if len(w_len) else np.zeros(0, np.int64)
+    pool = tail_len.sum()
+    gaps = cap - fill
+    keep_rows = np.ones(len(fill), bool)
+    if pool < gaps.sum():  # dissolve the emptiest rows into filler until the gaps can be filled
+        need, acc = gaps.sum() - pool, 0
+        for r in np.argsort(fill, kind="stable"):
+            keep_rows[r] = False
+            acc += cap  # dissolving removes its gap and adds its tokens: both count toward the need
+            if acc >= need:
+                break
+    seg_row = np.repeat(np.arange(len(fill)), np.diff(row_ptr))
+    in_kept = keep_rows[seg_row]
+    filler_start = np.concatenate([tail_start, w_start[~in_kept]])
+    filler_len = np.concatenate([tail_len, w_len[~in_kept]])
+    filler_natural = np.ones(len(filler_len), np.uint8)
+    kept_fill = fill[keep_rows]
+    p_start, p_len, p_flags, p_bin = kernels.fill_gaps(kept_fill, cap, filler_start, filler_len, filler_natural)
+    cropped = int(filler_len.sum() - p_len.sum())
+    # rows: the long documents' heads, then the kept best-fit rows with their filler pieces
+    n_heads = len(head_start)
+    new_row = np.cumsum(keep_rows) - 1 + n_heads
+    seg_rows = np.concatenate([np.arange(n_heads), new_row[seg_row[in_kept]], p_bin + n_heads])
+    seg_start = np.concatenate([head_start, w_start[in_kept], p_start])
+    seg_len = np.concatenate([np.full(n_heads, cap, np.int64), w_len[in_kept], p_len])
+    seg_flags = np.concatenate([head_natural, np.ones(in_kept.sum(), np.uint8), p_flags])
+    by_row = np.argsort(seg_rows, kind="stable")
+    n_rows = n_heads + int(keep_rows.sum())
+    row_ptr = np.concatenate([[0], np.cumsum(np.bincount(seg_rows, minlength=n_rows))]).astype(np.int64)
+    if n_rows == 0:
+        raise PackingError(f"{store.path}: {store.num_tokens} tokens cannot fill one row of {cap} tokens")
+    return row_ptr, seg_start[by_row], seg_len[by_row], np.zeros(len(by_row), np.int32), seg_flags[by_row], cropped
+
+
+def _stats(store, seq_len, strategy, row_ptr, length, skip, cropped, lost) -> dict:
+    rows = len(row_ptr) - 1
+    slots = rows * seq_len
+    if strategy == "bestfit":
+        real = int(length.sum())
+    else:  # rows hold seq_len + 1 tokens; the last is a target only
+        real = slots
+    total = store.num_tokens
+    return {
+        "strategy": strategy,
+        "seq_len": seq_len,
+        "rows": rows,
+        "fill": real / slots if slots else 0.0,
+        "padding": 1 - real / slots if slots else 0.0,
+        "cropped_share": cropped / total,
+        "lost_share": lost / total,
+        "docs_per_row": (len(length) / rows) if rows else 0.0,
+        "loss_positions": int(np.sum(np.maximum(length - 1 - skip, 0))),
+    }
+
+
+def min_crop_share(lengths: np.ndarray, seq_len: int) -> float:
+    """The share of tokens no BOS-aligned row can hold: those past seq_len + 1 of each document."""
+    return float(np.maximum(lengths - (seq_len + 1), 0).sum() / max(lengths.sum(), 1))
