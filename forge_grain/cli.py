@@ -34,6 +34,10 @@ def _inspect(a) -> None:
         print("  verified    checksums and token ids OK")
     if a.plot:
         print(f"  plot        {plot_lengths(store, a.plot)}")
+    if a.seq_len:
+        from .summary import packing_report
+
+        print(packing_report(store, a.seq_len, seed=a.seed))
 
 
 def _demo(a) -> None:
@@ -74,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--eos-id", type=int, help="foreign files: documents end with this id")
     ins.add_argument("--bos-id", type=int, help="foreign files: documents start with this id")
     ins.add_argument("--vocab-size", type=int, help="foreign files: check ids are below this")
+    ins.add_argument("--seq-len", type=int, help="also report how each packing strategy fills rows of this length")
+    ins.add_argument("--seed", type=int, default=0, help="document shuffle seed for the packing report")
     ins.set_defaults(func=_inspect)
 
     de = sub.add_parser("demo", help="run the whole flow on a corpus that needs no download")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def pack(
     p = _load_valid(directory, store)
     if p is None:
         p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id)
+        _discard(directory)
         p.save(directory)
         p = _load_valid(directory, store) or p
     return PackedDataset(store, p, seed=seed, shuffle=shuffle, num_epochs=num_epochs, pad_id=pad_id, plan_dir=directory)
@@ -86,6 +88,17 @@ def _load_valid(directory: Path, store: TokenStore) -> PackingPlan | None:
     if len(p.row_ptr) < 1 or p.row_ptr[-1] != len(p.seg_start) or (len(ends) and ends.max() > store.num_tokens):
         return None
     return p
+
+
+def _discard(directory: Path) -> None:
+    """Move an invalid cached plan out of the way (atomically), then delete it."""
+    if directory.exists():
+        trash = directory.with_name(f".{directory.name}.stale-{os.getpid()}")
+        try:
+            os.rename(directory, trash)
+        except OSError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def epoch_key(seed: int, epoch: int) -> int:

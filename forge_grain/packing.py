@@ -102,6 +102,8 @@ def plan(
     else:
         row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(store, order, seq_len + 1)
         lost = cropped
+    if len(row_ptr) < 2:
+        raise PackingError(f"{store.path}: {store.num_tokens} tokens cannot fill one row of {seq_len} + 1 tokens")
     stats = _stats(store, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost))
     stats["planning_seconds"] = round(time.perf_counter() - t0, 4)
     return PackingPlan(strategy, seq_len, row_ptr, start, length.astype(np.int32), skip.astype(np.int32), flags, stats)
@@ -183,8 +185,6 @@ def _plan_bos_bestfit(store, order, cap):
     by_row = np.argsort(seg_rows, kind="stable")
     n_rows = n_heads + int(keep_rows.sum())
     row_ptr = np.concatenate([[0], np.cumsum(np.bincount(seg_rows, minlength=n_rows))]).astype(np.int64)
-    if n_rows == 0:
-        raise PackingError(f"{store.path}: {store.num_tokens} tokens cannot fill one row of {cap} tokens")
     return row_ptr, seg_start[by_row], seg_len[by_row], np.zeros(len(by_row), np.int32), seg_flags[by_row], cropped
 
 

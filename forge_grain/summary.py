@@ -76,3 +76,24 @@ def plot_lengths(store: TokenStore, png: str | Path) -> Path:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return Path(png)
+
+
+def packing_report(store: TokenStore, seq_len: int, seed: int = 0) -> str:
+    """Plan every strategy and tabulate rows, fill, cropped and lost shares, documents per row."""
+    from .packing import STRATEGIES, PackingError, min_crop_share, plan
+
+    lines = [
+        f"packing at seq_len {seq_len} (crop floor for BOS-aligned rows: {min_crop_share(store.lengths, seq_len):.2%})",
+        f"  {'strategy':<12}{'rows':>12}{'fill':>9}{'cropped':>9}{'lost':>9}{'docs/row':>10}{'plan s':>9}",
+    ]
+    for strategy in STRATEGIES:
+        try:
+            s = plan(store, seq_len, strategy, seed=seed).stats
+        except PackingError as e:
+            lines.append(f"  {strategy:<12}  {e}")
+            continue
+        lines.append(
+            f"  {strategy:<12}{s['rows']:>12,}{s['fill']:>9.2%}{s['cropped_share']:>9.2%}"
+            f"{s['lost_share']:>9.2%}{s['docs_per_row']:>10.2f}{s['planning_seconds']:>9.3f}"
+        )
+    return "\n".join(lines)
