@@ -5,7 +5,7 @@ Importing this package loads neither torch nor jax; the bridges do.
 
 from .errors import ForgeGrainError, PrepareError, StoreError
 from .packed import PackedDataset, pack
-from .packing import PackingError, PackingPlan, plan
+from .packing import PackingError, PackingPlan, plan, plan_offsets
 from .preparation import prepare
 from .store import TokenStore
 from .writer import write_store
@@ -22,6 +22,7 @@ __all__ = [
     "TokenStore",
     "pack",
     "plan",
+    "plan_offsets",
     "prepare",
     "write_store",
     "__version__",

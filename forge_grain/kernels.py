@@ -208,40 +208,43 @@ def fill_rows(
     rows, row_ptr, seg_start, seg_len, seg_skip, seg_flags, shards, shard_starts, seq_len, pad_id,
     inputs, targets, segment_ids, positions, loss_mask, natural_stop,
 ):
-    """Write rows `rows` of a plan into the preallocated [len(rows), seq_len] outputs."""
+    """Write rows `rows` of a plan into the preallocated [len(rows), seq_len] outputs.
+
+    Each segment is written as a few contiguous range copies and fills (no per-token
+    branches), so the compiler vectorizes them.
+    """
+    T = seq_len
     for i in range(len(rows)):
         r = rows[i]
         p = 0
+        loss_mask[i, :] = False
+        natural_stop[i, :] = False
         for s in range(row_ptr[r], row_ptr[r + 1]):
             g = seg_start[s]
             length = seg_len[s]
             sh = np.searchsorted(shard_starts, g, side="right") - 1
             tok = shards[sh]
             loc = g - shard_starts[sh]
-            sid = s - row_ptr[r] + 1
-            skip = seg_skip[s]
-            for j in range(length):
-                q = p + j
-                t = tok[loc + j]
-                if q < seq_len:
-                    inputs[i, q] = t
-                    segment_ids[i, q] = sid
-                    positions[i, q] = j
-                    loss_mask[i, q] = j >= skip and j < length - 1
-                    natural_stop[i, q] = False
-                if q >= 1:
-                    targets[i, q - 1] = t
-            if seg_flags[s] & NATURAL_END and length >= 2 and p + length - 2 < seq_len:
+            hi = min(p + length, T)  # input slots [p, hi)
+            if hi > p:
+                n = hi - p
+                inputs[i, p:hi] = tok[loc : loc + n]
+                segment_ids[i, p:hi] = s - row_ptr[r] + 1
+                for j in range(n):
+                    positions[i, p + j] = j
+                loss_mask[i, p + seg_skip[s] : min(p + length - 1, T)] = True
+            lo_t, hi_t = max(p, 1), min(p + length, T + 1)  # target slots: targets[q - 1] = slot q
+            if hi_t > lo_t:
+                targets[i, lo_t - 1 : hi_t - 1] = tok[loc + lo_t - p : loc + hi_t - p]
+            if seg_flags[s] & NATURAL_END and length >= 2 and p + length - 2 < T:
                 natural_stop[i, p + length - 2] = True
             p += length
-        for q in range(p, seq_len):
-            inputs[i, q] = pad_id
-            segment_ids[i, q] = 0
-            positions[i, q] = 0
-            loss_mask[i, q] = False
-            natural_stop[i, q] = False
-        for q in range(max(p, 1), seq_len + 1):
-            targets[i, q - 1] = pad_id
+        if p < T:
+            inputs[i, p:] = pad_id
+            segment_ids[i, p:] = 0
+            positions[i, p:] = 0
+        if p < T + 1:
+            targets[i, max(p, 1) - 1 :] = pad_id
 
 
 # -- index shuffle --------------------------------------------------------------------------
@@ -254,30 +257,41 @@ def _mix64(x):
     return x ^ (x >> np.uint64(31))
 
 
-@nb.njit(cache=True, nogil=True)
-def shuffle_indices(idx, n, key):
-    """A seeded permutation of [0, n) applied to `idx`: O(1) memory, O(1) per index.
+@nb.njit(cache=True, inline="always")
+def _feistel(x, n, half, mask, k):
+    while True:
+        left = x >> half
+        right = x & mask
+        for rnd in range(4):
+            f = _mix64(right ^ (k + np.uint64(rnd) * np.uint64(0x9E3779B97F4A7C15))) & mask
+            left, right = right, left ^ f
+        x = (left << half) | right
+        if x < n:
+            return x
 
-    A 4-round Feistel network over the smallest even bit width covering n, with cycle
-    walking to stay below n (as Grain's index_shuffle and MosaicML's shuffles do).
+
+@nb.njit(cache=True, nogil=True)
+def epoch_rows(idx, n, seed_key, shuffle):
+    """Plan rows of dataset indices: index i is row pi_e(i mod n) of epoch e = i // n, where
+    pi_e is a seeded permutation of [0, n): O(1) memory, O(1) per index.
+
+    pi_e is a 4-round Feistel network over the smallest even bit width covering n, with
+    cycle walking to stay below n (as Grain's index_shuffle and MosaicML's shuffles do);
+    its key mixes `seed_key` with the epoch.
     """
+    out = np.empty(len(idx), np.int64)
     bits = 2
     while (np.uint64(1) << np.uint64(bits)) < np.uint64(n):
         bits += 2
     half = np.uint64(bits // 2)
     mask = (np.uint64(1) << half) - np.uint64(1)
-    out = np.empty(len(idx), np.int64)
-    k = np.uint64(key)
+    un = np.uint64(n)
     for i in range(len(idx)):
-        x = np.uint64(idx[i])
-        while True:
-            left = x >> half
-            right = x & mask
-            for rnd in range(4):
-                f = _mix64(right ^ (k + np.uint64(rnd) * np.uint64(0x9E3779B97F4A7C15))) & mask
-                left, right = right, left ^ f
-            x = (left << half) | right
-            if x < np.uint64(n):
-                break
-        out[i] = np.int64(x)
+        e = idx[i] // n
+        j = idx[i] - e * n
+        if not shuffle:
+            out[i] = j
+            continue
+        k = _mix64(np.uint64(seed_key) ^ _mix64(np.uint64(e) + np.uint64(0x632BE59BD9B4E019)))
+        out[i] = np.int64(_feistel(np.uint64(j), un, half, mask, k))
     return out

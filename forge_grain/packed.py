@@ -101,9 +101,9 @@ def _discard(directory: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def epoch_key(seed: int, epoch: int) -> int:
-    """A 63-bit key per (seed, epoch) for the row shuffle."""
-    digest = hashlib.sha256(f"forge-grain-rows:{seed}:{epoch}".encode()).digest()
+def seed_key(seed: int) -> int:
+    """A 63-bit key for the row shuffle of a seed (the kernel mixes in the epoch)."""
+    digest = hashlib.sha256(f"forge-grain-rows:{seed}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
@@ -126,6 +126,7 @@ class PackedDataset(grain.MapDataset):
         self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
         self.pad_id = pad_id if pad_id is not None else (store.eos_id if store.eos_id is not None else 0)
         self._plan_dir = plan_dir
+        self._seed_key = seed_key(seed)
         self._shards = tuple(np.asarray(a) for a in store._arrays) or None  # None: not memory-mapped
         self._shard_starts = store._shard_token_starts[:-1].copy()
 
@@ -149,19 +150,10 @@ class PackedDataset(grain.MapDataset):
 
     def rows_of(self, indices) -> np.ndarray:
         """Plan rows of dataset indices: epoch e = i // num_rows, permuted by (seed, e)."""
-        idx = np.asarray(indices, np.int64)
+        idx = np.asarray(indices, np.int64).reshape(-1)
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for a packed dataset of {len(self)} rows")
-        n = self.num_rows
-        within = idx % n
-        if not self.shuffle:
-            return within
-        epochs = idx // n
-        rows = np.empty_like(within)
-        for e in np.unique(epochs):
-            sel = epochs == e
-            rows[sel] = kernels.shuffle_indices(within[sel], n, epoch_key(self.seed, int(e)))
-        return rows
+        return kernels.epoch_rows(idx, self.num_rows, self._seed_key, self.shuffle)
 
     def get_batch(self, indices, out: dict | None = None) -> dict:
         """Rows `indices` as [len(indices), seq_len] arrays (into `out` when given)."""

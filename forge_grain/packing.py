@@ -74,7 +74,8 @@ class PackingPlan:
     @classmethod
     def load(cls, directory: Path) -> "PackingPlan":
         meta = json.loads((directory / "plan.json").read_text())
-        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+        # memory-mapped, as plain ndarray views (np.memmap's subclass overhead is per call)
+        arrays = {name: np.asarray(np.load(directory / f"{name}.npy", mmap_mode="r")) for name in _ARRAYS}
         return cls(meta["strategy"], meta["seq_len"], stats=meta["stats"], **arrays)
 
 
@@ -87,11 +88,32 @@ def plan(
     stride: int | None = None,
     bos_id: int | None = None,
 ) -> PackingPlan:
-    """Plan rows from document lengths (never tokens). Deterministic in (lengths, arguments)."""
-    _check_args(store, seq_len, strategy, stride, bos_id)
+    """Plan rows from the store's document lengths (never its tokens)."""
+    if strategy == "bos_bestfit" and bos_id is None and store.bos_id is None:
+        raise PackingError(
+            f"{store.path}: 'bos_bestfit' starts every row at a document's BOS, but the store has no BOS id "
+            "(prepare it with BOS, or pass bos_id=)"
+        )
+    return plan_offsets(store.offsets, seq_len, strategy, seed=seed, stride=stride, name=str(store.path))
+
+
+def plan_offsets(
+    offsets: np.ndarray,
+    seq_len: int,
+    strategy: str = "bestfit",
+    *,
+    seed: int = 0,
+    stride: int | None = None,
+    name: str = "documents",
+) -> PackingPlan:
+    """Plan rows for documents [offsets[i], offsets[i + 1]) of a token space.
+
+    Deterministic in (offsets, arguments): document order is a permutation seeded by `seed`.
+    """
+    offsets = np.asarray(offsets, np.int64)
+    _check_args(offsets, seq_len, strategy, stride, name)
     t0 = time.perf_counter()
-    offsets = store.offsets
-    order = np.random.default_rng(seed).permutation(len(store)).astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(offsets) - 1).astype(np.int64)
     if strategy == "concat":
         row_ptr, start, length, skip, flags, lost = kernels.plan_concat(offsets, order, seq_len)
         cropped = 0
@@ -100,29 +122,25 @@ def plan(
         row_ptr, (start, length, skip, flags) = _best_fit_rows(seq_len, start, length, skip, flags)
         lost = cropped = 0
     else:
-        row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(store, order, seq_len + 1)
+        row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1)
         lost = cropped
+    total = int(offsets[-1])
     if len(row_ptr) < 2:
-        raise PackingError(f"{store.path}: {store.num_tokens} tokens cannot fill one row of {seq_len} + 1 tokens")
-    stats = _stats(store, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost))
+        raise PackingError(f"{name}: {total} tokens cannot fill one row of {seq_len} + 1 tokens")
+    stats = _stats(total, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost))
     stats["planning_seconds"] = round(time.perf_counter() - t0, 4)
     return PackingPlan(strategy, seq_len, row_ptr, start, length.astype(np.int32), skip.astype(np.int32), flags, stats)
 
 
-def _check_args(store, seq_len, strategy, stride, bos_id) -> None:
+def _check_args(offsets, seq_len, strategy, stride, name) -> None:
     if strategy not in STRATEGIES:
         raise PackingError(f"unknown packing strategy {strategy!r} (choose one of {STRATEGIES})")
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise PackingError(f"seq_len must be a positive integer, not {seq_len!r}")
-    if len(store) == 0 or store.num_tokens == 0:
-        raise PackingError(f"{store.path}: the store is empty; nothing to pack")
+    if len(offsets) < 2 or offsets[-1] == 0:
+        raise PackingError(f"{name}: the store is empty; nothing to pack")
     if stride is not None and (strategy != "bestfit" or not 1 <= stride <= seq_len):
         raise PackingError(f"stride applies to 'bestfit' only and must be in [1, seq_len], not {stride!r}")
-    if strategy == "bos_bestfit" and bos_id is None and store.bos_id is None:
-        raise PackingError(
-            f"{store.path}: 'bos_bestfit' starts every row at a document's BOS, but the store has no BOS id "
-            "(prepare it with BOS, or pass bos_id=)"
-        )
 
 
 def _best_fit_rows(cap, start, length, skip, flags):
@@ -134,7 +152,7 @@ def _best_fit_rows(cap, start, length, skip, flags):
     return row_ptr, (start[pick], length[pick], skip[pick], flags[pick])
 
 
-def _plan_bos_bestfit(store, order, cap):
+def _plan_bos_bestfit(offsets, order, cap):
     """Rows of exactly `cap` = seq_len + 1 tokens, each starting at a document start.
 
     Documents longer than a row give their first `cap` tokens a row of their own; the
@@ -143,7 +161,6 @@ def _plan_bos_bestfit(store, order, cap):
     run short are the least-filled rows dissolved into filler. Tokens of the filler left
     over are the cropped ones.
     """
-    offsets = store.offsets
     lengths = np.diff(offsets)[order]
     starts = offsets[:-1][order]
     keep = lengths > 0
@@ -188,14 +205,13 @@ def _plan_bos_bestfit(store, order, cap):
     return row_ptr, seg_start[by_row], seg_len[by_row], np.zeros(len(by_row), np.int32), seg_flags[by_row], cropped
 
 
-def _stats(store, seq_len, strategy, row_ptr, length, skip, cropped, lost) -> dict:
+def _stats(total, seq_len, strategy, row_ptr, length, skip, cropped, lost) -> dict:
     rows = len(row_ptr) - 1
     slots = rows * seq_len
     if strategy == "bestfit":
         real = int(length.sum())
     else:  # rows hold seq_len + 1 tokens; the last is a target only
         real = slots
-    total = store.num_tokens
     return {
         "strategy": strategy,
         "seq_len": seq_len,
