@@ -205,17 +205,18 @@ def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
 
 @nb.njit(cache=True, nogil=True)
 def fill_rows(
-    rows, row_ptr, seg_start, seg_len, seg_skip, seg_flags, shards, shard_starts, seq_len, pad_id,
+    rows, dest, row_ptr, seg_start, seg_len, seg_skip, seg_flags, shards, shard_starts, seq_len, pad_id,
     inputs, targets, segment_ids, positions, loss_mask, natural_stop,
 ):
-    """Write rows `rows` of a plan into the preallocated [len(rows), seq_len] outputs.
+    """Write plan row `rows[k]` into row `dest[k]` of the preallocated [n, seq_len] outputs.
 
     Each segment is written as a few contiguous range copies and fills (no per-token
     branches), so the compiler vectorizes them.
     """
     T = seq_len
-    for i in range(len(rows)):
-        r = rows[i]
+    for k in range(len(rows)):
+        r = rows[k]
+        i = dest[k]
         p = 0
         loss_mask[i, :] = False
         natural_stop[i, :] = False
@@ -294,4 +295,56 @@ def epoch_rows(idx, n, seed_key, shuffle):
             continue
         k = _mix64(np.uint64(seed_key) ^ _mix64(np.uint64(e) + np.uint64(0x632BE59BD9B4E019)))
         out[i] = np.int64(_feistel(np.uint64(j), un, half, mask, k))
+    return out
+
+
+# -- mixing -------------------------------------------------------------------------------
+
+
+@nb.njit(cache=True, nogil=True)
+def mix_locate(rows, phase_rows, left, right, leaf_source, node_weight, base):
+    """Source and rank-within-source of each global mixture row: O(log m) per row.
+
+    Sources are leaves of a balanced binary tree; a node splits the rows that reach it
+    between its children in proportion to their integer weights, Bresenham style: the
+    h-th row at a node goes left iff floor((h+1)·wL/w) > floor(h·wL/w). Every count is a
+    closed form, so any row is found without replaying the ones before it, and each
+    source's share of any prefix is within the tree depth of exact.
+    """
+    src = np.empty(len(rows), np.int64)
+    rank = np.empty(len(rows), np.int64)
+    for i in range(len(rows)):
+        p = np.searchsorted(phase_rows, rows[i], side="right") - 1
+        h = rows[i] - phase_rows[p]
+        k = 0
+        while left[k] >= 0:
+            w = node_weight[p, k]
+            wl = node_weight[p, left[k]]
+            a = h * wl // w
+            if (h + 1) * wl // w > a:
+                h = a
+                k = left[k]
+            else:
+                h = h - a
+                k = right[k]
+        src[i] = leaf_source[k]
+        rank[i] = base[p, leaf_source[k]] + h
+    return src, rank
+
+
+@nb.njit(cache=True)
+def mix_counts(total, left, right, leaf_source, node_weight_p, num_sources):
+    """Rows each source receives among the first `total` rows of one phase."""
+    n = len(left)
+    count = np.zeros(n, np.int64)
+    count[0] = total
+    out = np.zeros(num_sources, np.int64)
+    for k in range(n):  # parents come before children in the node order
+        if left[k] >= 0:
+            w = node_weight_p[k]
+            c = count[k] * node_weight_p[left[k]] // w if w > 0 else 0
+            count[left[k]] = c
+            count[right[k]] = count[k] - c
+        else:
+            out[leaf_source[k]] = count[k]
     return out

@@ -126,6 +126,7 @@ class PackedDataset(grain.MapDataset):
         self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
         self.pad_id = pad_id if pad_id is not None else (store.eos_id if store.eos_id is not None else 0)
         self._plan_dir = plan_dir
+        self.plan_key = plan_dir.name if plan_dir is not None else None
         self._seed_key = seed_key(seed)
         self._shards = tuple(np.asarray(a) for a in store._arrays) or None  # None: not memory-mapped
         self._shard_starts = store._shard_token_starts[:-1].copy()
@@ -155,11 +156,13 @@ class PackedDataset(grain.MapDataset):
             raise IndexError(f"index out of range for a packed dataset of {len(self)} rows")
         return kernels.epoch_rows(idx, self.num_rows, self._seed_key, self.shuffle)
 
-    def get_batch(self, indices, out: dict | None = None) -> dict:
-        """Rows `indices` as [len(indices), seq_len] arrays (into `out` when given)."""
+    def get_batch(self, indices, out: dict | None = None, dest=None) -> dict:
+        """Rows `indices` as [len(indices), seq_len] arrays; into `out` when given, at
+        rows `dest` of it (default: 0, 1, ...)."""
         rows = self.rows_of(indices)
         n = len(rows)
         out = out if out is not None else {k: np.empty((n, self.seq_len), ROW_DTYPES[k]) for k in ROW_KEYS}
+        dest = np.arange(n, dtype=np.int64) if dest is None else np.asarray(dest, np.int64)
         p = self.plan
         if self._shards is not None:
             row_ptr, start, length, skip, flags, shards, starts = (
@@ -168,7 +171,7 @@ class PackedDataset(grain.MapDataset):
         else:
             rows, row_ptr, start, length, skip, flags, shards, starts = self._read_segments(rows)
         kernels.fill_rows(
-            rows, row_ptr, start, length, skip, flags, shards, starts, self.seq_len, self.pad_id,
+            rows, dest, row_ptr, start, length, skip, flags, shards, starts, self.seq_len, self.pad_id,
             *(out[k] for k in ROW_KEYS),
         )
         return out

@@ -1,0 +1,183 @@
+"""`DataConfig`: sources, weights and phases, batch geometry and seed; from TOML or Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .errors import ForgeGrainError
+from .packing import STRATEGIES
+
+
+class ConfigError(ForgeGrainError):
+    """A data configuration key is unknown, missing or invalid; the message names it."""
+
+
+@dataclasses.dataclass
+class SourceConfig:
+    """One corpus: a token store and how to pack it, and its mixing weight."""
+
+    name: str
+    path: str
+    weight: float = 1.0
+    strategy: str = "bestfit"
+    stride: int | None = None
+
+
+@dataclasses.dataclass
+class Phase:
+    """From `start_step` on, mix with `weights` (by source name; unnamed sources get 0)."""
+
+    start_step: int
+    weights: dict[str, float]
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """What the data pipeline produces: every batch is a pure function of this and the step.
+
+    `num_epochs` counts passes over all sources' rows together: the pipeline yields
+    `floor(num_epochs * total rows / global_batch_size)` steps (None: unlimited). A source
+    that runs out before then repeats with a fresh shuffle. `mix_temperature` T turns
+    weights w into w^(1/T), renormalized (1.0: as given; larger: more uniform).
+    """
+
+    sources: list[SourceConfig]
+    seq_len: int
+    global_batch_size: int
+    seed: int = 0
+    num_epochs: float | None = 1
+    mix_temperature: float = 1.0
+    phases: list[Phase] = dataclasses.field(default_factory=list)
+    anneal_start_step: int | None = None
+    anneal_weights: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        self.sources = [s if isinstance(s, SourceConfig) else _source(s, i) for i, s in enumerate(self.sources)]
+        self.phases = [p if isinstance(p, Phase) else _phase(p, i) for i, p in enumerate(self.phases)]
+        self.validate()
+
+    # -- loading ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "DataConfig":
+        """Read a TOML file: keys at the top level or under a `[data]` table.
+
+        Relative source paths are taken relative to the file's directory.
+        """
+        path = Path(path)
+        try:
+            d = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        d = d.get("data", d)
+        cfg = cls.from_dict(d, where=str(path))
+        for s in cfg.sources:
+            if not Path(s.path).is_absolute():
+                s.path = str(path.parent / s.path)
+        return cfg
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "config") -> "DataConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown} (known: {sorted(known)})")
+        for key in ("sources", "seq_len", "global_batch_size"):
+            if key not in d:
+                raise ConfigError(f"{where}: missing required key '{key}'")
+        try:
+            return cls(**d)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # -- checking ---------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("sources: at least one source is needed")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"sources: names must be unique, got {names}")
+        for i, s in enumerate(self.sources):
+            if s.strategy not in STRATEGIES:
+                raise ConfigError(f"sources[{i}].strategy: {s.strategy!r} is not one of {STRATEGIES}")
+            _weight(f"sources[{i}].weight", s.weight)
+        _positive_int("seq_len", self.seq_len)
+        _positive_int("global_batch_size", self.global_batch_size)
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
+        if self.num_epochs is not None and not (isinstance(self.num_epochs, (int, float)) and self.num_epochs > 0):
+            raise ConfigError(f"num_epochs: must be positive (or None for unlimited), got {self.num_epochs!r}")
+        if not (isinstance(self.mix_temperature, (int, float)) and self.mix_temperature > 0):
+            raise ConfigError(f"mix_temperature: must be positive, got {self.mix_temperature!r}")
+        if sum(s.weight for s in self.sources) <= 0:
+            raise ConfigError("sources: the weights are all zero")
+        if (self.anneal_start_step is None) != (self.anneal_weights is None):
+            raise ConfigError("anneal_start_step and anneal_weights: give both or neither")
+        last = 0
+        for i, p in enumerate(self.all_phases()):
+            where = f"phases[{i}]" if i < len(self.phases) else "anneal_weights"
+            if not isinstance(p.start_step, int) or p.start_step <= last:
+                raise ConfigError(
+                    f"{where}.start_step: phases must start after step 0 and in increasing order "
+                    f"(got {p.start_step!r} after {last})"
+                )
+            last = p.start_step
+            for name, w in p.weights.items():
+                if name not in names:
+                    raise ConfigError(f"{where}.weights: unknown source {name!r} (sources: {names})")
+                _weight(f"{where}.weights.{name}", w)
+            if sum(p.weights.values()) <= 0:
+                raise ConfigError(f"{where}.weights: the weights are all zero")
+
+    def all_phases(self) -> list[Phase]:
+        """The phases, with the anneal shortcut appended as one more."""
+        extra = [Phase(self.anneal_start_step, dict(self.anneal_weights))] if self.anneal_weights else []
+        return list(self.phases) + extra
+
+    def schedule(self) -> list[tuple[int, list[float]]]:
+        """[(start_step, normalized weights by source position)], temperature applied."""
+        names = [s.name for s in self.sources]
+        raw = [(0, [s.weight for s in self.sources])]
+        raw += [(p.start_step, [float(p.weights.get(n, 0.0)) for n in names]) for p in self.all_phases()]
+        out = []
+        for step, ws in raw:
+            ws = [w ** (1.0 / self.mix_temperature) if w > 0 else 0.0 for w in ws]
+            total = sum(ws)
+            out.append((step, [w / total for w in ws]))
+        return out
+
+
+def _source(d: Any, i: int) -> SourceConfig:
+    if not isinstance(d, dict):
+        raise ConfigError(f"sources[{i}]: expected a table, got {d!r}")
+    known = {f.name for f in dataclasses.fields(SourceConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"sources[{i}]: unknown key(s) {unknown} (known: {sorted(known)})")
+    for key in ("name", "path"):
+        if key not in d:
+            raise ConfigError(f"sources[{i}]: missing required key '{key}'")
+    return SourceConfig(**d)
+
+
+def _phase(d: Any, i: int) -> Phase:
+    if not isinstance(d, dict) or set(d) != {"start_step", "weights"} or not isinstance(d["weights"], dict):
+        raise ConfigError(f"phases[{i}]: expected {{start_step = N, weights = {{name = w, ...}}}}, got {d!r}")
+    return Phase(d["start_step"], dict(d["weights"]))
+
+
+def _weight(key: str, w: Any) -> None:
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0 or w != w or w == float("inf"):
+        raise ConfigError(f"{key}: must be a finite number >= 0, got {w!r}")
+
+
+def _positive_int(key: str, v: Any) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"{key}: must be a positive integer, got {v!r}")

@@ -1,0 +1,124 @@
+"""`mix()`: a deterministic `MapDataset` interleaving packed datasets by weight, with phases.
+
+Row h of the mixture goes to a source by a closed-form rule (see `kernels.mix_locate`):
+no state, no precomputed index, O(log m) per row, O(m) memory per phase. Each source's
+count over any prefix of a phase is within the tree depth (ceil(log2 m)) of its weight
+times the prefix length, so over any window of n rows its share is within 2·depth/n of
+its weight. A phase change takes effect exactly at its first row. Source row r of source
+i is row r of its (infinitely repeating, reshuffled per epoch) packed dataset.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grain
+import numpy as np
+
+from . import kernels
+from .packed import ROW_DTYPES, PackedDataset
+from .packing import ROW_KEYS
+
+WEIGHT_SCALE = 1 << 20  # integer weight resolution; rows per phase must stay below 2**43
+
+
+def _tree(m: int):
+    """A balanced binary tree over sources 0..m-1; parents are numbered before children."""
+    left, right, leaf = [], [], []
+    queue = [(0, m)]
+    while queue:
+        lo, hi = queue.pop(0)
+        k = len(left)
+        left.append(-1), right.append(-1), leaf.append(lo if hi - lo == 1 else -1)
+        if hi - lo > 1:
+            mid = (lo + hi) // 2
+            left[k] = k + len(queue) + 1
+            right[k] = k + len(queue) + 2
+            queue += [(lo, mid), (mid, hi)]
+    return np.array(left, np.int64), np.array(right, np.int64), np.array(leaf, np.int64)
+
+
+def integer_weights(weights) -> np.ndarray:
+    w = np.asarray(weights, np.float64)
+    u = np.round(w / w.sum() * WEIGHT_SCALE).astype(np.int64)
+    u[(w > 0) & (u == 0)] = 1
+    return u
+
+
+class Mixture(grain.MapDataset):
+    """Rows from several `PackedDataset`s, each carrying a scalar `source_id`."""
+
+    def __init__(self, datasets, weights, *, phases=(), length: int | None = None):
+        super().__init__()
+        self.datasets = list(datasets)
+        m = len(self.datasets)
+        seq = {d.seq_len for d in self.datasets}
+        if len(seq) != 1:
+            raise ValueError(f"mixed datasets must share seq_len, got {sorted(seq)}")
+        self.seq_len = seq.pop()
+        schedule = [(0, weights)] + [(int(s), w) for s, w in phases]
+        for start, w in schedule:
+            if len(w) != m or min(w) < 0 or sum(w) <= 0:
+                raise ValueError(f"weights at row {start} must be {m} non-negative numbers, not all zero: {w}")
+        self.phase_rows = np.array([s for s, _ in schedule], np.int64)
+        if np.any(np.diff(self.phase_rows) <= 0):
+            raise ValueError(f"phase start rows must increase: {self.phase_rows.tolist()}")
+        self.weights = [list(map(float, w)) for _, w in schedule]
+        self._left, self._right, self._leaf = _tree(m)
+        self._node_weight = np.stack([self._subtree_weights(integer_weights(w)) for _, w in schedule])
+        self._base = np.zeros((len(schedule), m), np.int64)
+        for p in range(1, len(schedule)):
+            span = self.phase_rows[p] - self.phase_rows[p - 1]
+            self._base[p] = self._base[p - 1] + kernels.mix_counts(
+                span, self._left, self._right, self._leaf, self._node_weight[p - 1], m
+            )
+        self._length = length
+
+    def _subtree_weights(self, u: np.ndarray) -> np.ndarray:
+        w = np.zeros(len(self._left), np.int64)
+        for k in range(len(self._left) - 1, -1, -1):  # children come after parents
+            w[k] = u[self._leaf[k]] if self._left[k] < 0 else w[self._left[k]] + w[self._right[k]]
+        return w
+
+    def __len__(self) -> int:
+        return sys.maxsize if self._length is None else self._length
+
+    def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(source, row within that source) of mixture rows `indices`."""
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        return kernels.mix_locate(idx, self.phase_rows, self._left, self._right, self._leaf, self._node_weight, self._base)
+
+    def counts(self, num_rows: int) -> np.ndarray:
+        """Rows each source contributes to the first `num_rows` rows of the mixture."""
+        p = int(np.searchsorted(self.phase_rows, num_rows, side="right") - 1)
+        return self._base[p] + kernels.mix_counts(
+            num_rows - self.phase_rows[p], self._left, self._right, self._leaf, self._node_weight[p], len(self.datasets)
+        )
+
+    def get_batch(self, indices, out: dict | None = None) -> dict:
+        src, rank = self.locate(indices)
+        n = len(src)
+        if out is None:
+            out = {k: np.empty((n, self.seq_len), ROW_DTYPES[k]) for k in ROW_KEYS}
+        for i in np.unique(src):
+            sel = np.flatnonzero(src == i)
+            self.datasets[i].get_batch(rank[sel], out=out, dest=sel)
+        out["source_id"] = src.astype(np.int32)
+        return out
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return {k: v[0] for k, v in self.get_batch([index]).items()}
+
+    def __str__(self) -> str:
+        return f"Mixture({len(self.datasets)} sources, {len(self.phase_rows)} phase(s))"
+
+
+def mix(datasets: list[PackedDataset], weights, *, phases=(), length: int | None = None) -> Mixture:
+    """Interleave packed datasets by `weights`; `phases` = [(start_row, weights), ...].
+
+    Sources repeat with a fresh shuffle when they run out (make them with
+    `pack(..., num_epochs=None)`); `length` bounds the mixture (default: unbounded).
+    """
+    return Mixture(datasets, weights, phases=phases, length=length)

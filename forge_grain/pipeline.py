@@ -1,0 +1,320 @@
+"""`Pipeline`: global batches of the mixed, packed stream; this shard's slice; exact resume.
+
+Global batch s is mixture rows [s·B, (s+1)·B). Shard k of n receives rows
+[k·B/n, (k+1)·B/n) of it, so the global batch does not depend on the number of shards,
+and the iterator state is one integer (the next step) plus a fingerprint.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from .config import ConfigError, DataConfig
+from .errors import ForgeGrainError
+from .mixture import Mixture
+from .packed import pack
+from .store import TokenStore
+
+STATE_VERSION = 1
+
+
+class StateError(ForgeGrainError):
+    """An iterator state that does not belong to this pipeline."""
+
+
+def default_shard() -> tuple[int, int]:
+    """(index, count) from JAX or torch.distributed when initialized, else (0, 1).
+
+    Neither framework is imported here: only one the program already loaded is asked.
+    """
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        try:
+            if jax.process_count() > 1:
+                return jax.process_index(), jax.process_count()
+        except Exception:  # JAX not usable in this process
+            pass
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Pipeline:
+    """The data stream a `DataConfig` describes, for one shard of the cluster.
+
+    `num_threads` threads assemble batches ahead of the consumer (the gather kernels
+    release the GIL); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
+    instead. Neither changes the data, and the state does not record them.
+    """
+
+    def __init__(
+        self,
+        config: DataConfig,
+        shard_index: int | None = None,
+        shard_count: int | None = None,
+        *,
+        num_threads: int = 2,
+        prefetch: int = 4,
+        worker_count: int = 0,
+        cache_dir: str | Path | None = None,
+    ):
+        if shard_index is None or shard_count is None:
+            shard_index, shard_count = default_shard()
+        self.config = config
+        B = config.global_batch_size
+        if not 0 <= shard_index < shard_count or B % shard_count:
+            raise ConfigError(
+                f"global_batch_size {B} must divide evenly among {shard_count} shards, and the shard index "
+                f"{shard_index} must be in [0, {shard_count})"
+            )
+        self.shard_index, self.shard_count = shard_index, shard_count
+        self.local_batch_size = B // shard_count
+        self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
+        self.cache_dir = cache_dir
+        self.stores = [TokenStore.open(s.path) for s in config.sources]
+        self._check_tokenizers()
+        self.datasets = [
+            pack(store, config.seq_len, s.strategy, seed=_source_seed(config.seed, s.name), stride=s.stride,
+                 num_epochs=None, cache_dir=cache_dir)
+            for s, store in zip(config.sources, self.stores)
+        ]
+        schedule = config.schedule()
+        self.rows_per_epoch = sum(d.num_rows for d in self.datasets)
+        self.num_steps = None if config.num_epochs is None else int(config.num_epochs * self.rows_per_epoch) // B
+        if self.num_steps == 0:
+            raise ConfigError(
+                f"global_batch_size {B} is larger than the {self.rows_per_epoch} rows of num_epochs={config.num_epochs}"
+            )
+        self.mixture = Mixture(
+            self.datasets,
+            schedule[0][1],
+            phases=[(step * B, w) for step, w in schedule[1:]],
+            length=None if self.num_steps is None else self.num_steps * B,
+        )
+        self.fingerprint, self._summary = self._fingerprint()
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def _check_tokenizers(self) -> None:
+        first, s0 = self.config.sources[0], self.stores[0]
+        for src, store in zip(self.config.sources[1:], self.stores[1:]):
+            a, b = (s0.tokenizer or {}).get("sha256"), (store.tokenizer or {}).get("sha256")
+            if s0.vocab_size != store.vocab_size or (a and b and a != b):
+                raise ConfigError(
+                    f"sources '{first.name}' ({s0.path}) and '{src.name}' ({store.path}) were tokenized differently "
+                    f"(vocab_size {s0.vocab_size} vs {store.vocab_size}, tokenizer {str(a)[:12]} vs {str(b)[:12]}); "
+                    "mixed sources must share one tokenizer"
+                )
+
+    def _fingerprint(self) -> tuple[str, dict]:
+        """What the batches depend on; the shard count, workers and prefetch are not in it."""
+        c = self.config
+        summary = {
+            "seq_len": c.seq_len,
+            "global_batch_size": c.global_batch_size,
+            "seed": c.seed,
+            "num_epochs": c.num_epochs,
+            "mix_temperature": c.mix_temperature,
+            "schedule": c.schedule(),
+            "sources": [
+                {"name": s.name, "strategy": s.strategy, "stride": s.stride, "plan": d.plan_key, "data": _data_id(st)}
+                for s, d, st in zip(c.sources, self.datasets, self.stores)
+            ],
+        }
+        digest = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
+        return digest, summary
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def global_rows(self, step: int) -> np.ndarray:
+        B = self.config.global_batch_size
+        return np.arange(step * B, (step + 1) * B, dtype=np.int64)
+
+    def shard_rows(self, step: int) -> np.ndarray:
+        b = self.local_batch_size
+        lo = step * self.config.global_batch_size + self.shard_index * b
+        return np.arange(lo, lo + b, dtype=np.int64)
+
+    def batch(self, step: int) -> dict:
+        """This shard's part of global batch `step`: arrays of leading dimension B / shard_count."""
+        if step < 0 or (self.num_steps is not None and step >= self.num_steps):
+            raise IndexError(f"step {step} is outside [0, {self.num_steps})")
+        out = self.mixture.get_batch(self.shard_rows(step))
+        out["step"] = np.int64(step)
+        return out
+
+    def global_batch(self, step: int) -> dict:
+        """All of global batch `step` (what every shard's parts concatenate to)."""
+        out = self.mixture.get_batch(self.global_rows(step))
+        out["step"] = np.int64(step)
+        return out
+
+    def batch_stats(self, batch: dict) -> dict:
+        """For logging: trained tokens per source, fill, documents per row."""
+        seg = batch["segment_ids"]
+        per_source = np.bincount(batch["source_id"], weights=batch["loss_mask"].sum(1), minlength=len(self.datasets))
+        return {
+            "tokens_per_source": {s.name: int(n) for s, n in zip(self.config.sources, per_source)},
+            "fill": float((seg > 0).mean()),
+            "documents_per_row": float(seg.max(axis=1).mean()),
+        }
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> "PipelineIterator":
+        return PipelineIterator(self)
+
+    def iterator(self, state: dict | None = None) -> "PipelineIterator":
+        it = PipelineIterator(self)
+        if state is not None:
+            it.set_state(state)
+        return it
+
+    def state_at(self, step: int) -> dict:
+        """The iterator state whose next batch is global batch `step`."""
+        return {"version": STATE_VERSION, "step": int(step), "fingerprint": self.fingerprint, "config": self._summary}
+
+    def check_state(self, state: dict) -> int:
+        """The step of `state`, after checking it belongs to this pipeline's config and data."""
+        if not isinstance(state, dict) or "step" not in state or "fingerprint" not in state:
+            raise StateError(f"not a forge-grain pipeline state: {str(state)[:200]}")
+        if state.get("version") != STATE_VERSION:
+            raise StateError(f"pipeline state version {state.get('version')!r} is not {STATE_VERSION}")
+        if state["fingerprint"] != self.fingerprint:
+            saved = state.get("config", {})
+            diff = sorted(k for k in set(saved) | set(self._summary) if saved.get(k) != self._summary.get(k))
+            raise StateError(
+                "this state was saved by a pipeline with another config or other data; differing: "
+                f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch. "
+                "What may not: sources and their data, weights, phases, seq_len, global_batch_size, seed, num_epochs."
+            )
+        step = int(state["step"])
+        if step < 0 or (self.num_steps is not None and step > self.num_steps):
+            raise StateError(f"state step {step} is outside [0, {self.num_steps}]")
+        return step
+
+    def __reduce__(self):
+        # worker processes rebuild it from the config (plans come from the on-disk cache)
+        return (_rebuild, (self.config, self.shard_index, self.shard_count, self.cache_dir))
+
+
+def _rebuild(config, shard_index, shard_count, cache_dir):
+    return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir)
+
+
+def _data_id(store: TokenStore) -> str:
+    """The store's shard checksums (from its manifest), or its files' sizes for foreign files."""
+    if store.manifest is not None:
+        parts = [sh.sha256 for sh in store.manifest.shards]
+    else:
+        parts = [f"{f.name}:{f.stat().st_size}" for f in store.files]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _source_seed(seed: int, name: str) -> int:
+    """Each source shuffles differently, and adding a source does not change the others."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")
+
+
+class PipelineIterator(grain.DatasetIterator):
+    """Iterates this shard's batches from a step; state = {step, fingerprint}."""
+
+    def __init__(self, pipeline: Pipeline, step: int = 0):
+        super().__init__()
+        self.pipeline = pipeline
+        self._step = step
+        self._pending: collections.deque = collections.deque()
+        self._pool = None
+        self._mp_iter = None
+
+    def __next__(self) -> dict:
+        p = self.pipeline
+        if p.num_steps is not None and self._step >= p.num_steps:
+            raise StopIteration
+        if p.worker_count > 0:
+            batch = next(self._processes())
+        elif p.num_threads > 0:
+            batch = self._threads().pop_next()
+        else:
+            batch = p.batch(self._step)
+        self._step += 1
+        return batch
+
+    def _threads(self):
+        if self._pool is None:
+            self._pool = _ThreadPrefetch(self.pipeline, self._step)
+        return self._pool
+
+    def _processes(self):
+        if self._mp_iter is None:
+            from .absl_flags import ensure_absl_flags_parsed
+
+            ensure_absl_flags_parsed()
+            p = self.pipeline
+            end = p.num_steps if p.num_steps is not None else sys.maxsize
+            ds = grain.MapDataset.range(self._step, end).map(p.batch).to_iter_dataset()
+            self._mp_iter = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=p.worker_count)))
+        return self._mp_iter
+
+    def get_state(self) -> dict:
+        return self.pipeline.state_at(self._step)
+
+    def set_state(self, state: dict) -> None:
+        step = self.pipeline.check_state(state)
+        self.close()
+        self._step = step
+
+    @property
+    def step(self) -> int:
+        """The step of the next batch."""
+        return self._step
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._mp_iter is not None:
+            getattr(self._mp_iter, "close", lambda: None)()
+            self._mp_iter = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _ThreadPrefetch:
+    """Batches for steps ahead of the consumer, assembled by worker threads, in order."""
+
+    def __init__(self, pipeline: Pipeline, start: int):
+        self.pipeline = pipeline
+        self.next_submit = start
+        self.executor = concurrent.futures.ThreadPoolExecutor(pipeline.num_threads, thread_name_prefix="forge-grain")
+        self.futures: collections.deque = collections.deque()
+        self._fill()
+
+    def _fill(self) -> None:
+        p = self.pipeline
+        while len(self.futures) < max(p.prefetch, 1) and (p.num_steps is None or self.next_submit < p.num_steps):
+            self.futures.append(self.executor.submit(p.batch, self.next_submit))
+            self.next_submit += 1
+
+    def pop_next(self) -> dict:
+        batch = self.futures.popleft().result()
+        self._fill()
+        return batch
+
+    def close(self) -> None:
+        for f in self.futures:
+            f.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
