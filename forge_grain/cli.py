@@ -43,7 +43,9 @@ def _inspect(a) -> None:
 def _demo(a) -> None:
     from .demo import run_demo
 
-    run_demo(a.workdir, max_files=a.max_files, num_proc=a.num_proc)
+    summary = run_demo(a.workdir, max_files=a.max_files, num_proc=a.num_proc, steps=a.steps)
+    if not all(summary["resume_matches"].values()):
+        raise SystemExit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--workdir", default="forge-grain-demo", help="where to write (default: ./forge-grain-demo)")
     de.add_argument("--max-files", type=int, default=600, help="standard library files in the corpus")
     de.add_argument("--num-proc", type=int, default=2, help="tokenizer processes (default: 2)")
+    de.add_argument("--steps", type=int, default=60, help="training steps to simulate (default: 60)")
     de.set_defaults(func=_demo)
     return p
 

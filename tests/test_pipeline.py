@@ -1,0 +1,321 @@
+"""The pipeline: config, mixing and phases, sharding, exact and elastic resume (Orbax, JAX)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grain
+import numpy as np
+import pytest
+
+from forge_grain import ConfigError, DataConfig, Pipeline, StateError, TokenStore, mix, pack, write_store
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TOKENIZER = {"path": "test", "sha256": "a" * 64, "vocab_size": 1000}
+
+
+def store(path, n_docs, seed, tokenizer=TOKENIZER, vocab=1000):
+    rng = np.random.default_rng(seed)
+    docs = [np.concatenate([[0], rng.integers(2, vocab, rng.integers(5, 120))]) for _ in range(n_docs)]
+    return write_store(path, docs, vocab_size=vocab, bos_id=0, eos_id=1, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pipeline")
+    return {"web": store(base / "web", 400, 1), "code": store(base / "code", 250, 2), "math": store(base / "math", 150, 3)}
+
+
+def config(stores, **kw):
+    d = dict(
+        sources=[
+            dict(name="web", path=str(stores["web"]), weight=0.6, strategy="bos_bestfit"),
+            dict(name="code", path=str(stores["code"]), weight=0.3, strategy="bestfit"),
+            dict(name="math", path=str(stores["math"]), weight=0.1, strategy="concat"),
+        ],
+        seq_len=64,
+        global_batch_size=8,
+        seed=7,
+    )
+    d.update(kw)
+    return DataConfig.from_dict(d)
+
+
+def write_toml(path, stores, extra=""):
+    path.write_text(textwrap.dedent(f"""\
+        seq_len = 64
+        global_batch_size = 8
+        seed = 7
+        num_epochs = 2
+        {extra}
+        [[sources]]
+        name = "web"
+        path = "{stores['web']}"
+        weight = 0.6
+        strategy = "bos_bestfit"
+
+        [[sources]]
+        name = "code"
+        path = "{stores['code']}"
+        weight = 0.4
+
+        [[phases]]
+        start_step = 5
+        weights = {{ web = 0.2, code = 0.8 }}
+        """))
+    return path
+
+
+def collect(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def same(a, b, keys=("inputs", "targets", "segment_ids", "loss_mask", "source_id")):
+    return all(np.array_equal(a[k], b[k]) for k in keys)
+
+
+# -- config -----------------------------------------------------------------------------------
+
+
+def test_toml_flat_and_under_a_data_table(tmp_path, stores):
+    flat = DataConfig.from_toml(write_toml(tmp_path / "flat.toml", stores))
+    nested = tmp_path / "nested.toml"
+    nested.write_text("[data]\n" + (tmp_path / "flat.toml").read_text().replace("[[sources]]", "[[data.sources]]")
+                      .replace("[[phases]]", "[[data.phases]]"))
+    assert DataConfig.from_toml(nested) == flat
+    assert flat.sources[1].strategy == "bestfit" and flat.phases[0].weights == {"web": 0.2, "code": 0.8}
+    assert flat.schedule() == [(0, [0.6, 0.4]), (5, [0.2, 0.8])]
+
+
+def test_temperature_flattens_the_weights(stores):
+    cfg = config(stores, mix_temperature=2.0)
+    w = np.sqrt([0.6, 0.3, 0.1])
+    assert np.allclose(cfg.schedule()[0][1], w / w.sum())
+
+
+def test_anneal_shortcut_is_a_phase(stores):
+    cfg = config(stores, anneal_start_step=20, anneal_weights={"code": 1.0})
+    assert cfg.schedule()[-1] == (20, [0.0, 1.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(seqlen=5), r"unknown key\(s\) \['seqlen'\]"),
+        (dict(sources=[dict(name="a", path="x", weight=-1)]), r"sources\[0\]\.weight: must be a finite number >= 0"),
+        (dict(sources=[dict(name="a", path="x", weight=0), dict(name="b", path="y", weight=0)]), "weights are all zero"),
+        (dict(sources=[dict(name="a", path="x", wieght=1)]), r"sources\[0\]: unknown key\(s\) \['wieght'\]"),
+        (dict(sources=[dict(name="a", path="x", strategy="firstfit")]), r"sources\[0\]\.strategy"),
+        (dict(phases=[dict(start_step=5, weights={"nope": 1})]), r"phases\[0\]\.weights: unknown source 'nope'"),
+        (dict(phases=[dict(start_step=9, weights={"web": 1}), dict(start_step=5, weights={"web": 1})]),
+         r"phases\[1\]\.start_step: .*increasing order"),
+        (dict(phases=[dict(start_step=5, weights={"web": 0})]), r"phases\[0\]\.weights: the weights are all zero"),
+        (dict(global_batch_size=0), "global_batch_size: must be a positive integer"),
+        (dict(seq_len="64"), "seq_len: must be a positive integer"),
+        (dict(mix_temperature=0), "mix_temperature: must be positive"),
+        (dict(anneal_start_step=3), "anneal_start_step and anneal_weights"),
+    ],
+)
+def test_invalid_configs_name_the_key(stores, change, message):
+    with pytest.raises(ConfigError, match=message):
+        config(stores, **change)
+
+
+def test_missing_required_key_and_bad_toml(tmp_path):
+    (tmp_path / "a.toml").write_text("seq_len = 8\nglobal_batch_size = 2\n")
+    with pytest.raises(ConfigError, match=r"a\.toml: missing required key 'sources'"):
+        DataConfig.from_toml(tmp_path / "a.toml")
+    (tmp_path / "b.toml").write_text("seq_len = = 8\n")
+    with pytest.raises(ConfigError, match=r"b\.toml: not valid TOML"):
+        DataConfig.from_toml(tmp_path / "b.toml")
+
+
+def test_sources_with_different_tokenizers_are_refused(tmp_path, stores):
+    other = store(tmp_path / "other", 50, 4, tokenizer={**TOKENIZER, "sha256": "b" * 64})
+    cfg = config(stores, sources=[dict(name="web", path=str(stores["web"])), dict(name="other", path=str(other))])
+    with pytest.raises(ConfigError, match=r"'web'.*'other'.*tokenized differently"):
+        Pipeline(cfg, 0, 1)
+    bigger = store(tmp_path / "bigger", 50, 4, vocab=5000, tokenizer={**TOKENIZER, "vocab_size": 5000})
+    cfg = config(stores, sources=[dict(name="web", path=str(stores["web"])), dict(name="big", path=str(bigger))])
+    with pytest.raises(ConfigError, match="vocab_size 1000 vs 5000"):
+        Pipeline(cfg, 0, 1)
+
+
+# -- mixing -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 100])
+def test_mixture_shares_track_weights_over_every_window(tmp_path, stores, m):
+    ds = pack(stores["web"], 64, "bestfit", num_epochs=None, cache_dir=tmp_path / "c")
+    rng = np.random.default_rng(m)
+    w = rng.dirichlet(np.ones(m))
+    mixture = mix([ds] * m, w)
+    n = 20_000
+    src, _ = mixture.locate(np.arange(n))
+    depth = int(np.ceil(np.log2(m))) if m > 1 else 0
+    onehot = np.zeros((n + 1, m))
+    onehot[np.arange(1, n + 1), src] = 1
+    cum = onehot.cumsum(0)  # cum[h, i]: rows of source i among the first h
+    # every prefix is within the tree depth (+1 for rounding the weights) of exact
+    assert np.abs(cum - np.arange(n + 1)[:, None] * w).max() <= depth + 1
+    # hence every window of n rows is within 2 (depth + 1) rows of its weight
+    for size in (50, 1000):
+        window = cum[size:] - cum[:-size]
+        assert np.abs(window - size * w).max() <= 2 * (depth + 1)
+    assert np.array_equal(mixture.counts(n), cum[n])
+
+
+def test_each_source_row_is_used_once_in_order_across_phases(tmp_path, stores):
+    ds = pack(stores["web"], 64, "bestfit", num_epochs=None, cache_dir=tmp_path / "c")
+    mixture = mix([ds, ds, ds], [0.5, 0.3, 0.2], phases=[(1000, [0, 1, 1]), (2500, [1, 0, 0])])
+    src, rank = mixture.locate(np.arange(4000))
+    for i in range(3):
+        assert np.array_equal(rank[src == i], np.arange((src == i).sum()))  # no source row skipped or repeated
+    assert set(src[1000:2500]) == {1, 2} and set(src[2500:]) == {0}
+
+
+def test_phase_switch_takes_effect_exactly_at_its_step(stores):
+    cfg = config(stores, phases=[dict(start_step=6, weights={"math": 1.0})])
+    p = Pipeline(cfg, 0, 1, num_threads=0)
+    it = iter(p)
+    batches = collect(it, 8)
+    assert all((b["source_id"] != 2).any() for b in batches[:6])
+    assert all((b["source_id"] == 2).all() for b in batches[6:])
+
+
+def test_hundred_sources_construct_and_iterate(tmp_path, stores):
+    srcs = [dict(name=f"s{i}", path=str(stores[("web", "code", "math")[i % 3]]), weight=1 + i % 5) for i in range(100)]
+    p = Pipeline(config(stores, sources=srcs, global_batch_size=200), 0, 1, num_threads=0)
+    assert p.batch(3)["inputs"].shape == (200, 64)
+    ids = np.concatenate([p.batch(s)["source_id"] for s in range(10)])
+    w = np.array([1 + i % 5 for i in range(100)]) / 300
+    assert np.abs(np.bincount(ids, minlength=100) - 2000 * w).max() <= 8  # tree depth 7, + 1 for rounding
+
+
+# -- batches, sharding, iteration -------------------------------------------------------------
+
+
+def test_num_steps_is_exact_and_batches_have_the_row_format(stores):
+    p = Pipeline(config(stores, num_epochs=1), 0, 1)
+    batches = list(iter(p))
+    assert len(batches) == p.num_steps == p.rows_per_epoch // 8
+    b = batches[0]
+    assert b["inputs"].shape == (8, 64) and b["source_id"].shape == (8,) and int(b["step"]) == 0
+    stats = p.batch_stats(b)
+    assert sum(stats["tokens_per_source"].values()) == int(b["loss_mask"].sum())
+    assert 0.9 < stats["fill"] <= 1 and stats["documents_per_row"] >= 1
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_shards_concatenate_to_the_global_batch(stores, shards):
+    cfg = config(stores)
+    whole = Pipeline(cfg, 0, 1, num_threads=0)
+    parts = [Pipeline(cfg, k, shards, num_threads=0) for k in range(shards)]
+    for step in (0, 3, 17):
+        g = whole.global_batch(step)
+        got = {k: np.concatenate([p.batch(step)[k] for p in parts]) for k in g if k != "step"}
+        assert same(g, got)
+
+
+def test_batch_size_must_divide_among_shards(stores):
+    with pytest.raises(ConfigError, match="must divide evenly among 3 shards"):
+        Pipeline(config(stores), 0, 3)
+
+
+def test_threads_processes_and_inline_give_the_same_batches(stores):
+    cfg = config(stores)
+    ref = collect(iter(Pipeline(cfg, 0, 1, num_threads=0)), 12)
+    for kw in (dict(num_threads=3, prefetch=5), dict(worker_count=2)):
+        it = iter(Pipeline(cfg, 0, 1, **kw))
+        got = collect(it, 12)
+        it.close()
+        assert all(same(a, b) for a, b in zip(ref, got)), kw
+
+
+def test_grain_checkpoint_assertion_passes(stores):
+    p = Pipeline(config(stores, num_epochs=0.3), 0, 1, num_threads=2)
+    assert 0 < p.num_steps < 30
+    grain.experimental.assert_equal_output_after_checkpoint(p)
+
+
+def test_state_is_small_json_and_restores_in_place(stores):
+    import json
+
+    p = Pipeline(config(stores), 0, 1)
+    it = iter(p)
+    collect(it, 5)
+    state = it.get_state()
+    assert state["step"] == 5 and len(json.dumps(state)) < 4096
+    expected = collect(it, 3)
+    it.set_state(state)
+    assert all(same(a, b) for a, b in zip(expected, collect(it, 3)))
+
+
+def test_state_from_another_config_is_refused(stores):
+    state = iter(Pipeline(config(stores), 0, 1)).get_state()
+    for change in (dict(seed=8), dict(seq_len=32), dict(global_batch_size=16)):
+        with pytest.raises(StateError, match="another config"):
+            iter(Pipeline(config(stores, **change), 0, 1)).set_state(state)
+    with pytest.raises(StateError, match="not a forge-grain pipeline state"):
+        iter(Pipeline(config(stores), 0, 1)).set_state({"next_index": 3})
+
+
+def test_state_from_changed_data_is_refused(tmp_path, stores):
+    web2 = store(tmp_path / "web2", 400, 9)
+    state = iter(Pipeline(config(stores), 0, 1)).get_state()
+    changed = {**stores, "web": web2}
+    with pytest.raises(StateError, match="sources"):
+        iter(Pipeline(config(changed), 0, 1)).set_state(state)
+
+
+# -- elastic resume in fresh processes, through Orbax ------------------------------------------
+
+
+def run(*args, env=None):
+    r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_exact_and_elastic_resume_through_orbax(tmp_path, stores):
+    cfg_path = write_toml(tmp_path / "data.toml", stores)
+    cfg = DataConfig.from_toml(cfg_path)
+    k, after = 4, 6
+    reference = Pipeline(cfg, 0, 1, num_threads=0)
+    expected = [reference.global_batch(s) for s in range(k, k + after)]  # crosses the phase switch at step 5
+    run(SCRIPTS / "resume_worker.py", "save", cfg_path, tmp_path / "ckpt", 2, k, 0)
+    for shards, workers in ((2, 0), (1, 0), (4, 0), (2, 2)):
+        out = tmp_path / f"restored-{shards}-{workers}.npz"
+        run(SCRIPTS / "resume_worker.py", "restore", cfg_path, tmp_path / "ckpt", shards, after, workers, out)
+        got = np.load(out)
+        for i, e in enumerate(expected):
+            for key in ("inputs", "targets", "loss_mask", "source_id"):
+                assert np.array_equal(got[f"{key}_{i}"], e[key]), (shards, workers, i, key)
+
+
+def test_multiprocess_jax_shards_union_to_the_global_batch(tmp_path, stores):
+    pytest.importorskip("jax")
+    cfg_path = write_toml(tmp_path / "data.toml", stores)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPTS / "jax_shard.py"), str(port), str(i), str(cfg_path), "5",
+                          str(tmp_path / f"jax{i}.npz")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+    parts = [np.load(tmp_path / f"jax{i}.npz") for i in range(2)]
+    assert [int(p["shard"]) for p in parts] == [0, 1]
+    whole = Pipeline(DataConfig.from_toml(cfg_path), 0, 1, num_threads=0)
+    for step in range(5):
+        union = np.concatenate([p[f"inputs_{step}"] for p in parts])
+        assert np.array_equal(union, whole.global_batch(step)["inputs"])
