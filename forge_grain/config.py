@@ -40,7 +40,7 @@ class DataConfig:
 
     `num_epochs` counts passes over all sources' rows together: the pipeline yields
     `floor(num_epochs * total rows / global_batch_size)` steps (None: unlimited). A source
-    that runs out before then repeats with a fresh shuffle. `mix_temperature` T turns
+    that runs out before then repeats with a fresh shuffle (`inf` in TOML is None). `mix_temperature` T turns
     weights w into w^(1/T), renormalized (1.0: as given; larger: more uniform).
     """
 
@@ -55,6 +55,8 @@ class DataConfig:
     anneal_weights: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.num_epochs == float("inf"):  # TOML cannot say None: `num_epochs = inf` means unlimited
+            self.num_epochs = None
         self.sources = [s if isinstance(s, SourceConfig) else _source(s, i) for i, s in enumerate(self.sources)]
         self.phases = [p if isinstance(p, Phase) else _phase(p, i) for i, p in enumerate(self.phases)]
         self.validate()

@@ -261,7 +261,10 @@ class PipelineIterator(grain.DatasetIterator):
             ensure_absl_flags_parsed()
             p = self.pipeline
             end = p.num_steps if p.num_steps is not None else sys.maxsize
-            ds = grain.MapDataset.range(self._step, end).map(p.batch).to_iter_dataset()
+            # one thread per worker process: Grain's default (16 threads, 500 elements ahead)
+            # would hold hundreds of whole batches in each worker
+            read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=max(p.prefetch, 1))
+            ds = grain.MapDataset.range(self._step, end).map(p.batch).to_iter_dataset(read)
             self._mp_iter = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=p.worker_count)))
         return self._mp_iter
 
