@@ -222,6 +222,9 @@ def test_manifest_of_unknown_version(store_copy):
 
 
 def test_importing_forge_grain_loads_neither_torch_nor_jax():
-    code = "import sys, forge_grain; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    code = (
+        "import sys, forge_grain; from forge_grain import TokenStore, prepare; "
+        "TokenStore, prepare; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
