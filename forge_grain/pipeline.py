@@ -282,6 +282,8 @@ class PipelineIterator(grain.DatasetIterator):
         return self._step
 
     def close(self) -> None:
+        if sys.is_finalizing():  # called from __del__ at exit: threads and processes are going anyway
+            return
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -289,11 +291,6 @@ class PipelineIterator(grain.DatasetIterator):
             getattr(self._mp_iter, "close", lambda: None)()
             self._mp_iter = None
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class _ThreadPrefetch:

@@ -1,0 +1,229 @@
+"""forge-grain's pipeline as a PyTorch `IterableDataset`, with two ways to resume.
+
+    ds = GrainIterableDataset(config)                      # rank/world size from torch.distributed
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2, pin_memory=True)
+
+Each element is one whole per-rank batch (hence `batch_size=None`). With `num_workers=W`,
+worker w produces steps w, w + W, ..., so the DataLoader's round-robin over workers yields
+the steps in order: no batch missing or repeated, whatever W.
+
+Resuming:
+
+1. **Same cluster, same workers** — torchdata's `StatefulDataLoader` convention: each
+   worker's `state_dict()` is its own next step; `loader.state_dict()` /
+   `loader.load_state_dict()` resume exactly. torchdata 0.11 refuses to load a state saved
+   under another `num_workers` (an AssertionError), and each worker knows only its own
+   progress, so this path cannot change the worker count or world size.
+2. **Any cluster, any workers** — `tracker = ds.tracker()`, `tracker.update(batch)` for each
+   batch the training loop consumed; `tracker.state_dict()` is the next global step plus the
+   pipeline fingerprint, the same on every rank. It is a `torch.distributed.checkpoint`
+   `Stateful`; loading it (`tracker.load_state_dict`) before iterating makes the loader
+   continue with the next global batch at any world size and worker count.
+
+Grain's `mp_prefetch` cannot start inside DataLoader workers (daemonic processes have no
+children): here the parallelism is the DataLoader's workers; use `Pipeline(worker_count=N)`
+only when iterating the pipeline directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from forge_grain import DataConfig, Pipeline, StateError
+
+CONVENTIONS = ("forge", "hf")
+IGNORE_INDEX = -100
+
+
+def _rank_and_world(rank, world_size) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def to_torch(batch: dict, convention: str = "forge", dtype: torch.dtype = torch.int64) -> dict:
+    """A pipeline batch as torch tensors, in forge-grain's or Hugging Face's convention."""
+    ids = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dtype)  # noqa: E731
+    out = {"source_id": ids(batch["source_id"]), "step": torch.tensor(int(batch["step"]), dtype=torch.int64)}
+    if convention == "forge":
+        for k in ("inputs", "targets", "segment_ids", "positions"):
+            out[k] = ids(batch[k])
+        out["loss_mask"] = torch.from_numpy(batch["loss_mask"])
+        return out
+    # Hugging Face: labels aligned with input_ids (the model shifts them); -100 where no loss
+    inputs = batch["inputs"]
+    labels = np.full(inputs.shape, IGNORE_INDEX, np.int64)
+    labels[:, 1:] = np.where(batch["loss_mask"][:, :-1], inputs[:, 1:], IGNORE_INDEX)
+    out["input_ids"] = ids(inputs)
+    out["labels"] = torch.from_numpy(labels).to(dtype)
+    out["attention_mask"] = ids(batch["segment_ids"] > 0)
+    out["position_ids"] = ids(batch["positions"])
+    return out
+
+
+class GrainIterableDataset(IterableDataset):
+    """Per-rank batches of a forge-grain `Pipeline` (or `DataConfig`) as dicts of tensors.
+
+    convention: "forge" (inputs, targets, segment_ids, positions, loss_mask) or "hf"
+    (input_ids, labels with -100 where the loss mask is 0, attention_mask, position_ids);
+    both add source_id and step. dtype: of ids and positions (int64 suits embedding
+    lookups; int32 on request). A full pass covers the pipeline's steps; a new pass
+    (a new DataLoader epoch) starts again at step 0, so for several shuffled passes set
+    `num_epochs` in the config.
+    """
+
+    def __init__(self, source: Pipeline | DataConfig, *, rank: int | None = None, world_size: int | None = None,
+                 convention: str = "forge", dtype: torch.dtype = torch.int64, cache_dir=None):
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention must be one of {CONVENTIONS}, not {convention!r}")
+        if isinstance(source, Pipeline):
+            if rank is not None and (rank, world_size) != (source.shard_index, source.shard_count):
+                raise ValueError("the pipeline was built for another rank or world size")
+            self.pipeline = source
+        else:
+            rank, world_size = _rank_and_world(rank, world_size)
+            self.pipeline = Pipeline(source, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir)
+        self.convention, self.dtype = convention, dtype
+        self._resume: dict | None = None  # applies to the next pass only
+        self._next_step: int | None = None  # next step this process will produce
+        self._num_workers = 1
+
+    @property
+    def num_steps(self) -> int | None:
+        return self.pipeline.num_steps
+
+    def __len__(self) -> int:
+        if self.pipeline.num_steps is None:
+            raise TypeError("an unlimited pipeline has no length")
+        return self.pipeline.num_steps
+
+    def _worker(self) -> tuple[int, int]:
+        info = get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def _first_step(self, w: int, W: int) -> int:
+        state, self._resume = self._resume, None
+        if state is None:
+            return w
+        if state.get("kind") == "worker":
+            if state["num_workers"] != W:
+                raise StateError(
+                    f"a per-worker state saved with {state['num_workers']} workers cannot resume {W}; "
+                    "use the tracker's global state to change the worker count"
+                )
+            return int(state["next_step"])
+        return int(state["step"]) + w
+
+    def __iter__(self):
+        w, W = self._worker()
+        self._num_workers = W
+        end = self.pipeline.num_steps if self.pipeline.num_steps is not None else float("inf")
+        step = self._first_step(w, W)
+        self._next_step = step
+        while step < end:
+            batch = to_torch(self.pipeline.batch(step), self.convention, self.dtype)
+            step += W
+            self._next_step = step
+            yield batch
+
+    # -- path 1: StatefulDataLoader (per worker, same worker count) --------------------------
+
+    def state_dict(self) -> dict:
+        if self._next_step is None and self._resume is not None:
+            return dict(self._resume)
+        w, W = self._worker()
+        return {
+            "kind": "worker",
+            "next_step": self._next_step if self._next_step is not None else w,
+            "num_workers": W,
+            "fingerprint": self.pipeline.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") == "worker":
+            if state.get("fingerprint") != self.pipeline.fingerprint:
+                raise StateError("this state was saved by a pipeline with another config or other data")
+        else:
+            self.pipeline.check_state(state)
+            state = {**state, "kind": "global"}
+        self._resume = dict(state)
+        self._next_step = None
+
+    # -- path 2: the global step (any world size, any workers) --------------------------------
+
+    def tracker(self) -> "StepTracker":
+        return StepTracker(self)
+
+
+class StepTracker:
+    """What the training loop consumed, as a world-size- and worker-independent state.
+
+    A `torch.distributed.checkpoint.stateful.Stateful`: `state_dict()` is
+    {"step": next global step, "fingerprint": ..., ...}, identical on every rank.
+    """
+
+    def __init__(self, dataset: GrainIterableDataset):
+        self.dataset = dataset
+        self.next_step = 0
+
+    def update(self, batch: dict) -> None:
+        """Record that the training loop consumed `batch`."""
+        self.next_step = int(batch["step"]) + 1
+        self.dataset._resume = None  # the loader's workers already took their copies
+
+    def state_dict(self) -> dict:
+        return self.dataset.pipeline.state_at(self.next_step)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next pass of the dataset starts at `state['step']`."""
+        self.next_step = self.dataset.pipeline.check_state(state)
+        self.dataset.load_state_dict(state)
+
+
+class DeviceLoader:
+    """Batches on `device`, the next one's host-to-device copy overlapping this one's compute.
+
+    On CUDA, two sets of pre-allocated device buffers alternate; copies are issued with
+    `non_blocking=True` on a side stream from pinned host memory (use the DataLoader's
+    `pin_memory=True`), and the compute stream waits only for the batch it is given. A
+    yielded batch stays valid until the next-but-one batch is requested. Elsewhere it is
+    a plain `.to(device)`.
+    """
+
+    def __init__(self, loader, device: str | torch.device):
+        self.loader = loader
+        self.device = torch.device(device)
+
+    def __iter__(self):
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield {k: v.to(self.device) for k, v in batch.items()}
+            return
+        yield from self._cuda()
+
+    def _cuda(self):
+        stream = torch.cuda.Stream(self.device)
+        buffers: list[dict] = []
+        pending = None  # (buffers, event, host batch kept alive until its copy is done)
+        for i, host in enumerate(self.loader):
+            if len(buffers) < 2:
+                buffers.append({k: torch.empty_like(v, device=self.device) for k, v in host.items()})
+            buf = buffers[i % 2]
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # compute on buf is done
+            with torch.cuda.stream(stream):
+                for k, v in host.items():
+                    buf[k].copy_(v, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            if pending is not None:
+                torch.cuda.current_stream(self.device).wait_event(pending[1])
+                yield pending[0]
+            pending = (buf, event, host)
+        if pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(pending[1])
+            yield pending[0]
