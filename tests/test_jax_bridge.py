@@ -1,0 +1,79 @@
+"""The JAX bridge: global arrays across processes, device prefetch with exact state, Orbax, grain.DataLoader."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bridges.jax import JaxIterator, to_global
+from forge_grain import DataConfig, Pipeline, checkpoint, pack
+from test_pipeline import config, stores, write_toml  # noqa: F401  (fixtures)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def sharding():
+    return NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+
+
+def test_global_arrays_from_two_processes_equal_the_global_batch(tmp_path, stores):
+    cfg_path = write_toml(tmp_path / "data.toml", stores)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPTS / "jax_global.py"), str(port), str(i), str(cfg_path), "4",
+                          str(tmp_path / "global.npz")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+    got = np.load(tmp_path / "global.npz")
+    whole = Pipeline(DataConfig.from_toml(cfg_path), 0, 1, num_threads=0)
+    for step in range(4):
+        g = whole.global_batch(step)
+        for key in ("inputs", "loss_mask", "source_id"):
+            assert np.array_equal(got[f"{key}_{step}"], g[key]), (step, key)
+
+
+def test_prefetched_batches_are_not_counted_in_the_state(tmp_path, stores):
+    cfg = config(stores)
+    it = JaxIterator(Pipeline(cfg, 0, 1), sharding(), prefetch=3)
+    first = [next(it) for _ in range(4)]
+    assert [b["step"] for b in first] == [0, 1, 2, 3]
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt")
+    checkpoint.save(mngr, 4, it)
+    mngr.wait_until_finished()
+    expected = [next(it) for _ in range(3)]
+    again = JaxIterator(Pipeline(cfg, 0, 1), sharding())
+    checkpoint.restore(mngr, again)
+    for e in expected:
+        g = next(again)
+        assert g["step"] == e["step"] and np.array_equal(np.asarray(g["inputs"]), np.asarray(e["inputs"]))
+    it.close()
+    again.close()
+
+
+def test_classic_grain_data_loader_batches_become_global_arrays(tmp_path, stores):
+    ds = pack(stores["web"], 64, "bos_bestfit", cache_dir=tmp_path / "c")
+    loader = grain.DataLoader(
+        data_source=ds,
+        sampler=grain.samplers.IndexSampler(len(ds), shard_options=grain.sharding.ShardByJaxProcess(), shuffle=False,
+                                            num_epochs=1),
+        operations=[grain.transforms.Batch(batch_size=8, drop_remainder=True)],
+    )
+    batch = next(iter(loader))
+    arrays = to_global(batch, sharding(), keys=("inputs", "loss_mask"))
+    assert arrays["inputs"].shape == (8, 64)
+    assert np.array_equal(np.asarray(arrays["inputs"]), ds.get_batch(np.arange(8))["inputs"])

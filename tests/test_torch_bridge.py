@@ -1,0 +1,170 @@
+"""The torch bridge: DDP ranks, StatefulDataLoader resume, elastic resume, conventions, devices."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from bridges.torch import DeviceLoader, GrainIterableDataset
+from forge_grain import DataConfig, Pipeline, StateError
+from test_pipeline import config, stores, write_toml  # noqa: F401  (fixtures)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def small(stores, **kw):
+    return config(stores, num_epochs=0.5, **kw)  # a few dozen steps
+
+
+def steps_and_inputs(batches):
+    return [(int(b["step"]), b["inputs"].numpy().copy()) for b in batches]
+
+
+def assert_same(a, b):
+    assert [s for s, _ in a] == [s for s, _ in b]
+    assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_workers_yield_the_steps_in_order(stores, workers):
+    ds = GrainIterableDataset(small(stores), rank=0, world_size=1)
+    got = steps_and_inputs(DataLoader(ds, batch_size=None, num_workers=workers))
+    assert [s for s, _ in got] == list(range(ds.num_steps))
+    ref = Pipeline(small(stores), 0, 1, num_threads=0)
+    assert all(np.array_equal(x, ref.batch(s)["inputs"]) for s, x in got)
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (1, False), (2, False), (1, True), (2, True)])
+def test_stateful_dataloader_resumes_exactly_across_an_epoch_boundary(stores, workers, persistent):
+
+    def loader():
+        ds = GrainIterableDataset(small(stores), rank=0, world_size=1)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=persistent)
+
+    n = loader().dataset.num_steps
+    full = loader()
+    reference = steps_and_inputs(list(full)) + steps_and_inputs(list(full))  # two epochs
+    first = loader()
+    it = iter(first)
+    consumed = steps_and_inputs(next(it) for _ in range(n - 3))
+    state = first.state_dict()
+    del it
+    second = loader()
+    second.load_state_dict(state)
+    rest = steps_and_inputs(list(second))  # the end of epoch 0 ...
+    rest += steps_and_inputs(list(second))  # ... and a whole epoch 1 (not just the leftovers)
+    assert_same(consumed + rest, reference)
+
+
+def test_hf_convention_follows_the_loss_mask(stores):
+    forge = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1)))
+    hf = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1, convention="hf", dtype=torch.int32)))
+    assert set(hf) == {"input_ids", "labels", "attention_mask", "position_ids", "source_id", "step"}
+    assert hf["input_ids"].dtype == torch.int32 and forge["inputs"].dtype == torch.int64
+    assert torch.equal(hf["input_ids"].long(), forge["inputs"])
+    # the model shifts labels: labels[j + 1] is the target of position j
+    expected = torch.where(forge["loss_mask"][:, :-1], forge["targets"][:, :-1], torch.tensor(-100))
+    assert torch.equal(hf["labels"][:, 1:].long(), expected)
+    assert (hf["labels"][:, 0] == -100).all()
+    assert torch.equal(hf["attention_mask"].bool(), forge["segment_ids"] > 0)
+    assert torch.equal(hf["position_ids"].long(), forge["positions"])
+
+
+def test_elastic_resume_from_the_global_step(stores):
+    cfg = small(stores)
+    k = 5
+    # 2 ranks x 2 workers, training k steps
+    ranks = [GrainIterableDataset(cfg, rank=r, world_size=2) for r in range(2)]
+    trackers = [ds.tracker() for ds in ranks]
+    for ds, tracker in zip(ranks, trackers):
+        for _, batch in zip(range(k), DataLoader(ds, batch_size=None, num_workers=2)):
+            tracker.update(batch)
+    state = trackers[0].state_dict()
+    assert state == trackers[1].state_dict() and state["step"] == k
+    whole = Pipeline(cfg, 0, 1, num_threads=0)
+    for world, workers in ((1, 0), (4, 3)):
+        parts = []
+        for r in range(world):
+            ds = GrainIterableDataset(cfg, rank=r, world_size=world)
+            ds.tracker().load_state_dict(state)
+            parts.append(list(DataLoader(ds, batch_size=None, num_workers=workers)))
+        assert all(len(p) == whole.num_steps - k for p in parts)
+        for i, step in enumerate(range(k, whole.num_steps)):
+            got = torch.cat([p[i]["inputs"] for p in parts]).numpy()
+            assert np.array_equal(got, whole.global_batch(step)["inputs"]), (world, workers, step)
+
+
+def test_tracker_state_after_resume_pass_does_not_leak_into_the_next_epoch(stores):
+    cfg = small(stores)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1)
+    tracker = ds.tracker()
+    tracker.load_state_dict(Pipeline(cfg, 0, 1, num_threads=0).state_at(4))
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    first = []
+    for b in loader:
+        tracker.update(b)
+        first.append(int(b["step"]))
+    assert first == list(range(4, ds.num_steps))
+    assert [int(b["step"]) for b in loader] == list(range(ds.num_steps))  # the next epoch is whole
+
+
+def test_tracker_is_a_dcp_stateful(tmp_path, stores):
+    import torch.distributed.checkpoint as dcp
+
+    cfg = small(stores)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1)
+    tracker = ds.tracker()
+    for _, b in zip(range(3), DataLoader(ds, batch_size=None)):
+        tracker.update(b)
+    dcp.save({"data": tracker}, checkpoint_id=tmp_path / "ckpt")
+    fresh = GrainIterableDataset(cfg, rank=0, world_size=1)
+    restored = fresh.tracker()
+    dcp.load({"data": restored}, checkpoint_id=tmp_path / "ckpt")
+    assert restored.state_dict()["step"] == 3
+    assert int(next(iter(DataLoader(fresh, batch_size=None)))["step"]) == 3
+
+
+def test_states_from_other_configs_or_worker_counts_are_refused(stores):
+    ds = GrainIterableDataset(small(stores), rank=0, world_size=1)
+    other = GrainIterableDataset(small(stores, seed=99), rank=0, world_size=1)
+    with pytest.raises(StateError):
+        other.tracker().load_state_dict(ds.tracker().state_dict())
+    worker_state = {"kind": "worker", "next_step": 4, "num_workers": 2, "fingerprint": ds.pipeline.fingerprint}
+    ds.load_state_dict(worker_state)
+    with pytest.raises(StateError, match="saved with 2 workers cannot resume 1"):
+        next(iter(ds))
+
+
+def test_device_loader_on_cpu_and_pinned_memory(stores):
+    ds = GrainIterableDataset(small(stores), rank=0, world_size=1)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, pin_memory=torch.cuda.is_available())
+    ref = list(DataLoader(ds, batch_size=None))
+    got = list(DeviceLoader(loader, "cpu"))
+    assert len(got) == len(ref) and all(torch.equal(a["inputs"], b["inputs"]) for a, b in zip(got, ref))
+
+
+def test_torchrun_two_ranks_with_gloo_concatenate_to_the_global_batch(tmp_path, stores):
+    cfg_path = write_toml(tmp_path / "data.toml", stores)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+         str(SCRIPTS / "torch_ddp.py"), str(cfg_path), "6", str(tmp_path / "rank")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    parts = [np.load(tmp_path / f"rank{i}.npz") for i in range(2)]
+    whole = Pipeline(DataConfig.from_toml(cfg_path), 0, 1, num_threads=0)
+    for i in range(6):
+        assert [int(p["steps"][i]) for p in parts] == [i, i]
+        union = np.concatenate([p[f"inputs_{i}"] for p in parts])
+        assert np.array_equal(union, whole.global_batch(i)["inputs"])
