@@ -87,7 +87,9 @@ class GrainIterableDataset(IterableDataset):
             self.pipeline = source
         else:
             rank, world_size = _rank_and_world(rank, world_size)
-            self.pipeline = Pipeline(source, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir)
+            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype  # batches come out in it: no conversion pass
+            self.pipeline = Pipeline(source, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
+                                     dtype=np_dtype)
         self.convention, self.dtype = convention, dtype
         self._resume: dict | None = None  # applies to the next pass only
         self._next_step: int | None = None  # next step this process will produce

@@ -16,8 +16,8 @@ import grain
 import numpy as np
 
 from . import kernels
-from .packed import ROW_DTYPES, PackedDataset
-from .packing import ROW_KEYS
+from .buffers import BufferPool
+from .packed import PackedDataset, empty_rows
 
 WEIGHT_SCALE = 1 << 20  # integer weight resolution; rows per phase must stay below 2**43
 
@@ -73,6 +73,7 @@ class Mixture(grain.MapDataset):
                 span, self._left, self._right, self._leaf, self._node_weight[p - 1], m
             )
         self._length = length
+        self._pool = BufferPool()
 
     def _subtree_weights(self, u: np.ndarray) -> np.ndarray:
         w = np.zeros(len(self._left), np.int64)
@@ -95,11 +96,9 @@ class Mixture(grain.MapDataset):
             num_rows - self.phase_rows[p], self._left, self._right, self._leaf, self._node_weight[p], len(self.datasets)
         )
 
-    def get_batch(self, indices, out: dict | None = None) -> dict:
+    def get_batch(self, indices, out: dict | None = None, id_dtype=np.int32) -> dict:
         src, rank = self.locate(indices)
-        n = len(src)
-        if out is None:
-            out = {k: np.empty((n, self.seq_len), ROW_DTYPES[k]) for k in ROW_KEYS}
+        out = out if out is not None else empty_rows(len(src), self.seq_len, id_dtype, self._pool)
         for i in np.unique(src):
             sel = np.flatnonzero(src == i)
             self.datasets[i].get_batch(rank[sel], out=out, dest=sel)

@@ -13,17 +13,20 @@ import grain
 import numpy as np
 
 from . import kernels
+from .buffers import BufferPool
 from .packing import PLAN_VERSION, ROW_KEYS, PackingPlan, plan
 from .store import TokenStore
 
-ROW_DTYPES = {
-    "inputs": np.int32,
-    "targets": np.int32,
-    "segment_ids": np.int32,
-    "positions": np.int32,
-    "loss_mask": np.bool_,
-    "natural_stop": np.bool_,
-}
+MASK_KEYS = ("loss_mask", "natural_stop")
+
+
+def empty_rows(n: int, seq_len: int, id_dtype=np.int32, pool: BufferPool | None = None) -> dict:
+    """Output arrays for n rows: ids and positions in `id_dtype` (int32 by default; int64
+    spares a torch bridge a conversion pass), masks as bool; from `pool` when given."""
+    specs = {k: ((n, seq_len), np.bool_ if k in MASK_KEYS else id_dtype) for k in ROW_KEYS}
+    if pool is not None:
+        return pool.arrays(specs)
+    return {k: np.empty(shape, dtype) for k, (shape, dtype) in specs.items()}
 
 
 def pack(
@@ -128,6 +131,7 @@ class PackedDataset(grain.MapDataset):
         self._plan_dir = plan_dir
         self.plan_key = plan_dir.name if plan_dir is not None else None
         self._seed_key = seed_key(seed)
+        self._pool = BufferPool()
         self._shards = tuple(np.asarray(a) for a in store._arrays) or None  # None: not memory-mapped
         self._shard_starts = store._shard_token_starts[:-1].copy()
 
@@ -156,12 +160,12 @@ class PackedDataset(grain.MapDataset):
             raise IndexError(f"index out of range for a packed dataset of {len(self)} rows")
         return kernels.epoch_rows(idx, self.num_rows, self._seed_key, self.shuffle)
 
-    def get_batch(self, indices, out: dict | None = None, dest=None) -> dict:
+    def get_batch(self, indices, out: dict | None = None, dest=None, id_dtype=np.int32) -> dict:
         """Rows `indices` as [len(indices), seq_len] arrays; into `out` when given, at
-        rows `dest` of it (default: 0, 1, ...)."""
+        rows `dest` of it (default: 0, 1, ...). Ids and positions are `id_dtype`."""
         rows = self.rows_of(indices)
         n = len(rows)
-        out = out if out is not None else {k: np.empty((n, self.seq_len), ROW_DTYPES[k]) for k in ROW_KEYS}
+        out = out if out is not None else empty_rows(n, self.seq_len, id_dtype, self._pool if n > 1 else None)
         dest = np.arange(n, dtype=np.int64) if dest is None else np.asarray(dest, np.int64)
         p = self.plan
         if self._shards is not None:

@@ -53,7 +53,8 @@ class Pipeline:
 
     `num_threads` threads assemble batches ahead of the consumer (the gather kernels
     release the GIL); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
-    instead. Neither changes the data, and the state does not record them.
+    instead. Neither changes the data, and the state does not record them. `dtype` is
+    that of ids and positions (int32; int64 for torch embedding lookups).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class Pipeline:
         prefetch: int = 4,
         worker_count: int = 0,
         cache_dir: str | Path | None = None,
+        dtype=np.int32,
     ):
         if shard_index is None or shard_count is None:
             shard_index, shard_count = default_shard()
@@ -80,6 +82,7 @@ class Pipeline:
         self.local_batch_size = B // shard_count
         self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
         self.cache_dir = cache_dir
+        self.dtype = np.dtype(dtype)  # of ids and positions in batches
         self.stores = [TokenStore.open(s.path) for s in config.sources]
         self._check_tokenizers()
         self.datasets = [
@@ -148,13 +151,13 @@ class Pipeline:
         """This shard's part of global batch `step`: arrays of leading dimension B / shard_count."""
         if step < 0 or (self.num_steps is not None and step >= self.num_steps):
             raise IndexError(f"step {step} is outside [0, {self.num_steps})")
-        out = self.mixture.get_batch(self.shard_rows(step))
+        out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         return out
 
     def global_batch(self, step: int) -> dict:
         """All of global batch `step` (what every shard's parts concatenate to)."""
-        out = self.mixture.get_batch(self.global_rows(step))
+        out = self.mixture.get_batch(self.global_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         return out
 
@@ -204,11 +207,11 @@ class Pipeline:
 
     def __reduce__(self):
         # worker processes rebuild it from the config (plans come from the on-disk cache)
-        return (_rebuild, (self.config, self.shard_index, self.shard_count, self.cache_dir))
+        return (_rebuild, (self.config, self.shard_index, self.shard_count, self.cache_dir, self.dtype))
 
 
-def _rebuild(config, shard_index, shard_count, cache_dir):
-    return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir)
+def _rebuild(config, shard_index, shard_count, cache_dir, dtype):
+    return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype)
 
 
 def _data_id(store: TokenStore) -> str:

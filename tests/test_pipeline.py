@@ -319,3 +319,17 @@ def test_multiprocess_jax_shards_union_to_the_global_batch(tmp_path, stores):
     for step in range(5):
         union = np.concatenate([p[f"inputs_{step}"] for p in parts])
         assert np.array_equal(union, whole.global_batch(step)["inputs"])
+
+
+def test_batches_still_held_are_never_overwritten_by_reused_buffers(stores):
+    import torch
+
+    p = Pipeline(config(stores), 0, 1, num_threads=2, prefetch=3)
+    it = iter(p)
+    held = next(it)
+    as_tensor = torch.from_numpy(next(it)["inputs"])  # only a tensor keeps this batch's memory
+    expected_held, expected_tensor = p.batch(0)["inputs"].copy(), p.batch(1)["inputs"].copy()
+    for _ in range(20):  # far more batches than the pool has blocks
+        next(it)
+    assert np.array_equal(held["inputs"], expected_held)
+    assert np.array_equal(as_tensor.numpy(), expected_tensor)

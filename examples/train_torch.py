@@ -1,0 +1,123 @@
+"""Train a tiny GPT in PyTorch on the demo corpus, checkpoint, get killed, resume, and check
+that the loss curve after the resume matches an uninterrupted run.
+
+    python examples/train_torch.py [--steps 200] [--checkpoint-at 100] [--workers 2]
+
+Data: forge-grain's pipeline through `bridges.torch.GrainIterableDataset` and torchdata's
+`StatefulDataLoader`, whose `state_dict()` goes into the same checkpoint as the model and
+optimizer. Document masking: attention is causal *within* a segment only (a boolean mask
+from `segment_ids`: query i sees key j iff same segment and j <= i), position embeddings
+use `positions` (restarting at each document), and the loss is averaged over `loss_mask`
+(no target that crosses into another document, none on padding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from bridges.torch import GrainIterableDataset
+from common import demo_config, run_phases
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, seq_len: int, d: int = 64, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, inputs, positions, segment_ids):
+        T = inputs.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = (causal & same_doc)[:, None]  # [B, 1, T, T]; padding (segment 0) attends to itself only
+        x = self.tok(inputs) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
+
+
+def loss_fn(model, batch):
+    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    per_token = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none")
+    mask = batch["loss_mask"].flatten().float()
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def train(args, resume: bool) -> dict:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # the same reduction order in every run
+    cfg = demo_config(args.workdir)
+    data = GrainIterableDataset(cfg, rank=0, world_size=1)
+    loader = StatefulDataLoader(data, batch_size=None, num_workers=args.workers)
+    model = TinyGPT(data.pipeline.stores[0].vocab_size, cfg.seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ckpt = args.workdir / "torch-checkpoint.pt"
+    start = 0
+    if resume:
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"]), opt.load_state_dict(state["optimizer"])
+        loader.load_state_dict(state["loader"])
+        start = state["step"]
+    losses = {}
+    for step, batch in zip(range(start, args.steps), loader):
+        assert int(batch["step"]) == step
+        loss = loss_fn(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses[step] = loss.item()
+        if args.phase == "until-kill" and step + 1 == args.checkpoint_at:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "loader": loader.state_dict(),
+                        "step": step + 1}, tmp)
+            os.replace(tmp, ckpt)  # atomic: a kill never leaves half a checkpoint
+            print(f"checkpoint at step {step + 1}; killing the process", flush=True)
+            os._exit(137)
+        if step % 25 == 0:
+            print(f"[{args.phase}] step {step:4d}  loss {loss.item():.4f}", flush=True)
+    return losses
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--checkpoint-at", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=Path("forge-grain-demo/torch-example"))
+    ap.add_argument("--phase", choices=["full", "until-kill", "resume"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.phase is None:
+        run_phases(__file__, ["--workers", str(args.workers)], args.workdir, args.steps, args.checkpoint_at)
+        return
+    losses = train(args, resume=args.phase == "resume")
+    (args.workdir / f"losses-{args.phase}.json").write_text(json.dumps(losses))
+
+
+if __name__ == "__main__":
+    main()
