@@ -110,7 +110,10 @@ class GrainIterableDataset(IterableDataset):
 
     def _first_step(self, w: int, W: int) -> int:
         state, self._resume = self._resume, None
+        if self.pipeline.streams and W > 1:
+            raise StateError("streaming sources are read in order by one process: use num_workers 0 or 1")
         if state is None:
+            self.pipeline.seek(w)  # streaming sources back to the start of the pass
             return w
         if state.get("kind") == "worker":
             if state["num_workers"] != W:
@@ -118,8 +121,11 @@ class GrainIterableDataset(IterableDataset):
                     f"a per-worker state saved with {state['num_workers']} workers cannot resume {W}; "
                     "use the tracker's global state to change the worker count"
                 )
-            return int(state["next_step"])
-        return int(state["step"]) + w
+            state = {**state.get("pipeline", {}), "step": int(state["next_step"])}
+        else:
+            state = {**state, "step": int(state["step"]) + w}
+        self.pipeline.seek(state["step"], state.get("streams"))
+        return state["step"]
 
     def __iter__(self):
         w, W = self._worker()
@@ -139,12 +145,11 @@ class GrainIterableDataset(IterableDataset):
         if self._next_step is None and self._resume is not None:
             return dict(self._resume)
         w, W = self._worker()
-        return {
-            "kind": "worker",
-            "next_step": self._next_step if self._next_step is not None else w,
-            "num_workers": W,
-            "fingerprint": self.pipeline.fingerprint,
-        }
+        next_step = self._next_step if self._next_step is not None else w
+        state = {"kind": "worker", "next_step": next_step, "num_workers": W, "fingerprint": self.pipeline.fingerprint}
+        if self.pipeline.streams:  # their positions, which only this process knows
+            state["pipeline"] = self.pipeline.state_at(next_step)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") == "worker":

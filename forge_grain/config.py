@@ -17,13 +17,30 @@ class ConfigError(ForgeGrainError):
 
 @dataclasses.dataclass
 class SourceConfig:
-    """One corpus: a token store and how to pack it, and its mixing weight."""
+    """One corpus, its packing and its mixing weight.
+
+    The corpus is a token store (`path`) or a Hugging Face dataset (`hf_dataset`: a name,
+    or a builder such as "json" with `hf_data_files`), tokenized with `tokenizer` (a local
+    path; default: the shipped one). `hf_streaming=False` tokenizes it once into a cached
+    token store; `True` streams it, tokenizing on the fly and packing `window` documents
+    at a time.
+    """
 
     name: str
-    path: str
+    path: str | None = None
     weight: float = 1.0
     strategy: str = "bestfit"
     stride: int | None = None
+    hf_dataset: str | None = None
+    hf_config: str | None = None
+    hf_data_files: str | list | dict | None = None
+    split: str = "train"
+    text_field: str = "text"
+    tokenizer: str | None = None
+    hf_streaming: bool = False
+    add_bos: bool = True
+    add_eos: bool = True
+    window: int = 1000
 
 
 @dataclasses.dataclass
@@ -77,8 +94,12 @@ class DataConfig:
         d = d.get("data", d)
         cfg = cls.from_dict(d, where=str(path))
         for s in cfg.sources:
-            if not Path(s.path).is_absolute():
-                s.path = str(path.parent / s.path)
+            s.path = _relative_to(path.parent, s.path, always=True)
+            s.tokenizer = _relative_to(path.parent, s.tokenizer)
+            if isinstance(s.hf_data_files, str):
+                s.hf_data_files = _relative_to(path.parent, s.hf_data_files)
+            elif isinstance(s.hf_data_files, list):
+                s.hf_data_files = [_relative_to(path.parent, f) for f in s.hf_data_files]
         return cfg
 
     @classmethod
@@ -107,6 +128,10 @@ class DataConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"sources: names must be unique, got {names}")
         for i, s in enumerate(self.sources):
+            if (s.path is None) == (s.hf_dataset is None):
+                raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
+            if not (isinstance(s.window, int) and s.window >= 1):
+                raise ConfigError(f"sources[{i}].window: must be a positive integer, got {s.window!r}")
             if s.strategy not in STRATEGIES:
                 raise ConfigError(f"sources[{i}].strategy: {s.strategy!r} is not one of {STRATEGIES}")
             _weight(f"sources[{i}].weight", s.weight)
@@ -163,9 +188,8 @@ def _source(d: Any, i: int) -> SourceConfig:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(f"sources[{i}]: unknown key(s) {unknown} (known: {sorted(known)})")
-    for key in ("name", "path"):
-        if key not in d:
-            raise ConfigError(f"sources[{i}]: missing required key '{key}'")
+    if "name" not in d:
+        raise ConfigError(f"sources[{i}]: missing required key 'name'")
     return SourceConfig(**d)
 
 
@@ -173,6 +197,16 @@ def _phase(d: Any, i: int) -> Phase:
     if not isinstance(d, dict) or set(d) != {"start_step", "weights"} or not isinstance(d["weights"], dict):
         raise ConfigError(f"phases[{i}]: expected {{start_step = N, weights = {{name = w, ...}}}}, got {d!r}")
     return Phase(d["start_step"], dict(d["weights"]))
+
+
+def _relative_to(base: Path, p: str | None, always: bool = False) -> str | None:
+    """A relative local path in a TOML file is relative to the file. Strings that name no
+    local file (a hub dataset, a tokenizer name) stay as they are unless `always`."""
+    if p is None or Path(p).is_absolute():
+        return p
+    if always or (base / p).exists() or any(c in p for c in "*?["):
+        return str(base / p)
+    return p
 
 
 def _weight(key: str, w: Any) -> None:

@@ -83,13 +83,34 @@ class Pipeline:
         self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
         self.cache_dir = cache_dir
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
-        self.stores = [TokenStore.open(s.path) for s in config.sources]
+        self.stores, self.datasets, self.streams = [], [], []
+        for s in config.sources:
+            seed = _source_seed(config.seed, s.name)
+            if s.hf_dataset is not None and s.hf_streaming:
+                from .hf import StreamCursor, StreamingSource
+
+                source = StreamingSource(s, config.seq_len, seed, shard_index, shard_count, cache_dir)
+                cursor = StreamCursor(source, rows_per_epoch=shard_count * min(source.rows_per_shard()))
+                self.stores.append(source)
+                self.datasets.append(cursor)
+                self.streams.append(cursor)
+                continue
+            if s.hf_dataset is not None:
+                from .hf import eager_store
+
+                store = TokenStore.open(eager_store(s, cache_dir))
+            else:
+                store = TokenStore.open(s.path)
+            self.stores.append(store)
+            self.datasets.append(pack(store, config.seq_len, s.strategy, seed=seed, stride=s.stride,
+                                      num_epochs=None, cache_dir=cache_dir))
         self._check_tokenizers()
-        self.datasets = [
-            pack(store, config.seq_len, s.strategy, seed=_source_seed(config.seed, s.name), stride=s.stride,
-                 num_epochs=None, cache_dir=cache_dir)
-            for s, store in zip(config.sources, self.stores)
-        ]
+        if self.streams:
+            if worker_count:
+                raise ConfigError("streaming sources are read in order in this process: worker_count must be 0")
+            self.num_threads = min(num_threads, 1)  # one thread keeps the steps in order
+            self._stream_step = 0
+            self._stream_states = {0: [c.state() for c in self.streams]}
         schedule = config.schedule()
         self.rows_per_epoch = sum(d.num_rows for d in self.datasets)
         self.num_steps = None if config.num_epochs is None else int(config.num_epochs * self.rows_per_epoch) // B
@@ -129,7 +150,8 @@ class Pipeline:
             "mix_temperature": c.mix_temperature,
             "schedule": c.schedule(),
             "sources": [
-                {"name": s.name, "strategy": s.strategy, "stride": s.stride, "plan": d.plan_key, "data": _data_id(st)}
+                {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
+                 "plan": d.plan_key, "data": _data_id(st)}
                 for s, d, st in zip(c.sources, self.datasets, self.stores)
             ],
         }
@@ -148,15 +170,38 @@ class Pipeline:
         return np.arange(lo, lo + b, dtype=np.int64)
 
     def batch(self, step: int) -> dict:
-        """This shard's part of global batch `step`: arrays of leading dimension B / shard_count."""
+        """This shard's part of global batch `step`: arrays of leading dimension B / shard_count.
+
+        With streaming sources, steps must come in order (restore a state to go back).
+        """
         if step < 0 or (self.num_steps is not None and step >= self.num_steps):
             raise IndexError(f"step {step} is outside [0, {self.num_steps})")
+        if self.streams and step != self._stream_step:
+            raise StateError(f"streaming sources are read in order: the next step is {self._stream_step}, not {step}")
         out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
+        if self.streams:
+            self._stream_step = step + 1
+            self._stream_states[step + 1] = [c.state() for c in self.streams]
+            self._stream_states.pop(step - 64, None)  # keep what unconsumed prefetched steps may need
         return out
+
+    def seek(self, step: int, streams: list | None = None) -> None:
+        """Position streaming sources for `step` (states from `state_at`); no-op without streams."""
+        if not self.streams:
+            return
+        streams = streams if streams is not None else self._stream_states.get(step)
+        if streams is None:
+            raise StateError(f"no stream state recorded for step {step}; restore a saved state instead")
+        for cursor, st in zip(self.streams, streams):
+            cursor.set_state(st)
+        self._stream_step = step
+        self._stream_states = {0: self._stream_states[0], step: streams}
 
     def global_batch(self, step: int) -> dict:
         """All of global batch `step` (what every shard's parts concatenate to)."""
+        if self.streams:
+            raise StateError("streaming sources are read per shard; there is no global batch to compute here")
         out = self.mixture.get_batch(self.global_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         return out
@@ -183,8 +228,17 @@ class Pipeline:
         return it
 
     def state_at(self, step: int) -> dict:
-        """The iterator state whose next batch is global batch `step`."""
-        return {"version": STATE_VERSION, "step": int(step), "fingerprint": self.fingerprint, "config": self._summary}
+        """The iterator state whose next batch is global batch `step`.
+
+        With streaming sources it also holds their per-shard positions (recorded as
+        batches are made), and restores only on the same shard.
+        """
+        state = {"version": STATE_VERSION, "step": int(step), "fingerprint": self.fingerprint, "config": self._summary}
+        if self.streams:
+            if step not in self._stream_states:
+                raise StateError(f"no stream state recorded for step {step}")
+            state.update(streams=self._stream_states[step], shard=[self.shard_index, self.shard_count])
+        return state
 
     def check_state(self, state: dict) -> int:
         """The step of `state`, after checking it belongs to this pipeline's config and data."""
@@ -203,6 +257,12 @@ class Pipeline:
         step = int(state["step"])
         if step < 0 or (self.num_steps is not None and step > self.num_steps):
             raise StateError(f"state step {step} is outside [0, {self.num_steps}]")
+        if self.streams and state.get("shard") != [self.shard_index, self.shard_count]:
+            raise StateError(
+                f"streaming sources resume exactly only on the shard that saved the state (saved on shard "
+                f"{state.get('shard')}, this is shard [{self.shard_index}, {self.shard_count}]): documents are "
+                "dealt to shards by their count. Stored sources resume on any shard count."
+            )
         return step
 
     def __reduce__(self):
@@ -214,8 +274,11 @@ def _rebuild(config, shard_index, shard_count, cache_dir, dtype):
     return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype)
 
 
-def _data_id(store: TokenStore) -> str:
-    """The store's shard checksums (from its manifest), or its files' sizes for foreign files."""
+def _data_id(store) -> str:
+    """The store's shard checksums (from its manifest), its files' sizes for foreign files,
+    or a streaming source's identity (dataset, files, tokenizer)."""
+    if not isinstance(store, TokenStore):
+        return store.key
     if store.manifest is not None:
         parts = [sh.sha256 for sh in store.manifest.shards]
     else:
@@ -235,6 +298,8 @@ class PipelineIterator(grain.DatasetIterator):
         super().__init__()
         self.pipeline = pipeline
         self._step = step
+        if pipeline.streams and pipeline._stream_step != step:
+            pipeline.seek(step)
         self._pending: collections.deque = collections.deque()
         self._pool = None
         self._mp_iter = None
@@ -277,6 +342,7 @@ class PipelineIterator(grain.DatasetIterator):
     def set_state(self, state: dict) -> None:
         step = self.pipeline.check_state(state)
         self.close()
+        self.pipeline.seek(step, state.get("streams"))
         self._step = step
 
     @property
@@ -320,4 +386,5 @@ class _ThreadPrefetch:
     def close(self) -> None:
         for f in self.futures:
             f.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        # wait for a batch being made: it must not run on while the pipeline is repositioned
+        self.executor.shutdown(wait=True, cancel_futures=True)

@@ -62,6 +62,7 @@ def prepare(
     split: str = "train",
     hf_config: str | None = None,
     text_unit: str = "document",
+    data_files=None,
     add_bos: bool = True,
     add_eos: bool = True,
     bos_token: str | None = None,
@@ -85,7 +86,8 @@ def prepare(
     for flag, tid, what in ((add_bos, tok.bos_id, "BOS"), (add_eos, tok.eos_id, "EOS")):
         if flag and tid is None:
             raise PrepareError(f"{tok.path}: no {what} token found; name one (--{what.lower()}-token) or disable it")
-    ds = load_texts(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit)
+    ds = load_texts(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit,
+                    data_files=data_files)
     num_shards = num_shards or default_num_shards(ds.data.nbytes, len(ds))
     if not 1 <= num_shards <= len(ds):
         raise PrepareError(f"num_shards must be between 1 and the {len(ds)} documents, not {num_shards}")
@@ -99,6 +101,7 @@ def prepare(
         "split": split,
         "hf_config": hf_config,
         "text_unit": text_unit,
+        "data_files": data_files,
         "bos": tok.bos_id if add_bos else None,
         "eos": tok.eos_id if add_eos else None,
         "tokenizer": tok.sha256,
