@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +42,27 @@ def run_phases(script: str, args: list[str], workdir: Path, steps: int, kill_at:
     if diff > 1e-5:
         raise SystemExit("the resumed loss curve differs from the uninterrupted one")
     print("resumed loss curve matches the uninterrupted run")
+
+
+def example_main(doc: str, script: str, train, default_workdir: str, extra_args: dict | None = None) -> None:
+    """The examples' command line: with no --phase, run all three phases and compare.
+
+    `train(args, resume)` trains from scratch or from the latest checkpoint and returns
+    {step: loss}; `extra_args` are {flag: default} passed through to every phase.
+    """
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--checkpoint-at", type=int, default=100)
+    ap.add_argument("--workdir", type=Path, default=Path(default_workdir))
+    for flag, default in (extra_args or {}).items():
+        ap.add_argument(flag, type=type(default), default=default)
+    ap.add_argument("--phase", choices=["full", "until-kill", "resume"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.phase is None:
+        shutil.rmtree(args.workdir / "checkpoints", ignore_errors=True)
+        passed = [str(x) for flag in (extra_args or {}) for x in (flag, getattr(args, flag.lstrip("-").replace("-", "_")))]
+        run_phases(script, passed, args.workdir, args.steps, args.checkpoint_at)
+        return
+    losses = train(args, resume=args.phase == "resume")
+    (args.workdir / f"losses-{args.phase}.json").write_text(json.dumps(losses))

@@ -12,10 +12,7 @@ embeddings use `positions`, and the loss is averaged over `loss_mask`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +22,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bridges.jax import JaxIterator
-from common import demo_config, run_phases
+from common import demo_config, example_main
 from forge_grain import Pipeline, checkpoint
 
 D, LAYERS, HEADS = 64, 2, 4
@@ -84,7 +81,7 @@ def train(args, resume: bool) -> dict:
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    mngr = ocp.CheckpointManager((args.workdir / "jax-checkpoints").resolve())
+    mngr = ocp.CheckpointManager((args.workdir / "checkpoints").resolve())
     start = 0
     if resume:
         start = mngr.latest_step()
@@ -110,23 +107,5 @@ def train(args, resume: bool) -> dict:
     return losses
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--checkpoint-at", type=int, default=100)
-    ap.add_argument("--workdir", type=Path, default=Path("forge-grain-demo/jax-example"))
-    ap.add_argument("--phase", choices=["full", "until-kill", "resume"], help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    if args.phase is None:
-        import shutil
-
-        shutil.rmtree(args.workdir / "jax-checkpoints", ignore_errors=True)
-        run_phases(__file__, [], args.workdir, args.steps, args.checkpoint_at)
-        return
-    losses = train(args, resume=args.phase == "resume")
-    (args.workdir / f"losses-{args.phase}.json").write_text(json.dumps(losses))
-
-
 if __name__ == "__main__":
-    main()
+    example_main(__doc__, __file__, train, "forge-grain-demo/jax-example")

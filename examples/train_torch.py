@@ -13,10 +13,7 @@ use `positions` (restarting at each document), and the loss is averaged over `lo
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -24,7 +21,7 @@ import torch.nn.functional as F
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bridges.torch import GrainIterableDataset
-from common import demo_config, run_phases
+from common import demo_config, example_main
 
 
 class Block(nn.Module):
@@ -76,7 +73,8 @@ def train(args, resume: bool) -> dict:
     loader = StatefulDataLoader(data, batch_size=None, num_workers=args.workers)
     model = TinyGPT(data.pipeline.stores[0].vocab_size, cfg.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ckpt = args.workdir / "torch-checkpoint.pt"
+    ckpt = args.workdir / "checkpoints" / "torch-checkpoint.pt"
+    ckpt.parent.mkdir(exist_ok=True)
     start = 0
     if resume:
         state = torch.load(ckpt, weights_only=False)
@@ -103,21 +101,5 @@ def train(args, resume: bool) -> dict:
     return losses
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--checkpoint-at", type=int, default=100)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--workdir", type=Path, default=Path("forge-grain-demo/torch-example"))
-    ap.add_argument("--phase", choices=["full", "until-kill", "resume"], help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    if args.phase is None:
-        run_phases(__file__, ["--workers", str(args.workers)], args.workdir, args.steps, args.checkpoint_at)
-        return
-    losses = train(args, resume=args.phase == "resume")
-    (args.workdir / f"losses-{args.phase}.json").write_text(json.dumps(losses))
-
-
 if __name__ == "__main__":
-    main()
+    example_main(__doc__, __file__, train, "forge-grain-demo/torch-example", {"--workers": 2})

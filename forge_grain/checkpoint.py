@@ -18,7 +18,13 @@ def save_args(iterator):
     """Orbax args that save `iterator`'s state (`ocp.args.JsonSave`)."""
     import orbax.checkpoint as ocp
 
-    return ocp.args.JsonSave(iterator.get_state())
+    state = iterator.get_state()
+    if "streams" in state and state["shard"][1] > 1:
+        raise ValueError(
+            "with streaming sources every shard has its own state, and Orbax's JSON handler writes the primary "
+            "host's only: save iterator.get_state() per host yourself (for example one JSON file per process)"
+        )
+    return ocp.args.JsonSave(state)
 
 
 def restore_args():

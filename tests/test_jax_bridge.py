@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import grain
@@ -15,6 +11,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bridges.jax import JaxIterator, to_global
+from multiproc import run_jax_processes
 from forge_grain import DataConfig, Pipeline, checkpoint, pack
 from test_pipeline import config, stores, write_toml  # noqa: F401  (fixtures)
 
@@ -27,18 +24,7 @@ def sharding():
 
 def test_global_arrays_from_two_processes_equal_the_global_batch(tmp_path, stores):
     cfg_path = write_toml(tmp_path / "data.toml", stores)
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    procs = [
-        subprocess.Popen([sys.executable, str(SCRIPTS / "jax_global.py"), str(port), str(i), str(cfg_path), "4",
-                          str(tmp_path / "global.npz")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
+    run_jax_processes(SCRIPTS / "jax_global.py", cfg_path, 4, tmp_path / "global.npz")
     got = np.load(tmp_path / "global.npz")
     whole = Pipeline(DataConfig.from_toml(cfg_path), 0, 1, num_threads=0)
     for step in range(4):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +11,7 @@ import grain
 import numpy as np
 import pytest
 
+from multiproc import run_jax_processes
 from forge_grain import ConfigError, DataConfig, Pipeline, StateError, TokenStore, mix, pack, write_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -301,18 +300,7 @@ def test_exact_and_elastic_resume_through_orbax(tmp_path, stores):
 def test_multiprocess_jax_shards_union_to_the_global_batch(tmp_path, stores):
     pytest.importorskip("jax")
     cfg_path = write_toml(tmp_path / "data.toml", stores)
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    procs = [
-        subprocess.Popen([sys.executable, str(SCRIPTS / "jax_shard.py"), str(port), str(i), str(cfg_path), "5",
-                          str(tmp_path / f"jax{i}.npz")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
+    run_jax_processes(SCRIPTS / "jax_shard.py", cfg_path, 5, tmp_path / "jax{}.npz")
     parts = [np.load(tmp_path / f"jax{i}.npz") for i in range(2)]
     assert [int(p["shard"]) for p in parts] == [0, 1]
     whole = Pipeline(DataConfig.from_toml(cfg_path), 0, 1, num_threads=0)

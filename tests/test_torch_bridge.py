@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bridges.torch import DeviceLoader, GrainIterableDataset
+from multiproc import free_port
 from forge_grain import DataConfig, Pipeline, StateError
 from test_pipeline import config, stores, write_toml  # noqa: F401  (fixtures)
 
@@ -153,11 +153,8 @@ def test_device_loader_on_cpu_and_pinned_memory(stores):
 
 def test_torchrun_two_ranks_with_gloo_concatenate_to_the_global_batch(tmp_path, stores):
     cfg_path = write_toml(tmp_path / "data.toml", stores)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
          str(SCRIPTS / "torch_ddp.py"), str(cfg_path), "6", str(tmp_path / "rank")],
         capture_output=True, text=True, timeout=300,
     )

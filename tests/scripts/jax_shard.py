@@ -14,7 +14,7 @@ def main(port, process_id, config_path, steps, out):
     assert (p.shard_index, p.shard_count) == (jax.process_index(), 2), (p.shard_index, p.shard_count)
     it = iter(p)
     batches = [next(it) for _ in range(int(steps))]
-    np.savez(out, **{f"inputs_{i}": b["inputs"] for i, b in enumerate(batches)}, shard=p.shard_index)
+    np.savez(out.format(process_id), **{f"inputs_{i}": b["inputs"] for i, b in enumerate(batches)}, shard=p.shard_index)
     it.close()
     jax.distributed.shutdown()
 
