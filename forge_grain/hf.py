@@ -32,12 +32,14 @@ import os
 import time
 from pathlib import Path
 
+import grain
 import numpy as np
 
 from . import kernels
 from .config import SourceConfig
 from .manifest import save_npy_atomic, token_dtype, write_json_atomic
-from .packing import PackingError, plan_offsets
+from .packed import empty_rows
+from .packing import ROW_KEYS, PackingError, plan_offsets
 from .preparation import prepare
 from .texts import load_texts
 from .tokenizer import load_tokenizer
@@ -217,16 +219,19 @@ class StreamCursor:
     # -- state ------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "window": self.window, "stream": self._window_stream_state,
+        # the stream's own state as JSON text: its structure changes as it runs, a string's does not
+        return {"epoch": self.epoch, "window": self.window, "stream": json.dumps(self._window_stream_state),
                 "row_index": self._window_row_index, "emitted": self.emitted}
 
     def set_state(self, state: dict) -> None:
         self.epoch, self.window, self.emitted = state["epoch"], state["window"], state["emitted"]
-        self._window_stream_state, self._window_row_index = state["stream"], state["row_index"]
-        self._ds = self.source.open(state["stream"])
+        stream = json.loads(state["stream"]) if isinstance(state["stream"], str) else state["stream"]
+        self._window_row_index = state["row_index"]
+        self._ds = self.source.open(stream)
         self._it = iter(self._ds)
         self._row_index = state["row_index"]  # global index of the next row the stream yields
-        self._load_window()
+        # a restored stream reports its new position only once it is read: keep the one we gave it
+        self._load_window(known_stream_state=stream)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -243,12 +248,13 @@ class StreamCursor:
             self._row_index += 1
         return texts, False
 
-    def _load_window(self) -> None:
+    def _load_window(self, known_stream_state: dict | None = None) -> None:
         """Read, tokenize and plan the current window; move past windows without rows, and
         into the next epoch (the stream read again from its start) at the end."""
         wrapped = 0
         while True:
-            self._window_stream_state, self._window_row_index = self._ds.state_dict(), self._row_index
+            stream_state = known_stream_state if known_stream_state is not None else self._ds.state_dict()
+            self._window_stream_state, self._window_row_index, known_stream_state = stream_state, self._row_index, None
             texts, ended = self._own_texts(self.source.src.window)
             docs = self.source.tokenize(texts)
             self._plan = self.source.plan_window(np.array([len(d) for d in docs], np.int64), self.epoch, self.window)
@@ -269,8 +275,6 @@ class StreamCursor:
     def get_batch(self, ranks, out: dict, dest, id_dtype=np.int32) -> dict:
         """Write the next len(ranks) rows of the stream into rows `dest` of `out`."""
         dest = np.asarray(dest, np.int64)
-        from .packing import ROW_KEYS
-
         for d in dest:
             p = self._plan
             row = self._order[self.emitted : self.emitted + 1]
@@ -282,3 +286,32 @@ class StreamCursor:
                 self.window, self.emitted = self.window + 1, 0
                 self._load_window()
         return out
+
+
+class StreamingRows(grain.IterDataset):
+    """A streaming source's packed rows for one shard, one row per element, as a Grain
+    `IterDataset`; its iterator's state is the cursor's (exact for the same shard)."""
+
+    def __init__(self, source: StreamingSource):
+        super().__init__()
+        self.source = source
+
+    def __iter__(self) -> "StreamingRowsIterator":
+        return StreamingRowsIterator(self.source)
+
+
+class StreamingRowsIterator(grain.DatasetIterator):
+    def __init__(self, source: StreamingSource):
+        super().__init__()
+        self.cursor = StreamCursor(source, 0)
+
+    def __next__(self) -> dict:
+        out = empty_rows(1, self.cursor.seq_len)
+        self.cursor.get_batch([0], out, [0])
+        return {k: v[0] for k, v in out.items()}
+
+    def get_state(self) -> dict:
+        return self.cursor.state()
+
+    def set_state(self, state: dict) -> None:
+        self.cursor.set_state(state)

@@ -152,3 +152,33 @@ def test_streaming_through_the_torch_bridge_resumes_exactly(tmp_path, jsonl):
     with pytest.raises(StateError, match="num_workers 0 or 1"):
         list(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path), batch_size=None,
                         num_workers=2))
+
+
+def test_streaming_rows_are_a_checkpointable_grain_iter_dataset(tmp_path, jsonl):
+    import grain
+
+    from forge_grain.hf import StreamingRows
+
+    rows = StreamingRows(StreamingSource(source(jsonl, hf_streaming=True, window=40), 48, 0, 0, 1, tmp_path))
+    grain.experimental.assert_equal_output_after_checkpoint(grain.experimental.LimitIterDataset(rows, count=60))
+
+
+def test_single_host_streaming_state_through_orbax(tmp_path, jsonl):
+    import orbax.checkpoint as ocp
+
+    from forge_grain import checkpoint
+
+    cfg = hf_config(jsonl, "concat", batch=4)
+    it = iter(Pipeline(cfg, 0, 1, cache_dir=tmp_path))
+    for _ in range(5):
+        next(it)
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt")
+    checkpoint.save(mngr, 5, it)
+    mngr.wait_until_finished()
+    expected = [next(it)["inputs"] for _ in range(6)]
+    again = iter(Pipeline(cfg, 0, 1, cache_dir=tmp_path))
+    checkpoint.restore(mngr, again)
+    assert all(np.array_equal(next(again)["inputs"], e) for e in expected)
+    two = iter(Pipeline(hf_config(jsonl, "concat", batch=4), 0, 2, cache_dir=tmp_path))
+    with pytest.raises(ValueError, match="per host"):
+        checkpoint.save_args(two)
