@@ -159,15 +159,24 @@ def hundred_sources(paths, args):
           f"{g['mem_mb'] / max(f['mem_mb'], 1):>10.1f}x")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(doc: str):
+    """The options both pipeline-level benchmarks take."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=20_000)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def two_sources(tmp: str, docs: int) -> list[Path]:
+    return [synthetic_store(Path(tmp) / f"src{i}", docs, seed=i).path for i in range(2)]
+
+
+def main():
+    args = parse_args(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [synthetic_store(Path(tmp) / f"src{i}", args.docs, seed=i).path for i in range(2)]
+        paths = two_sources(tmp, args.docs)
         throughput(paths, args)
         restore(paths, args)
         hundred_sources(paths, args)

@@ -13,7 +13,6 @@ In one run, over the same two synthetic sources:
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -25,8 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_pipeline import forge_config  # noqa: E402
-from corpora import synthetic_store  # noqa: E402
+from bench_pipeline import forge_config, parse_args, two_sources  # noqa: E402
 
 from bridges.torch import GrainIterableDataset  # noqa: E402
 from forge_grain import Pipeline, TokenStore  # noqa: E402
@@ -76,14 +74,9 @@ def rate(make, steps, repeats=3):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--docs", type=int, default=20_000)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=200)
-    args = ap.parse_args()
+    args = parse_args(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [synthetic_store(Path(tmp) / f"src{i}", args.docs, seed=i).path for i in range(2)]
+        paths = two_sources(tmp, args.docs)
         cfg = forge_config(paths, args.seq_len, args.batch)
         rows = []
         for np_dtype, dtype in ((np.int64, torch.int64), (np.int32, torch.int32)):

@@ -132,8 +132,8 @@ class PackedDataset(grain.MapDataset):
         self.plan_key = plan_dir.name if plan_dir is not None else None
         self._seed_key = seed_key(seed)
         self._pool = BufferPool()
-        self._shards = tuple(np.asarray(a) for a in store._arrays) or None  # None: not memory-mapped
-        self._shard_starts = store._shard_token_starts[:-1].copy()
+        self._shards = store.token_arrays  # None: not memory-mapped
+        self._shard_starts = store.shard_starts
 
     @property
     def num_rows(self) -> int:

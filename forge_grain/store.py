@@ -179,6 +179,16 @@ class TokenStore:
         return self._lengths
 
     @property
+    def token_arrays(self) -> tuple[np.ndarray, ...] | None:
+        """Each shard's tokens as a memory-mapped array, or None for ArrayRecord stores."""
+        return tuple(np.asarray(a) for a in self._arrays) or None
+
+    @property
+    def shard_starts(self) -> np.ndarray:
+        """Where each shard begins in the shards' concatenated tokens."""
+        return self._shard_token_starts[:-1].copy()
+
+    @property
     def num_tokens(self) -> int:
         return int(self._offsets[-1])
 
