@@ -29,7 +29,7 @@ class BufferPool:
 
     def block(self, nbytes: int) -> np.ndarray:
         with self._lock:
-            for i, b in enumerate(self._blocks):
+            for b in self._blocks:
                 # references: the list, the loop variable, getrefcount's argument
                 if b.nbytes == nbytes and sys.getrefcount(b) == 3:
                     return b

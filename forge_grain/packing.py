@@ -15,15 +15,12 @@ with one plan, any row of any epoch is O(1) to find, which exact resume relies o
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-import grain
 import numpy as np
 
 from . import kernels

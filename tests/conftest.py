@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from forge_grain import DataConfig, write_store
 from forge_grain.tokenizer import DEFAULT_TOKENIZER
 
 WORDS = (
@@ -74,3 +77,62 @@ def ar_store(tmp_path_factory, corpus) -> Path:
     from forge_grain import prepare
 
     return prepare(corpus, tmp_path_factory.mktemp("stores") / "ar", layout="arrayrecord", num_shards=2, progress=False)
+
+
+# -- pipeline fixtures: three small stores sharing one tokenizer identity ----------------------
+
+TOKENIZER = {"path": "test", "sha256": "a" * 64, "vocab_size": 1000}
+
+
+def store(path, n_docs, seed, tokenizer=TOKENIZER, vocab=1000):
+    rng = np.random.default_rng(seed)
+    docs = [np.concatenate([[0], rng.integers(2, vocab, rng.integers(5, 120))]) for _ in range(n_docs)]
+    return write_store(path, docs, vocab_size=vocab, bos_id=0, eos_id=1, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pipeline")
+    return {"web": store(base / "web", 400, 1), "code": store(base / "code", 250, 2), "math": store(base / "math", 150, 3)}
+
+
+def config(stores, **kw):
+    d = dict(
+        sources=[
+            dict(name="web", path=str(stores["web"]), weight=0.6, strategy="bos_bestfit"),
+            dict(name="code", path=str(stores["code"]), weight=0.3, strategy="bestfit"),
+            dict(name="math", path=str(stores["math"]), weight=0.1, strategy="concat"),
+        ],
+        seq_len=64,
+        global_batch_size=8,
+        seed=7,
+    )
+    d.update(kw)
+    return DataConfig.from_dict(d)
+
+
+def write_toml(path, stores, extra=""):
+    path.write_text(textwrap.dedent(f"""\
+        seq_len = 64
+        global_batch_size = 8
+        seed = 7
+        num_epochs = 2
+        {extra}
+        [[sources]]
+        name = "web"
+        path = "{stores['web']}"
+        weight = 0.6
+        strategy = "bos_bestfit"
+
+        [[sources]]
+        name = "code"
+        path = "{stores['code']}"
+        weight = 0.4
+
+        [[phases]]
+        start_step = 5
+        weights = {{ web = 0.2, code = 0.8 }}
+        """))
+    return path
+
+

@@ -7,10 +7,17 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import make_texts, write_jsonl
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from conftest import make_texts, write_jsonl
-from forge_grain import ConfigError, DataConfig, Pipeline, PrepareError, StateError, TokenStore
+from forge_grain import (
+    ConfigError,
+    DataConfig,
+    Pipeline,
+    PrepareError,
+    StateError,
+    TokenStore,
+)
 from forge_grain.config import SourceConfig
 from forge_grain.hf import StreamCursor, StreamingSource, eager_store
 from forge_grain.packed import empty_rows

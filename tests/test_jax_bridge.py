@@ -8,12 +8,12 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from conftest import config, write_toml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from multiproc import run_jax_processes
 
 from bridges.jax import JaxIterator, to_global
-from multiproc import run_jax_processes
 from forge_grain import DataConfig, Pipeline, checkpoint, pack
-from test_pipeline import config, stores, write_toml  # noqa: F401  (fixtures)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-
 from conftest import expected_documents, make_texts, write_jsonl
-from forge_grain import PrepareError, TokenStore, prepare
-from forge_grain import preparation
+
+from forge_grain import PrepareError, TokenStore, preparation, prepare
 
 
 def tree_bytes(path: Path) -> dict[str, bytes]:
@@ -36,7 +33,7 @@ def test_interrupted_run_rerun_equals_one_clean_run(tmp_path, corpus, monkeypatc
     real = preparation._documents
 
     def crash_in_shard_2(ds, tok, job, start, stop):
-        for n, batch in enumerate(real(ds, tok, job, start, stop)):
+        for batch in real(ds, tok, job, start, stop):
             if start == 200:  # shard 2 of 4 over 400 rows
                 raise KeyboardInterrupt("killed mid-shard")
             yield batch

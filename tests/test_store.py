@@ -12,10 +12,9 @@ import threading
 import grain
 import numpy as np
 import pytest
-
 from conftest import expected_documents
-from forge_grain import StoreError, TokenStore
-from forge_grain import foreign
+
+from forge_grain import StoreError, TokenStore, foreign
 
 
 def docs_of(store) -> list[list[int]]:

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import config, write_toml
+from multiproc import free_port
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bridges.torch import DeviceLoader, GrainIterableDataset
-from multiproc import free_port
 from forge_grain import DataConfig, Pipeline, StateError
-from test_pipeline import config, stores, write_toml  # noqa: F401  (fixtures)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
