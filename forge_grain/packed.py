@@ -56,8 +56,9 @@ def pack(
     p = _load_valid(directory, store)
     if p is None:
         p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id)
-        _discard(directory)
-        p.save(directory)
+        if _load_valid(directory, store) is None:  # another process may have saved it meanwhile
+            _discard(directory)
+            p.save(directory)
         p = _load_valid(directory, store) or p
     return PackedDataset(store, p, seed=seed, shuffle=shuffle, num_epochs=num_epochs, pad_id=pad_id, plan_dir=directory)
 
