@@ -72,7 +72,12 @@ def _files_identity(data_files) -> list:
     """Local data files by path, size and modification time (what changes when they do)."""
     if data_files is None:
         return []
-    items = data_files if isinstance(data_files, list) else list(data_files.values()) if isinstance(data_files, dict) else [data_files]
+    if isinstance(data_files, dict):
+        items = list(data_files.values())
+    elif isinstance(data_files, list):
+        items = data_files
+    else:
+        items = [data_files]
     out = []
     for item in items:
         for f in sorted(globlib.glob(str(item))) or [str(item)]:

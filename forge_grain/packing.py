@@ -116,7 +116,7 @@ def plan_offsets(
         cropped = 0
     elif strategy == "bestfit":
         start, length, skip, flags = kernels.split_items(offsets, order, seq_len, stride or seq_len)
-        row_ptr, (start, length, skip, flags) = _best_fit_rows(seq_len, start, length, skip, flags)
+        row_ptr, (start, length, skip, flags), _ = _best_fit_rows(seq_len, start, length, skip, flags)
         lost = cropped = 0
     else:
         row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1)
@@ -141,12 +141,14 @@ def _check_args(offsets, seq_len, strategy, stride, name) -> None:
 
 
 def _best_fit_rows(cap, start, length, skip, flags):
-    """Best-fit decreasing: items sorted by length (stable, so the seeded order breaks ties)."""
+    """Best-fit decreasing: items sorted by length (stable, so the seeded order breaks ties).
+
+    Returns row_ptr, the items reordered by row, and each row's fill."""
     by_len = np.argsort(-length, kind="stable")
     item_bin, fill = kernels.best_fit(length[by_len], cap)
     order, row_ptr = kernels.group_by_bin(item_bin, len(fill))
     pick = by_len[order]
-    return row_ptr, (start[pick], length[pick], skip[pick], flags[pick])
+    return row_ptr, (start[pick], length[pick], skip[pick], flags[pick]), fill
 
 
 def _plan_bos_bestfit(offsets, order, cap):
@@ -167,10 +169,9 @@ def _plan_bos_bestfit(offsets, order, cap):
     has_tail = lengths > cap
     tail_start, tail_len = starts[has_tail] + cap, lengths[has_tail] - cap
     whole_start, whole_len = starts[~long], lengths[~long]
-    row_ptr, (w_start, w_len, _, _) = _best_fit_rows(
+    row_ptr, (w_start, w_len, _, _), fill = _best_fit_rows(
         cap, whole_start, whole_len, np.zeros(len(whole_len), np.int32), np.ones(len(whole_len), np.uint8)
     )
-    fill = np.add.reduceat(w_len, row_ptr[:-1]) if len(w_len) else np.zeros(0, np.int64)
     pool = tail_len.sum()
     gaps = cap - fill
     keep_rows = np.ones(len(fill), bool)
