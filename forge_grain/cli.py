@@ -14,9 +14,11 @@ def _prepare(a) -> None:
     from .summary import format_summary
 
     out = prepare(
-        a.input, a.output, tokenizer=a.tokenizer, text_field=a.text_field, split=a.split, hf_config=a.hf_config,
-        text_unit=a.text_unit, add_bos=a.bos, add_eos=a.eos, bos_token=a.bos_token, eos_token=a.eos_token,
-        layout=a.layout, num_shards=a.num_shards, num_proc=a.num_proc, overwrite=a.overwrite,
+        a.input, a.output, tokenizer=a.tokenizer, text_field=a.text_field, token_field=a.token_field,
+        vocab_size=a.vocab_size, split=a.split, hf_config=a.hf_config, text_unit=a.text_unit,
+        list_separator=_unescape(a.join_lists), special_tokens_in_text=a.special_tokens_in_text,
+        add_bos=a.bos, add_eos=a.eos, bos_token=a.bos_token, eos_token=a.eos_token, bos_id=a.bos_id,
+        eos_id=a.eos_id, layout=a.layout, num_shards=a.num_shards, num_proc=a.num_proc, overwrite=a.overwrite,
         progress=not a.quiet,
     )
     print(format_summary(TokenStore.open(out)))
@@ -27,7 +29,9 @@ def _inspect(a) -> None:
     from .summary import format_summary, plot_lengths
 
     store = TokenStore.open(
-        a.path, verify=a.verify, dtype=a.dtype, eos_id=a.eos_id, bos_id=a.bos_id, vocab_size=a.vocab_size
+        a.path, verify=a.verify, dtype=a.dtype, eos_id=a.eos_id, bos_id=a.bos_id, vocab_size=a.vocab_size,
+        tokenizer=a.tokenizer, split=a.split, file_pattern=a.file_pattern,
+        fingerprint="full" if a.full_fingerprint else "sampled",
     )
     print(format_summary(store))
     if a.verify:
@@ -38,6 +42,11 @@ def _inspect(a) -> None:
         from .summary import packing_report
 
         print(packing_report(store, a.seq_len, seed=a.seed))
+
+
+def _unescape(sep: str | None) -> str | None:
+    """`--join-lists '\\n\\n'` means two newlines (shells pass the backslashes through)."""
+    return None if sep is None else sep.encode("utf-8").decode("unicode_escape")
 
 
 def _demo(a) -> None:
@@ -57,12 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("output", help="directory of the token store to write")
     pr.add_argument("--tokenizer", help="local tokenizer.json or tokenizer directory (default: the shipped one)")
     pr.add_argument("--text-field", default="text", help="column holding the text (default: text)")
-    pr.add_argument("--split", default="train", help="dataset split (default: train)")
+    pr.add_argument("--token-field", help="column already holding token ids (lists of ints): written without "
+                    "tokenizing; needs --vocab-size or --tokenizer")
+    pr.add_argument("--vocab-size", type=int, help="with --token-field: ids must lie in [0, N)")
+    pr.add_argument("--split", help="split of a directory of split files, a saved DatasetDict or a hub dataset "
+                    "(default: train)")
+    pr.add_argument("--join-lists", metavar="SEP", help="join a text field holding lists of strings with SEP "
+                    "(escapes such as \\n work); without it such a field is an error")
+    pr.add_argument("--special-tokens-in-text", action="store_true",
+                    help="encode special-token strings in the text (e.g. <|endoftext|>) as special ids "
+                    "(default: they are ordinary text)")
     pr.add_argument("--hf-config", help="Hugging Face dataset configuration name")
     pr.add_argument("--text-unit", default="document", choices=["document", "line", "paragraph"],
                     help="for plain text files: one document per file, line or paragraph (default: document)")
-    pr.add_argument("--no-bos", dest="bos", action="store_false", help="do not start documents with BOS")
-    pr.add_argument("--no-eos", dest="eos", action="store_false", help="do not end documents with EOS")
+    pr.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                    help="start documents with BOS (default: on for text, off for --token-field)")
+    pr.add_argument("--eos", action=argparse.BooleanOptionalAction, default=None,
+                    help="end documents with EOS (default: on for text, off for --token-field)")
+    pr.add_argument("--bos-id", type=int, help="with --token-field: the BOS id the documents start with (checked)")
+    pr.add_argument("--eos-id", type=int, help="with --token-field: the EOS id the documents end with (checked)")
     pr.add_argument("--bos-token", help="the BOS token's string (default: found by its usual names)")
     pr.add_argument("--eos-token", help="the EOS token's string (default: found by its usual names)")
     pr.add_argument("--layout", default="bin", choices=["bin", "arrayrecord"], help="on-disk layout (default: bin)")
@@ -76,10 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("path", help="token store directory, or foreign .npy/.bin file(s)")
     ins.add_argument("--verify", action="store_true", help="check checksums and token ids (reads everything)")
     ins.add_argument("--plot", metavar="PNG", help="also write a length histogram to this PNG")
-    ins.add_argument("--dtype", help="dtype of foreign .bin files (default: uint16)")
+    ins.add_argument("--dtype", help="dtype of raw token files (uint16, uint32, int32, ...); required for raw "
+                     "files unless --vocab-size or --tokenizer decides it")
     ins.add_argument("--eos-id", type=int, help="foreign files: documents end with this id")
     ins.add_argument("--bos-id", type=int, help="foreign files: documents start with this id")
     ins.add_argument("--vocab-size", type=int, help="foreign files: check ids are below this")
+    ins.add_argument("--tokenizer", help="foreign files: the tokenizer that made them (gives the vocabulary size)")
+    ins.add_argument("--split", help="foreign files: the split to read in a directory of several (train, validation, test)")
+    ins.add_argument("--file-pattern", help="foreign files: a glob of the files to read within the directory")
+    ins.add_argument("--full-fingerprint", action="store_true",
+                     help="foreign files: hash every byte for the fingerprint (default: sampled blocks)")
     ins.add_argument("--seq-len", type=int, help="also report how each packing strategy fills rows of this length")
     ins.add_argument("--seed", type=int, default=0, help="document shuffle seed for the packing report")
     ins.set_defaults(func=_inspect)

@@ -7,6 +7,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import ForgeGrainError
 from .packing import STRATEGIES
 
@@ -24,6 +26,10 @@ class SourceConfig:
     path; default: the shipped one). `hf_streaming=False` tokenizes it once into a cached
     token store; `True` streams it, tokenizing on the fly and packing `window` documents
     at a time.
+
+    A `path` of foreign token files (no manifest) is described as for `TokenStore.open`:
+    `dtype` (or `vocab_size`, or `tokenizer`, to decide it), `eos_id`/`bos_id` to find
+    documents, `file_pattern` to filter a directory, `split` to pick one split's files.
     """
 
     name: str
@@ -34,13 +40,23 @@ class SourceConfig:
     hf_dataset: str | None = None
     hf_config: str | None = None
     hf_data_files: str | list | dict | None = None
-    split: str = "train"
+    split: str | None = None  # Hugging Face sources: "train" when not given
     text_field: str = "text"
     tokenizer: str | None = None
     hf_streaming: bool = False
     add_bos: bool = True
     add_eos: bool = True
     window: int = 1000
+    dtype: str | None = None
+    eos_id: int | None = None
+    bos_id: int | None = None
+    vocab_size: int | None = None
+    file_pattern: str | None = None
+
+    def store_options(self) -> dict:
+        """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
+        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "split", "tokenizer")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 @dataclasses.dataclass
@@ -130,6 +146,19 @@ class DataConfig:
         for i, s in enumerate(self.sources):
             if (s.path is None) == (s.hf_dataset is None):
                 raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
+            if s.hf_dataset is not None:
+                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern") if getattr(s, k) is not None]
+                if wrong:
+                    raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
+            for key in ("eos_id", "bos_id", "vocab_size"):
+                v = getattr(s, key)
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                    raise ConfigError(f"sources[{i}].{key}: must be a non-negative integer, got {v!r}")
+            if s.dtype is not None:
+                try:
+                    np.dtype(s.dtype)
+                except TypeError:
+                    raise ConfigError(f"sources[{i}].dtype: {s.dtype!r} is not a numpy dtype (e.g. 'uint16')") from None
             if not (isinstance(s.window, int) and s.window >= 1):
                 raise ConfigError(f"sources[{i}].window: must be a positive integer, got {s.window!r}")
             if s.strategy not in STRATEGIES:

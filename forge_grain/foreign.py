@@ -1,11 +1,22 @@
 """Token files written by other tools: 1-D `.npy` / `.bin` arrays without a manifest.
 
-This is the layout of nanoGPT (`train.bin`, uint16) and KempnerForge's
-`MemoryMappedDataset` (`.npy` shards). Documents are found by scanning for an EOS
-id (a document ends with it) or a BOS id (a document starts with it); with neither,
-each file is one stream. The scan runs once: its offsets are cached beside the data
-(or under ~/.cache/forge_grain when that directory is read-only) and reused while
-the file's size and modification time stay the same.
+This is the layout of nanoGPT (`train.bin`, uint16), OLMo (header-less `.npy` memmaps,
+uint16/uint32) and KempnerForge's `MemoryMappedDataset` (`.npy` shards). Nothing in a
+raw file says what its bytes mean, so nothing is guessed:
+
+- a raw file's dtype is declared (`dtype=`), or decided by a declared `vocab_size` (or a
+  tokenizer's) as uint16 up to 65,536 ids and uint32 beyond; a `.npy` with a header
+  carries its own dtype, and a declared one must agree;
+- a file that is something else (Parquet, ArrayRecord, Megatron, LitData, MDS, Arrow,
+  text, archives) is recognised by `identify` and refused with a way to read it;
+- negative ids, ids that do not fit int32 batches, and ids at or past `vocab_size` are
+  errors, as is 16-bit data that looks like 32-bit ids read with the wrong width.
+
+Documents are found by scanning for an EOS id (a document ends with it) or a BOS id (a
+document starts with it); with neither, each file is one stream. The scan runs once; its
+offsets are cached beside the data (or under the cache root when that directory is
+read-only) together with the file's content fingerprint, and a cache is used only if that
+fingerprint still matches and its boundaries really fall on EOS/BOS ids.
 """
 
 from __future__ import annotations
@@ -13,32 +24,57 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
+from . import identify
 from .errors import StoreError
-from .manifest import save_npy_atomic, write_json_atomic
+from .manifest import save_npy_atomic, token_dtype, write_json_atomic
+from .splits import select_split
+
+log = logging.getLogger(__name__)
 
 SUFFIXES = (".npy", ".bin")
+MAX_TOKEN_ID = 2**31 - 1  # batches hold ids as int32 by default
+CACHE_VERSION = 2
 _SCAN_CHUNK = 1 << 26  # tokens per scan step: bounds memory on huge files
+SAMPLE_BLOCKS = 32  # blocks read for a file's content fingerprint: first, last and evenly spaced
+SAMPLE_BLOCK_BYTES = 4096
+_CHECK_ALL_BOUNDARIES = 1 << 20  # more documents than this: check an evenly spaced sample of them
 
 
-def find_token_files(path: str | Path) -> list[Path]:
-    """The `.npy`/`.bin` files named by a file, a directory or a glob, sorted."""
+def cache_root() -> Path:
+    """Where forge-grain caches what it cannot keep beside the data (`FORGE_GRAIN_CACHE`)."""
+    return Path(os.environ.get("FORGE_GRAIN_CACHE") or Path.home() / ".cache" / "forge_grain")
+
+
+def find_token_files(path: str | Path, *, split: str | None = None, file_pattern: str | None = None) -> list[Path]:
+    """The `.npy`/`.bin` files named by a file, a directory (optionally filtered by
+    `file_pattern`) or a glob, sorted; files of several splits need `split=`."""
     p = Path(path)
     if p.is_file():
+        if file_pattern:
+            raise StoreError(f"{p}: file_pattern={file_pattern!r} applies to a directory, and this is a file")
         return [p]
     if p.is_dir():
+        if (p / "manifest.json").exists():
+            raise StoreError(f"{p}: holds a forge-grain manifest; open it as a store (file_pattern does not apply)")
         if list(p.glob("shard-*.idx.npy")):
             raise StoreError(f"{p}: a forge-grain store without manifest.json is incomplete (re-run `forge-grain prepare`)")
-        files = sorted(f for f in p.iterdir() if _is_token_file(f))
+        candidates = p.glob(file_pattern) if file_pattern else p.iterdir()
+        files = sorted(f for f in candidates if _is_token_file(f))
+        base = p
     else:
         files = sorted(Path(f) for f in globlib.glob(str(path)) if _is_token_file(Path(f)))
+        base = None
     if not files:
-        raise StoreError(f"{path}: no manifest.json and no .npy/.bin token files found")
-    return files
+        hint = identify.describe_directory(p) if p.is_dir() else None
+        raise StoreError(hint or f"{path}: no manifest.json and no .npy/.bin token files found"
+                         + (f" matching {file_pattern!r}" if file_pattern else ""))
+    return select_split(files, split, path, StoreError, base=base, default=None)
 
 
 def _is_token_file(f: Path) -> bool:
@@ -46,17 +82,41 @@ def _is_token_file(f: Path) -> bool:
     return f.suffix in SUFFIXES and not f.name.startswith(".") and not f.name.endswith(".idx.npy") and f.is_file()
 
 
-def map_tokens(path: Path, dtype: np.dtype | str | None) -> np.ndarray:
+def raw_dtype(path: Path, dtype, vocab_size: int | None) -> np.dtype:
+    """The dtype of a raw file: declared, or decided by the vocabulary size; never guessed."""
+    if dtype is not None:
+        dt = np.dtype(dtype)
+        if dt.kind not in "iu":
+            raise StoreError(f"{path}: dtype {dt} is not an integer type; token ids need one (e.g. uint16, int32)")
+        return dt
+    if vocab_size is not None:
+        return token_dtype(vocab_size)
+    raise StoreError(
+        f"{path}: a raw token file does not record its dtype, and reading it with the wrong one gives "
+        "plausible-looking garbage. Declare it: dtype='uint16' (nanoGPT; vocabularies up to 65,536), "
+        "'uint32' (OLMo with larger vocabularies), 'int32', ... (`--dtype` on the command line, `dtype` in a "
+        "source's TOML), or give vocab_size= (or a tokenizer) to take uint16 up to 65,536 ids and uint32 beyond"
+    )
+
+
+def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndarray:
     """Memory-map one foreign file as a 1-D array of integer tokens."""
-    if path.suffix == ".npy":
+    found = identify.describe(path)
+    if found:
+        raise StoreError(found)
+    with open(path, "rb") as f:
+        has_header = f.read(len(identify.NPY_MAGIC)) == identify.NPY_MAGIC
+    if has_header:
         try:
-            arr = np.load(path, mmap_mode="r")
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except ValueError as e:
             raise StoreError(f"{path}: not a readable .npy array ({e})") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise StoreError(f"{path}: expected a 1-D integer token array, found {arr.ndim}-D {arr.dtype}")
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            raise StoreError(f"{path}: the .npy header says {arr.dtype}, but dtype={np.dtype(dtype)} was declared")
         return arr
-    dt = np.dtype(dtype or "<u2")
+    dt = raw_dtype(path, dtype, vocab_size)  # a raw .bin, or a header-less .npy (OLMo's memmaps)
     size = path.stat().st_size
     if size % dt.itemsize:
         raise StoreError(
@@ -68,47 +128,160 @@ def map_tokens(path: Path, dtype: np.dtype | str | None) -> np.ndarray:
     return np.memmap(path, dtype=dt, mode="r")
 
 
+# -- content fingerprints ----------------------------------------------------------------------
+
+
+def sample_offsets(size: int) -> list[int]:
+    """Byte offsets of the fingerprint's blocks: the first, the last, and evenly spaced ones."""
+    if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+        return list(range(0, size, SAMPLE_BLOCK_BYTES))
+    last = size - SAMPLE_BLOCK_BYTES
+    return sorted({last * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)})
+
+
+def content_fingerprint(path: Path, full: bool = False) -> str:
+    """A hash of the file's size and content: of fixed sampled blocks (reads at most
+    128 KiB, whatever the size), or of every byte with `full=True`.
+
+    The sampled hash detects any change of size and any rewrite that touches a sampled
+    block; combined with the document boundaries (see `TokenStore.fingerprint`) it also
+    detects moved documents. A change confined to bytes between sampled blocks that
+    keeps every EOS in place is detected only by `full=True`.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
+    with open(path, "rb") as f:
+        if full:
+            while block := f.read(1 << 24):
+                h.update(block)
+        else:
+            for off in sample_offsets(size):
+                f.seek(off)
+                h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def sampled_tokens(path: Path, tokens: np.ndarray) -> np.ndarray:
+    """The tokens inside the fingerprint's sampled blocks (for cheap plausibility checks)."""
+    item = tokens.dtype.itemsize
+    parts = [np.asarray(tokens[off // item : (off + SAMPLE_BLOCK_BYTES) // item])
+             for off in sample_offsets(len(tokens) * item)]
+    return np.concatenate(parts) if parts else np.zeros(0, tokens.dtype)
+
+
+def check_width(path: Path, tokens: np.ndarray) -> None:
+    """Refuse 16-bit data that is really 32-bit ids (every other 16-bit value zero)."""
+    if tokens.dtype.itemsize != 2:
+        return
+    sample = sampled_tokens(path, tokens)
+    sample = sample[: len(sample) // 2 * 2]
+    if len(sample) >= 512 and not np.any(sample[1::2]) and np.any(sample[0::2]):
+        raise StoreError(
+            f"{path}: read as {tokens.dtype}, every other token is 0, the signature of 32-bit ids read as 16-bit; "
+            "declare dtype='int32' or 'uint32' (or dtype='uint16' explicitly if this really is 16-bit data)"
+        )
+
+
+# -- document index, cached and validated ------------------------------------------------------
+
+
 def _cache_paths(path: Path, key: str) -> tuple[Path, Path]:
     stem = f".{path.name}.forge-grain-{key}"
     if os.access(path.parent, os.W_OK):
         base = path.parent
     else:
-        base = Path(os.environ.get("FORGE_GRAIN_CACHE", Path.home() / ".cache" / "forge_grain")) / "index"
-        base.mkdir(parents=True, exist_ok=True)
+        base = cache_root() / "index"
         stem = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16] + stem
     return base / f"{stem}.idx.npy", base / f"{stem}.json"
 
 
 def document_offsets(
-    path: Path, tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None
-) -> tuple[np.ndarray, int]:
-    """Offsets (num_docs + 1) of the documents in one file, and its largest token id.
+    path: Path, tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None, fingerprint: str
+) -> tuple[np.ndarray, int, int]:
+    """Offsets (num_docs + 1) of the documents in one file, and its smallest and largest ids.
 
-    Cached: a second call on an unchanged file reads the cache instead of scanning.
+    Cached beside the data: a cache is used only when it was made from content with the
+    same fingerprint, its offsets are consistent, and the boundaries fall on EOS/BOS ids;
+    otherwise the file is scanned again and the cache rewritten.
     """
-    st = path.stat()
-    ident = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, str(tokens.dtype), eos_id, bos_id])
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, str(tokens.dtype), eos_id, bos_id]).encode()).hexdigest()[:16]
     idx_path, meta_path = _cache_paths(path, key)
-    if meta_path.exists() and idx_path.exists():
+    cached = _load_cache(idx_path, meta_path, path, tokens, eos_id, bos_id, fingerprint)
+    if cached is not None:
+        return cached
+    offsets, lo, hi = _scan(tokens, eos_id=eos_id, bos_id=bos_id)
+    try:
+        idx_path.parent.mkdir(parents=True, exist_ok=True)
+        save_npy_atomic(idx_path, offsets)
+        write_json_atomic(meta_path, {  # written last: marks the cache complete
+            "fingerprint": fingerprint, "num_documents": len(offsets) - 1, "min_token": lo, "max_token": hi,
+            "offsets_sha256": hashlib.sha256(offsets.tobytes()).hexdigest(),
+        })
+    except OSError as e:  # a read-only deployment: work without the cache
+        log.warning("forge-grain: cannot cache the document index of %s (%s); it is rescanned on each open", path, e)
+    return offsets, lo, hi
+
+
+def _load_cache(idx_path, meta_path, path, tokens, eos_id, bos_id, fingerprint):
+    try:
         meta = json.loads(meta_path.read_text())
-        return np.load(idx_path), meta["max_token"]
-    offsets, max_token = _scan(tokens, eos_id=eos_id, bos_id=bos_id)
-    save_npy_atomic(idx_path, offsets)
-    write_json_atomic(meta_path, {"ident": ident, "max_token": max_token})  # written last: marks it complete
-    return offsets, max_token
+        offsets = np.load(idx_path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    problem = _cache_problem(meta, offsets, path, tokens, eos_id, bos_id, fingerprint)
+    if problem:
+        log.warning("forge-grain: ignoring the cached document index of %s (%s); rescanning", path, problem)
+        return None
+    return offsets.astype(np.int64, copy=False), int(meta["min_token"]), int(meta["max_token"])
 
 
-def _scan(tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None) -> tuple[np.ndarray, int]:
+def _cache_problem(meta, offsets, path, tokens, eos_id, bos_id, fingerprint) -> str | None:
+    """Why a cached index cannot be trusted for this file, or None."""
     n = len(tokens)
-    cuts, max_token = [], -1
+    if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
+        return "made from other content"
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) != meta.get("num_documents", -2) + 1:
+        return "its document count disagrees with its offsets"
+    if hashlib.sha256(offsets.astype(np.int64).tobytes()).hexdigest() != meta.get("offsets_sha256"):
+        return "its offsets were changed"
+    if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) <= 0):
+        return "its offsets are not increasing from 0 to the token count"
+    sample = sampled_tokens(path, tokens)
+    if len(sample) and (int(sample.min()) < meta["min_token"] or int(sample.max()) > meta["max_token"]):
+        return "its recorded token range excludes ids in the file"
+    inner = offsets[1:-1]
+    if len(inner) > _CHECK_ALL_BOUNDARIES:
+        inner = inner[np.linspace(0, len(inner) - 1, _CHECK_ALL_BOUNDARIES).astype(np.int64)]
+    if eos_id is not None and (len(inner) and np.any(np.asarray(tokens[inner - 1]) != eos_id)):
+        return "a document boundary does not follow an EOS id"
+    if eos_id is None and bos_id is not None and len(inner) and np.any(np.asarray(tokens[inner]) != bos_id):
+        return "a document boundary is not at a BOS id"
+    if eos_id is None and bos_id is None and len(offsets) != (2 if n else 1):
+        return "a single stream was cut into documents"
+    return None
+
+
+def _scan(tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None) -> tuple[np.ndarray, int, int]:
+    n = len(tokens)
+    cuts, lo_id, hi_id = [], None, -1
     for lo in range(0, n, _SCAN_CHUNK):
         chunk = np.asarray(tokens[lo : lo + _SCAN_CHUNK])
-        max_token = max(max_token, int(chunk.max()))
+        hi_id = max(hi_id, int(chunk.max()))
+        lo_id = int(chunk.min()) if lo_id is None else min(lo_id, int(chunk.min()))
         if eos_id is not None:
             cuts.append(np.flatnonzero(chunk == eos_id) + lo + 1)  # a document ends after its EOS
         elif bos_id is not None:
             cuts.append(np.flatnonzero(chunk == bos_id) + lo)  # a document starts at its BOS
     inner = np.concatenate(cuts) if cuts else np.zeros(0, np.int64)
     offsets = np.unique(np.concatenate([[0], inner, [n]]).astype(np.int64))  # drops empty documents
-    return offsets, max_token
+    return offsets, (0 if lo_id is None else lo_id), hi_id
+
+
+def check_ids(path: Path, lo: int, hi: int, vocab_size: int | None) -> None:
+    """Token ids must be non-negative, fit int32 batches, and lie below `vocab_size`."""
+    if lo < 0:
+        raise StoreError(f"{path}: holds the negative token id {lo}; token ids are never negative (wrong dtype?)")
+    if hi > MAX_TOKEN_ID:
+        raise StoreError(f"{path}: holds token id {hi}, which does not fit the int32 ids of batches (wrong dtype?)")
+    if vocab_size is not None and hi >= vocab_size:
+        raise StoreError(f"{path}: token id {hi} is at or past vocab_size {vocab_size}")

@@ -41,7 +41,7 @@ from .manifest import save_npy_atomic, token_dtype, write_json_atomic
 from .packed import empty_rows
 from .packing import ROW_KEYS, PackingError, plan_offsets
 from .preparation import prepare
-from .texts import load_texts
+from .texts import document_text, load_texts
 from .tokenizer import load_tokenizer
 
 TOKENIZE_BATCH = 256
@@ -99,7 +99,7 @@ def eager_store(src: SourceConfig, cache_dir: str | Path | None = None, progress
     tok = load_tokenizer(src.tokenizer)
     ds = _texts(src, streaming=False)
     key = _digest([ds._fingerprint, src.hf_dataset, src.hf_config, src.split, src.text_field, tok.sha256,
-                   src.add_bos, src.add_eos])
+                   src.add_bos, src.add_eos, "special-tokens-as-text"])
     root = cache_root(cache_dir)
     out = root / f"{src.name}-{key}"
     with file_lock(root / f".{src.name}-{key}.lock"):
@@ -129,7 +129,7 @@ class StreamingSource:
         self.path = f"{src.hf_dataset} (streaming)"
         self._check_readable()
         self.key = _digest([src.hf_dataset, src.hf_config, src.split, src.text_field, _files_identity(src.hf_data_files),
-                            self.tok.sha256, src.add_bos, src.add_eos])
+                            self.tok.sha256, src.add_bos, src.add_eos, "special-tokens-as-text"])
 
     def _check_readable(self) -> None:
         _texts(self.src, streaming=True)  # raises a clear error for a missing field, an empty set, no network
@@ -142,6 +142,7 @@ class StreamingSource:
 
     def tokenize(self, texts: list[str]) -> list[np.ndarray]:
         """Token arrays of texts (empty texts give empty arrays), BOS/EOS as configured."""
+        texts = [document_text(t, lambda: f"{self.path}: a row's field {self.src.text_field!r}") for t in texts]
         keep = [t for t in texts if t]
         ids = iter(self.tok.encode_batch(keep)) if keep else iter(())
         return [np.asarray(self.bos + next(ids) + self.eos, np.int64) if t else np.zeros(0, np.int64) for t in texts]

@@ -100,7 +100,7 @@ class Pipeline:
 
                 store = TokenStore.open(eager_store(s, cache_dir))
             else:
-                store = TokenStore.open(s.path)
+                store = TokenStore.open(s.path, **s.store_options())
             self.stores.append(store)
             self.datasets.append(pack(store, config.seq_len, s.strategy, seed=seed, stride=s.stride,
                                       num_epochs=None, cache_dir=cache_dir))
@@ -132,6 +132,12 @@ class Pipeline:
         first, s0 = self.config.sources[0], self.stores[0]
         for src, store in zip(self.config.sources[1:], self.stores[1:]):
             a, b = (s0.tokenizer or {}).get("sha256"), (store.tokenizer or {}).get("sha256")
+            if (s0.vocab_size is None) != (store.vocab_size is None):
+                unknown = first if s0.vocab_size is None else src
+                raise ConfigError(
+                    f"source '{unknown.name}' has foreign token files of unknown vocabulary size, mixed with sources "
+                    "that have one; declare its vocab_size (or tokenizer) so the ids can be checked"
+                )
             if s0.vocab_size != store.vocab_size or (a and b and a != b):
                 raise ConfigError(
                     f"sources '{first.name}' ({s0.path}) and '{src.name}' ({store.path}) were tokenized differently "
@@ -275,15 +281,8 @@ def _rebuild(config, shard_index, shard_count, cache_dir, dtype):
 
 
 def _data_id(store) -> str:
-    """The store's shard checksums (from its manifest), its files' sizes for foreign files,
-    or a streaming source's identity (dataset, files, tokenizer)."""
-    if not isinstance(store, TokenStore):
-        return store.key
-    if store.manifest is not None:
-        parts = [sh.sha256 for sh in store.manifest.shards]
-    else:
-        parts = [f"{f.name}:{f.stat().st_size}" for f in store.files]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    """The store's content fingerprint, or a streaming source's identity (dataset, files, tokenizer)."""
+    return store.fingerprint if isinstance(store, TokenStore) else store.key
 
 
 def _source_seed(seed: int, name: str) -> int:

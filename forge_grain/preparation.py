@@ -44,12 +44,16 @@ class _Job:
 
     out: str
     key: str
-    text_field: str
+    field: str  # the text field, or the token field when `tokens`
+    tokens: bool
+    list_separator: str | None
     layout: str
     dtype: str
     vocab_size: int
-    bos: tuple[int, ...]
+    bos: tuple[int, ...]  # ids added before each document
     eos: tuple[int, ...]
+    starts_with: int | None  # a declared BOS every pre-tokenized document must already start with
+    ends_with: int | None
     source: str
 
 
@@ -59,52 +63,76 @@ def prepare(
     *,
     tokenizer: str | Path | None = None,
     text_field: str = "text",
-    split: str = "train",
+    token_field: str | None = None,
+    vocab_size: int | None = None,
+    split: str | None = None,
     hf_config: str | None = None,
     text_unit: str = "document",
     data_files=None,
-    add_bos: bool = True,
-    add_eos: bool = True,
+    list_separator: str | None = None,
+    special_tokens_in_text: bool = False,
+    add_bos: bool | None = None,
+    add_eos: bool | None = None,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
     layout: str = "bin",
     num_shards: int | None = None,
     num_proc: int = 1,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Tokenize `source` (see `forge_grain.texts.load_texts`) into a token store at `output`.
+    """Tokenize `source` (see `forge_grain.texts.load_corpus`) into a token store at `output`.
 
-    Every non-empty document becomes `[BOS] + tokens + [EOS]` (each optional). Returns
-    the store's path; open it with `TokenStore.open`.
+    Text (`text_field`): every non-empty document becomes `[BOS] + tokens + [EOS]`
+    (`add_bos`/`add_eos`, on by default); special-token strings inside the text stay
+    text unless `special_tokens_in_text=True`; lists of strings are joined only with a
+    `list_separator`. Pre-tokenized ids (`token_field`): written as they are, checked
+    against `vocab_size` (or the `tokenizer`'s); `bos_id`/`eos_id` declare the special
+    ids the documents carry (checked), and `add_bos`/`add_eos` add them. Whitespace-only
+    documents are skipped and counted. Returns the store's path (`TokenStore.open` it).
     """
-    from .texts import load_texts
+    from .texts import load_corpus
 
     if layout not in LAYOUTS:
         raise PrepareError(f"unknown layout {layout!r} (choose one of {LAYOUTS})")
-    tok = load_tokenizer(tokenizer, bos=bos_token, eos=eos_token)
-    for flag, tid, what in ((add_bos, tok.bos_id, "BOS"), (add_eos, tok.eos_id, "EOS")):
+    if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
+        raise PrepareError(f"num_shards must be a positive integer, not {num_shards!r}")
+    tokens = token_field is not None
+    tok, vocab_size, bos, eos = _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id,
+                                             special_tokens_in_text)
+    add_bos = (not tokens) if add_bos is None else add_bos
+    add_eos = (not tokens) if add_eos is None else add_eos
+    for flag, tid, what in ((add_bos, bos, "BOS"), (add_eos, eos, "EOS")):
         if flag and tid is None:
-            raise PrepareError(f"{tok.path}: no {what} token found; name one (--{what.lower()}-token) or disable it")
-    ds = load_texts(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit,
-                    data_files=data_files)
+            how = f"--{what.lower()}-id N" if tokens else f"--{what.lower()}-token"
+            raise PrepareError(f"{tok.path if tok else source}: no {what} id known; name one ({how}) or disable it")
+    corpus = load_corpus(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit,
+                         data_files=data_files, token_field=token_field, list_separator=list_separator)
+    ds = corpus.ds
     num_shards = num_shards or default_num_shards(ds.data.nbytes, len(ds))
     if not 1 <= num_shards <= len(ds):
         raise PrepareError(f"num_shards must be between 1 and the {len(ds)} documents, not {num_shards}")
 
     out = Path(output)
-    dtype = token_dtype(tok.vocab_size)
+    dtype = token_dtype(vocab_size)
     settings = {
         "input": str(source),
         "fingerprint": getattr(ds, "_fingerprint", None),
-        "text_field": text_field,
+        "text_field": None if tokens else text_field,
+        "token_field": token_field,
+        "vocab_size": vocab_size,
         "split": split,
         "hf_config": hf_config,
         "text_unit": text_unit,
         "data_files": data_files,
-        "bos": tok.bos_id if add_bos else None,
-        "eos": tok.eos_id if add_eos else None,
-        "tokenizer": tok.sha256,
+        "list_separator": list_separator,
+        "special_tokens_in_text": special_tokens_in_text,
+        "bos": bos if add_bos else None,
+        "eos": eos if add_eos else None,
+        "declared": [bos, eos],
+        "tokenizer": tok.sha256 if tok else None,
         "layout": layout,
         "num_shards": num_shards,
     }
@@ -115,15 +143,16 @@ def prepare(
     _clean(out, remove_all=overwrite)
 
     job = _Job(
-        str(out), key, text_field, layout, dtype.str, tok.vocab_size,
-        (tok.bos_id,) if add_bos else (), (tok.eos_id,) if add_eos else (), str(source),
+        str(out), key, token_field or text_field, tokens, list_separator, layout, dtype.str, vocab_size,
+        (bos,) if add_bos else (), (eos,) if add_eos else (),
+        bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source),
     )
     bounds = [len(ds) * i // num_shards for i in range(num_shards + 1)]
     ranges = list(zip(bounds[:-1], bounds[1:]))
     done = {i: info for i in range(num_shards) if (info := _done_info(out, i, key))}
     todo = [(i, *ranges[i]) for i in range(num_shards) if i not in done]
     with _Progress(len(ds), sum(b - a for i, a, b in todo), progress, out) as bar:
-        for i, info in _run_shards(ds, tok, job, todo, num_proc, bar):
+        for i, info in _run_shards(corpus, tok, job, todo, num_proc, bar):
             done[i] = info
     shards = [ShardInfo(**{k: v for k, v in done[i].items() if k != "skipped"}) for i in range(num_shards)]
     num_docs = sum(s.num_documents for s in shards)
@@ -132,10 +161,11 @@ def prepare(
     manifest = Manifest(
         layout=layout,
         dtype=dtype.str,
-        vocab_size=tok.vocab_size,
-        bos_id=tok.bos_id,
-        eos_id=tok.eos_id,
-        tokenizer=tok.identity,
+        vocab_size=vocab_size,
+        # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
+        bos_id=bos if add_bos or job.starts_with is not None else None,
+        eos_id=eos if add_eos or job.ends_with is not None else None,
+        tokenizer=tok.identity if tok else {"path": None, "sha256": None, "vocab_size": vocab_size},
         num_documents=num_docs,
         num_tokens=sum(s.num_tokens for s in shards),
         shards=tuple(shards),
@@ -145,6 +175,36 @@ def prepare(
     for i in range(num_shards):
         _done_path(out, i).unlink(missing_ok=True)
     return out
+
+
+def _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id, special_tokens_in_text):
+    """(tokenizer or None, vocab_size, bos id, eos id) from the options, checked against each other."""
+    tok = None
+    if tokenizer is not None or not tokens:
+        tok = load_tokenizer(tokenizer, bos=bos_token, eos=eos_token, special_tokens_in_text=special_tokens_in_text)
+    if not tokens:
+        if vocab_size is not None and vocab_size != tok.vocab_size:
+            raise PrepareError(f"{tok.path}: vocab_size {vocab_size} was given, but the tokenizer has {tok.vocab_size} ids")
+        for given, what in ((bos_id, "bos_id"), (eos_id, "eos_id")):
+            if given is not None:
+                raise PrepareError(f"{what} declares ids of pre-tokenized input (--token-field); for text, "
+                                   f"name the token with --{what[:3]}-token")
+        return tok, tok.vocab_size, tok.bos_id, tok.eos_id
+    if tok is not None:
+        if vocab_size is not None and vocab_size != tok.vocab_size:
+            raise PrepareError(f"{tok.path}: vocab_size {vocab_size} was given, but the tokenizer has {tok.vocab_size} ids")
+        vocab_size = tok.vocab_size
+        bos_id = tok.bos_id if bos_id is None and bos_token is not None else bos_id
+        eos_id = tok.eos_id if eos_id is None and eos_token is not None else eos_id
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise PrepareError(
+            "pre-tokenized input (--token-field) needs the vocabulary size: pass --vocab-size N "
+            "(or --tokenizer PATH to take it from the tokenizer that made the ids)"
+        )
+    for given, what in ((bos_id, "bos_id"), (eos_id, "eos_id")):
+        if given is not None and not 0 <= given < vocab_size:
+            raise PrepareError(f"{what} {given} is outside the vocabulary [0, {vocab_size})")
+    return tok, vocab_size, bos_id, eos_id
 
 
 def default_num_shards(text_bytes: int, num_docs: int) -> int:
@@ -209,24 +269,24 @@ def _done_info(out: Path, i: int, key: str) -> dict | None:
 _WORKER: dict = {}
 
 
-def _init_worker(ds, tok: TextTokenizer, job: _Job, queue) -> None:
+def _init_worker(corpus, tok: TextTokenizer | None, job: _Job, queue) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    _WORKER.update(ds=ds, tok=tok, job=job, report=queue.put)
+    _WORKER.update(corpus=corpus, tok=tok, job=job, report=queue.put)
 
 
 def _worker_shard(task):
-    return _write_shard(_WORKER["ds"], _WORKER["tok"], _WORKER["job"], task, _WORKER["report"])
+    return _write_shard(_WORKER["corpus"], _WORKER["tok"], _WORKER["job"], task, _WORKER["report"])
 
 
-def _run_shards(ds, tok, job, todo, num_proc, bar):
+def _run_shards(corpus, tok, job, todo, num_proc, bar):
     """Yield (shard index, info) as shards complete, in this process or in `num_proc`."""
     if num_proc <= 1 or len(todo) <= 1:
         for task in todo:
-            yield _write_shard(ds, tok, job, task, bar.update)
+            yield _write_shard(corpus, tok, job, task, bar.update)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = ctx.Queue()
-    with ctx.Pool(min(num_proc, len(todo)), _init_worker, (ds, tok, job, queue)) as pool:
+    with ctx.Pool(min(num_proc, len(todo)), _init_worker, (corpus, tok, job, queue)) as pool:
         results = pool.imap_unordered(_worker_shard, todo)
         pending = len(todo)
         while pending:
@@ -240,16 +300,77 @@ def _run_shards(ds, tok, job, todo, num_proc, bar):
                 bar.update(queue.get())
 
 
-def _documents(ds, tok: TextTokenizer, job: _Job, start: int, stop: int):
+def _documents(corpus, tok: TextTokenizer | None, job: _Job, start: int, stop: int):
     """Yield, per batch, the (row, token ids) of its non-empty documents and its row count."""
+    read = _token_batch if job.tokens else _text_batch
     for lo in range(start, stop, BATCH_DOCS):
-        texts = ds[lo : min(lo + BATCH_DOCS, stop)][job.text_field]
-        keep = [(lo + j, t) for j, t in enumerate(texts) if t]
-        ids = tok.encode_batch([t for _, t in keep]) if keep else []
-        yield [(row, list(job.bos) + doc + list(job.eos)) for (row, _), doc in zip(keep, ids)], len(texts)
+        hi = min(lo + BATCH_DOCS, stop)
+        yield read(corpus, tok, job, lo, hi), hi - lo
 
 
-def _write_shard(ds, tok: TextTokenizer, job: _Job, task, report) -> tuple[int, dict]:
+def _text_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+    from .texts import document_text
+
+    texts = [document_text(v, lambda r=lo + j: corpus.where(r), job.list_separator)
+             for j, v in enumerate(_column(corpus, job.field, lo, hi))]
+    keep = [(lo + j, t) for j, t in enumerate(texts) if t]
+    ids = tok.encode_batch([t for _, t in keep]) if keep else []
+    return [(row, np.asarray(list(job.bos) + doc + list(job.eos), np.int64)) for (row, _), doc in zip(keep, ids)]
+
+
+def _column(corpus, field: str, lo: int, hi: int) -> list:
+    """Rows [lo, hi) of a column as Python values; bytes that are not UTF-8 name their row."""
+    try:
+        return corpus.ds[lo:hi][field]
+    except UnicodeDecodeError:
+        column = corpus.ds.with_format("arrow")[lo:hi][field]
+        for j in range(len(column)):
+            try:
+                column[j].as_py()
+            except UnicodeDecodeError as e:
+                raise PrepareError(
+                    f"{corpus.where(lo + j)}: field {field!r} holds bytes that are not UTF-8 ({e.reason} at byte "
+                    f"{e.start}); re-encode the input as UTF-8 or remove those bytes"
+                ) from None
+        raise
+
+
+def _token_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+    """Pre-tokenized rows, read through Arrow (no Python list per id), checked as a whole."""
+    import pyarrow.compute as pc
+
+    column = corpus.ds.with_format("arrow")[lo:hi][job.field]
+    column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    if column.null_count:
+        j = next(j for j in range(len(column)) if not column[j].is_valid)
+        raise PrepareError(f"{corpus.where(lo + j)}: the token list is null (missing)")
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    ends = np.cumsum(lengths)
+    if len(values) and (values.min() < 0 or values.max() >= job.vocab_size):
+        bad = int(np.flatnonzero((values < 0) | (values >= job.vocab_size))[0])
+        j = int(np.searchsorted(ends, bad, side="right"))
+        raise PrepareError(
+            f"{corpus.where(lo + j)}: token id {int(values[bad])} is outside the vocabulary [0, {job.vocab_size}) "
+            "(wrong --vocab-size, or ids from another tokenizer?)"
+        )
+    docs = []
+    for j, (a, b) in enumerate(zip(ends - lengths, ends)):
+        if a == b:
+            continue
+        doc = values[a:b]
+        for want, at, what in ((job.starts_with, 0, "start with BOS"), (job.ends_with, -1, "end with EOS")):
+            if want is not None and doc[at] != want:
+                flag = "--add-bos" if at == 0 else "--add-eos"
+                raise PrepareError(
+                    f"{corpus.where(lo + j)}: does not {what} id {want}, which was declared; pass {flag} to add "
+                    "it, or leave the declaration out if the documents carry none"
+                )
+        docs.append((lo + j, np.concatenate([job.bos, doc, job.eos]).astype(np.int64) if job.bos or job.eos else doc))
+    return docs
+
+
+def _write_shard(corpus, tok: TextTokenizer | None, job: _Job, task, report) -> tuple[int, dict]:
     i, start, stop = task
     out = Path(job.out)
     name = shard_name(i, job.layout)
@@ -258,13 +379,11 @@ def _write_shard(ds, tok: TextTokenizer, job: _Job, task, report) -> tuple[int, 
     lengths, skipped = [], 0
     sink = _BinSink(tmp) if job.layout == "bin" else _RecordSink(tmp)
     try:
-        for docs, rows in _documents(ds, tok, job, start, stop):
-            for row, doc in docs:
-                arr = np.asarray(doc, dtype=np.int64)
+        for docs, rows in _documents(corpus, tok, job, start, stop):
+            for row, arr in docs:
                 if len(arr) and (arr.max() >= job.vocab_size or arr.min() < 0):
                     raise PrepareError(
-                        f"{job.source}: row {row} tokenizes to id {int(arr.max())}, at or past vocab_size "
-                        f"{job.vocab_size}"
+                        f"{corpus.where(row)}: tokenizes to id {int(arr.max())}, at or past vocab_size {job.vocab_size}"
                     )
                 sink.write(arr.astype(dtype))
                 lengths.append(len(arr))

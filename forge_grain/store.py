@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -31,6 +33,7 @@ class TokenStore:
         self._files: list[Path] = []
         if (self.path / MANIFEST_NAME).exists():
             self._open_manifest()
+            self._check_declared(options)
         else:
             self._open_foreign(**options)
         self._shard_token_starts = np.concatenate([[0], np.cumsum(self._shard_tokens)]).astype(np.int64)
@@ -47,13 +50,22 @@ class TokenStore:
         eos_id: int | None = None,
         bos_id: int | None = None,
         vocab_size: int | None = None,
+        tokenizer: str | Path | None = None,
+        split: str | None = None,
+        file_pattern: str | None = None,
+        fingerprint: str = "sampled",
     ) -> "TokenStore":
         """Open a store; `verify=True` also checks every checksum and token id (reads all data).
 
-        `dtype`, `eos_id`, `bos_id` and `vocab_size` describe foreign token files
-        (a forge-grain store carries them in its manifest and ignores them).
+        The other options describe foreign token files (a forge-grain store carries them in
+        its manifest and refuses them): `dtype` of raw files (or `vocab_size`, or a
+        `tokenizer` whose vocabulary decides it), `eos_id`/`bos_id` to find documents,
+        `split` to pick one split's files in a directory of several, `file_pattern` to
+        filter a directory, and `fingerprint="full"` to hash every byte for the state
+        fingerprint instead of sampled blocks.
         """
-        store = cls(path, dtype=dtype, eos_id=eos_id, bos_id=bos_id, vocab_size=vocab_size)
+        store = cls(path, dtype=dtype, eos_id=eos_id, bos_id=bos_id, vocab_size=vocab_size, tokenizer=tokenizer,
+                    split=split, file_pattern=file_pattern, fingerprint=fingerprint)
         if verify:
             store.verify()
         return store
@@ -85,6 +97,21 @@ class TokenStore:
         self._shard_tokens = [s.num_tokens for s in m.shards]
         self._shard_docs = [s.num_documents for s in m.shards]
         self._offsets = _join_offsets(offsets)
+
+    def _check_declared(self, options: dict) -> None:
+        """Options given for a store must agree with its manifest (they describe foreign files)."""
+        recorded = {"dtype": self.dtype, "eos_id": self.eos_id, "bos_id": self.bos_id, "vocab_size": self.vocab_size}
+        for key, value in options.items():
+            if value is None or key == "fingerprint":
+                continue
+            if key not in recorded:
+                raise StoreError(f"{self.path}: {key}= applies to foreign token files, not to a forge-grain store")
+            same = np.dtype(value) == self.dtype if key == "dtype" else value == recorded[key]
+            if not same:
+                raise StoreError(
+                    f"{self.path}: {key}={value!r} was declared, but the store's {MANIFEST_NAME} records "
+                    f"{recorded[key]!r}"
+                )
 
     def _map_bin_shard(self, file: Path, shard) -> np.ndarray:
         size = file.stat().st_size
@@ -120,21 +147,37 @@ class TokenStore:
             )
         return idx.astype(np.int64, copy=False)
 
-    def _open_foreign(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None) -> None:
-        self._files = foreign.find_token_files(self.path)
-        self._arrays = [foreign.map_tokens(f, dtype) for f in self._files]
+    def _open_foreign(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None, tokenizer=None, split=None,
+                      file_pattern=None, fingerprint="sampled") -> None:
+        if fingerprint not in ("sampled", "full"):
+            raise StoreError(f"{self.path}: fingerprint must be 'sampled' or 'full', not {fingerprint!r}")
+        self.tokenizer = None
+        if tokenizer is not None:
+            from .tokenizer import load_tokenizer
+
+            tok = load_tokenizer(tokenizer)
+            if vocab_size is not None and vocab_size != tok.vocab_size:
+                raise StoreError(f"{self.path}: vocab_size {vocab_size} disagrees with {tokenizer} ({tok.vocab_size} ids)")
+            vocab_size, self.tokenizer = tok.vocab_size, tok.identity
+        self._files = foreign.find_token_files(self.path, split=split, file_pattern=file_pattern)
+        self._arrays = [foreign.map_tokens(f, dtype, vocab_size) for f in self._files]
         dtypes = {a.dtype for a in self._arrays}
         if len(dtypes) > 1:
             raise StoreError(f"{self.path}: token files mix dtypes {sorted(map(str, dtypes))}")
         self.dtype = self._arrays[0].dtype
         self.vocab_size, self.bos_id, self.eos_id = vocab_size, bos_id, eos_id
-        self.tokenizer = None
-        offsets = []
+        offsets, parts = [], []
         for f, a in zip(self._files, self._arrays):
-            off, max_token = foreign.document_offsets(f, a, eos_id=eos_id, bos_id=bos_id)
-            if vocab_size is not None and max_token >= vocab_size:
-                raise StoreError(f"{f}: token id {max_token} is at or past vocab_size {vocab_size}")
+            if dtype is None:  # decided by the vocabulary or a .npy header: check it is plausible
+                foreign.check_width(f, a)
+            content = foreign.content_fingerprint(f, full=fingerprint == "full")
+            off, lo, hi = foreign.document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content)
+            foreign.check_ids(f, lo, hi, vocab_size)
             offsets.append(off)
+            parts.append([f.name, content, hashlib.sha256(off.tobytes()).hexdigest()])
+        self._fingerprint = hashlib.sha256(
+            json.dumps([str(self.dtype), eos_id, bos_id, vocab_size, parts]).encode()
+        ).hexdigest()[:16]
         self._shard_tokens = [len(a) for a in self._arrays]
         self._shard_docs = [len(o) - 1 for o in offsets]
         self._offsets = _join_offsets(offsets)
@@ -197,23 +240,34 @@ class TokenStore:
         return list(self._files)
 
     @property
+    def fingerprint(self) -> str:
+        """Identity of the data: the manifest's shard checksums, or for foreign files their
+        content fingerprints and document boundaries (see `foreign.content_fingerprint`)."""
+        if self.manifest is not None:
+            parts = "|".join(sh.sha256 for sh in self.manifest.shards)
+            return hashlib.sha256(parts.encode()).hexdigest()[:16]
+        return self._fingerprint
+
+    @property
     def layout(self) -> str:
         return self.manifest.layout if self.manifest else "foreign"
 
     def verify(self) -> None:
-        """Check every shard's checksum and that every token id is below `vocab_size`."""
+        """Check every shard's checksum, and that every token id is non-negative, fits int32
+        batches and lies below `vocab_size` (reads all data)."""
         if self.manifest is not None:
             for shard, file in zip(self.manifest.shards, self._files):
                 if sha256_file(file) != shard.sha256:
                     raise StoreError(f"{file}: checksum mismatch; the shard is corrupt (re-run `forge-grain prepare`)")
-        if self.vocab_size is None:
-            return
         for s, file in enumerate(self._files):
             lo, hi = self._shard_doc_starts[s], self._shard_doc_starts[s + 1]
             tokens = self._arrays[s] if self._arrays else (self[i] for i in range(lo, hi))
-            top = max((int(t.max()) for t in _chunks(tokens) if len(t)), default=-1)
-            if top >= self.vocab_size:
-                raise StoreError(f"{file}: token id {top} is at or past vocab_size {self.vocab_size}")
+            chunks = [t for t in _chunks(tokens) if len(t)]
+            if chunks:
+                foreign.check_ids(file, min(int(t.min()) for t in chunks), max(int(t.max()) for t in chunks),
+                                  self.vocab_size)
+            if self.manifest is None and self._arrays:
+                foreign.check_width(file, self._arrays[s])
 
     def close(self) -> None:
         """Drop the memory maps (views already handed out stay valid while referenced)."""

@@ -24,6 +24,7 @@ def describe(store: TokenStore) -> dict:
         "bos_id": store.bos_id,
         "eos_id": store.eos_id,
         "shards": len(store.files),
+        "fingerprint": store.fingerprint,
         "length_percentiles": dict(zip(PERCENTILES, pct.tolist())),
         "mean_length": float(lengths.mean()) if len(lengths) else 0.0,
     }
@@ -53,6 +54,7 @@ def format_summary(store: TokenStore) -> str:
             f"  tokens      {d['tokens']:,}  (mean {d['mean_length']:,.1f} per document)",
             f"  dtype       {d['dtype']}   vocab_size {d['vocab_size']}   bos_id {d['bos_id']}   eos_id {d['eos_id']}",
             f"  lengths     {pct}",
+            f"  fingerprint {d['fingerprint']}",
             "  length histogram (tokens per document):",
             *("    " + line for line in histogram_text(store.lengths).splitlines()),
         ]

@@ -1,80 +1,215 @@
-"""Text corpora as Hugging Face `datasets.Dataset`s: local files, saved datasets, or hub names."""
+"""Corpora as Hugging Face `datasets.Dataset`s: local files, saved datasets, or hub names.
+
+Nothing about the input is guessed. A directory of split files (`train.jsonl`,
+`validation.jsonl`, ...) gives the split asked for, never all of them (see `splits`); a
+text field must hold strings (lists only with an explicit separator), a token field lists
+of integers; bytes that are not UTF-8 are reported with their file and line.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import glob as globlib
 import os
+import re
 import socket
 from pathlib import Path
 
 from .errors import PrepareError
+from .splits import DEFAULT_SPLIT, select_split, split_of
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text", ".py": "text"}
 HUB_HOST = "huggingface.co"
 
 
-def load_texts(
+@dataclasses.dataclass
+class Corpus:
+    """A loaded dataset and what is needed to say where one of its rows came from."""
+
+    ds: object  # datasets.Dataset or IterableDataset
+    source: str
+    files: list[Path] | None = None  # local data files, in the order their rows appear
+    builder: str | None = None
+    builder_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def where(self, row: int) -> str:
+        """'FILE, row M' for a row of local files (found only when an error needs it), else 'SOURCE, row N'."""
+        if self.files and len(self.files) == 1:
+            return f"{self.files[0]}, row {row}"
+        if self.files:
+            import datasets
+
+            seen = 0
+            for f in self.files:
+                n = len(datasets.load_dataset(self.builder, data_files=[str(f)], split="train", **self.builder_kwargs))
+                if row < seen + n:
+                    return f"{f}, row {row - seen}"
+                seen += n
+        return f"{self.source}, row {row}"
+
+
+def load_texts(source, **kwargs):
+    """The dataset of `load_corpus` (see there)."""
+    return load_corpus(source, **kwargs).ds
+
+
+def load_corpus(
     source: str | Path,
     *,
     text_field: str = "text",
-    split: str = "train",
+    split: str | None = None,
     hf_config: str | None = None,
     text_unit: str = "document",
     data_files=None,
     streaming: bool = False,
-):
-    """Load a corpus as a `datasets.Dataset` (or `IterableDataset` when `streaming`) with a
-    string column `text_field`.
+    token_field: str | None = None,
+    list_separator: str | None = None,
+) -> Corpus:
+    """Load a corpus whose column `text_field` holds text (or `token_field` token ids).
 
     `source` is a file, a directory or glob of `.jsonl`/`.json`/`.parquet`/`.txt`
     files, a directory written by `Dataset.save_to_disk`, a dataset name on the Hugging
     Face Hub, or a builder name ("json", "parquet", "text") with `data_files`. Plain text
     files give one document per file by default (`text_unit="line"` or `"paragraph"`).
+    `split` (default "train") picks the split of a directory of split files, a saved
+    `DatasetDict` or a hub dataset.
     """
     import datasets
 
     datasets.disable_progress_bars()  # forge-grain shows its own progress
     path = Path(source)
+    corpus = Corpus(None, str(source))
     if data_files is not None:
-        ds = _load(source, source, hf_config, data_files=data_files, split=split, streaming=streaming)
-    elif path.is_dir() and (path / "state.json").exists():
-        ds = datasets.load_from_disk(str(path))
-        ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        ds = ds.to_iterable_dataset() if streaming else ds
+        corpus.ds = _load(source, source, hf_config, data_files=data_files, split=split or DEFAULT_SPLIT,
+                          streaming=streaming)
+    elif path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+        corpus.ds = _load_from_disk(path, split, streaming)
     elif path.exists() or any(c in str(source) for c in "*?["):
-        files = _data_files(source)
+        files = _data_files(source, split)
         builder = _builder(files, source)
         kwargs = {"sample_by": text_unit} if builder == "text" else {}
         if all(f.stat().st_size == 0 for f in files):
             raise PrepareError(f"{source}: the corpus is empty (no documents)")
-        ds = _load(source, builder, None, data_files=[str(f) for f in files], split="train", streaming=streaming,
-                   **kwargs)
+        corpus = Corpus(None, str(source), files, builder, kwargs)
+        corpus.ds = _load(source, builder, None, data_files=[str(f) for f in files], split="train",
+                          streaming=streaming, files=files, field=token_field or text_field, **kwargs)
         if builder == "text" and text_field != "text":
-            ds = ds.rename_column("text", text_field)
+            corpus.ds = corpus.ds.rename_column("text", text_field)
     else:
+        _refuse_missing_path(source)
         if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false") and not _reachable(HUB_HOST):
             raise PrepareError(
-                f"{source}: not a local path, and the Hugging Face Hub ({HUB_HOST}) cannot be reached to download "
-                "it. Give a local file, directory or glob, or download the dataset first (or set HF_HUB_OFFLINE=1 "
-                "to use a dataset already in the local Hugging Face cache)."
+                f"{source}: no such local file or directory, and the Hugging Face Hub ({HUB_HOST}) cannot be reached "
+                "to download a dataset of that name. Give a local file, directory or glob, or download the dataset "
+                "first (or set HF_HUB_OFFLINE=1 to use a dataset already in the local Hugging Face cache)."
             )
-        ds = _load(source, str(source), hf_config, split=split, streaming=streaming)
-    _check(ds, source, text_field)
-    return ds
+        corpus.ds = _load(source, str(source), hf_config, split=split or DEFAULT_SPLIT, streaming=streaming)
+    _check(corpus.ds, source, token_field or text_field, tokens=token_field is not None, joined=list_separator)
+    return corpus
 
 
-def _load(source, name, hf_config, **kwargs):
+def _load_from_disk(path: Path, split: str | None, streaming: bool):
     import datasets
 
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        want = split or DEFAULT_SPLIT
+        if want not in ds:
+            raise PrepareError(f"{path}: a saved DatasetDict without split {want!r}; its splits are {list(ds)}")
+        ds = ds[want]
+    elif split not in (None, DEFAULT_SPLIT):
+        raise PrepareError(f"{path}: a saved Dataset has no splits; --split {split!r} cannot apply (leave it out)")
+    return ds.to_iterable_dataset() if streaming else ds
+
+
+def _load(source, name, hf_config, files=None, field=None, **kwargs):
+    """`datasets.load_dataset`, with its failures turned into errors that name the file.
+
+    JSON is read with `on_mixed_types=None`: by default `datasets` JSON-encodes a field
+    whose type varies (and, across files, casts it to string, so `"ok"` arrives with its
+    quotes and `7` as "7"). A field other than ours may vary: then it is read the default
+    way, which is safe for ours once ours was seen to be consistent.
+    """
+    import datasets
+
+    if name == "json":
+        kwargs.setdefault("on_mixed_types", None)
     try:
         return datasets.load_dataset(name, hf_config, **kwargs)
     except Exception as e:  # datasets raises many kinds; name the input and the cause
-        raise PrepareError(f"{source}: cannot load ({type(e).__name__}: {e})") from None
+        if _caused_by(e, UnicodeDecodeError) and files:
+            raise PrepareError(invalid_utf8(files) or f"{source}: bytes that are not UTF-8 ({e})") from None
+        mixed = re.search(r"Column\(/?([^)]*)\) changed from", " | ".join(map(str, _chain(e))))
+        if mixed and name == "json":
+            if mixed.group(1) != field:
+                return _load(source, name, hf_config, files, field, **{**kwargs, "on_mixed_types": "use_json"})
+            raise PrepareError(
+                (files and mixed_json_row(files, field)) or f"{source}: field {field!r} mixes value types ({e})"
+            ) from None
+        cause = e.__cause__ or e.__context__
+        detail = f"{type(e).__name__}: {e}" + (f"; caused by {type(cause).__name__}: {cause}" if cause else "")
+        raise PrepareError(f"{source}: cannot load ({detail})") from None
 
 
-def _data_files(source) -> list[Path]:
+def _chain(e: BaseException | None) -> list[BaseException]:
+    """The exception and its causes."""
+    out = []
+    while e is not None and len(out) < 20:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def mixed_json_row(files: list[Path], field: str) -> str | None:
+    """The message of `document_text` for the first JSON row whose `field` is not text."""
+    import json
+
+    for f in files:
+        row = 0
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    document_text(json.loads(line).get(field), lambda: f"{f}, row {row}")
+                except PrepareError as e:
+                    return str(e)
+                except (ValueError, AttributeError):
+                    return None  # not JSON Lines: leave it to the generic message
+                row += 1
+    return None
+
+
+def _caused_by(e: BaseException, kind: type) -> bool:
+    return any(isinstance(x, kind) for x in _chain(e))
+
+
+def invalid_utf8(files: list[Path]) -> str | None:
+    """'FILE, line L (byte B): ...' for the first bytes that are not UTF-8 in `files`."""
+    import codecs
+
+    for f in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        line, offset = 1, 0
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                try:
+                    decoder.decode(block)
+                except UnicodeDecodeError as e:
+                    bad = block[: e.start].count(b"\n") if e.start >= 0 else 0
+                    return (f"{f}, line {line + bad} (byte {offset + max(e.start, 0)}): bytes that are not UTF-8 "
+                            f"({e.reason}); re-encode the file as UTF-8 or remove those bytes")
+                line += block.count(b"\n")
+                offset += len(block)
+    return None
+
+
+def _data_files(source, split: str | None) -> list[Path]:
     path = Path(source)
     if path.is_file():
+        named = split_of(path)
+        if split is not None and named is not None and named != split:
+            raise PrepareError(f"{path}: this file is named for split {named!r}, but --split {split!r} was asked for")
         return [path]
     if path.is_dir():
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in BUILDERS)
@@ -82,7 +217,7 @@ def _data_files(source) -> list[Path]:
         files = sorted(Path(f) for f in globlib.glob(str(source), recursive=True) if Path(f).is_file())
     if not files:
         raise PrepareError(f"{source}: no text, JSONL or Parquet files found")
-    return files
+    return select_split(files, split, source, PrepareError, base=path if path.is_dir() else None)
 
 
 def _builder(files: list[Path], source) -> str:
@@ -90,6 +225,13 @@ def _builder(files: list[Path], source) -> str:
     if len(kinds) > 1:
         raise PrepareError(f"{source}: mixes file kinds {sorted(kinds)}; prepare each kind separately")
     return kinds.pop()
+
+
+def _refuse_missing_path(source) -> None:
+    """A name that can only be a local path (a data suffix, or ./ ../ / ~) and does not exist."""
+    s = str(source)
+    if Path(s).suffix in BUILDERS or Path(s).suffix in (".bin", ".npy", ".arrow") or s.startswith(("/", "./", "../", "~")):
+        raise PrepareError(f"{source}: no such file or directory")
 
 
 def _reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
@@ -100,16 +242,87 @@ def _reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
         return False
 
 
-def _check(ds, source, text_field: str) -> None:
+# -- what a column must hold -------------------------------------------------------------------
+
+
+def _check(ds, source, field: str, *, tokens: bool, joined: str | None) -> None:
     columns = ds.column_names
+    first = None
     if columns is None:  # a stream whose features are not declared: look at its first row
         first = next(iter(ds), None)
         if first is None:
             raise PrepareError(f"{source}: the corpus is empty (no documents)")
         columns = list(first)
-    if text_field not in columns:
+    option = "--token-field" if tokens else "--text-field"
+    if field not in columns:
+        ids = [c for c in columns if _is_token_feature(ds, c, first)]
+        hint = f"; {ids} hold token ids: prepare them with --token-field {ids[0]} --vocab-size N" if ids and not tokens else ""
+        what = "token" if tokens else "text"
         raise PrepareError(
-            f"{source}: no text field {text_field!r}; the columns are {columns} (choose one with --text-field)"
+            f"{source}: no {what} field {field!r}; the columns are {columns} (choose one with {option}){hint}"
         )
     if hasattr(ds, "__len__") and len(ds) == 0:
         raise PrepareError(f"{source}: the corpus is empty (no documents)")
+    features = getattr(ds, "features", None)
+    feature = features.get(field) if features else None
+    if feature is None or type(feature).__name__ == "Json":
+        return  # undeclared, or a JSON value of varying type: each row is checked as it is read
+    kind = _feature_kind(feature)
+    if tokens and kind != "ids":
+        raise PrepareError(f"{source}: --token-field {field!r} must hold lists of integer ids, not {feature}")
+    if not tokens and kind == "ids":
+        raise PrepareError(
+            f"{source}: field {field!r} holds token ids, not text; prepare it with --token-field {field} "
+            "--vocab-size N (or --tokenizer PATH to take the vocabulary size from it)"
+        )
+    if not tokens and kind == "strings" and joined is None:
+        raise PrepareError(
+            f"{source}: field {field!r} holds lists of strings, not one text per row; pass --join-lists SEP "
+            "(for example --join-lists '\\n\\n') to join each list into one document"
+        )
+    if not tokens and kind not in ("string", "strings"):
+        raise PrepareError(f"{source}: field {field!r} must hold text (strings), not {feature}")
+
+
+def _feature_kind(feature) -> str:
+    """'string', 'strings' (a list of them), 'ids' (a list of integers), or 'other'."""
+    import datasets
+
+    if isinstance(feature, datasets.Value):
+        return "string" if feature.dtype in ("string", "large_string") else "other"
+    inner = getattr(feature, "feature", None)
+    if isinstance(feature, (list, datasets.Sequence)) or type(feature).__name__ in ("List", "LargeList"):
+        inner = feature[0] if isinstance(feature, list) else inner
+        if isinstance(inner, datasets.Value):
+            if inner.dtype in ("string", "large_string"):
+                return "strings"
+            if inner.dtype.startswith(("int", "uint")):
+                return "ids"
+    return "other"
+
+
+def _is_token_feature(ds, column: str, first) -> bool:
+    features = getattr(ds, "features", None)
+    if features and column in features:
+        return _feature_kind(features[column]) == "ids"
+    value = (first or {}).get(column)
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)
+
+
+def document_text(value, where, list_separator: str | None = None) -> str:
+    """The text of one row's field: '' for empty and whitespace-only documents (skipped and
+    counted), a joined list with `list_separator`, and a clear error for anything else.
+    `where()` names the row (called only for an error)."""
+    if isinstance(value, str):
+        return value if value.strip() else ""
+    if isinstance(value, list) and list_separator is not None and all(isinstance(v, str) for v in value):
+        text = list_separator.join(value)
+        return text if text.strip() else ""
+    if value is None:
+        problem = "the text is null (missing); fill it or filter such rows out before preparing"
+    elif isinstance(value, list):
+        problem = ("holds a list of strings; pass --join-lists SEP to join it" if all(isinstance(v, str) for v in value)
+                   else f"holds a list of {sorted({type(v).__name__ for v in value})}, not text")
+    else:
+        problem = f"holds the {type(value).__name__} value {str(value)[:40]!r}, not text"
+    raise PrepareError(f"{where()}: {problem}")

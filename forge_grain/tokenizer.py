@@ -23,6 +23,12 @@ class TextTokenizer:
     backend: object  # tokenizers.Tokenizer
     bos_id: int | None
     eos_id: int | None
+    special_tokens_in_text: bool = False
+
+    def __post_init__(self):
+        # text stays text: "<|endoftext|>" written in a document is encoded as its characters,
+        # so the only special ids in a store are the BOS/EOS that prepare adds
+        self.backend.encode_special_tokens = not self.special_tokens_in_text
 
     @property
     def vocab_size(self) -> int:
@@ -46,17 +52,24 @@ class TextTokenizer:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def __getstate__(self):
-        return {"path": self.path, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        return {"path": self.path, "bos_id": self.bos_id, "eos_id": self.eos_id,
+                "special_tokens_in_text": self.special_tokens_in_text}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.backend = _load_backend(Path(state["path"]))[0]
+        self.__post_init__()
 
 
-def load_tokenizer(path: str | Path | None = None, *, bos: str | None = None, eos: str | None = None) -> TextTokenizer:
+def load_tokenizer(
+    path: str | Path | None = None, *, bos: str | None = None, eos: str | None = None,
+    special_tokens_in_text: bool = False,
+) -> TextTokenizer:
     """A local `tokenizer.json` or Hugging Face tokenizer directory; the shipped one by default.
 
     `bos`/`eos` name the special tokens to use; otherwise the usual names are tried.
+    `special_tokens_in_text=True` encodes special-token strings found in documents as
+    their special ids (for corpora that really mean them); by default they are text.
     """
     path = Path(path) if path else DEFAULT_TOKENIZER
     backend, hf_bos, hf_eos = _load_backend(path)
@@ -72,7 +85,8 @@ def load_tokenizer(path: str | Path | None = None, *, bos: str | None = None, eo
                 return vocab[name]
         return None
 
-    return TextTokenizer(str(path), backend, pick(bos, hf_bos, _BOS_NAMES, "BOS"), pick(eos, hf_eos, _EOS_NAMES, "EOS"))
+    return TextTokenizer(str(path), backend, pick(bos, hf_bos, _BOS_NAMES, "BOS"), pick(eos, hf_eos, _EOS_NAMES, "EOS"),
+                         special_tokens_in_text)
 
 
 def _load_backend(path: Path):

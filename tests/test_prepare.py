@@ -185,6 +185,6 @@ def test_cli_prepare_and_inspect(tmp_path, corpus):
 
 def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     (tmp_path / "t.bin").write_bytes(b"\x01\x00\x02")
-    r = run_cli("inspect", tmp_path / "t.bin")
+    r = run_cli("inspect", tmp_path / "t.bin", "--dtype", "uint16")
     assert r.returncode == 2
     assert "t.bin" in r.stderr and "not a multiple" in r.stderr and "Traceback" not in r.stderr

@@ -108,32 +108,32 @@ def test_foreign_directory_and_glob_join_files_in_order(tmp_path):
     for k in range(3):
         np.concatenate(docs[k::3]).astype(np.uint16).tofile(tmp_path / f"part{k}.bin")
     expected = [d.tolist() for k in range(3) for d in docs[k::3]]
-    assert docs_of(TokenStore.open(tmp_path, eos_id=1)) == expected
-    assert docs_of(TokenStore.open(str(tmp_path / "part*.bin"), eos_id=1)) == expected
+    assert docs_of(TokenStore.open(tmp_path, eos_id=1, dtype="uint16")) == expected
+    assert docs_of(TokenStore.open(str(tmp_path / "part*.bin"), eos_id=1, dtype="uint16")) == expected
 
 
 def test_foreign_bos_scanning_and_plain_stream(tmp_path):
     rng = np.random.default_rng(1)
     docs = [np.concatenate([[0], rng.integers(2, 100, rng.integers(1, 20))]) for _ in range(20)]
     np.concatenate([[5, 6]] + docs).astype(np.uint16).tofile(tmp_path / "t.bin")  # a head before the first BOS
-    store = TokenStore.open(tmp_path / "t.bin", bos_id=0)
+    store = TokenStore.open(tmp_path / "t.bin", bos_id=0, dtype="uint16")
     assert docs_of(store) == [[5, 6]] + [d.tolist() for d in docs]
-    stream = TokenStore.open(tmp_path / "t.bin")
+    stream = TokenStore.open(tmp_path / "t.bin", dtype="uint16")
     assert len(stream) == 1 and stream.num_tokens == 2 + sum(map(len, docs))
 
 
 def test_foreign_index_is_cached_and_reused(tmp_path, monkeypatch):
     np.concatenate(foreign_docs()).astype(np.uint16).tofile(tmp_path / "t.bin")
-    first = TokenStore.open(tmp_path / "t.bin", eos_id=1)
+    first = TokenStore.open(tmp_path / "t.bin", eos_id=1, dtype="uint16")
     assert list(tmp_path.glob(".t.bin.forge-grain-*.idx.npy"))
 
     def no_scan(*a, **k):
         raise AssertionError("rescanned although the cached index is valid")
 
     monkeypatch.setattr(foreign, "_scan", no_scan)
-    assert docs_of(TokenStore.open(tmp_path / "t.bin", eos_id=1)) == docs_of(first)
+    assert docs_of(TokenStore.open(tmp_path / "t.bin", eos_id=1, dtype="uint16")) == docs_of(first)
     with pytest.raises(AssertionError):  # another EOS id is another index
-        TokenStore.open(tmp_path / "t.bin", eos_id=2)
+        TokenStore.open(tmp_path / "t.bin", eos_id=2, dtype="uint16")
 
 
 def test_foreign_token_ids_past_vocab_size(tmp_path):
@@ -145,7 +145,7 @@ def test_foreign_token_ids_past_vocab_size(tmp_path):
 def test_foreign_bin_size_not_a_multiple_of_dtype(tmp_path):
     (tmp_path / "t.bin").write_bytes(b"\x01\x00\x02\x00\x03")
     with pytest.raises(StoreError, match=r"t\.bin.*5 bytes.*not a multiple"):
-        TokenStore.open(tmp_path / "t.bin")
+        TokenStore.open(tmp_path / "t.bin", dtype="uint16")
 
 
 def test_foreign_npy_must_be_1d_integers(tmp_path):
