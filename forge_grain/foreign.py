@@ -124,8 +124,16 @@ def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndar
             "the file is truncated or the dtype is wrong"
         )
     if size == 0:
-        return np.zeros(0, dt)
+        return empty_tokens(dt)
     return np.memmap(path, dtype=dt, mode="r")
+
+
+def empty_tokens(dtype) -> np.ndarray:
+    """A read-only empty token array: the same array type as a read-only memory map, so a
+    tuple of shards that holds an empty one stays one type for the compiled gather."""
+    arr = np.zeros(0, dtype)
+    arr.setflags(write=False)
+    return arr
 
 
 # -- content fingerprints ----------------------------------------------------------------------

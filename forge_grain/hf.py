@@ -23,12 +23,11 @@ epoch, shard count and packing setting.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import glob as globlib
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import numpy as np
 
 from . import kernels
 from .config import SourceConfig
+from .locks import file_lock
 from .manifest import save_npy_atomic, token_dtype, write_json_atomic
 from .packed import empty_rows
 from .packing import ROW_KEYS, PackingError, plan_offsets
@@ -53,15 +53,11 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return root
 
 
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """Exclusive across processes (and hosts sharing the file system through flock)."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def path_name(name: str) -> str:
+    """A source name as one file-name component inside the cache root: `web/en` and
+    `../../x` are made safe (with a hash of the original, so distinct names stay distinct)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")
+    return safe if safe == name else f"{safe or 'source'}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def _digest(obj) -> str:
@@ -101,8 +97,8 @@ def eager_store(src: SourceConfig, cache_dir: str | Path | None = None, progress
     key = _digest([ds._fingerprint, src.hf_dataset, src.hf_config, src.split, src.text_field, tok.sha256,
                    src.add_bos, src.add_eos, "special-tokens-as-text"])
     root = cache_root(cache_dir)
-    out = root / f"{src.name}-{key}"
-    with file_lock(root / f".{src.name}-{key}.lock"):
+    out = root / f"{path_name(src.name)}-{key}"
+    with file_lock(root / f".{path_name(src.name)}-{key}.lock"):
         prepare(src.hf_dataset, out, tokenizer=src.tokenizer, text_field=src.text_field, split=src.split,
                 hf_config=src.hf_config, data_files=src.hf_data_files, add_bos=src.add_bos, add_eos=src.add_eos,
                 progress=progress)
@@ -168,8 +164,9 @@ class StreamingSource:
     def lengths(self, progress: bool = True) -> np.ndarray:
         """Token length of every row of the stream (0 for empty texts): cached, never tokens."""
         root = cache_root(self.cache_dir)
-        path, meta = root / f"{self.src.name}-{self.key}.lengths.npy", root / f"{self.src.name}-{self.key}.lengths.json"
-        with file_lock(root / f".{self.src.name}-{self.key}.lengths.lock"):
+        stem = f"{path_name(self.src.name)}-{self.key}"
+        path, meta = root / f"{stem}.lengths.npy", root / f"{stem}.lengths.json"
+        with file_lock(root / f".{stem}.lengths.lock"):
             if not meta.exists():
                 from tqdm.auto import tqdm
 
@@ -190,7 +187,7 @@ class StreamingSource:
         return np.load(path)
 
     def counting_seconds(self) -> float:
-        meta = cache_root(self.cache_dir) / f"{self.src.name}-{self.key}.lengths.json"
+        meta = cache_root(self.cache_dir) / f"{path_name(self.src.name)}-{self.key}.lengths.json"
         return json.loads(meta.read_text())["seconds"]
 
     def rows_per_shard(self, progress: bool = True) -> list[int]:

@@ -16,7 +16,10 @@ import math
 import multiprocessing as mp
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 
@@ -32,10 +35,12 @@ from .manifest import (
     token_dtype,
     write_json_atomic,
 )
+from .locks import exclusive_or_refuse
 from .tokenizer import TextTokenizer, load_tokenizer
 
 BATCH_DOCS = 512  # documents tokenized per call: large enough for the Rust batch path
 SHARD_TARGET_BYTES = 64 << 20  # of text per shard by default
+LOCK_NAME = ".forge-grain-prepare.lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +113,12 @@ def prepare(
         if flag and tid is None:
             how = f"--{what.lower()}-id N" if tokens else f"--{what.lower()}-token"
             raise PrepareError(f"{tok.path if tok else source}: no {what} id known; name one ({how}) or disable it")
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"{out}: exists and is not a directory; give a directory for the token store")
     corpus = load_corpus(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit,
-                         data_files=data_files, token_field=token_field, list_separator=list_separator)
+                         data_files=data_files, token_field=token_field, list_separator=list_separator,
+                         exclude=out)
     ds = corpus.ds
     num_shards = num_shards or default_num_shards(ds.data.nbytes, len(ds))
     if not 1 <= num_shards <= len(ds):
@@ -118,7 +127,7 @@ def prepare(
     out = Path(output)
     dtype = token_dtype(vocab_size)
     settings = {
-        "input": str(source),
+        "input": _input_name(source),
         "fingerprint": getattr(ds, "_fingerprint", None),
         "text_field": None if tokens else text_field,
         "token_field": token_field,
@@ -137,43 +146,42 @@ def prepare(
         "num_shards": num_shards,
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    if _already_prepared(out, key, overwrite):
-        return out
     out.mkdir(parents=True, exist_ok=True)
-    _clean(out, remove_all=overwrite)
-
-    job = _Job(
-        str(out), key, token_field or text_field, tokens, list_separator, layout, dtype.str, vocab_size,
-        (bos,) if add_bos else (), (eos,) if add_eos else (),
-        bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source),
-    )
-    bounds = [len(ds) * i // num_shards for i in range(num_shards + 1)]
-    ranges = list(zip(bounds[:-1], bounds[1:]))
-    done = {i: info for i in range(num_shards) if (info := _done_info(out, i, key))}
-    todo = [(i, *ranges[i]) for i in range(num_shards) if i not in done]
-    with _Progress(len(ds), sum(b - a for i, a, b in todo), progress, out) as bar:
-        for i, info in _run_shards(corpus, tok, job, todo, num_proc, bar):
-            done[i] = info
-    shards = [ShardInfo(**{k: v for k, v in done[i].items() if k != "skipped"}) for i in range(num_shards)]
-    num_docs = sum(s.num_documents for s in shards)
-    if num_docs == 0:
-        raise PrepareError(f"{source}: every document is empty; nothing to prepare")
-    manifest = Manifest(
-        layout=layout,
-        dtype=dtype.str,
-        vocab_size=vocab_size,
-        # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
-        bos_id=bos if add_bos or job.starts_with is not None else None,
-        eos_id=eos if add_eos or job.ends_with is not None else None,
-        tokenizer=tok.identity if tok else {"path": None, "sha256": None, "vocab_size": vocab_size},
-        num_documents=num_docs,
-        num_tokens=sum(s.num_tokens for s in shards),
-        shards=tuple(shards),
-        source={**settings, "key": key, "skipped_empty": sum(done[i]["skipped"] for i in range(num_shards))},
-    )
-    manifest.save(out)
-    for i in range(num_shards):
-        _done_path(out, i).unlink(missing_ok=True)
+    with exclusive_or_refuse(out / LOCK_NAME, str(out)):  # one writer per output directory
+        if _already_prepared(out, key, settings, overwrite):
+            return out
+        _clean(out, remove_all=overwrite)
+        job = _Job(
+            str(out), key, token_field or text_field, tokens, list_separator, layout, dtype.str, vocab_size,
+            (bos,) if add_bos else (), (eos,) if add_eos else (),
+            bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source),
+        )
+        bounds = [len(ds) * i // num_shards for i in range(num_shards + 1)]
+        ranges = list(zip(bounds[:-1], bounds[1:]))
+        done = {i: info for i in range(num_shards) if (info := _done_info(out, i, key))}
+        todo = [(i, *ranges[i]) for i in range(num_shards) if i not in done]
+        with _Progress(len(ds), sum(b - a for i, a, b in todo), progress, out) as bar:
+            for i, info in _run_shards(corpus, tok, job, todo, num_proc, bar):
+                done[i] = info
+        shards = [ShardInfo(**{k: v for k, v in done[i].items() if k != "skipped"}) for i in range(num_shards)]
+        num_docs = sum(s.num_documents for s in shards)
+        if num_docs == 0:
+            raise PrepareError(f"{source}: every document is empty; nothing to prepare")
+        Manifest(
+            layout=layout,
+            dtype=dtype.str,
+            vocab_size=vocab_size,
+            # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
+            bos_id=bos if add_bos or job.starts_with is not None else None,
+            eos_id=eos if add_eos or job.ends_with is not None else None,
+            tokenizer=tok.identity if tok else {"path": None, "sha256": None, "vocab_size": vocab_size},
+            num_documents=num_docs,
+            num_tokens=sum(s.num_tokens for s in shards),
+            shards=tuple(shards),
+            source={**settings, "key": key, "skipped_empty": sum(done[i]["skipped"] for i in range(num_shards))},
+        ).save(out)
+        for i in range(num_shards):
+            _done_path(out, i).unlink(missing_ok=True)
     return out
 
 
@@ -223,18 +231,26 @@ def _done_path(out: Path, i: int) -> Path:
     return out / f"shard-{i:05d}.done.json"
 
 
-def _already_prepared(out: Path, key: str, overwrite: bool) -> bool:
+def _input_name(source) -> str:
+    """A local input by its absolute path (`./in/x` and `/abs/in/x` are one input); a hub name as given."""
+    p = Path(source)
+    return str(p.resolve()) if p.exists() else str(source)
+
+
+def _already_prepared(out: Path, key: str, settings: dict, overwrite: bool) -> bool:
     if not (out / MANIFEST_NAME).exists():
         return False
     try:
-        same = json.loads((out / MANIFEST_NAME).read_text()).get("source", {}).get("key") == key
-    except json.JSONDecodeError:
-        same = False
+        recorded = json.loads((out / MANIFEST_NAME).read_text()).get("source", {})
+    except (json.JSONDecodeError, AttributeError):
+        recorded = {}
+    same = recorded.get("key") == key
     if same and not overwrite:
         return True
     if not overwrite:
+        differ = sorted(k for k in settings if recorded.get(k) != settings[k]) or ["(unknown: an older manifest)"]
         raise PrepareError(
-            f"{out}: already holds a token store prepared from other inputs or options; "
+            f"{out}: already holds a token store prepared with other settings (differing: {', '.join(differ)}); "
             "choose another output or pass --overwrite"
         )
     (out / MANIFEST_NAME).unlink()  # first: the store is incomplete from here on
@@ -279,25 +295,45 @@ def _worker_shard(task):
 
 
 def _run_shards(corpus, tok, job, todo, num_proc, bar):
-    """Yield (shard index, info) as shards complete, in this process or in `num_proc`."""
+    """Yield (shard index, info) as shards complete, in this process or in `num_proc`.
+
+    Worker processes run under `ProcessPoolExecutor`, which notices a worker that dies
+    (killed by the OOM killer, a signal, a crash): the others are stopped and the run ends
+    with an error; the finished shards stay, and a re-run completes the rest.
+    """
     if num_proc <= 1 or len(todo) <= 1:
         for task in todo:
             yield _write_shard(corpus, tok, job, task, bar.update)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = ctx.Queue()
-    with ctx.Pool(min(num_proc, len(todo)), _init_worker, (corpus, tok, job, queue)) as pool:
-        results = pool.imap_unordered(_worker_shard, todo)
-        pending = len(todo)
+    pool = ProcessPoolExecutor(min(num_proc, len(todo)), ctx, _init_worker, (corpus, tok, job, queue))
+    try:
+        pending = {pool.submit(_worker_shard, task): task[0] for task in todo}
         while pending:
-            try:
-                i, info = results.next(timeout=0.2)
-                pending -= 1
-                yield i, info
-            except mp.TimeoutError:
-                pass
-            while not queue.empty():
-                bar.update(queue.get())
+            finished, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(queue, bar)
+            for future in finished:
+                shard = pending.pop(future)
+                try:
+                    yield future.result()
+                except BrokenProcessPool:
+                    raise PrepareError(
+                        f"{job.out}: a worker process died while writing shard {shard} (killed by a signal, or out of "
+                        "memory?); the shards already finished are kept, and re-running the same command completes "
+                        "the store"
+                    ) from None
+        _drain(queue, bar)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _drain(queue, bar) -> None:
+    while True:
+        try:
+            bar.update(queue.get_nowait())
+        except (Empty, OSError, EOFError):
+            return
 
 
 def _documents(corpus, tok: TextTokenizer | None, job: _Job, start: int, stop: int):

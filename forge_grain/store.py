@@ -125,7 +125,7 @@ class TokenStore:
                 f"{file}: holds {size // self.dtype.itemsize} tokens, manifest says {shard.num_tokens}; "
                 "the shard is truncated or was replaced"
             )
-        return np.memmap(file, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+        return np.memmap(file, dtype=self.dtype, mode="r") if size else foreign.empty_tokens(self.dtype)
 
     @staticmethod
     def _load_index(file: Path, shard) -> np.ndarray:

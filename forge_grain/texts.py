@@ -64,6 +64,7 @@ def load_corpus(
     streaming: bool = False,
     token_field: str | None = None,
     list_separator: str | None = None,
+    exclude: Path | None = None,
 ) -> Corpus:
     """Load a corpus whose column `text_field` holds text (or `token_field` token ids).
 
@@ -72,7 +73,8 @@ def load_corpus(
     Face Hub, or a builder name ("json", "parquet", "text") with `data_files`. Plain text
     files give one document per file by default (`text_unit="line"` or `"paragraph"`).
     `split` (default "train") picks the split of a directory of split files, a saved
-    `DatasetDict` or a hub dataset.
+    `DatasetDict` or a hub dataset. Files under `exclude` (the output being written, when
+    it sits inside the input directory) are never input.
     """
     import datasets
 
@@ -85,7 +87,7 @@ def load_corpus(
     elif path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
         corpus.ds = _load_from_disk(path, split, streaming)
     elif path.exists() or any(c in str(source) for c in "*?["):
-        files = _data_files(source, split)
+        files = _data_files(source, split, exclude)
         builder = _builder(files, source)
         kwargs = {"sample_by": text_unit} if builder == "text" else {}
         if all(f.stat().st_size == 0 for f in files):
@@ -204,7 +206,7 @@ def invalid_utf8(files: list[Path]) -> str | None:
     return None
 
 
-def _data_files(source, split: str | None) -> list[Path]:
+def _data_files(source, split: str | None, exclude: Path | None = None) -> list[Path]:
     path = Path(source)
     if path.is_file():
         named = split_of(path)
@@ -215,6 +217,9 @@ def _data_files(source, split: str | None) -> list[Path]:
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in BUILDERS)
     else:
         files = sorted(Path(f) for f in globlib.glob(str(source), recursive=True) if Path(f).is_file())
+    if exclude is not None:
+        outside = Path(exclude).resolve()
+        files = [f for f in files if outside not in f.resolve().parents]
     if not files:
         raise PrepareError(f"{source}: no text, JSONL or Parquet files found")
     return select_split(files, split, source, PrepareError, base=path if path.is_dir() else None)

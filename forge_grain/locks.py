@@ -1,0 +1,76 @@
+"""File locks between processes (and hosts sharing a file system through flock).
+
+`file_lock` waits for the holder (used where every process needs the same result, such
+as one eager Hugging Face store built once); `exclusive_or_refuse` does not wait and
+names the holder (used where two writers would be a mistake, such as two `prepare`
+runs into one output directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from .errors import ForgeGrainError
+
+
+class LockedError(ForgeGrainError):
+    """Another process holds the lock on what this one wants to write."""
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Exclusive; waits for the holder."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def exclusive_or_refuse(path: Path, what: str):
+    """Exclusive; raises `LockedError` naming the holder (pid, host, start time) if held.
+
+    The lock file is removed on release, so nothing is left behind. A process that
+    locked a file another one was removing notices (the path no longer names its file)
+    and tries again, so two processes never both hold the lock.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockedError(f"{what} is being written by {_holder(path)}; wait for it to finish, or choose "
+                              "another output") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # locked a file that was being removed: take the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)  # releases the lock
+
+
+def _holder(path: Path) -> str:
+    try:
+        d = json.loads(path.read_text())
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"]))
+        return f"process {d['pid']} on {d['host']} (since {since})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
