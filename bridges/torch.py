@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from forge_grain import DataConfig, Pipeline, StateError
+from forge_grain.pipeline import STATE_VERSION
 
 CONVENTIONS = ("forge", "hf")
 IGNORE_INDEX = -100
@@ -155,6 +156,8 @@ class GrainIterableDataset(IterableDataset):
         if state.get("kind") == "worker":
             if state.get("fingerprint") != self.pipeline.fingerprint:
                 raise StateError("this state was saved by a pipeline with another config or other data")
+            inner = state.get("pipeline") or {"version": STATE_VERSION, "fingerprint": state["fingerprint"]}
+            self.pipeline.check_state({**inner, "step": state.get("next_step")})  # types, range, streams
         else:
             self.pipeline.check_state(state)
             state = {**state, "kind": "global"}

@@ -77,7 +77,7 @@ def train(args, resume: bool) -> dict:
     ckpt.parent.mkdir(exist_ok=True)
     start = 0
     if resume:
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"]), opt.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])
         start = state["step"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import ForgeGrainError
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except ForgeGrainError as e:
         print(f"forge-grain: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `forge-grain inspect ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -34,7 +34,8 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from . import kernels
+from . import foreign, kernels
+from .errors import PrepareError
 from .config import SourceConfig
 from .locks import file_lock
 from .manifest import save_npy_atomic, token_dtype, write_json_atomic
@@ -48,8 +49,14 @@ TOKENIZE_BATCH = 256
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    root = Path(cache_dir or os.environ.get("FORGE_GRAIN_CACHE", Path.home() / ".cache" / "forge_grain")) / "hf"
-    root.mkdir(parents=True, exist_ok=True)
+    root = Path(cache_dir or foreign.cache_root()) / "hf"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PrepareError(
+            f"{root}: cannot create the Hugging Face source cache ({e.strerror}); set FORGE_GRAIN_CACHE (or pass "
+            "cache_dir=) to a writable directory"
+        ) from None
     return root
 
 

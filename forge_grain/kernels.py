@@ -9,16 +9,50 @@ store's concatenated token space, with a loss-masked head of `skip` positions an
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import numba as nb
 import numpy as np
 
 NATURAL_END = np.uint8(1)
 
 
+def _numba_cache() -> bool:
+    """Whether compiled kernels can be cached, choosing a writable place for them first.
+
+    numba caches beside this module (`__pycache__`) or in a per-user directory; in a
+    read-only deployment (package and home both read-only) neither works and every
+    `cache=True` kernel would fail at first use. Then the cache goes to
+    `$NUMBA_CACHE_DIR` if set, else `$FORGE_GRAIN_CACHE/numba`, else a temporary directory;
+    with none writable, kernels compile on each start without caching.
+    """
+    if nb.config.CACHE_DIR:
+        return True
+    here = Path(__file__).parent
+    if os.access(here / "__pycache__" if (here / "__pycache__").is_dir() else here, os.W_OK):
+        return True
+    from .foreign import cache_root
+
+    for candidate in (cache_root() / "numba", Path(tempfile.gettempdir()) / f"forge_grain-numba-{os.getuid()}"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(candidate, os.W_OK):
+            nb.config.CACHE_DIR = str(candidate)
+            return True
+    return False
+
+
+CACHE = _numba_cache()
+
+
 # -- best-fit bins over integer capacities -------------------------------------------------
 
 
-@nb.njit(cache=True, inline="always")
+@nb.njit(cache=CACHE, inline="always")
 def _tree_add(tree, size, leaf, delta):
     i = size + leaf
     while i >= 1:
@@ -26,7 +60,7 @@ def _tree_add(tree, size, leaf, delta):
         i //= 2
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=CACHE)
 def _tree_find_ge(tree, size, leaf):
     """Smallest capacity >= leaf that has an open bin, or -1 (segment tree descent)."""
     i = size + leaf
@@ -42,7 +76,7 @@ def _tree_find_ge(tree, size, leaf):
     return -1
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=CACHE)
 def best_fit(item_len, cap):
     """Best-fit of items, in the given order, into bins of capacity `cap`: O(n log cap).
 
@@ -78,7 +112,7 @@ def best_fit(item_len, cap):
     return item_bin, fill[:nbins]
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=CACHE)
 def group_by_bin(item_bin, nbins):
     """Items ordered by bin (stable), and row_ptr over them."""
     counts = np.zeros(nbins + 1, np.int64)
@@ -97,7 +131,7 @@ def group_by_bin(item_bin, nbins):
 # -- items: what the packers place --------------------------------------------------------
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=CACHE)
 def split_items(offsets, order, seq_len, stride):
     """Documents in `order` as items of at most `seq_len` tokens (no token dropped).
 
@@ -134,7 +168,7 @@ def split_items(offsets, order, seq_len, stride):
     return start, ilen, skip, flags
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=CACHE)
 def plan_concat(offsets, order, seq_len):
     """Concatenate documents in `order`; row r is stream tokens [r*T, r*T + T + 1)."""
     lengths = np.empty(len(order), np.int64)
@@ -171,7 +205,7 @@ def plan_concat(offsets, order, seq_len):
     return row_ptr, start[:nseg], slen[:nseg], np.zeros(nseg, np.int32), flags[:nseg], total - rows * seq_len - 1
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=CACHE)
 def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
     """Fill every bin's gap with slices of the pool, in order. Returns the pieces and
     each piece's bin; pool tokens left over are the cropped ones."""
@@ -203,7 +237,7 @@ def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
 # -- gathering rows -----------------------------------------------------------------------
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=CACHE, nogil=True)
 def fill_rows(
     rows, dest, row_ptr, seg_start, seg_len, seg_skip, seg_flags, shards, shard_starts, seq_len, pad_id,
     inputs, targets, segment_ids, positions, loss_mask, natural_stop,
@@ -251,14 +285,14 @@ def fill_rows(
 # -- index shuffle --------------------------------------------------------------------------
 
 
-@nb.njit(cache=True, inline="always")
+@nb.njit(cache=CACHE, inline="always")
 def _mix64(x):
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
 
 
-@nb.njit(cache=True, inline="always")
+@nb.njit(cache=CACHE, inline="always")
 def _feistel(x, n, half, mask, k):
     while True:
         left = x >> half
@@ -271,7 +305,7 @@ def _feistel(x, n, half, mask, k):
             return x
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=CACHE, nogil=True)
 def epoch_rows(idx, n, seed_key, shuffle):
     """Plan rows of dataset indices: index i is row pi_e(i mod n) of epoch e = i // n, where
     pi_e is a seeded permutation of [0, n): O(1) memory, O(1) per index.
@@ -301,7 +335,7 @@ def epoch_rows(idx, n, seed_key, shuffle):
 # -- mixing -------------------------------------------------------------------------------
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=CACHE, nogil=True)
 def mix_locate(rows, phase_rows, left, right, leaf_source, node_weight, base):
     """Source and rank-within-source of each global mixture row: O(log m) per row.
 
@@ -332,7 +366,7 @@ def mix_locate(rows, phase_rows, left, right, leaf_source, node_weight, base):
     return src, rank
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=CACHE)
 def mix_counts(total, left, right, leaf_source, node_weight_p, num_sources):
     """Rows each source receives among the first `total` rows of one phase."""
     n = len(left)

@@ -15,6 +15,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,9 @@ FORMAT = "forge-grain-token-store"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LAYOUTS = ("bin", "arrayrecord")
+DTYPES = ("<u2", "<u4")  # what `token_dtype` writes
+_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+_TEMPORARY = re.compile(r"^\..+\.(?:tmp|stale)-(?:(?P<host>[A-Za-z0-9_]+)-)?(?P<pid>\d+)$")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -48,14 +54,50 @@ def fsync_rename(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+def temporary(path: Path, kind: str = "tmp") -> Path:
+    """Where `path` is written before its rename: hidden, and named for this host and process,
+    so a later run can tell a dead process's leftovers from a live one's work."""
+    return path.with_name(f".{path.name}.{kind}-{_HOST}-{os.getpid()}")
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove temporaries (files or directories) that a process of this host left when it
+    died (a kill, a full disk); those of live processes and of other hosts stay."""
+    removed = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMPORARY.match(entry.name)
+        if not m or (m["host"] or _HOST) != _HOST or _alive(int(m["pid"])):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary(path)
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     fsync_rename(tmp, path)
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary(path)
     with open(tmp, "wb") as f:
         np.save(f, array)
     fsync_rename(tmp, path)
@@ -90,7 +132,11 @@ class Manifest:
         return {"format": FORMAT, **d}
 
     @classmethod
-    def from_json(cls, d: dict, where: Path) -> "Manifest":
+    def from_json(cls, d: Any, where: Path) -> "Manifest":
+        """Parse and validate: every key present with its type, shard files confined to the
+        store directory and listed once, counts that add up. Messages name the key."""
+        if not isinstance(d, dict):
+            raise StoreError(f"{where}: a manifest is a JSON object, not a {type(d).__name__}")
         if d.get("format") != FORMAT:
             raise StoreError(f"{where}: not a forge-grain token store manifest (format={d.get('format')!r})")
         if d.get("version") != VERSION:
@@ -102,10 +148,34 @@ class Manifest:
         missing = fields - set(d) - {"source"}
         if missing:
             raise StoreError(f"{where}: manifest lacks {sorted(missing)}")
-        if d["layout"] not in LAYOUTS:
-            raise StoreError(f"{where}: unknown layout {d['layout']!r} (expected one of {LAYOUTS})")
+        extra = set(d) - fields - {"format"}
+        if extra:
+            raise StoreError(f"{where}: manifest has unknown key(s) {sorted(extra)}")
+        check = _Checker(where)
+        check.choice("layout", d["layout"], LAYOUTS)
+        check.choice("dtype", d["dtype"], DTYPES)
+        check.count("vocab_size", d["vocab_size"], minimum=1)
+        for key in ("bos_id", "eos_id"):
+            if d[key] is not None:
+                check.count(key, d[key])
+                if d[key] >= d["vocab_size"]:
+                    raise StoreError(f"{where}: {key} {d[key]} is not below vocab_size {d['vocab_size']}")
+        check.kind("tokenizer", d["tokenizer"], dict)
+        check.kind("source", d.get("source", {}), dict)
+        check.count("num_documents", d["num_documents"])
+        check.count("num_tokens", d["num_tokens"])
+        check.kind("shards", d["shards"], list)
+        shards = tuple(check.shard(i, s) for i, s in enumerate(d["shards"]))
+        names = [n for s in shards for n in (s.tokens, s.index)]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise StoreError(f"{where}: shards list {repeated} more than once")
+        for key, total in (("num_documents", sum(s.num_documents for s in shards)),
+                           ("num_tokens", sum(s.num_tokens for s in shards))):
+            if d[key] != total:
+                raise StoreError(f"{where}: {key} is {d[key]}, but its shards add up to {total}")
         kw = {k: d[k] for k in fields if k in d}
-        kw["shards"] = tuple(ShardInfo(**s) for s in d["shards"])
+        kw["shards"] = shards
         return cls(**kw)
 
     @classmethod
@@ -121,3 +191,45 @@ class Manifest:
 
     def save(self, directory: Path) -> None:
         write_json_atomic(Path(directory) / MANIFEST_NAME, self.to_json())
+
+
+class _Checker:
+    """Type checks for manifest values; each failure names the key and the manifest."""
+
+    def __init__(self, where: Path):
+        self.where = where
+
+    def fail(self, key: str, problem: str):
+        raise StoreError(f"{self.where}: {key} {problem}")
+
+    def kind(self, key: str, value, kind: type) -> None:
+        if not isinstance(value, kind):
+            self.fail(key, f"must be a {kind.__name__}, not {type(value).__name__} {str(value)[:60]!r}")
+
+    def count(self, key: str, value, minimum: int = 0) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            self.fail(key, f"must be an integer >= {minimum}, not {value!r}")
+
+    def choice(self, key: str, value, choices) -> None:
+        if value not in choices:
+            self.fail(key, f"is {value!r}; this forge-grain reads {list(choices)}")
+
+    def file_name(self, key: str, value) -> None:
+        """A plain file name in the store directory: no directories, no way out of it."""
+        self.kind(key, value, str)
+        if not value or value in (".", "..") or "/" in value or "\\" in value or "\x00" in value:
+            self.fail(key, f"must name a file inside the store directory, not {value!r}")
+
+    def shard(self, i: int, s) -> ShardInfo:
+        key = f"shards[{i}]"
+        self.kind(key, s, dict)
+        want = {f.name for f in dataclasses.fields(ShardInfo)}
+        if set(s) != want:
+            self.fail(key, f"must have exactly the keys {sorted(want)}, not {sorted(s)}")
+        self.file_name(f"{key}.tokens", s["tokens"])
+        self.file_name(f"{key}.index", s["index"])
+        self.count(f"{key}.num_documents", s["num_documents"])
+        self.count(f"{key}.num_tokens", s["num_tokens"])
+        if not (isinstance(s["sha256"], str) and len(s["sha256"]) == 64 and all(c in "0123456789abcdef" for c in s["sha256"])):
+            self.fail(f"{key}.sha256", f"must be 64 lowercase hex digits, not {s['sha256']!r}")
+        return ShardInfo(**s)

@@ -20,6 +20,7 @@ from .buffers import BufferPool
 from .packed import PackedDataset, empty_rows
 
 WEIGHT_SCALE = 1 << 20  # integer weight resolution; rows per phase must stay below 2**43
+MAX_ROWS = 1 << 43  # row indices past this would overflow the int64 weight arithmetic
 
 
 def _tree(m: int):

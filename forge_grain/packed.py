@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -12,11 +13,13 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from . import kernels
+from . import foreign, kernels
 from .buffers import BufferPool
+from .manifest import remove_stale_temporaries, temporary
 from .packing import PLAN_VERSION, ROW_KEYS, PackingPlan, plan
 from .store import TokenStore
 
+log = logging.getLogger(__name__)
 MASK_KEYS = ("loss_mask", "natural_stop")
 
 
@@ -52,14 +55,13 @@ def pack(
     (`shuffle=False`: plan order).
     """
     store = store if isinstance(store, TokenStore) else TokenStore.open(store)
-    directory = plan_cache_dir(store, cache_dir) / plan_key(store, seq_len, strategy, seed, stride)
-    p = _load_valid(directory, store)
+    cache = plan_cache_dir(store, cache_dir)
+    directory = cache / plan_key(store, seq_len, strategy, seed, stride) if cache is not None else None
+    p = _load_valid(directory, store, seq_len, strategy)
     if p is None:
         p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id)
-        if _load_valid(directory, store) is None:  # another process may have saved it meanwhile
-            _discard(directory)
-            p.save(directory)
-        p = _load_valid(directory, store) or p
+        directory = _save(p, directory, store, seq_len, strategy)
+        p = _load_valid(directory, store, seq_len, strategy) or p  # memory-mapped when saved
     return PackedDataset(store, p, seed=seed, shuffle=shuffle, num_epochs=num_epochs, pad_id=pad_id, plan_dir=directory)
 
 
@@ -70,34 +72,74 @@ def plan_key(store: TokenStore, seq_len: int, strategy: str, seed: int, stride: 
     return f"{strategy}-{seq_len}-{h.hexdigest()[:20]}"
 
 
-def plan_cache_dir(store: TokenStore, cache_dir: str | Path | None) -> Path:
+def plan_cache_dir(store: TokenStore, cache_dir: str | Path | None) -> Path | None:
+    """Where plans are cached: `cache_dir`, else `.plans` beside the store, else under
+    `$FORGE_GRAIN_CACHE` (default `~/.cache/forge_grain`) when the store is read-only;
+    None (plans stay in memory, with a warning) when none of them can be written.
+    Stale temporaries of processes that died while saving are removed on the way."""
     if cache_dir is not None:
-        return Path(cache_dir)
-    home = store.path if store.path.is_dir() else store.path.parent
-    if os.access(home, os.W_OK):
-        return home / ".plans"
-    tag = hashlib.sha256(str(store.path.resolve()).encode()).hexdigest()[:16]
-    return Path(os.environ.get("FORGE_GRAIN_CACHE", Path.home() / ".cache" / "forge_grain")) / "plans" / tag
+        candidates = [Path(cache_dir)]
+    else:
+        home = store.path if store.path.is_dir() else store.path.parent
+        tag = hashlib.sha256(str(store.path.resolve()).encode()).hexdigest()[:16]
+        candidates = [home / ".plans", foreign.cache_root() / "plans" / tag]
+    for directory in candidates:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(directory, os.W_OK):
+            remove_stale_temporaries(directory)
+            return directory
+    existing = [c for c in candidates if c.is_dir()]
+    if existing:  # read-only, but may hold plans saved earlier (a fresh plan stays in memory)
+        return existing[0]
+    log.warning("forge-grain: no writable plan cache (%s); plans of %s are kept in memory and rebuilt by each process",
+                ", ".join(map(str, candidates)), store.path)
+    return None
 
 
-def _load_valid(directory: Path, store: TokenStore) -> PackingPlan | None:
-    """The cached plan if present and consistent with the store, else None (rebuild)."""
-    if not (directory / "plan.json").exists():
+def _save(p: PackingPlan, directory: Path | None, store, seq_len: int, strategy: str) -> Path | None:
+    """Save a fresh plan unless another process saved a valid one meanwhile; None when it
+    cannot be saved (a read-only or full disk: the plan stays in memory, with a warning)."""
+    if directory is None:
+        return None
+    if _load_valid(directory, store, seq_len, strategy, quiet=True) is not None:
+        return directory
+    try:
+        _discard(directory)
+        p.save(directory)
+        return directory
+    except OSError as e:
+        log.warning("forge-grain: cannot save the packing plan to %s (%s); it is kept in memory", directory, e)
+        return None
+
+
+def _load_valid(directory: Path | None, store: TokenStore, seq_len: int, strategy: str,
+                quiet: bool = False) -> PackingPlan | None:
+    """The cached plan if present, matching its checksum and parameters, and consistent with
+    the store; else None (rebuild, logged)."""
+    if directory is None or not (directory / "plan.json").exists():
         return None
     try:
         p = PackingPlan.load(directory)
-    except (OSError, ValueError, KeyError):
-        return None
-    ends = np.asarray(p.seg_start) + np.asarray(p.seg_len)
-    if len(p.row_ptr) < 1 or p.row_ptr[-1] != len(p.seg_start) or (len(ends) and ends.max() > store.num_tokens):
-        return None
-    return p
+        ends = np.asarray(p.seg_start) + np.asarray(p.seg_len)
+        ok = (p.seq_len == seq_len and p.strategy == strategy and len(p.row_ptr) >= 1
+              and p.row_ptr[-1] == len(p.seg_start) and not (len(ends) and ends.max() > store.num_tokens))
+        problem = None if ok else "its parameters or extent disagree with the store"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = str(e)
+    if problem is None:
+        return p
+    if not quiet:
+        log.warning("forge-grain: rebuilding the packing plan in %s (%s)", directory, problem)
+    return None
 
 
 def _discard(directory: Path) -> None:
     """Move an invalid cached plan out of the way (atomically), then delete it."""
     if directory.exists():
-        trash = directory.with_name(f".{directory.name}.stale-{os.getpid()}")
+        trash = temporary(directory, "stale")
         try:
             os.rename(directory, trash)
         except OSError:

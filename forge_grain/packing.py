@@ -15,6 +15,7 @@ with one plan, any row of any epoch is O(1) to find, which exact resume relies o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -25,10 +26,11 @@ import numpy as np
 
 from . import kernels
 from .errors import ForgeGrainError
+from .manifest import temporary
 from .store import TokenStore
 
 STRATEGIES = ("concat", "bos_bestfit", "bestfit")
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: plan.json carries a checksum
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop")
 _ARRAYS = ("row_ptr", "seg_start", "seg_len", "seg_skip", "seg_flags")
 
@@ -55,25 +57,44 @@ class PackingPlan:
         return len(self.row_ptr) - 1
 
     def save(self, directory: Path) -> None:
-        """Write atomically: a temporary directory renamed into place (first writer wins)."""
-        tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+        """Write atomically: a temporary directory renamed into place (first writer wins).
+
+        `plan.json` carries a checksum of the arrays and the parameters; `load` refuses a
+        plan that does not match it, so an edited or damaged plan is never used.
+        """
+        tmp = temporary(directory)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for name in _ARRAYS:
-            np.save(tmp / f"{name}.npy", getattr(self, name))
-        meta = {"strategy": self.strategy, "seq_len": self.seq_len, "stats": self.stats, "version": PLAN_VERSION}
-        (tmp / "plan.json").write_text(json.dumps(meta, indent=2))
         try:
+            for name in _ARRAYS:
+                np.save(tmp / f"{name}.npy", getattr(self, name))
+            meta = {"strategy": self.strategy, "seq_len": self.seq_len, "stats": self.stats, "version": PLAN_VERSION,
+                    "checksum": self.checksum()}
+            (tmp / "plan.json").write_text(json.dumps(meta, indent=2))
             os.rename(tmp, directory)
-        except OSError:  # another process saved the same plan first
+        except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
+            if not (directory / "plan.json").exists():
+                raise  # not a lost race with another writer: a full disk, a read-only directory
+        # else another process saved the same plan first
+
+    def checksum(self) -> str:
+        h = hashlib.sha256(json.dumps([PLAN_VERSION, self.strategy, self.seq_len]).encode())
+        for name in _ARRAYS:
+            a = np.ascontiguousarray(getattr(self, name))
+            h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+            h.update(memoryview(a).cast("B"))
+        return h.hexdigest()
 
     @classmethod
     def load(cls, directory: Path) -> "PackingPlan":
         meta = json.loads((directory / "plan.json").read_text())
         # memory-mapped, as plain ndarray views (np.memmap's subclass overhead is per call)
         arrays = {name: np.asarray(np.load(directory / f"{name}.npy", mmap_mode="r")) for name in _ARRAYS}
-        return cls(meta["strategy"], meta["seq_len"], stats=meta["stats"], **arrays)
+        p = cls(meta["strategy"], meta["seq_len"], stats=meta["stats"], **arrays)
+        if meta.get("version") != PLAN_VERSION or meta.get("checksum") != p.checksum():
+            raise ValueError(f"{directory}: the plan does not match its checksum")
+        return p
 
 
 def plan(

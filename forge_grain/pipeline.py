@@ -19,11 +19,12 @@ import numpy as np
 
 from .config import ConfigError, DataConfig
 from .errors import ForgeGrainError
-from .mixture import Mixture
+from .mixture import MAX_ROWS, Mixture
 from .packed import pack
 from .store import TokenStore
 
 STATE_VERSION = 1
+STREAM_STATE_KEYS = {"epoch", "window", "stream", "row_index", "emitted"}
 
 
 class StateError(ForgeGrainError):
@@ -114,6 +115,8 @@ class Pipeline:
         schedule = config.schedule()
         self.rows_per_epoch = sum(d.num_rows for d in self.datasets)
         self.num_steps = None if config.num_epochs is None else int(config.num_epochs * self.rows_per_epoch) // B
+        # the last step the mixing arithmetic can reach (unlimited epochs end there)
+        self.step_limit = self.num_steps if self.num_steps is not None else MAX_ROWS // B
         if self.num_steps == 0:
             raise ConfigError(
                 f"global_batch_size {B} is larger than the {self.rows_per_epoch} rows of num_epochs={config.num_epochs}"
@@ -180,8 +183,8 @@ class Pipeline:
 
         With streaming sources, steps must come in order (restore a state to go back).
         """
-        if step < 0 or (self.num_steps is not None and step >= self.num_steps):
-            raise IndexError(f"step {step} is outside [0, {self.num_steps})")
+        if step < 0 or step >= self.step_limit:
+            raise IndexError(f"step {step} is outside [0, {self.step_limit})")
         if self.streams and step != self._stream_step:
             raise StateError(f"streaming sources are read in order: the next step is {self._stream_step}, not {step}")
         out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
@@ -243,7 +246,8 @@ class Pipeline:
         if self.streams:
             if step not in self._stream_states:
                 raise StateError(f"no stream state recorded for step {step}")
-            state.update(streams=self._stream_states[step], shard=[self.shard_index, self.shard_count])
+            streams = self._stream_states[step]
+            state.update(streams=streams, shard=[self.shard_index, self.shard_count], streams_sha256=_digest(streams))
         return state
 
     def check_state(self, state: dict) -> int:
@@ -253,23 +257,42 @@ class Pipeline:
         if state.get("version") != STATE_VERSION:
             raise StateError(f"pipeline state version {state.get('version')!r} is not {STATE_VERSION}")
         if state["fingerprint"] != self.fingerprint:
-            saved = state.get("config", {})
+            saved = state.get("config") if isinstance(state.get("config"), dict) else {}
             diff = sorted(k for k in set(saved) | set(self._summary) if saved.get(k) != self._summary.get(k))
             raise StateError(
                 "this state was saved by a pipeline with another config or other data; differing: "
                 f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch. "
                 "What may not: sources and their data, weights, phases, seq_len, global_batch_size, seed, num_epochs."
             )
-        step = int(state["step"])
-        if step < 0 or (self.num_steps is not None and step > self.num_steps):
-            raise StateError(f"state step {step} is outside [0, {self.num_steps}]")
-        if self.streams and state.get("shard") != [self.shard_index, self.shard_count]:
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise StateError(f"state step must be an integer, not {type(step).__name__} {step!r}")
+        step = int(step)
+        if not 0 <= step <= self.step_limit:
+            raise StateError(f"state step {step} is outside [0, {self.step_limit}]")
+        if self.streams:
+            self._check_stream_state(state)
+        return step
+
+    def _check_stream_state(self, state: dict) -> None:
+        if state.get("shard") != [self.shard_index, self.shard_count]:
             raise StateError(
                 f"streaming sources resume exactly only on the shard that saved the state (saved on shard "
                 f"{state.get('shard')}, this is shard [{self.shard_index}, {self.shard_count}]): documents are "
                 "dealt to shards by their count. Stored sources resume on any shard count."
             )
-        return step
+        streams = state.get("streams")
+        if not isinstance(streams, list) or len(streams) != len(self.streams):
+            raise StateError(f"state 'streams' must list {len(self.streams)} stream state(s), got {str(streams)[:200]}")
+        if state.get("streams_sha256") != _digest(streams):
+            raise StateError("state 'streams' does not match its checksum: the state was changed after it was saved")
+        for i, st in enumerate(streams):
+            if not isinstance(st, dict) or set(st) != STREAM_STATE_KEYS:
+                raise StateError(f"state streams[{i}] must have the keys {sorted(STREAM_STATE_KEYS)}, got {str(st)[:200]}")
+            bad = [k for k in STREAM_STATE_KEYS - {"stream"} if isinstance(st[k], bool) or not isinstance(st[k], int)
+                   or st[k] < 0]
+            if bad or not isinstance(st["stream"], str):
+                raise StateError(f"state streams[{i}]: {sorted(bad) or ['stream']} have the wrong type or sign")
 
     def __reduce__(self):
         # worker processes rebuild it from the config (plans come from the on-disk cache)
@@ -283,6 +306,10 @@ def _rebuild(config, shard_index, shard_count, cache_dir, dtype):
 def _data_id(store) -> str:
     """The store's content fingerprint, or a streaming source's identity (dataset, files, tokenizer)."""
     return store.fingerprint if isinstance(store, TokenStore) else store.key
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def _source_seed(seed: int, name: str) -> int:
@@ -349,8 +376,9 @@ class PipelineIterator(grain.DatasetIterator):
         """The step of the next batch."""
         return self._step
 
-    def close(self) -> None:
-        if sys.is_finalizing():  # called from __del__ at exit: threads and processes are going anyway
+    def close(self, _finalizing=sys.is_finalizing) -> None:
+        # bound at definition: at interpreter exit module globals such as `sys` may already be None
+        if _finalizing():  # called from __del__ at exit: threads and processes are going anyway
             return
         if self._pool is not None:
             self._pool.close()

@@ -32,6 +32,7 @@ from .manifest import (
     fsync_rename,
     save_npy_atomic,
     sha256_file,
+    temporary,
     token_dtype,
     write_json_atomic,
 )
@@ -124,7 +125,6 @@ def prepare(
     if not 1 <= num_shards <= len(ds):
         raise PrepareError(f"num_shards must be between 1 and the {len(ds)} documents, not {num_shards}")
 
-    out = Path(output)
     dtype = token_dtype(vocab_size)
     settings = {
         "input": _input_name(source),
@@ -146,43 +146,56 @@ def prepare(
         "num_shards": num_shards,
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    out.mkdir(parents=True, exist_ok=True)
-    with exclusive_or_refuse(out / LOCK_NAME, str(out)):  # one writer per output directory
-        if _already_prepared(out, key, settings, overwrite):
-            return out
-        _clean(out, remove_all=overwrite)
-        job = _Job(
-            str(out), key, token_field or text_field, tokens, list_separator, layout, dtype.str, vocab_size,
-            (bos,) if add_bos else (), (eos,) if add_eos else (),
-            bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source),
-        )
-        bounds = [len(ds) * i // num_shards for i in range(num_shards + 1)]
-        ranges = list(zip(bounds[:-1], bounds[1:]))
-        done = {i: info for i in range(num_shards) if (info := _done_info(out, i, key))}
-        todo = [(i, *ranges[i]) for i in range(num_shards) if i not in done]
-        with _Progress(len(ds), sum(b - a for i, a, b in todo), progress, out) as bar:
-            for i, info in _run_shards(corpus, tok, job, todo, num_proc, bar):
-                done[i] = info
-        shards = [ShardInfo(**{k: v for k, v in done[i].items() if k != "skipped"}) for i in range(num_shards)]
-        num_docs = sum(s.num_documents for s in shards)
-        if num_docs == 0:
-            raise PrepareError(f"{source}: every document is empty; nothing to prepare")
-        Manifest(
-            layout=layout,
-            dtype=dtype.str,
-            vocab_size=vocab_size,
-            # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
-            bos_id=bos if add_bos or job.starts_with is not None else None,
-            eos_id=eos if add_eos or job.ends_with is not None else None,
-            tokenizer=tok.identity if tok else {"path": None, "sha256": None, "vocab_size": vocab_size},
-            num_documents=num_docs,
-            num_tokens=sum(s.num_tokens for s in shards),
-            shards=tuple(shards),
-            source={**settings, "key": key, "skipped_empty": sum(done[i]["skipped"] for i in range(num_shards))},
-        ).save(out)
-        for i in range(num_shards):
-            _done_path(out, i).unlink(missing_ok=True)
+    job = _Job(
+        str(out), key, token_field or text_field, tokens, list_separator, layout, dtype.str, vocab_size,
+        (bos,) if add_bos else (), (eos,) if add_eos else (),
+        bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source),
+    )
+    recorded = {  # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
+        "bos_id": bos if add_bos or job.starts_with is not None else None,
+        "eos_id": eos if add_eos or job.ends_with is not None else None,
+        "tokenizer": tok.identity if tok else {"path": None, "sha256": None, "vocab_size": vocab_size},
+    }
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with exclusive_or_refuse(out / LOCK_NAME, str(out)):  # one writer per output directory
+            if not _already_prepared(out, key, settings, overwrite):
+                _clean(out, remove_all=overwrite)
+                _write_store(corpus, tok, job, settings, recorded, num_shards, num_proc, progress)
+    except OSError as e:  # a full disk, a read-only or vanished directory: name the file, keep what is done
+        raise PrepareError(
+            f"{e.filename or out}: {e.strerror or e} while writing the store; the shards already finished are kept, "
+            "and re-running the same command (once the cause is fixed) completes it"
+        ) from None
     return out
+
+
+def _write_store(corpus, tok, job: _Job, settings: dict, recorded: dict, num_shards: int, num_proc: int,
+                 progress: bool) -> None:
+    """Write the shards not done yet, then the manifest (under the output's lock)."""
+    out, n = Path(job.out), len(corpus.ds)
+    bounds = [n * i // num_shards for i in range(num_shards + 1)]
+    done = {i: info for i in range(num_shards) if (info := _done_info(out, i, job.key))}
+    todo = [(i, bounds[i], bounds[i + 1]) for i in range(num_shards) if i not in done]
+    with _Progress(n, sum(b - a for i, a, b in todo), progress, out) as bar:
+        for i, info in _run_shards(corpus, tok, job, todo, num_proc, bar):
+            done[i] = info
+    shards = [ShardInfo(**{k: v for k, v in done[i].items() if k != "skipped"}) for i in range(num_shards)]
+    num_docs = sum(s.num_documents for s in shards)
+    if num_docs == 0:
+        raise PrepareError(f"{job.source}: every document is empty; nothing to prepare")
+    Manifest(
+        layout=job.layout,
+        dtype=job.dtype,
+        vocab_size=job.vocab_size,
+        num_documents=num_docs,
+        num_tokens=sum(s.num_tokens for s in shards),
+        shards=tuple(shards),
+        source={**settings, "key": job.key, "skipped_empty": sum(d["skipped"] for d in done.values())},
+        **recorded,
+    ).save(out)
+    for i in range(num_shards):
+        _done_path(out, i).unlink(missing_ok=True)
 
 
 def _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id, special_tokens_in_text):
@@ -260,7 +273,7 @@ def _already_prepared(out: Path, key: str, settings: dict, overwrite: bool) -> b
 def _clean(out: Path, remove_all: bool) -> None:
     """Remove temporaries of interrupted runs (and, with `remove_all`, every shard file)."""
     for f in out.iterdir():
-        if f.name.startswith(".shard-") and ".tmp-" in f.name:
+        if f.name.startswith(".") and ".tmp-" in f.name:  # under the output's lock: no live writer owns it
             f.unlink()
         elif remove_all and f.name.startswith("shard-"):
             f.unlink()
@@ -410,7 +423,7 @@ def _write_shard(corpus, tok: TextTokenizer | None, job: _Job, task, report) -> 
     i, start, stop = task
     out = Path(job.out)
     name = shard_name(i, job.layout)
-    tmp = out / f".{name}.tmp-{os.getpid()}"
+    tmp = temporary(out / name)
     dtype = np.dtype(job.dtype)
     lengths, skipped = [], 0
     sink = _BinSink(tmp) if job.layout == "bin" else _RecordSink(tmp)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -80,11 +81,13 @@ class TokenStore:
         self._files = [self.path / s.tokens for s in m.shards]
         offsets = []
         for shard, file in zip(m.shards, self._files):
-            if not file.exists():
-                raise StoreError(f"{file}: shard listed in {self.path / MANIFEST_NAME} is missing")
+            _require_regular(file, f"shard listed in {self.path / MANIFEST_NAME}")
+            _require_regular(self.path / shard.index, f"index listed in {self.path / MANIFEST_NAME}")
             if m.layout == "bin":
                 self._arrays.append(self._map_bin_shard(file, shard))
             offsets.append(self._load_index(self.path / shard.index, shard))
+            if m.layout == "arrayrecord":
+                self._check_records(file, shard, offsets[-1])
         if m.layout == "arrayrecord":
             import grain  # lazy: only this layout needs it at open time
 
@@ -112,6 +115,36 @@ class TokenStore:
                     f"{self.path}: {key}={value!r} was declared, but the store's {MANIFEST_NAME} records "
                     f"{recorded[key]!r}"
                 )
+
+    def _check_records(self, file: Path, shard, offsets: np.ndarray) -> None:
+        """The record count, and the first and last records' sizes, agree with the manifest and
+        index: a truncated, damaged or swapped shard is named at open, not at gather time."""
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        try:
+            reader = ArrayRecordReader(str(file))
+        except RuntimeError as e:
+            raise StoreError(f"{file}: unreadable ArrayRecord shard ({e})") from None
+        try:
+            n = reader.num_records()
+            if n != shard.num_documents:
+                raise StoreError(
+                    f"{file}: holds {n} records, but {MANIFEST_NAME} lists {shard.num_documents} for this shard; "
+                    "the shard is truncated, damaged or another shard's (re-run `forge-grain prepare`)"
+                )
+            if n:
+                first, last = reader.read([0, n - 1])
+                item = self.dtype.itemsize
+                sizes = (int(offsets[1] - offsets[0]) * item, int(offsets[-1] - offsets[-2]) * item)
+                if (len(first), len(last)) != sizes:
+                    raise StoreError(
+                        f"{file}: its records disagree with {shard.index} (first/last sizes {len(first)}/{len(last)} "
+                        f"bytes, index says {sizes[0]}/{sizes[1]}); shards were swapped or replaced"
+                    )
+        except RuntimeError as e:
+            raise StoreError(f"{file}: damaged ArrayRecord shard ({e})") from None
+        finally:
+            reader.close()
 
     def _map_bin_shard(self, file: Path, shard) -> np.ndarray:
         size = file.stat().st_size
@@ -195,7 +228,10 @@ class TokenStore:
         if not 0 <= i < n:
             raise IndexError(f"document {i} out of range for a store of {n} documents")
         if self._records is not None:
-            return np.frombuffer(self._records[i], dtype=self.dtype)
+            try:
+                return np.frombuffer(self._records[i], dtype=self.dtype)
+            except RuntimeError as e:
+                raise StoreError(f"{self._files[self.shard_of(i)]}: cannot read document {i} ({e})") from None
         s = self.shard_of(i)
         base = self._shard_token_starts[s]
         return self._arrays[s][self._offsets[i] - base : self._offsets[i + 1] - base]
@@ -290,6 +326,16 @@ class TokenStore:
             f"TokenStore({str(self.path)!r}, layout={self.layout}, documents={len(self)}, "
             f"tokens={self.num_tokens}, dtype={self.dtype}, vocab_size={self.vocab_size})"
         )
+
+
+def _require_regular(file: Path, what: str) -> None:
+    """A regular file (after links), never a device, a FIFO or a directory that would hang or mislead reads."""
+    try:
+        mode = file.stat().st_mode
+    except FileNotFoundError:
+        raise StoreError(f"{file}: {what} is missing") from None
+    if not stat.S_ISREG(mode):
+        raise StoreError(f"{file}: {what} is not a regular file")
 
 
 def _reopen(cls, path, options):

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
 from .errors import StoreError
-from .manifest import MANIFEST_NAME, Manifest, ShardInfo, fsync_rename, save_npy_atomic, sha256_file, token_dtype
+from .manifest import (
+    MANIFEST_NAME, Manifest, ShardInfo, fsync_rename, save_npy_atomic, sha256_file, temporary, token_dtype,
+)
 
 
 def write_store(
@@ -29,7 +30,7 @@ def write_store(
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     dtype = token_dtype(vocab_size)
-    tmp = out / f".shard-00000.bin.tmp-{os.getpid()}"
+    tmp = temporary(out / "shard-00000.bin")
     lengths = []
     with open(tmp, "wb") as f:
         for i, doc in enumerate(documents):
