@@ -20,7 +20,7 @@ def _prepare(a) -> None:
         list_separator=_unescape(a.join_lists), special_tokens_in_text=a.special_tokens_in_text,
         add_bos=a.bos, add_eos=a.eos, bos_token=a.bos_token, eos_token=a.eos_token, bos_id=a.bos_id,
         eos_id=a.eos_id, layout=a.layout, num_shards=a.num_shards, num_proc=a.num_proc, overwrite=a.overwrite,
-        progress=not a.quiet,
+        progress=not a.quiet, piece_chars=a.piece_chars,
     )
     print(format_summary(TokenStore.open(out)))
 
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--num-shards", type=int, help="shards to write (default: about 64 MiB of text each)")
     pr.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default: 1)")
     pr.add_argument("--overwrite", action="store_true", help="replace a store prepared with other settings")
+    pr.add_argument("--piece-chars", type=int, default=1 << 20,
+                    help="tokenize longer documents in pieces of about this many characters, with the same ids; "
+                    "bounds memory at ~150 bytes per token of a piece (default: 1048576)")
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=_prepare)
 

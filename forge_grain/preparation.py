@@ -61,6 +61,7 @@ class _Job:
     starts_with: int | None  # a declared BOS every pre-tokenized document must already start with
     ends_with: int | None
     source: str
+    piece_chars: int = 1 << 20  # longer texts are tokenized in pieces of about this many characters
 
 
 def prepare(
@@ -88,6 +89,7 @@ def prepare(
     num_proc: int = 1,
     overwrite: bool = False,
     progress: bool = True,
+    piece_chars: int = 1 << 20,
 ) -> Path:
     """Tokenize `source` (see `forge_grain.texts.load_corpus`) into a token store at `output`.
 
@@ -97,7 +99,10 @@ def prepare(
     `list_separator`. Pre-tokenized ids (`token_field`): written as they are, checked
     against `vocab_size` (or the `tokenizer`'s); `bos_id`/`eos_id` declare the special
     ids the documents carry (checked), and `add_bos`/`add_eos` add them. Whitespace-only
-    documents are skipped and counted. Returns the store's path (`TokenStore.open` it).
+    documents are skipped and counted. A text longer than `piece_chars` is tokenized in
+    pieces with the same ids (see `TextTokenizer.encode_long`), so memory is bounded by
+    the piece (about 150 bytes a token), not the largest document.
+    Returns the store's path (`TokenStore.open` it).
     """
     from .texts import load_corpus
 
@@ -105,6 +110,8 @@ def prepare(
         raise PrepareError(f"unknown layout {layout!r} (choose one of {LAYOUTS})")
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
         raise PrepareError(f"num_shards must be a positive integer, not {num_shards!r}")
+    if not isinstance(piece_chars, int) or piece_chars < 1024:
+        raise PrepareError(f"piece_chars must be an integer of at least 1024, not {piece_chars!r}")
     tokens = token_field is not None
     tok, vocab_size, bos, eos = _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id,
                                              special_tokens_in_text)
@@ -149,7 +156,7 @@ def prepare(
     job = _Job(
         str(out), key, token_field or text_field, tokens, list_separator, layout, dtype.str, vocab_size,
         (bos,) if add_bos else (), (eos,) if add_eos else (),
-        bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source),
+        bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source), piece_chars,
     )
     recorded = {  # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
         "bos_id": bos if add_bos or job.starts_with is not None else None,
@@ -363,8 +370,15 @@ def _text_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np.
     texts = [document_text(v, lambda r=lo + j: corpus.where(r), job.list_separator)
              for j, v in enumerate(_column(corpus, job.field, lo, hi))]
     keep = [(lo + j, t) for j, t in enumerate(texts) if t]
-    ids = tok.encode_batch([t for _, t in keep]) if keep else []
-    return [(row, np.asarray(list(job.bos) + doc + list(job.eos), np.int64)) for (row, _), doc in zip(keep, ids)]
+    short = [t for _, t in keep if len(t) <= job.piece_chars]
+    encoded = iter(tok.encode_batch(short) if short else [])
+    docs = []
+    for row, text in keep:
+        if len(text) <= job.piece_chars:
+            docs.append((row, np.asarray([*job.bos, *next(encoded), *job.eos], np.int64)))
+        else:
+            docs.append((row, tok.encode_long(text, job.piece_chars, job.bos, job.eos)))
+    return docs
 
 
 def _column(corpus, field: str, lo: int, hi: int) -> list:
@@ -434,7 +448,7 @@ def _write_shard(corpus, tok: TextTokenizer | None, job: _Job, task, report) -> 
                     raise PrepareError(
                         f"{corpus.where(row)}: tokenizes to id {int(arr.max())}, at or past vocab_size {job.vocab_size}"
                     )
-                sink.write(arr.astype(dtype))
+                sink.write(arr.astype(dtype, copy=False))
                 lengths.append(len(arr))
             skipped += rows - len(docs)
             report((rows, sum(len(d) for _, d in docs)))

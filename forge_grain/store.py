@@ -144,7 +144,10 @@ class TokenStore:
         except RuntimeError as e:
             raise StoreError(f"{file}: damaged ArrayRecord shard ({e})") from None
         finally:
-            reader.close()
+            try:
+                reader.close()
+            except RuntimeError:  # closing a damaged file reports the damage again
+                pass
 
     def _map_bin_shard(self, file: Path, shard) -> np.ndarray:
         size = file.stat().st_size

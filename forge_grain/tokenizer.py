@@ -5,11 +5,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
+
+import numpy as np
 
 from .errors import PrepareError
 
 DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer.json"
+
+_CUTS = re.compile(r"(?<=\S) (?=\S)|\n(?=\S)")  # candidate cuts: before a lone space, after a newline
+_CUT_CONTEXT = 256
+_PIECES_AT_ONCE = 4
 
 _BOS_NAMES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
@@ -50,6 +57,56 @@ class TextTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids without the tokenizer's own special tokens (the store adds BOS/EOS)."""
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_long(self, text: str, piece_chars: int, prefix=(), suffix=()) -> np.ndarray:
+        """`prefix` + the ids of one long text + `suffix` as uint32, encoded in pieces of about
+        `piece_chars` characters so memory is bounded by the piece, not the document (a
+        whole-document encode holds ~170 bytes per character). Returns exactly the
+        whole-document encode where cuts are found.
+
+        A cut is made before a space that follows a non-space, or after a newline, and only
+        where encoding the text on both sides of it apart gives the same ids as encoding it
+        together (checked on `_CUT_CONTEXT` characters each side). For pre-tokenizers that
+        split at such places (GPT-2-style byte-level BPE, Llama 3, the shipped tokenizer)
+        that local check makes the pieces' ids the whole document's. A stretch with no such
+        cut within a piece (no whitespace; or a tokenizer that marks every piece's start,
+        such as SentencePiece's Metaspace) is encoded whole.
+        """
+        pieces, batch, start = [np.asarray(prefix, np.uint32)], [], 0
+        while start < len(text):
+            far = len(text) - start > piece_chars
+            cut = self._find_cut(text, start + piece_chars, start + 2 * piece_chars) if far else None
+            end = cut if cut is not None else len(text)
+            batch.append(text[start:end])
+            start = end
+            if len(batch) == _PIECES_AT_ONCE or start == len(text):  # a few at once: the Rust side runs them in parallel
+                pieces += [np.asarray(e.ids, np.uint32) for e in self.backend.encode_batch(batch, add_special_tokens=False)]
+                batch = []
+        pieces.append(np.asarray(suffix, np.uint32))
+        out = np.empty(sum(len(p) for p in pieces), np.uint32)  # one allocation; each piece is freed once copied
+        at = 0
+        pieces.reverse()
+        while pieces:
+            p = pieces.pop()
+            out[at : at + len(p)] = p
+            at += len(p)
+        return out
+
+    def _find_cut(self, text: str, lo: int, hi: int) -> int | None:
+        """A position in [lo, hi) where the text may be cut without changing its ids."""
+        checked = 0
+        for m in _CUTS.finditer(text, lo, min(hi, len(text))):
+            i = m.start() if m.group() == " " else m.end()
+            if not 0 < i < len(text):
+                continue
+            left, right = text[max(0, i - _CUT_CONTEXT) : i], text[i : i + _CUT_CONTEXT]
+            apart = self.backend.encode_batch([left, right], add_special_tokens=False)
+            if self.backend.encode(left + right, add_special_tokens=False).ids == apart[0].ids + apart[1].ids:
+                return i
+            checked += 1
+            if checked >= 32:
+                return None
+        return None
 
     def __getstate__(self):
         return {"path": self.path, "bos_id": self.bos_id, "eos_id": self.eos_id,

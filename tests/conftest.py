@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import textwrap
 from pathlib import Path
@@ -13,6 +14,29 @@ from tokenizers import Tokenizer
 
 from forge_grain import DataConfig, write_store
 from forge_grain.tokenizer import DEFAULT_TOKENIZER
+
+# Fault-injection trials run a seeded subset by default and all of them with FORGE_GRAIN_SLOW=1;
+# tests marked `slow` run only then.
+SLOW = os.environ.get("FORGE_GRAIN_SLOW") == "1"
+
+
+def trials(default: int, slow: int) -> list[int]:
+    """Seeds of randomized fault trials: the first `default` normally, `slow` in a slow run."""
+    return list(range(slow if SLOW else default))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: fault injection and large cases (run with FORGE_GRAIN_SLOW=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow: run with FORGE_GRAIN_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 
 WORDS = (
     "the of and to in is that for it as with was on be by data token model train grain "

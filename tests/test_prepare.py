@@ -12,6 +12,7 @@ import pytest
 from conftest import expected_documents, make_texts, write_jsonl
 
 from forge_grain import PrepareError, TokenStore, preparation, prepare
+from forge_grain.tokenizer import DEFAULT_TOKENIZER
 
 
 def tree_bytes(path: Path) -> dict[str, bytes]:
@@ -188,3 +189,31 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     r = run_cli("inspect", tmp_path / "t.bin", "--dtype", "uint16")
     assert r.returncode == 2
     assert "t.bin" in r.stderr and "not a multiple" in r.stderr and "Traceback" not in r.stderr
+
+
+def _metaspace_tokenizer(path, texts):
+    """A small SentencePiece-style tokenizer: Metaspace marks the start of every text it encodes,
+    so no cut inside a document is safe and long documents must be encoded whole."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("tokenizer", ["shipped", "metaspace"])
+def test_long_documents_are_tokenized_in_pieces_with_the_same_ids(tmp_path, tokenizer):
+    from tokenizers import Tokenizer
+
+    texts = make_texts(3000, seed=4)
+    long_doc = "".join(texts)  # ~300k characters: hundreds of 1,024-character pieces
+    src = write_jsonl(tmp_path / "c.jsonl", ["short one", long_doc, "short two"])
+    path = None if tokenizer == "shipped" else _metaspace_tokenizer(tmp_path / "meta.json", texts)
+    kw = {} if path is None else {"tokenizer": path, "bos_token": "<s>", "eos_token": "</s>"}
+    store = TokenStore.open(prepare(src, tmp_path / "s", piece_chars=1024, progress=False, **kw))
+    ref = Tokenizer.from_file(str(path or DEFAULT_TOKENIZER))
+    ref.encode_special_tokens = True
+    assert store[1][1:-1].tolist() == ref.encode(long_doc, add_special_tokens=False).ids
+    assert store[0][1:-1].tolist() == ref.encode("short one", add_special_tokens=False).ids

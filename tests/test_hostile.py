@@ -1,0 +1,320 @@
+"""Hostile input: manifests, indices, plans, states and paths that are wrong on purpose.
+
+Every case ends in a clear error naming the file (or key) and the problem, or in correct data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import config, make_texts, store, write_jsonl
+
+from forge_grain import (
+    DataConfig, PackingError, Pipeline, PrepareError, StoreError, TokenStore, pack, prepare, write_store,
+)
+from forge_grain.pipeline import StateError
+
+CLI = [sys.executable, "-m", "forge_grain"]
+
+
+@pytest.fixture
+def store_copy(tmp_path, bin_store):
+    dst = tmp_path / "store"
+    shutil.copytree(bin_store, dst, ignore=shutil.ignore_patterns(".plans"))
+    return dst
+
+
+def edit_manifest(path, change):
+    m = json.loads((path / "manifest.json").read_text())
+    m = change(m) or m
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+# -- manifests ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, match", [
+    ("../outside.bin", r"shards\[0\]\.tokens must name a file inside the store directory"),
+    ("/etc/hostname", r"shards\[0\]\.tokens must name a file inside the store directory"),
+    ("", r"shards\[0\]\.tokens must name a file inside"),
+])
+def test_shard_paths_are_confined_to_the_store(store_copy, name, match):
+    def change(m):
+        m["shards"][0]["tokens"] = name
+
+    edit_manifest(store_copy, change)
+    with pytest.raises(StoreError, match=rf"manifest\.json: {match}"):
+        TokenStore.open(store_copy)
+
+
+def test_a_shard_listed_three_times_is_refused(store_copy):
+    def change(m):
+        m["shards"] = [m["shards"][0]] * 3
+        m["num_documents"] = 3 * m["shards"][0]["num_documents"]
+        m["num_tokens"] = 3 * m["shards"][0]["num_tokens"]
+
+    edit_manifest(store_copy, change)
+    with pytest.raises(StoreError, match=r"shards list \['shard-00000\.bin', 'shard-00000\.idx\.npy'\] more than once"):
+        TokenStore.open(store_copy)
+
+
+def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(store_copy):
+    (store_copy / "shard-00001.bin").unlink()
+    os.symlink("/dev/zero", store_copy / "shard-00001.bin")
+    with pytest.raises(StoreError, match=r"shard-00001\.bin: shard listed in .* is not a regular file"):
+        TokenStore.open(store_copy, verify=True)  # would read /dev/zero for ever
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: [m], r"a manifest is a JSON object, not a list"),
+    (lambda m: {**m, "extra": 1}, r"unknown key\(s\) \['extra'\]"),
+    (lambda m: {k: v for k, v in m.items() if k != "dtype"}, r"lacks \['dtype'\]"),
+    (lambda m: {**m, "dtype": "<f2"}, r"dtype is '<f2'; this forge-grain reads \['<u2', '<u4'\]"),
+    (lambda m: {**m, "num_documents": "7"}, r"num_documents must be an integer >= 0, not '7'"),
+    (lambda m: {**m, "num_tokens": m["num_tokens"] + 1}, r"num_tokens is \d+, but its shards add up to \d+"),
+    (lambda m: {**m, "shards": [{**m["shards"][0], "extra": 1}] + m["shards"][1:]}, r"shards\[0\] must have exactly"),
+    (lambda m: {**m, "shards": "shard-00000.bin"}, r"shards must be a list"),
+    (lambda m: {**m, "eos_id": 10**6}, r"eos_id 1000000 is not below vocab_size"),
+    (lambda m: {**m, "tokenizer": None}, r"tokenizer must be a dict"),
+])
+def test_malformed_manifests_name_the_key(store_copy, change, match):
+    edit_manifest(store_copy, change)
+    with pytest.raises(StoreError, match=rf"manifest\.json: .*{match}"):
+        TokenStore.open(store_copy)
+
+
+def test_an_index_that_is_a_pickle_is_refused(store_copy):
+    np.save(store_copy / "shard-00000.idx.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(StoreError, match=r"shard-00000\.idx\.npy: document index missing or unreadable"):
+        TokenStore.open(store_copy)
+
+
+# -- ArrayRecord damage ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ar_copy(tmp_path, ar_store):
+    dst = tmp_path / "ar"
+    shutil.copytree(ar_store, dst, ignore=shutil.ignore_patterns(".plans"))
+    return dst
+
+
+def test_a_truncated_arrayrecord_shard_is_named_at_open(ar_copy):
+    shard = ar_copy / "shard-00001.array_record"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(StoreError, match=r"shard-00001\.array_record: holds 0 records, but manifest\.json lists"):
+        TokenStore.open(ar_copy)
+
+
+def test_swapped_arrayrecord_shards_are_detected_at_open(ar_copy):
+    a, b = ar_copy / "shard-00000.array_record", ar_copy / "shard-00001.array_record"
+    tmp = ar_copy / "swap"
+    a.rename(tmp), b.rename(a), tmp.rename(b)
+    with pytest.raises(StoreError, match=r"shard-00000\.array_record: (holds \d+ records|its records disagree)"):
+        TokenStore.open(ar_copy)
+
+
+# -- plans ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["seg_len", "seg_start", "row_ptr", "plan.json seq_len"])
+def test_an_edited_plan_is_rebuilt(tmp_path, what, caplog):
+    src = store(tmp_path / "s", 300, 1)
+    cache = tmp_path / "plans"
+    clean = pack(src, 64, "bestfit", cache_dir=cache)
+    expected = clean.get_batch(np.arange(clean.num_rows))
+    (plan_dir,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    if what == "plan.json seq_len":
+        meta = json.loads((plan_dir / "plan.json").read_text())
+        meta["seq_len"] = 128
+        (plan_dir / "plan.json").write_text(json.dumps(meta))
+    else:
+        arr = np.load(plan_dir / f"{what}.npy")
+        arr[len(arr) // 2] += 1
+        np.save(plan_dir / f"{what}.npy", arr)
+    with caplog.at_level(logging.WARNING):
+        again = pack(src, 64, "bestfit", cache_dir=cache)
+    assert "rebuilding the packing plan" in caplog.text
+    got = again.get_batch(np.arange(again.num_rows))
+    assert got["inputs"].shape[1] == 64
+    assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+# -- pipeline states ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [True, "7", 7.9, None, [7]])
+def test_state_steps_of_the_wrong_type_are_refused(stores, step):
+    p = Pipeline(config(stores), 0, 1, num_threads=0)
+    state = {**p.state_at(3), "step": step}
+    with pytest.raises(StateError, match="state step must be an integer"):
+        p.iterator(state)
+
+
+@pytest.mark.parametrize("step", [2**55, 2**62, -1])
+def test_state_steps_out_of_range_are_refused_even_with_unlimited_epochs(stores, step):
+    p = Pipeline(config(stores, num_epochs=None), 0, 1, num_threads=0)
+    with pytest.raises(StateError, match=rf"state step {step} is outside \[0, \d+\]"):
+        p.iterator({**p.state_at(3), "step": step})
+    with pytest.raises(IndexError):
+        p.batch(2**55)
+
+
+def test_a_tampered_config_summary_is_still_a_state_error(stores):
+    p = Pipeline(config(stores), 0, 1, num_threads=0)
+    with pytest.raises(StateError, match="another config or other data"):
+        p.iterator({**p.state_at(3), "fingerprint": "0" * 64, "config": "not a dict"})
+
+
+@pytest.fixture
+def streaming_pipeline(tmp_path):
+    data = write_jsonl(tmp_path / "web.jsonl", make_texts(300, seed=4))
+    cfg = DataConfig.from_dict(dict(sources=[dict(name="web/en", hf_dataset="json", hf_data_files=str(data),
+                                                  hf_streaming=True, window=50)],
+                                    seq_len=32, global_batch_size=4, num_epochs=1))
+    return Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda st: st["streams"][0].update(emitted=st["streams"][0]["emitted"] + 1),
+    lambda st: st["streams"][0].pop("window"),
+    lambda st: st.update(streams=[]),
+    lambda st: st["streams"][0].update(row_index=-5),
+])
+def test_a_tampered_streaming_state_is_refused(streaming_pipeline, tamper):
+    it = streaming_pipeline.iterator()
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    tamper(state)
+    with pytest.raises(StateError, match="streams"):
+        streaming_pipeline.iterator(state)
+
+
+def test_source_names_with_slashes_stay_inside_the_cache(streaming_pipeline, tmp_path):
+    next(iter(streaming_pipeline))  # the counting pass and the lock file of "web/en"
+    root = tmp_path / "cache" / "hf"
+    assert all(p.parent == root for p in root.iterdir()) and not (root / "web").exists()
+
+
+def test_an_eager_source_named_like_a_path_is_cached_inside_the_root(tmp_path):
+    data = write_jsonl(tmp_path / "c.jsonl", make_texts(40, seed=2))
+    cfg = DataConfig.from_dict(dict(sources=[dict(name="../../escape", hf_dataset="json", hf_data_files=str(data))],
+                                    seq_len=16, global_batch_size=2))
+    Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    assert not list(tmp_path.glob("escape*")) and any((tmp_path / "cache" / "hf").glob("_.._escape-*"))
+
+
+# -- empty shards ---------------------------------------------------------------------------------
+
+
+def test_a_shard_of_only_empty_documents_gathers(tmp_path, reference_tokenizer):
+    texts = ["   ", "", "\n"] * 4 + make_texts(12, seed=3)
+    src = write_jsonl(tmp_path / "c.jsonl", texts)
+    s = TokenStore.open(prepare(src, tmp_path / "s", num_shards=2, progress=False), verify=True)
+    assert s.manifest.shards[0].num_documents == 0
+    for strategy in ("concat", "bos_bestfit", "bestfit"):
+        ds = pack(s, 16, strategy, cache_dir=tmp_path / "plans")
+        assert ds.get_batch(np.arange(ds.num_rows))["inputs"].shape == (ds.num_rows, 16)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_multi_shard_stores_with_empty_shards_gather_exactly(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    docs = [np.append(rng.integers(2, 100, rng.integers(1, 30)), 1).astype(np.uint16) for _ in range(40)]
+    cuts = np.sort(rng.integers(0, len(docs) + 1, rng.integers(1, 6)))
+    parts = np.split(np.arange(len(docs)), cuts)
+    for k, part in enumerate(parts):  # some parts are empty: 0-byte files
+        (np.concatenate([docs[i] for i in part]) if len(part) else np.zeros(0, np.uint16)).tofile(tmp_path / f"p{k:02d}.bin")
+    s = TokenStore.open(tmp_path, dtype="uint16", eos_id=1)
+    assert [s[i].tolist() for i in range(len(s))] == [d.tolist() for d in docs]
+    one = TokenStore.open(write_store(tmp_path / "one", docs, vocab_size=100, eos_id=1))  # the same, one shard
+    for strategy in ("concat", "bestfit"):
+        a, b = (pack(x, 8, strategy, cache_dir=tmp_path / "plans" / x.path.name) for x in (s, one))
+        rows = np.arange(a.num_rows)
+        assert a.num_rows == b.num_rows
+        assert all(np.array_equal(v, b.get_batch(rows)[k]) for k, v in a.get_batch(rows).items())
+
+
+# -- prepare's smaller cases ----------------------------------------------------------------------
+
+
+def test_num_shards_zero_is_an_error(corpus, tmp_path):
+    with pytest.raises(PrepareError, match="num_shards must be a positive integer, not 0"):
+        prepare(corpus, tmp_path / "s", num_shards=0, progress=False)
+
+
+def test_an_existing_file_as_output_is_an_error_without_a_traceback(corpus, tmp_path):
+    (tmp_path / "out").write_text("not a directory")
+    r = subprocess.run([*CLI, "prepare", str(corpus), str(tmp_path / "out"), "-q"], capture_output=True, text=True)
+    assert r.returncode == 2 and "out: exists and is not a directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_output_inside_the_input_directory_is_not_read_as_input(tmp_path, texts):
+    d = tmp_path / "in"
+    d.mkdir()
+    write_jsonl(d / "corpus.jsonl", texts)
+    first = TokenStore.open(prepare(d, d / "store", num_shards=2, progress=False))
+    again = TokenStore.open(prepare(d, d / "store", num_shards=2, progress=False))  # a no-op, not "other inputs"
+    assert len(first) == len(again) == 392
+
+
+def test_the_same_input_spelled_two_ways_is_one_input(tmp_path, corpus, monkeypatch):
+    monkeypatch.chdir(corpus.parent)
+    out = prepare(f"./{corpus.name}", tmp_path / "s", num_shards=2, progress=False)
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    prepare(corpus.resolve(), out, num_shards=2, progress=False)
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_the_differing_setting_is_named(tmp_path, corpus):
+    out = prepare(corpus, tmp_path / "s", num_shards=2, progress=False)
+    with pytest.raises(PrepareError, match=r"differing: eos.*--overwrite"):
+        prepare(corpus, out, num_shards=2, add_eos=False, progress=False)
+
+
+def test_a_typo_in_a_local_path_says_the_path_does_not_exist(tmp_path):
+    with pytest.raises(PrepareError, match=r"corpsu\.jsonl: no such file or directory"):
+        prepare(tmp_path / "corpsu.jsonl", tmp_path / "s", progress=False)
+
+
+def test_piping_into_head_gives_no_traceback(bin_store):
+    r = subprocess.run(f"{sys.executable} -m forge_grain inspect {bin_store} --seq-len 64 | head -1",
+                       shell=True, capture_output=True, text=True)
+    assert r.stdout.strip() and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
+def test_an_iterator_alive_at_exit_prints_nothing(stores):
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from conftest import config; from forge_grain import Pipeline; "
+        f"s = {json.dumps({k: str(v) for k, v in stores.items()})}; "
+        "it = iter(Pipeline(config(s), 0, 1, num_threads=2)); next(it)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0 and "is_finalizing" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+
+
+def test_a_no_bos_store_records_no_bos_and_bos_bestfit_refuses_it(corpus, tmp_path):
+    s = TokenStore.open(prepare(corpus, tmp_path / "s", add_bos=False, progress=False))
+    assert s.bos_id is None and s.eos_id == 1 and all(s[i][0] != 0 for i in range(len(s)) if len(s[i]))
+    with pytest.raises(PackingError, match="BOS"):
+        pack(s, 64, "bos_bestfit")
+
+
+def test_progress_moves_per_batch_with_worker_processes(tmp_path, monkeypatch):
+    from forge_grain import preparation
+
+    calls = []
+    real = preparation._Progress.update
+    monkeypatch.setattr(preparation._Progress, "update", lambda self, item: (calls.append(item), real(self, item)))
+    src = write_jsonl(tmp_path / "c.jsonl", make_texts(4096, seed=1))
+    prepare(src, tmp_path / "s", num_shards=2, num_proc=2, progress=False)
+    assert len(calls) >= 8 and sum(docs for docs, _ in calls) == 4096  # batches of 512 rows, not 2 shards
