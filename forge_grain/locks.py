@@ -3,7 +3,9 @@
 `file_lock` waits for the holder (used where every process needs the same result, such
 as one eager Hugging Face store built once); `exclusive_or_refuse` does not wait and
 names the holder (used where two writers would be a mistake, such as two `prepare`
-runs into one output directory).
+runs into one output directory). The latter is a POSIX record lock (`lockf`): it belongs
+to the process, so worker processes forked while it is held do not inherit it, and it
+is released the moment its holder dies, even if a worker outlives it.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def exclusive_or_refuse(path: Path, what: str):
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES, by platform
             os.close(fd)
             raise LockedError(f"{what} is being written by {_holder(path)}; wait for it to finish, or choose "
                               "another output") from None

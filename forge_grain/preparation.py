@@ -305,9 +305,25 @@ def _done_info(out: Path, i: int, key: str) -> dict | None:
 _WORKER: dict = {}
 
 
-def _init_worker(corpus, tok: TextTokenizer | None, job: _Job, queue) -> None:
+def _init_worker(corpus, tok: TextTokenizer | None, job: _Job, queue, parent: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _die_with_parent(parent)
     _WORKER.update(corpus=corpus, tok=tok, job=job, report=queue.put)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: a worker gets SIGKILL when the prepare that started it dies (kill -9, OOM), so no
+    orphan goes on writing into the output while a re-run starts. Elsewhere: nothing."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
 
 
 def _worker_shard(task):
@@ -327,7 +343,7 @@ def _run_shards(corpus, tok, job, todo, num_proc, bar):
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = ctx.Queue()
-    pool = ProcessPoolExecutor(min(num_proc, len(todo)), ctx, _init_worker, (corpus, tok, job, queue))
+    pool = ProcessPoolExecutor(min(num_proc, len(todo)), ctx, _init_worker, (corpus, tok, job, queue, os.getpid()))
     try:
         pending = {pool.submit(_worker_shard, task): task[0] for task in todo}
         while pending:

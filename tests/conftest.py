@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -101,6 +102,18 @@ def ar_store(tmp_path_factory, corpus) -> Path:
     from forge_grain import prepare
 
     return prepare(corpus, tmp_path_factory.mktemp("stores") / "ar", layout="arrayrecord", num_shards=2, progress=False)
+
+
+@pytest.fixture
+def store_copy(tmp_path, bin_store) -> Path:
+    """A private copy of the bin store, to damage."""
+    return Path(shutil.copytree(bin_store, tmp_path / "store", ignore=shutil.ignore_patterns(".plans")))
+
+
+@pytest.fixture
+def ar_copy(tmp_path, ar_store) -> Path:
+    """A private copy of the ArrayRecord store, to damage."""
+    return Path(shutil.copytree(ar_store, tmp_path / "ar", ignore=shutil.ignore_patterns(".plans")))
 
 
 # -- pipeline fixtures: three small stores sharing one tokenizer identity ----------------------

@@ -47,14 +47,22 @@ def prepare_cmd(corpus, out, *extra):
 
 
 def kill_after(cmd, seconds: float, *, children: bool = False) -> subprocess.Popen:
-    """Start `cmd`, SIGKILL it (or one of its worker processes) after `seconds`."""
+    """Start `cmd`, SIGKILL it after `seconds`; or, with `children`, SIGKILL one of its two
+    worker processes `seconds` after both have started."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(seconds)
     if children:
-        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        deadline, kids = time.time() + 120, []
+        while len(kids) < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        time.sleep(seconds)
         if kids:
-            os.kill(int(kids[-1]), signal.SIGKILL)
+            try:
+                os.kill(int(kids[-1]), signal.SIGKILL)
+            except ProcessLookupError:  # it had already finished its shards and exited
+                pass
     else:
+        time.sleep(seconds)
         proc.send_signal(signal.SIGKILL)
     return proc
 
@@ -74,7 +82,7 @@ def test_prepare_killed_at_a_random_point_completes_identically(seed, big_corpus
 @pytest.mark.parametrize("seed", trials(1, 6))
 def test_a_killed_worker_ends_the_run_with_an_error_and_a_rerun_completes(seed, big_corpus, clean_store, tmp_path):
     out = tmp_path / "out"
-    proc = kill_after(prepare_cmd(big_corpus, out, "--num-proc", "2"), random.Random(seed).uniform(1.0, 2.5),
+    proc = kill_after(prepare_cmd(big_corpus, out, "--num-proc", "2"), random.Random(seed).uniform(0.1, 1.0),
                       children=True)
     _, err = proc.communicate(timeout=120)  # no hang: the parent notices the dead worker
     if proc.returncode == 0:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 
@@ -22,13 +21,6 @@ from forge_grain import (
 from forge_grain.pipeline import StateError
 
 CLI = [sys.executable, "-m", "forge_grain"]
-
-
-@pytest.fixture
-def store_copy(tmp_path, bin_store):
-    dst = tmp_path / "store"
-    shutil.copytree(bin_store, dst, ignore=shutil.ignore_patterns(".plans"))
-    return dst
 
 
 def edit_manifest(path, change):
@@ -97,13 +89,6 @@ def test_an_index_that_is_a_pickle_is_refused(store_copy):
 
 
 # -- ArrayRecord damage ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ar_copy(tmp_path, ar_store):
-    dst = tmp_path / "ar"
-    shutil.copytree(ar_store, dst, ignore=shutil.ignore_patterns(".plans"))
-    return dst
 
 
 def test_a_truncated_arrayrecord_shard_is_named_at_open(ar_copy):

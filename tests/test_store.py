@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
 import subprocess
 import sys
 import threading
@@ -160,13 +159,6 @@ def test_nothing_to_open(tmp_path):
 
 
 # -- corrupt stores ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def store_copy(tmp_path, bin_store):
-    dst = tmp_path / "store"
-    shutil.copytree(bin_store, dst)
-    return dst
 
 
 def test_truncated_shard(store_copy):
