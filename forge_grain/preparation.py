@@ -210,18 +210,16 @@ def _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eo
     tok = None
     if tokenizer is not None or not tokens:
         tok = load_tokenizer(tokenizer, bos=bos_token, eos=eos_token, special_tokens_in_text=special_tokens_in_text)
-    if not tokens:
         if vocab_size is not None and vocab_size != tok.vocab_size:
             raise PrepareError(f"{tok.path}: vocab_size {vocab_size} was given, but the tokenizer has {tok.vocab_size} ids")
+        vocab_size = tok.vocab_size
+    if not tokens:
         for given, what in ((bos_id, "bos_id"), (eos_id, "eos_id")):
             if given is not None:
                 raise PrepareError(f"{what} declares ids of pre-tokenized input (--token-field); for text, "
                                    f"name the token with --{what[:3]}-token")
-        return tok, tok.vocab_size, tok.bos_id, tok.eos_id
-    if tok is not None:
-        if vocab_size is not None and vocab_size != tok.vocab_size:
-            raise PrepareError(f"{tok.path}: vocab_size {vocab_size} was given, but the tokenizer has {tok.vocab_size} ids")
-        vocab_size = tok.vocab_size
+        return tok, vocab_size, tok.bos_id, tok.eos_id
+    if tok is not None:  # pre-tokenized: a tokenizer gives the vocabulary, and special ids only when named
         bos_id = tok.bos_id if bos_id is None and bos_token is not None else bos_id
         eos_id = tok.eos_id if eos_id is None and eos_token is not None else eos_id
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:

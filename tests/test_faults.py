@@ -82,7 +82,7 @@ def test_prepare_killed_at_a_random_point_completes_identically(seed, big_corpus
 @pytest.mark.parametrize("seed", trials(1, 6))
 def test_a_killed_worker_ends_the_run_with_an_error_and_a_rerun_completes(seed, big_corpus, clean_store, tmp_path):
     out = tmp_path / "out"
-    proc = kill_after(prepare_cmd(big_corpus, out, "--num-proc", "2"), random.Random(seed).uniform(0.1, 1.0),
+    proc = kill_after(prepare_cmd(big_corpus, out, "--num-proc", "2"), random.Random(seed).uniform(0.05, 0.4),
                       children=True)
     _, err = proc.communicate(timeout=120)  # no hang: the parent notices the dead worker
     if proc.returncode == 0:
