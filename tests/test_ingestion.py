@@ -420,3 +420,25 @@ def test_a_planted_token_range_cannot_bypass_the_vocabulary_check(tmp_path):
     meta.write_text(json.dumps(m))
     with pytest.raises(StoreError, match=r"t\.bin: token id 9000 is at or past vocab_size 8192"):
         TokenStore.open(data, dtype="uint16", eos_id=1, vocab_size=8192)
+
+
+def test_pretokenized_input_of_the_wrong_type_dtype_or_truncated_names_the_file(tmp_path):
+    rows = token_rows(n=30)
+    floats = tmp_path / "floats.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([[float(t) for t in r] for r in rows], pa.list_(pa.float32()))}),
+                   floats)
+    with pytest.raises(PrepareError, match=r"floats\.parquet: --token-field 'input_ids' must hold lists of integer ids"):
+        prepare(floats, tmp_path / "a", token_field="input_ids", vocab_size=500, progress=False)
+    text = write_jsonl(tmp_path / "text.jsonl", ["not ids", "either"])
+    with pytest.raises(PrepareError, match=r"text\.jsonl: --token-field 'text' must hold lists of integer ids"):
+        prepare(text, tmp_path / "b", token_field="text", vocab_size=500, progress=False)
+    good = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"input_ids": rows}), good)
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(PrepareError, match=r"cut\.parquet: cannot load"):
+        prepare(cut, tmp_path / "c", token_field="input_ids", vocab_size=500, progress=False)
+    jsonl = tmp_path / "cut.jsonl"
+    jsonl.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows)[:-25])  # cut inside the last row
+    with pytest.raises(PrepareError, match=r"cut\.jsonl: cannot load"):
+        prepare(jsonl, tmp_path / "d", token_field="input_ids", vocab_size=500, progress=False)
