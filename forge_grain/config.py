@@ -13,6 +13,9 @@ from .errors import ForgeGrainError
 from .packing import STRATEGIES
 
 
+LOADER_KEYS = {"num_workers": int, "pin_memory": bool, "prefetch_factor": int}
+
+
 class ConfigError(ForgeGrainError):
     """A data configuration key is unknown, missing or invalid; the message names it."""
 
@@ -61,10 +64,12 @@ class SourceConfig:
 
 @dataclasses.dataclass
 class Phase:
-    """From `start_step` on, mix with `weights` (by source name; unnamed sources get 0)."""
+    """From `start_step` on, mix with `weights` (by source name; unnamed sources get 0), and
+    scale the learning rate by `lr_scale` (the data ignores it; `Pipeline.phase_at` reports it)."""
 
     start_step: int
     weights: dict[str, float]
+    lr_scale: float = 1.0
 
 
 @dataclasses.dataclass
@@ -86,6 +91,8 @@ class DataConfig:
     phases: list[Phase] = dataclasses.field(default_factory=list)
     anneal_start_step: int | None = None
     anneal_weights: dict[str, float] | None = None
+    max_steps: int | None = None
+    loader: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_epochs == float("inf"):  # TOML cannot say None: `num_epochs = inf` means unlimited
@@ -100,13 +107,19 @@ class DataConfig:
     def from_toml(cls, path: str | Path) -> "DataConfig":
         """Read a TOML file: keys at the top level or under a `[data]` table.
 
-        Relative source paths are taken relative to the file's directory.
+        Relative source paths are taken relative to the file's directory. A KempnerForge job
+        file (a `[train]` table, or KempnerForge keys such as `dataset_path` in `[data]`) is
+        read with KempnerForge's meaning: see `from_kempnerforge`.
         """
         path = Path(path)
         try:
             d = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        from .kempnerforge import config_from_job, is_kempnerforge
+
+        if is_kempnerforge(d):
+            return config_from_job(d, where=str(path))
         d = d.get("data", d)
         cfg = cls.from_dict(d, where=str(path))
         for s in cfg.sources:
@@ -117,6 +130,14 @@ class DataConfig:
             elif isinstance(s.hf_data_files, list):
                 s.hf_data_files = [_relative_to(path.parent, f) for f in s.hf_data_files]
         return cfg
+
+    @classmethod
+    def from_kempnerforge(cls, path: str | Path, world_size: int | None = None) -> "DataConfig":
+        """A KempnerForge job TOML read as it is (see `forge_grain.kempnerforge`); `world_size`
+        resolves `dp_shard = -1` (default: `WORLD_SIZE`, or 1)."""
+        from .kempnerforge import from_kempnerforge
+
+        return from_kempnerforge(path, world_size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config") -> "DataConfig":
@@ -170,6 +191,14 @@ class DataConfig:
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
         if self.num_epochs is not None and not (isinstance(self.num_epochs, (int, float)) and self.num_epochs > 0):
             raise ConfigError(f"num_epochs: must be positive (or None for unlimited), got {self.num_epochs!r}")
+        if self.max_steps is not None:
+            _positive_int("max_steps", self.max_steps)
+        unknown = sorted(set(self.loader) - set(LOADER_KEYS))
+        if unknown:
+            raise ConfigError(f"loader: unknown key(s) {unknown} (known: {sorted(LOADER_KEYS)})")
+        for key, value in self.loader.items():
+            if not isinstance(value, LOADER_KEYS[key]) or (key != "pin_memory" and isinstance(value, bool)):
+                raise ConfigError(f"loader.{key}: must be {LOADER_KEYS[key].__name__}, got {value!r}")
         if not (isinstance(self.mix_temperature, (int, float)) and self.mix_temperature > 0):
             raise ConfigError(f"mix_temperature: must be positive, got {self.mix_temperature!r}")
         if sum(s.weight for s in self.sources) <= 0:
@@ -185,6 +214,8 @@ class DataConfig:
                     f"(got {p.start_step!r} after {last})"
                 )
             last = p.start_step
+            if isinstance(p.lr_scale, bool) or not isinstance(p.lr_scale, (int, float)) or not p.lr_scale > 0:
+                raise ConfigError(f"{where}.lr_scale: must be a positive number, got {p.lr_scale!r}")
             for name, w in p.weights.items():
                 if name not in names:
                     raise ConfigError(f"{where}.weights: unknown source {name!r} (sources: {names})")
@@ -223,9 +254,12 @@ def _source(d: Any, i: int) -> SourceConfig:
 
 
 def _phase(d: Any, i: int) -> Phase:
-    if not isinstance(d, dict) or set(d) != {"start_step", "weights"} or not isinstance(d["weights"], dict):
-        raise ConfigError(f"phases[{i}]: expected {{start_step = N, weights = {{name = w, ...}}}}, got {d!r}")
-    return Phase(d["start_step"], dict(d["weights"]))
+    if (not isinstance(d, dict) or not {"start_step", "weights"} <= set(d) <= {"start_step", "weights", "lr_scale"}
+            or not isinstance(d["weights"], dict)):
+        raise ConfigError(
+            f"phases[{i}]: expected {{start_step = N, weights = {{name = w, ...}}, lr_scale = x (optional)}}, got {d!r}"
+        )
+    return Phase(d["start_step"], dict(d["weights"]), d.get("lr_scale", 1.0))
 
 
 def _relative_to(base: Path, p: str | None, always: bool = False) -> str | None:

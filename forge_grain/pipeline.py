@@ -12,6 +12,7 @@ import concurrent.futures
 import hashlib
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import grain
@@ -115,6 +116,8 @@ class Pipeline:
         schedule = config.schedule()
         self.rows_per_epoch = sum(d.num_rows for d in self.datasets)
         self.num_steps = None if config.num_epochs is None else int(config.num_epochs * self.rows_per_epoch) // B
+        if config.max_steps is not None:
+            self.num_steps = config.max_steps if self.num_steps is None else min(self.num_steps, config.max_steps)
         # the last step the mixing arithmetic can reach (unlimited epochs end there)
         self.step_limit = self.num_steps if self.num_steps is not None else MAX_ROWS // B
         if self.num_steps == 0:
@@ -128,6 +131,29 @@ class Pipeline:
             length=None if self.num_steps is None else self.num_steps * B,
         )
         self.fingerprint, self._summary = self._fingerprint()
+        self._warn_unreachable_phases()
+
+    # -- phases -----------------------------------------------------------------------------
+
+    def phase_at(self, step: int) -> dict:
+        """The mixture in force at `step`: its `start_step`, `weights` by source name (after the
+        temperature, summing to 1) and `lr_scale`, for a scheduler to apply exactly at the step."""
+        names = [s.name for s in self.config.sources]
+        phases = [None, *self.config.all_phases()]
+        k = max(i for i, (start, _) in enumerate(self.config.schedule()) if start <= step)
+        start, weights = self.config.schedule()[k]
+        return {"start_step": start, "weights": dict(zip(names, weights)),
+                "lr_scale": phases[k].lr_scale if phases[k] is not None else 1.0}
+
+    def _warn_unreachable_phases(self) -> None:
+        if self.num_steps is None:
+            return
+        for p in self.config.all_phases():
+            if p.start_step >= self.num_steps:
+                warnings.warn(
+                    f"a phase starts at step {p.start_step}, but the pipeline has {self.num_steps} steps: it never "
+                    "takes effect (raise num_epochs or max_steps, or move the phase)", stacklevel=3,
+                )
 
     # -- identity ---------------------------------------------------------------------------
 

@@ -138,19 +138,19 @@ def test_two_prepares_into_one_output_never_mix(big_corpus, clean_store, tmp_pat
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmp_path, request):
     """A 2 MiB tmpfs (root and mount rights needed; skipped otherwise); grown by `grow()`."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    request.addfinalizer(lambda: subprocess.run(["umount", "-l", str(mnt)], check=False))
 
     def grow():
         subprocess.run(["mount", "-o", "remount,size=200m", str(mnt)], check=True)
 
-    yield types.SimpleNamespace(path=mnt, grow=grow)
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return types.SimpleNamespace(path=mnt, grow=grow)
 
 
 def test_prepare_on_a_full_disk_errors_clearly_and_completes_after(small_disk, big_corpus, clean_store):

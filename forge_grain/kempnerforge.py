@@ -1,0 +1,220 @@
+"""KempnerForge job files (TOML) read as a `DataConfig`, with KempnerForge's meaning.
+
+`DataConfig.from_kempnerforge(path)` (and `DataConfig.from_toml`, which recognises such a
+file) takes a KempnerForge job TOML as it is:
+
+- `[data]`: `dataset_path` + `file_pattern` (pre-tokenized `.npy`/`.bin` files; a raw `.bin`
+  takes its dtype from the tokenizer's vocabulary, uint32 past 65,535 ids, or from a
+  `dtype` key; never from the file size), `tokenizer_path`, `pack_sequences` (documents
+  found by the tokenizer's EOS, so segment ids and the loss mask stop at document ends;
+  without it, plain concatenation of each file), `hf_dataset_name` / `hf_dataset_config` /
+  `hf_dataset_split` / `hf_dataset_text_field` / `hf_streaming`, `datasets = [{path,
+  weight, name, hf_name, hf_config}]`, `mix_temperature`, `phases = [{start_step,
+  dataset_weights, lr_scale}]`, `anneal_start_step` + `anneal_weights` (0 = disabled), and
+  the loader keys `num_workers`, `pin_memory`, `prefetch_factor`;
+- `[train]`: `seq_len`, `seed`, `max_steps`, and the global batch, `batch_size` (per
+  device) × `grad_accum_steps` × the data-parallel size;
+- `[distributed]`: the data-parallel size is `dp_replicate × dp_shard`; `dp_shard = -1`
+  (KempnerForge's default) means the world size divided by `dp_replicate × tp × pp × cp ×
+  ep`, the world size being `world_size=` or the launcher's (`WORLD_SIZE`, or 1).
+
+Other tables (`[model]`, `[optimizer]`, ...) and the other `[train]` keys are the training
+loop's and are ignored; an unknown key in `[data]`, or a value of the wrong type, is an error
+naming it. Phases keep KempnerForge's meaning: a source a phase does not name keeps the
+weight it had before the phase. Every source is packed by concatenation ("concat"), as
+KempnerForge packs; Hugging Face documents end with EOS and start without BOS, as there.
+Relative paths are taken from the working directory, as KempnerForge does.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, DataConfig, Phase, SourceConfig
+
+# [data] keys and their types (KempnerForge's DataConfig, plus `dtype`/`eos_id` for raw files)
+DATA_KEYS: dict[str, tuple[type, ...]] = {
+    "dataset_path": (str,), "file_pattern": (str,), "tokenizer_path": (str,), "num_workers": (int,),
+    "pin_memory": (bool,), "prefetch_factor": (int,), "hf_dataset_name": (str,), "hf_dataset_config": (str,),
+    "hf_dataset_split": (str,), "hf_dataset_text_field": (str,), "hf_dataset_image_field": (str,),
+    "hf_dataset_prompt_field": (str,), "hf_image_size": (int,), "hf_streaming": (bool,), "pack_sequences": (bool,),
+    "datasets": (list,), "mix_temperature": (int, float), "phases": (list,), "anneal_start_step": (int,),
+    "anneal_weights": (dict,), "dtype": (str,), "eos_id": (int,),
+}
+SOURCE_KEYS = {"path": (str,), "weight": (int, float), "name": (str,), "hf_name": (str,), "hf_config": (str,)}
+PHASE_KEYS = {"start_step": (int,), "dataset_weights": (dict,), "lr_scale": (int, float)}
+TRAIN_KEYS = {"seq_len": (int,), "seed": (int,), "max_steps": (int,), "batch_size": (int,), "grad_accum_steps": (int,)}
+DISTRIBUTED_KEYS = {name: (int,) for name in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep")}
+TRAIN_DEFAULTS = {"seq_len": 2048, "seed": 42, "max_steps": 100_000, "batch_size": 8, "grad_accum_steps": 1}
+
+# a [data] table with one of these is KempnerForge's, not forge-grain's
+MARKERS = {"dataset_path", "hf_dataset_name", "datasets", "pack_sequences", "tokenizer_path", "file_pattern",
+           "hf_dataset_split", "anneal_start_step"}
+
+
+def is_kempnerforge(doc: dict) -> bool:
+    """Whether a parsed TOML document is a KempnerForge job file."""
+    data = doc.get("data")
+    return isinstance(data, dict) and ("train" in doc or bool(MARKERS & set(data)))
+
+
+def from_kempnerforge(path: str | Path, world_size: int | None = None) -> DataConfig:
+    """The `DataConfig` a KempnerForge job file describes (see the module docstring)."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    return config_from_job(doc, where=str(path), world_size=world_size)
+
+
+def config_from_job(doc: dict, where: str = "job", world_size: int | None = None) -> DataConfig:
+    data = _table(doc, "data", DATA_KEYS, where, strict=True)
+    train = {**TRAIN_DEFAULTS, **_table(doc, "train", TRAIN_KEYS, where, strict=False)}
+    dist = _table(doc, "distributed", DISTRIBUTED_KEYS, where, strict=False)
+    sources = _sources(data, where)
+    names = [s.name for s in sources]
+    loader = {k: data[k] for k in ("num_workers", "pin_memory", "prefetch_factor") if k in data}
+    try:
+        return DataConfig(
+            sources=sources,
+            seq_len=train["seq_len"],
+            global_batch_size=train["batch_size"] * train["grad_accum_steps"] * data_parallel_size(dist, world_size),
+            seed=train["seed"],
+            num_epochs=None,  # KempnerForge trains for max_steps, repeating its data as needed
+            max_steps=train["max_steps"],
+            mix_temperature=data.get("mix_temperature", 1.0),
+            phases=_phases(data, sources, names, where),
+            loader=loader,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def data_parallel_size(dist: dict, world_size: int | None = None) -> int:
+    """dp_replicate × dp_shard, with dp_shard = -1 resolved from the world size."""
+    replicate, shard = dist.get("dp_replicate", 1), dist.get("dp_shard", -1)
+    if shard != -1:
+        return replicate * shard
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    other = replicate * dist.get("tp", 1) * dist.get("pp", 1) * dist.get("cp", 1) * dist.get("ep", 1)
+    if world % other:
+        raise ConfigError(f"distributed: world size {world} is not divisible by dp_replicate*tp*pp*cp*ep = {other}")
+    return replicate * (world // other)
+
+
+def _table(doc: dict, name: str, keys: dict, where: str, strict: bool) -> dict:
+    table = doc.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: [{name}] must be a table")
+    if strict:
+        unknown = sorted(set(table) - set(keys))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown} in [{name}] (known: {sorted(keys)})")
+    out = {}
+    for key, kinds in keys.items():
+        if key in table:
+            _check_type(f"{where}: {name}.{key}", table[key], kinds)
+            out[key] = table[key]
+    return out
+
+
+def _check_type(what: str, value: Any, kinds: tuple[type, ...]) -> None:
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ConfigError(f"{what} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+
+
+def _sources(data: dict, where: str) -> list[SourceConfig]:
+    entries = data.get("datasets") or []
+    if not entries:
+        if data.get("dataset_path"):
+            entries = [{"path": data["dataset_path"]}]
+        elif data.get("hf_dataset_name"):
+            entries = [{"hf_name": data["hf_dataset_name"], "hf_config": data.get("hf_dataset_config", "")}]
+        else:
+            raise ConfigError(f"{where}: [data] names no data: give dataset_path, hf_dataset_name or datasets")
+    sources = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise ConfigError(f"{where}: data.datasets[{i}] must be a table, got {e!r}")
+        unknown = sorted(set(e) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown} in data.datasets[{i}] (known: {sorted(SOURCE_KEYS)})")
+        for key, kinds in SOURCE_KEYS.items():
+            if key in e:
+                _check_type(f"{where}: data.datasets[{i}].{key}", e[key], kinds)
+        if bool(e.get("path")) == bool(e.get("hf_name")):
+            raise ConfigError(f"{where}: data.datasets[{i}] needs exactly one of path and hf_name")
+        if e.get("weight", 1.0) <= 0:
+            raise ConfigError(f"{where}: data.datasets[{i}].weight must be positive, got {e['weight']!r}")
+        sources.append(_path_source(e, data, where) if e.get("path") else _hf_source(e, data))
+    return sources
+
+
+def _path_source(e: dict, data: dict, where: str) -> SourceConfig:
+    path = e["path"]
+    name = e.get("name") or Path(path).name
+    common = dict(name=name, path=path, weight=float(e.get("weight", 1.0)), strategy="concat")
+    if (Path(path) / "manifest.json").exists():  # a forge-grain store carries its own dtype and ids
+        return SourceConfig(**common)
+    tokenizer = data.get("tokenizer_path") or None
+    eos_id = data.get("eos_id")
+    if data.get("pack_sequences") and eos_id is None:
+        if tokenizer is None:
+            raise ConfigError(f"{where}: pack_sequences needs the EOS id that ends documents in {path}: give "
+                              "tokenizer_path (or eos_id)")
+        from .tokenizer import load_tokenizer
+
+        eos_id = load_tokenizer(tokenizer).eos_id
+        if eos_id is None:
+            raise ConfigError(f"{where}: the tokenizer {tokenizer} has no EOS token; give eos_id for pack_sequences")
+    return SourceConfig(**common, file_pattern=data.get("file_pattern", "*.npy"), tokenizer=tokenizer,
+                        dtype=data.get("dtype"), eos_id=eos_id if data.get("pack_sequences") else None)
+
+
+def _hf_source(e: dict, data: dict) -> SourceConfig:
+    return SourceConfig(
+        name=e.get("name") or e["hf_name"], hf_dataset=e["hf_name"], hf_config=e.get("hf_config") or None,
+        weight=float(e.get("weight", 1.0)), split=data.get("hf_dataset_split", "train"),
+        text_field=data.get("hf_dataset_text_field", "text"), tokenizer=data.get("tokenizer_path") or None,
+        hf_streaming=data.get("hf_streaming", False), strategy="concat", add_bos=False, add_eos=True,
+    )
+
+
+def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: str) -> list[Phase]:
+    """KempnerForge's phases as forge-grain's: full weights, an unnamed source keeping its weight."""
+    raw = data.get("phases") or []
+    if raw and data.get("anneal_start_step", 0) > 0:
+        raise ConfigError(f"{where}: use data.phases or data.anneal_start_step, not both (as KempnerForge requires)")
+    if data.get("anneal_start_step", 0) > 0:
+        raw = [{"start_step": data["anneal_start_step"], "dataset_weights": data.get("anneal_weights", {})}]
+    current = {s.name: s.weight for s in sources}
+    phases = []
+    for i, p in enumerate(raw):
+        if not isinstance(p, dict):
+            raise ConfigError(f"{where}: data.phases[{i}] must be a table, got {p!r}")
+        unknown = sorted(set(p) - set(PHASE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown} in data.phases[{i}] (known: {sorted(PHASE_KEYS)})")
+        for key, kinds in PHASE_KEYS.items():
+            if key in p:
+                _check_type(f"{where}: data.phases[{i}].{key}", p[key], kinds)
+        weights = p.get("dataset_weights", {})
+        strangers = sorted(set(weights) - set(names))
+        if strangers:
+            raise ConfigError(f"{where}: data.phases[{i}].dataset_weights names unknown source(s) {strangers} "
+                              f"(sources: {names})")
+        current = {**current, **{k: float(v) for k, v in weights.items()}}
+        start, lr_scale = p.get("start_step", 0), float(p.get("lr_scale", 1.0))
+        if start == 0:  # forge-grain's phases start after step 0: this one sets the sources' weights
+            if lr_scale != 1.0:
+                raise ConfigError(f"{where}: data.phases[{i}] starts at step 0 with lr_scale {lr_scale}: set the "
+                                  "base learning rate instead")
+            for s in sources:
+                s.weight = current[s.name]
+            continue
+        phases.append(Phase(start, dict(current), lr_scale))
+    return phases
