@@ -19,7 +19,7 @@ import numpy as np
 
 from forge_grain import Pipeline
 
-ARRAY_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "source_id")
+ARRAY_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop", "source_id")
 
 
 def to_global(local_batch: dict, sharding: jax.sharding.Sharding, keys=ARRAY_KEYS) -> dict:

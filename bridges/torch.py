@@ -27,6 +27,8 @@ only when iterating the pipeline directly.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -55,6 +57,7 @@ def to_torch(batch: dict, convention: str = "forge", dtype: torch.dtype = torch.
         for k in ("inputs", "targets", "segment_ids", "positions"):
             out[k] = ids(batch[k])
         out["loss_mask"] = torch.from_numpy(batch["loss_mask"])
+        out["natural_stop"] = torch.from_numpy(batch["natural_stop"])
         return out
     # Hugging Face: labels aligned with input_ids (the model shifts them); -100 where no loss
     inputs = batch["inputs"]
@@ -64,6 +67,9 @@ def to_torch(batch: dict, convention: str = "forge", dtype: torch.dtype = torch.
     out["labels"] = torch.from_numpy(labels).to(dtype)
     out["attention_mask"] = ids(batch["segment_ids"] > 0)
     out["position_ids"] = ids(batch["positions"])
+    stop = np.zeros(inputs.shape, np.bool_)  # aligned with labels: true where the label ends its document
+    stop[:, 1:] = batch["natural_stop"][:, :-1]
+    out["is_natural_stop"] = torch.from_numpy(stop)
     return out
 
 
@@ -95,15 +101,50 @@ class GrainIterableDataset(IterableDataset):
         self._resume: dict | None = None  # applies to the next pass only
         self._next_step: int | None = None  # next step this process will produce
         self._num_workers = 1
+        self._epoch = 0
 
     @property
     def num_steps(self) -> int | None:
         return self.pipeline.num_steps
 
+    @property
+    def steps_per_pass(self) -> int:
+        """Steps of one DataLoader pass: all of the pipeline's when its config has one epoch (or
+        only `max_steps`), else one epoch of its data (rows per epoch // global batch)."""
+        p, epochs = self.pipeline, self.pipeline.config.num_epochs
+        if epochs is None and p.num_steps is not None or epochs == 1:
+            return p.num_steps
+        if epochs is None:
+            raise TypeError("an unlimited pipeline has no length: set num_epochs or max_steps")
+        return min(p.rows_per_epoch // p.config.global_batch_size, p.num_steps)
+
     def __len__(self) -> int:
-        if self.pipeline.num_steps is None:
-            raise TypeError("an unlimited pipeline has no length")
-        return self.pipeline.num_steps
+        """This rank's exact number of batches in one pass (what a trainer's schedule needs)."""
+        return self.steps_per_pass
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass cover pipeline steps [epoch·n, (epoch+1)·n), n = `len(self)`, so
+        trainers that call `set_epoch` (Hugging Face `Trainer`, Lightning) see the pipeline's
+        next epoch instead of a replay. Without it every pass starts at step 0. With
+        `persistent_workers=True` worker copies do not see it: use workers that restart."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        self._epoch = epoch
+
+    def _pass(self) -> tuple[int, int]:
+        """[first step, end step) of the current pass."""
+        if self.pipeline.num_steps is None:  # unlimited: one endless pass
+            if self._epoch:
+                raise StateError("an unlimited pipeline has one endless pass; set_epoch needs num_epochs or max_steps")
+            return 0, sys.maxsize
+        n = self.steps_per_pass
+        start, end = self._epoch * n, (self._epoch + 1) * n
+        if self.pipeline.num_steps is not None and start >= self.pipeline.num_steps:
+            raise StateError(
+                f"epoch {self._epoch} starts at step {start}, past the pipeline's {self.pipeline.num_steps} steps; "
+                "raise num_epochs (or max_steps) in the config"
+            )
+        return start, min(end, self.pipeline.num_steps or end)
 
     def _worker(self) -> tuple[int, int]:
         info = get_worker_info()
@@ -114,8 +155,9 @@ class GrainIterableDataset(IterableDataset):
         if self.pipeline.streams and W > 1:
             raise StateError("streaming sources are read in order by one process: use num_workers 0 or 1")
         if state is None:
-            self.pipeline.seek(w)  # streaming sources back to the start of the pass
-            return w
+            first = self._pass()[0] + w
+            self.pipeline.seek(first)  # streaming sources back to the start of the pass
+            return first
         if state.get("kind") == "worker":
             if state["num_workers"] != W:
                 raise StateError(
@@ -131,7 +173,7 @@ class GrainIterableDataset(IterableDataset):
     def __iter__(self):
         w, W = self._worker()
         self._num_workers = W
-        end = self.pipeline.num_steps if self.pipeline.num_steps is not None else float("inf")
+        end = self._pass()[1]
         step = self._first_step(w, W)
         self._next_step = step
         while step < end:
@@ -146,7 +188,7 @@ class GrainIterableDataset(IterableDataset):
         if self._next_step is None and self._resume is not None:
             return dict(self._resume)
         w, W = self._worker()
-        next_step = self._next_step if self._next_step is not None else w
+        next_step = self._next_step if self._next_step is not None else self._pass()[0] + w
         state = {"kind": "worker", "next_step": next_step, "num_workers": W, "fingerprint": self.pipeline.fingerprint}
         if self.pipeline.streams:  # their positions, which only this process knows
             state["pipeline"] = self.pipeline.state_at(next_step)

@@ -67,7 +67,7 @@ def test_stateful_dataloader_resumes_exactly_across_an_epoch_boundary(stores, wo
 def test_hf_convention_follows_the_loss_mask(stores):
     forge = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1)))
     hf = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1, convention="hf", dtype=torch.int32)))
-    assert set(hf) == {"input_ids", "labels", "attention_mask", "position_ids", "source_id", "step"}
+    assert set(hf) == {"input_ids", "labels", "attention_mask", "position_ids", "is_natural_stop", "source_id", "step"}
     assert hf["input_ids"].dtype == torch.int32 and forge["inputs"].dtype == torch.int64
     assert torch.equal(hf["input_ids"].long(), forge["inputs"])
     # the model shifts labels: labels[j + 1] is the target of position j
@@ -76,6 +76,9 @@ def test_hf_convention_follows_the_loss_mask(stores):
     assert (hf["labels"][:, 0] == -100).all()
     assert torch.equal(hf["attention_mask"].bool(), forge["segment_ids"] > 0)
     assert torch.equal(hf["position_ids"].long(), forge["positions"])
+    # helix's is_natural_stop, aligned with labels: the label there is its document's true last token
+    assert torch.equal(hf["is_natural_stop"][:, 1:], forge["natural_stop"][:, :-1])
+    assert forge["natural_stop"].any() and not hf["is_natural_stop"][:, 0].any()
 
 
 def test_elastic_resume_from_the_global_step(stores):
@@ -165,3 +168,61 @@ def test_torchrun_two_ranks_with_gloo_concatenate_to_the_global_batch(tmp_path, 
         assert [int(p["steps"][i]) for p in parts] == [i, i]
         union = np.concatenate([p[f"inputs_{i}"] for p in parts])
         assert np.array_equal(union, whole.global_batch(i)["inputs"])
+
+
+# -- trainers that want a length and epochs ------------------------------------------------------
+
+
+def test_len_is_one_pass_and_set_epoch_continues_with_the_next_epoch(stores):
+    cfg = config(stores, num_epochs=3)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1)
+    n = ds.pipeline.rows_per_epoch // cfg.global_batch_size
+    assert len(ds) == n and ds.num_steps >= 3 * n
+    first = [int(b["step"]) for b in DataLoader(ds, batch_size=None)]
+    replay = [int(b["step"]) for b in DataLoader(ds, batch_size=None)]
+    assert first == replay == list(range(n))  # without set_epoch: each pass is pass 0
+    for epoch in (1, 2):
+        ds.set_epoch(epoch)
+        for workers in (0, 2):
+            got = sorted(int(b["step"]) for b in DataLoader(ds, batch_size=None, num_workers=workers))
+            assert got == list(range(epoch * n, (epoch + 1) * n))
+    ds.set_epoch(4)  # (epoch 3 holds the 0-2 steps that 3 epochs of rows leave over whole passes)
+    with pytest.raises(StateError, match=r"epoch 4 starts at step \d+, past the pipeline's \d+ steps"):
+        next(iter(ds))
+    one = GrainIterableDataset(config(stores, num_epochs=1), rank=0, world_size=1)
+    assert len(one) == one.num_steps  # one epoch: a pass is the whole pipeline
+
+
+def test_hugging_face_trainer_schedules_exactly_and_sees_the_next_epoch(stores, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    cfg = config(stores, num_epochs=2)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1, convention="hf")
+    seen = []
+
+    def collate(items):  # the dataset yields whole batches: keep the model's keys, note the step
+        (batch,) = items
+        seen.append(int(batch["step"]))
+        return {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids")}
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=1000, n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    import inspect
+
+    # a warm-up ratio: `warmup_ratio` before transformers 5, a float `warmup_steps` below 1 since
+    ratio = ({"warmup_ratio": 0.25} if "warmup_ratio" in inspect.signature(transformers.TrainingArguments).parameters
+             else {"warmup_steps": 0.25})
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), num_train_epochs=2, per_device_train_batch_size=1, **ratio,
+        learning_rate=1e-3, lr_scheduler_type="linear", report_to=[], save_strategy="no", logging_steps=1,
+        use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, data_collator=collate)
+    trainer.train()
+    n = len(ds)
+    assert trainer.state.max_steps == 2 * n  # the schedule's total is exact
+    assert seen == list(range(2 * n))  # epoch 1 is the pipeline's next epoch, not a replay of epoch 0
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    warmup = args.get_warmup_steps(2 * n)
+    assert warmup == -(-2 * n // 4) and lrs[warmup - 1] == pytest.approx(1e-3, rel=0.05)  # peak after warm-up
+    assert lrs[0] < lrs[warmup - 1] and lrs[-1] < lrs[warmup]
