@@ -175,3 +175,90 @@ def test_loader_keys_reach_the_config(tmp_path, three_sources):
     cfg = job(tmp_path, data + "\nnum_workers = 2\npin_memory = false\nprefetch_factor = 4")
     assert cfg.loader == {"num_workers": 2, "pin_memory": False, "prefetch_factor": 4}
     assert json.loads(json.dumps(cfg.to_dict()))["loader"] == cfg.loader
+
+
+# -- KempnerForge's dataset classes ---------------------------------------------------------------
+
+
+@pytest.fixture
+def kf_data(tmp_path):
+    (tmp_path / "npy").mkdir()
+    ds = docs(20, n=300, vocab=1000)
+    np.save(tmp_path / "npy" / "shard_0.npy", np.concatenate(ds[:150]).astype(np.uint16))
+    np.save(tmp_path / "npy" / "shard_1.npy", np.concatenate(ds[150:]).astype(np.uint16))
+    write_jsonl(tmp_path / "train.jsonl", make_texts(300, seed=8))
+    return {"npy": str(tmp_path / "npy"), "jsonl": str(tmp_path / "train.jsonl"), "cache": str(tmp_path / "cache"),
+            "docs": ds}
+
+
+def test_memory_mapped_dataset_samples_as_kempnerforge(kf_data):
+    import torch
+
+    from bridges.kempnerforge import MemoryMappedDataset
+
+    plain = MemoryMappedDataset(kf_data["npy"], seq_len=33)
+    s = plain[0]
+    assert sorted(s) == ["input_ids", "labels"] and s["input_ids"].shape == (32,) and s["labels"].dtype == torch.int64
+    assert torch.equal(s["labels"][:-1], s["input_ids"][1:])  # labels are the next tokens
+    assert plain.state_dict() == {"epoch": 0, "total_samples": len(plain)}
+    tokens = sum(len(d) for d in kf_data["docs"])
+    assert len(plain) == (tokens - 1) // 32  # every token after the first is a label once; no file tail dropped
+    packed = MemoryMappedDataset(kf_data["npy"], seq_len=33, pack_sequences=True, eos_token_id=1)
+    p = packed[3]
+    crossing = p["segment_ids"][1:] != p["segment_ids"][:-1]  # the label at j is the token at j + 1
+    assert (p["labels"][:-1][crossing] == -100).all() and crossing.any()
+    with pytest.raises(ValueError, match="eos_token_id"):
+        MemoryMappedDataset(kf_data["npy"], seq_len=33, pack_sequences=True)
+
+
+@pytest.mark.parametrize("kind", ["mm", "hf", "mixture"])
+def test_a_kempnerforge_loop_on_two_gloo_ranks_resumes_exactly(kind, kf_data, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from multiproc import free_port
+
+    args = json.dumps({k: v for k, v in kf_data.items() if k != "docs"})
+    script = Path(__file__).parent / "scripts" / "kempnerforge_loop.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(script), kind, args, str(tmp_path / "rank")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    for rep in reports:
+        assert rep["resumed_equal"]
+        extra = {"mm": ["position_ids", "segment_ids"], "hf": [], "mixture": ["dataset_idx"]}[kind]  # mm packs documents
+        want = ["input_ids", "labels"] + extra
+        assert rep["keys"] == sorted(want)
+        assert rep["dtypes"]["input_ids"] == rep["dtypes"]["labels"] == "torch.int64"
+        seq = 32
+        assert rep["shapes"]["input_ids"] == rep["shapes"]["labels"] == [4, seq]
+    assert reports[0]["first_ids"] != reports[1]["first_ids"]  # the sampler gives each rank its own rows
+    expected_state = {"mm": ["epoch", "total_samples"], "hf": ["epoch", "sample_idx", "total_sequences"],
+                      "mixture": ["books", "web"]}[kind]
+    assert reports[0]["ds_state"] == expected_state
+
+
+def test_streaming_dataset_resumes_exactly_from_its_state(kf_data, tmp_path):
+    import torch
+
+    from bridges.kempnerforge import StreamingHuggingFaceDataset
+
+    def make():
+        return StreamingHuggingFaceDataset(kf_data["jsonl"], "train", "text", 32, str(DEFAULT_TOKENIZER), rank=1,
+                                           world_size=2, seed=3, shuffle_buffer_size=40, cache_dir=kf_data["cache"])
+
+    ds = make()
+    it = iter(ds)
+    head = [next(it) for _ in range(7)]
+    state = ds.state_dict()
+    tail = [next(it) for _ in range(9)]
+    assert {"epoch", "rank_docs_consumed", "forge_grain"} <= set(state)
+    assert head[0]["input_ids"].shape == (32,) and head[0]["input_ids"].dtype == torch.int64
+    again = make()
+    again.load_state_dict(json.loads(json.dumps(state)))
+    resumed = [s for _, s in zip(range(9), again)]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(tail, resumed) for k in a)
+    with pytest.raises(ValueError, match="saved by KempnerForge itself"):
+        make().load_state_dict({"epoch": 0, "rank_docs_consumed": 12})
