@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import resource
 import stat
 from pathlib import Path
 from typing import Iterator
@@ -79,15 +82,8 @@ class TokenStore:
         self.vocab_size, self.bos_id, self.eos_id = m.vocab_size, m.bos_id, m.eos_id
         self.tokenizer = m.tokenizer
         self._files = [self.path / s.tokens for s in m.shards]
-        offsets = []
-        for shard, file in zip(m.shards, self._files):
-            _require_regular(file, f"shard listed in {self.path / MANIFEST_NAME}")
-            _require_regular(self.path / shard.index, f"index listed in {self.path / MANIFEST_NAME}")
-            if m.layout == "bin":
-                self._arrays.append(self._map_bin_shard(file, shard))
-            offsets.append(self._load_index(self.path / shard.index, shard))
-            if m.layout == "arrayrecord":
-                self._check_records(file, shard, offsets[-1])
+        with _descriptors(self.path, len(m.shards)):
+            offsets = self._map_shards(m)
         if m.layout == "arrayrecord":
             import grain  # lazy: only this layout needs it at open time
 
@@ -100,6 +96,19 @@ class TokenStore:
         self._shard_tokens = [s.num_tokens for s in m.shards]
         self._shard_docs = [s.num_documents for s in m.shards]
         self._offsets = _join_offsets(offsets)
+
+    def _map_shards(self, m: Manifest) -> list[np.ndarray]:
+        """Check every shard and its index, map `bin` shards; each shard's offsets."""
+        offsets = []
+        for shard, file in zip(m.shards, self._files):
+            _require_regular(file, f"shard listed in {self.path / MANIFEST_NAME}")
+            _require_regular(self.path / shard.index, f"index listed in {self.path / MANIFEST_NAME}")
+            if m.layout == "bin":
+                self._arrays.append(self._map_bin_shard(file, shard))
+            offsets.append(self._load_index(self.path / shard.index, shard))
+            if m.layout == "arrayrecord":
+                self._check_records(file, shard, offsets[-1])
+        return offsets
 
     def _check_declared(self, options: dict) -> None:
         """Options given for a store must agree with its manifest (they describe foreign files)."""
@@ -196,7 +205,8 @@ class TokenStore:
                 raise StoreError(f"{self.path}: vocab_size {vocab_size} disagrees with {tokenizer} ({tok.vocab_size} ids)")
             vocab_size, self.tokenizer = tok.vocab_size, tok.identity
         self._files = foreign.find_token_files(self.path, split=split, file_pattern=file_pattern)
-        self._arrays = [foreign.map_tokens(f, dtype, vocab_size) for f in self._files]
+        with _descriptors(self.path, len(self._files)):
+            self._arrays = [foreign.map_tokens(f, dtype, vocab_size) for f in self._files]
         dtypes = {a.dtype for a in self._arrays}
         if len(dtypes) > 1:
             raise StoreError(f"{self.path}: token files mix dtypes {sorted(map(str, dtypes))}")
@@ -329,6 +339,22 @@ class TokenStore:
             f"TokenStore({str(self.path)!r}, layout={self.layout}, documents={len(self)}, "
             f"tokens={self.num_tokens}, dtype={self.dtype}, vocab_size={self.vocab_size})"
         )
+
+
+@contextlib.contextmanager
+def _descriptors(path: Path, num_files: int):
+    """Running out of file descriptors (each memory map keeps one) is a `StoreError` saying what to do."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise_it = f"raise it (`ulimit -n {hard}` here)" if hard > soft else "ask for a higher hard limit"
+        raise StoreError(
+            f"{path}: mapping its {num_files} token files needs a file descriptor each, and this process reached its "
+            f"limit of {soft} open files (ulimit -n); {raise_it}, or write the data as fewer, larger shards"
+        ) from None
 
 
 def _require_regular(file: Path, what: str) -> None:
