@@ -107,18 +107,22 @@ def data_parallel_size(dist: dict, world_size: int | None = None) -> int:
 
 
 def _table(doc: dict, name: str, keys: dict, where: str, strict: bool) -> dict:
-    table = doc.get(name, {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"{where}: [{name}] must be a table")
-    if strict:
-        unknown = sorted(set(table) - set(keys))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown} in [{name}] (known: {sorted(keys)})")
+    return _checked(doc.get(name, {}), keys, where, f"[{name}]", name, strict)
+
+
+def _checked(value: Any, keys: dict, where: str, label: str, prefix: str, strict: bool = True) -> dict:
+    """The entries of table `value` that `keys` names, each of its type; with `strict`, any
+    other entry is an error. Messages name `label` (the table) or `prefix.key`."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: {label} must be a table, got {value!r}")
+    unknown = sorted(set(value) - set(keys)) if strict else []
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown} in {label} (known: {sorted(keys)})")
     out = {}
     for key, kinds in keys.items():
-        if key in table:
-            _check_type(f"{where}: {name}.{key}", table[key], kinds)
-            out[key] = table[key]
+        if key in value:
+            _check_type(f"{where}: {prefix}.{key}", value[key], kinds)
+            out[key] = value[key]
     return out
 
 
@@ -138,14 +142,7 @@ def _sources(data: dict, where: str) -> list[SourceConfig]:
             raise ConfigError(f"{where}: [data] names no data: give dataset_path, hf_dataset_name or datasets")
     sources = []
     for i, e in enumerate(entries):
-        if not isinstance(e, dict):
-            raise ConfigError(f"{where}: data.datasets[{i}] must be a table, got {e!r}")
-        unknown = sorted(set(e) - set(SOURCE_KEYS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown} in data.datasets[{i}] (known: {sorted(SOURCE_KEYS)})")
-        for key, kinds in SOURCE_KEYS.items():
-            if key in e:
-                _check_type(f"{where}: data.datasets[{i}].{key}", e[key], kinds)
+        _checked(e, SOURCE_KEYS, where, f"data.datasets[{i}]", f"data.datasets[{i}]")
         if bool(e.get("path")) == bool(e.get("hf_name")):
             raise ConfigError(f"{where}: data.datasets[{i}] needs exactly one of path and hf_name")
         if e.get("weight", 1.0) <= 0:
@@ -194,14 +191,7 @@ def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: st
     current = {s.name: s.weight for s in sources}
     phases = []
     for i, p in enumerate(raw):
-        if not isinstance(p, dict):
-            raise ConfigError(f"{where}: data.phases[{i}] must be a table, got {p!r}")
-        unknown = sorted(set(p) - set(PHASE_KEYS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown} in data.phases[{i}] (known: {sorted(PHASE_KEYS)})")
-        for key, kinds in PHASE_KEYS.items():
-            if key in p:
-                _check_type(f"{where}: data.phases[{i}].{key}", p[key], kinds)
+        _checked(p, PHASE_KEYS, where, f"data.phases[{i}]", f"data.phases[{i}]")
         weights = p.get("dataset_weights", {})
         strangers = sorted(set(weights) - set(names))
         if strangers:
