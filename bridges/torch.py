@@ -131,20 +131,26 @@ class GrainIterableDataset(IterableDataset):
             raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
         self._epoch = epoch
 
-    def _pass(self) -> tuple[int, int]:
-        """[first step, end step) of the current pass."""
+    def _pass_start(self) -> int:
+        """The first step of the pass `set_epoch` chose."""
         if self.pipeline.num_steps is None:  # unlimited: one endless pass
             if self._epoch:
                 raise StateError("an unlimited pipeline has one endless pass; set_epoch needs num_epochs or max_steps")
-            return 0, sys.maxsize
-        n = self.steps_per_pass
-        start, end = self._epoch * n, (self._epoch + 1) * n
-        if self.pipeline.num_steps is not None and start >= self.pipeline.num_steps:
+            return 0
+        start = self._epoch * self.steps_per_pass
+        if start >= self.pipeline.num_steps:
             raise StateError(
                 f"epoch {self._epoch} starts at step {start}, past the pipeline's {self.pipeline.num_steps} steps; "
                 "raise num_epochs (or max_steps) in the config"
             )
-        return start, min(end, self.pipeline.num_steps or end)
+        return start
+
+    def _pass_end(self, step: int) -> int:
+        """The end of the pass that holds `step` (so a resumed pass runs to its own end)."""
+        if self.pipeline.num_steps is None:
+            return sys.maxsize
+        n = self.steps_per_pass
+        return min((step // n + 1) * n, self.pipeline.num_steps)
 
     def _worker(self) -> tuple[int, int]:
         info = get_worker_info()
@@ -155,7 +161,7 @@ class GrainIterableDataset(IterableDataset):
         if self.pipeline.streams and W > 1:
             raise StateError("streaming sources are read in order by one process: use num_workers 0 or 1")
         if state is None:
-            first = self._pass()[0] + w
+            first = self._pass_start() + w
             self.pipeline.seek(first)  # streaming sources back to the start of the pass
             return first
         if state.get("kind") == "worker":
@@ -173,8 +179,8 @@ class GrainIterableDataset(IterableDataset):
     def __iter__(self):
         w, W = self._worker()
         self._num_workers = W
-        end = self._pass()[1]
         step = self._first_step(w, W)
+        end = self._pass_end(step - w)
         self._next_step = step
         while step < end:
             batch = to_torch(self.pipeline.batch(step), self.convention, self.dtype)
@@ -188,7 +194,7 @@ class GrainIterableDataset(IterableDataset):
         if self._next_step is None and self._resume is not None:
             return dict(self._resume)
         w, W = self._worker()
-        next_step = self._next_step if self._next_step is not None else self._pass()[0] + w
+        next_step = self._next_step if self._next_step is not None else self._pass_start() + w
         state = {"kind": "worker", "next_step": next_step, "num_workers": W, "fingerprint": self.pipeline.fingerprint}
         if self.pipeline.streams:  # their positions, which only this process knows
             state["pipeline"] = self.pipeline.state_at(next_step)

@@ -226,3 +226,19 @@ def test_hugging_face_trainer_schedules_exactly_and_sees_the_next_epoch(stores, 
     warmup = args.get_warmup_steps(2 * n)
     assert warmup == -(-2 * n // 4) and lrs[warmup - 1] == pytest.approx(1e-3, rel=0.05)  # peak after warm-up
     assert lrs[0] < lrs[warmup - 1] and lrs[-1] < lrs[warmup]
+
+
+def test_a_resume_inside_a_later_pass_runs_to_that_pass_end(stores):
+    cfg = config(stores, num_epochs=3)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1)
+    n = len(ds)
+    tracker = ds.tracker()
+    ds.set_epoch(1)
+    for batch in DataLoader(ds, batch_size=None):
+        tracker.update(batch)
+        if int(batch["step"]) == n + 3:
+            break
+    state = tracker.state_dict()
+    again = GrainIterableDataset(cfg, rank=0, world_size=1)  # a restarted job that forgot set_epoch
+    again.tracker().load_state_dict(state)
+    assert [int(b["step"]) for b in DataLoader(again, batch_size=None)] == list(range(n + 4, 2 * n))
