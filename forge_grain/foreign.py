@@ -82,10 +82,18 @@ def _is_token_file(f: Path) -> bool:
     return f.suffix in SUFFIXES and not f.name.startswith(".") and not f.name.endswith(".idx.npy") and f.is_file()
 
 
+def declared_dtype(path: Path, dtype) -> np.dtype:
+    """`dtype` as a numpy dtype, or a `StoreError` naming what was passed."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise StoreError(f"{path}: dtype {dtype!r} is not a numpy dtype (e.g. 'uint16', 'uint32', 'int32')") from None
+
+
 def raw_dtype(path: Path, dtype, vocab_size: int | None) -> np.dtype:
     """The dtype of a raw file: declared, or decided by the vocabulary size; never guessed."""
     if dtype is not None:
-        dt = np.dtype(dtype)
+        dt = declared_dtype(path, dtype)
         if dt.kind not in "iu":
             raise StoreError(f"{path}: dtype {dt} is not an integer type; token ids need one (e.g. uint16, int32)")
         return dt
@@ -113,7 +121,7 @@ def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndar
             raise StoreError(f"{path}: not a readable .npy array ({e})") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise StoreError(f"{path}: expected a 1-D integer token array, found {arr.ndim}-D {arr.dtype}")
-        if dtype is not None and np.dtype(dtype) != arr.dtype:
+        if dtype is not None and declared_dtype(path, dtype) != arr.dtype:
             raise StoreError(f"{path}: the .npy header says {arr.dtype}, but dtype={np.dtype(dtype)} was declared")
         return arr
     dt = raw_dtype(path, dtype, vocab_size)  # a raw .bin, or a header-less .npy (OLMo's memmaps)

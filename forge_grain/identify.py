@@ -93,7 +93,7 @@ def describe_directory(path: Path) -> str | None:
     path = Path(path)
     if (path / "state.json").exists() and (path / "dataset_info.json").exists():
         return f"{path}: a Hugging Face `save_to_disk` dataset; {ADVICE['arrow']}"
-    kind = _index_kind(path / "index.json")
+    kind = _index_kind(_read_index(path / "index.json"))
     if kind:
         return f"{path}: a {'LitData' if kind == 'litdata' else 'MosaicML MDS'} dataset; {ADVICE[kind]}"
     suffixes = {f.suffix for f in path.iterdir() if f.is_file()} if path.is_dir() else set()
@@ -111,11 +111,16 @@ def _megatron_index(idx: Path) -> bool:
         return False
 
 
-def _index_kind(index: Path) -> str | None:
+def _read_index(index: Path):
+    """A sibling `index.json` as parsed JSON, or None."""
     try:
-        d = json.loads(index.read_text())
+        return json.loads(index.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _index_kind(d) -> str | None:
+    """'litdata' or 'mds' for the index of those formats, else None."""
     if isinstance(d, dict) and "chunks" in d and "config" in d:
         return "litdata"
     if isinstance(d, dict) and isinstance(d.get("shards"), list):
@@ -124,11 +129,10 @@ def _index_kind(index: Path) -> str | None:
 
 
 def _sibling_index(path: Path) -> str | None:
-    kind = _index_kind(path.parent / "index.json")
-    if kind is None:
-        return None
-    names = json.dumps(json.loads((path.parent / "index.json").read_text()))
-    return kind if path.name in names else None
+    """The format of an `index.json` beside `path` that lists this file."""
+    d = _read_index(path.parent / "index.json")
+    kind = _index_kind(d)
+    return kind if kind and path.name in json.dumps(d) else None
 
 
 def _has_sample_table(path: Path, head: bytes) -> bool:

@@ -61,8 +61,8 @@ class TokenStore:
     ) -> "TokenStore":
         """Open a store; `verify=True` also checks every checksum and token id (reads all data).
 
-        The other options describe foreign token files (a forge-grain store carries them in
-        its manifest and refuses them): `dtype` of raw files (or `vocab_size`, or a
+        The other options describe foreign token files (a forge-grain store records them in
+        its manifest; any given for it must agree): `dtype` of raw files (or `vocab_size`, or a
         `tokenizer` whose vocabulary decides it), `eos_id`/`bos_id` to find documents,
         `split` to pick one split's files in a directory of several, `file_pattern` to
         filter a directory, and `fingerprint="full"` to hash every byte for the state
@@ -118,7 +118,7 @@ class TokenStore:
                 continue
             if key not in recorded:
                 raise StoreError(f"{self.path}: {key}= applies to foreign token files, not to a forge-grain store")
-            same = np.dtype(value) == self.dtype if key == "dtype" else value == recorded[key]
+            same = foreign.declared_dtype(self.path, value) == self.dtype if key == "dtype" else value == recorded[key]
             if not same:
                 raise StoreError(
                     f"{self.path}: {key}={value!r} was declared, but the store's {MANIFEST_NAME} records "

@@ -442,3 +442,16 @@ def test_pretokenized_input_of_the_wrong_type_dtype_or_truncated_names_the_file(
     jsonl.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows)[:-25])  # cut inside the last row
     with pytest.raises(PrepareError, match=r"cut\.jsonl: cannot load"):
         prepare(jsonl, tmp_path / "d", token_field="input_ids", vocab_size=500, progress=False)
+
+
+def test_declared_options_on_a_prepared_store_must_agree_with_its_manifest(bin_store, tmp_path):
+    assert TokenStore.open(bin_store, dtype="uint16", eos_id=1, vocab_size=8192).vocab_size == 8192
+    with pytest.raises(StoreError, match=r"eos_id=7 was declared, but the store's manifest\.json records 1"):
+        TokenStore.open(bin_store, eos_id=7)
+    with pytest.raises(StoreError, match=r"split= applies to foreign token files"):
+        TokenStore.open(bin_store, split="train")
+    with pytest.raises(StoreError, match=r"dtype 'bogus' is not a numpy dtype"):
+        TokenStore.open(bin_store, dtype="bogus")
+    np.array([5, 1], np.uint16).tofile(tmp_path / "t.bin")
+    with pytest.raises(StoreError, match=r"t\.bin: dtype 'bogus' is not a numpy dtype"):
+        TokenStore.open(tmp_path / "t.bin", dtype="bogus")
