@@ -28,9 +28,21 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from bridges.torch import IGNORE_INDEX
 from forge_grain import DataConfig, Pipeline, SourceConfig, TokenStore, pack
 
-IGNORE_INDEX = -100
+
+def _sample(row: dict, pack_sequences: bool) -> dict[str, torch.Tensor]:
+    """One packed row (1-D arrays) as KempnerForge's sample; with `pack_sequences`, labels that
+    cross into another document are -100 and the document layout comes along."""
+    out = {"input_ids": torch.from_numpy(row["inputs"].astype(np.int64)),
+           "labels": torch.from_numpy(row["targets"].astype(np.int64))}
+    if pack_sequences:
+        out["labels"] = torch.where(torch.from_numpy(np.ascontiguousarray(row["loss_mask"])), out["labels"],
+                                    IGNORE_INDEX)
+        out["segment_ids"] = torch.from_numpy(row["segment_ids"].astype(np.int64))
+        out["position_ids"] = torch.from_numpy(row["positions"].astype(np.int64))
+    return out
 
 
 class _PackedRows(Dataset):
@@ -47,14 +59,7 @@ class _PackedRows(Dataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"Index {idx} out of range [0, {len(self)})")
-        row = self._rows[int(idx)]
-        out = {"input_ids": torch.from_numpy(row["inputs"].astype(np.int64)),
-               "labels": torch.from_numpy(row["targets"].astype(np.int64))}
-        if self.pack_sequences:
-            out["labels"] = torch.where(torch.from_numpy(row["loss_mask"]), out["labels"], IGNORE_INDEX)
-            out["segment_ids"] = torch.from_numpy(row["segment_ids"].astype(np.int64))
-            out["position_ids"] = torch.from_numpy(row["positions"].astype(np.int64))
-        return out
+        return _sample(self._rows[int(idx)], self.pack_sequences)
 
 
 class MemoryMappedDataset(_PackedRows):
@@ -135,14 +140,7 @@ class StreamingHuggingFaceDataset(IterableDataset):
         self._step = it.step
         for batch in it:
             self._step = int(batch["step"]) + 1
-            out = {"input_ids": torch.from_numpy(batch["inputs"][0].copy()),
-                   "labels": torch.from_numpy(batch["targets"][0].astype(np.int64))}
-            if self.pack_sequences:
-                out["labels"] = torch.where(torch.from_numpy(batch["loss_mask"][0].copy()), out["labels"],
-                                            IGNORE_INDEX)
-                out["segment_ids"] = torch.from_numpy(batch["segment_ids"][0].copy())
-                out["position_ids"] = torch.from_numpy(batch["positions"][0].copy())
-            yield out
+            yield _sample({k: v[0] for k, v in batch.items() if k != "step"}, self.pack_sequences)
 
     def state_dict(self) -> dict:
         state = self.pipeline.state_at(self._step)

@@ -60,8 +60,6 @@ def find_token_files(path: str | Path, *, split: str | None = None, file_pattern
             raise StoreError(f"{p}: file_pattern={file_pattern!r} applies to a directory, and this is a file")
         return [p]
     if p.is_dir():
-        if (p / "manifest.json").exists():
-            raise StoreError(f"{p}: holds a forge-grain manifest; open it as a store (file_pattern does not apply)")
         if list(p.glob("shard-*.idx.npy")):
             raise StoreError(f"{p}: a forge-grain store without manifest.json is incomplete (re-run `forge-grain prepare`)")
         candidates = p.glob(file_pattern) if file_pattern else p.iterdir()
@@ -177,7 +175,7 @@ def content_fingerprint(path: Path, full: bool = False) -> str:
     return h.hexdigest()
 
 
-def sampled_tokens(path: Path, tokens: np.ndarray) -> np.ndarray:
+def sampled_tokens(tokens: np.ndarray) -> np.ndarray:
     """The tokens inside the fingerprint's sampled blocks (for cheap plausibility checks)."""
     item = tokens.dtype.itemsize
     parts = [np.asarray(tokens[off // item : (off + SAMPLE_BLOCK_BYTES) // item])
@@ -185,15 +183,15 @@ def sampled_tokens(path: Path, tokens: np.ndarray) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, tokens.dtype)
 
 
-def check_width(path: Path, tokens: np.ndarray) -> None:
-    """Refuse 16-bit data that is really 32-bit ids (every other 16-bit value zero)."""
-    if tokens.dtype.itemsize != 2:
+def check_width(path: Path, sample: np.ndarray) -> None:
+    """Refuse 16-bit data that is really 32-bit ids (every other 16-bit value zero), judged
+    on the file's `sampled_tokens`."""
+    if sample.dtype.itemsize != 2:
         return
-    sample = sampled_tokens(path, tokens)
     sample = sample[: len(sample) // 2 * 2]
     if len(sample) >= 512 and not np.any(sample[1::2]) and np.any(sample[0::2]):
         raise StoreError(
-            f"{path}: read as {tokens.dtype}, every other token is 0, the signature of 32-bit ids read as 16-bit; "
+            f"{path}: read as {sample.dtype}, every other token is 0, the signature of 32-bit ids read as 16-bit; "
             "declare dtype='int32' or 'uint32' (or dtype='uint16' explicitly if this really is 16-bit data)"
         )
 
@@ -212,17 +210,18 @@ def _cache_paths(path: Path, key: str) -> tuple[Path, Path]:
 
 
 def document_offsets(
-    path: Path, tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None, fingerprint: str
+    path: Path, tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None, fingerprint: str, sample: np.ndarray
 ) -> tuple[np.ndarray, int, int]:
     """Offsets (num_docs + 1) of the documents in one file, and its smallest and largest ids.
 
     Cached beside the data: a cache is used only when it was made from content with the
-    same fingerprint, its offsets are consistent, and the boundaries fall on EOS/BOS ids;
-    otherwise the file is scanned again and the cache rewritten.
+    same fingerprint, its offsets are consistent, the boundaries fall on EOS/BOS ids, and its
+    id range covers `sample` (the file's `sampled_tokens`); otherwise the file is scanned
+    again and the cache rewritten.
     """
     key = hashlib.sha256(json.dumps([CACHE_VERSION, str(tokens.dtype), eos_id, bos_id]).encode()).hexdigest()[:16]
     idx_path, meta_path = _cache_paths(path, key)
-    cached = _load_cache(idx_path, meta_path, path, tokens, eos_id, bos_id, fingerprint)
+    cached = _load_cache(idx_path, meta_path, path, tokens, eos_id, bos_id, fingerprint, sample)
     if cached is not None:
         return cached
     offsets, lo, hi = _scan(tokens, eos_id=eos_id, bos_id=bos_id)
@@ -238,20 +237,20 @@ def document_offsets(
     return offsets, lo, hi
 
 
-def _load_cache(idx_path, meta_path, path, tokens, eos_id, bos_id, fingerprint):
+def _load_cache(idx_path, meta_path, path, tokens, eos_id, bos_id, fingerprint, sample):
     try:
         meta = json.loads(meta_path.read_text())
         offsets = np.load(idx_path, allow_pickle=False)
     except (OSError, ValueError):
         return None
-    problem = _cache_problem(meta, offsets, path, tokens, eos_id, bos_id, fingerprint)
+    problem = _cache_problem(meta, offsets, tokens, eos_id, bos_id, fingerprint, sample)
     if problem:
         log.warning("forge-grain: ignoring the cached document index of %s (%s); rescanning", path, problem)
         return None
     return offsets.astype(np.int64, copy=False), int(meta["min_token"]), int(meta["max_token"])
 
 
-def _cache_problem(meta, offsets, path, tokens, eos_id, bos_id, fingerprint) -> str | None:
+def _cache_problem(meta, offsets, tokens, eos_id, bos_id, fingerprint, sample) -> str | None:
     """Why a cached index cannot be trusted for this file, or None."""
     n = len(tokens)
     if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
@@ -262,7 +261,6 @@ def _cache_problem(meta, offsets, path, tokens, eos_id, bos_id, fingerprint) -> 
         return "its offsets were changed"
     if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) <= 0):
         return "its offsets are not increasing from 0 to the token count"
-    sample = sampled_tokens(path, tokens)
     if len(sample) and (int(sample.min()) < meta["min_token"] or int(sample.max()) > meta["max_token"]):
         return "its recorded token range excludes ids in the file"
     inner = offsets[1:-1]

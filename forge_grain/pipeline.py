@@ -138,12 +138,11 @@ class Pipeline:
     def phase_at(self, step: int) -> dict:
         """The mixture in force at `step`: its `start_step`, `weights` by source name (after the
         temperature, summing to 1) and `lr_scale`, for a scheduler to apply exactly at the step."""
-        names = [s.name for s in self.config.sources]
-        phases = [None, *self.config.all_phases()]
-        k = max(i for i, (start, _) in enumerate(self.config.schedule()) if start <= step)
-        start, weights = self.config.schedule()[k]
-        return {"start_step": start, "weights": dict(zip(names, weights)),
-                "lr_scale": phases[k].lr_scale if phases[k] is not None else 1.0}
+        schedule = self.config.schedule()  # entry 0 is the base mix; entry k > 0 is phase k - 1
+        k = max(i for i, (start, _) in enumerate(schedule) if start <= step)
+        start, weights = schedule[k]
+        return {"start_step": start, "weights": dict(zip([s.name for s in self.config.sources], weights)),
+                "lr_scale": self.config.all_phases()[k - 1].lr_scale if k else 1.0}
 
     def _warn_unreachable_phases(self) -> None:
         if self.num_steps is None:

@@ -214,10 +214,12 @@ class TokenStore:
         self.vocab_size, self.bos_id, self.eos_id = vocab_size, bos_id, eos_id
         offsets, parts = [], []
         for f, a in zip(self._files, self._arrays):
+            sample = foreign.sampled_tokens(a)  # read once: the width check and the cache check use it
             if dtype is None:  # decided by the vocabulary or a .npy header: check it is plausible
-                foreign.check_width(f, a)
+                foreign.check_width(f, sample)
             content = foreign.content_fingerprint(f, full=fingerprint == "full")
-            off, lo, hi = foreign.document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content)
+            off, lo, hi = foreign.document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content,
+                                                   sample=sample)
             foreign.check_ids(f, lo, hi, vocab_size)
             offsets.append(off)
             parts.append([f.name, content, hashlib.sha256(off.tobytes()).hexdigest()])
@@ -316,7 +318,7 @@ class TokenStore:
                 foreign.check_ids(file, min(int(t.min()) for t in chunks), max(int(t.max()) for t in chunks),
                                   self.vocab_size)
             if self.manifest is None and self._arrays:
-                foreign.check_width(file, self._arrays[s])
+                foreign.check_width(file, foreign.sampled_tokens(self._arrays[s]))
 
     def close(self) -> None:
         """Drop the memory maps (views already handed out stay valid while referenced)."""
