@@ -127,7 +127,7 @@ def nanochat_loop(store, seq_len, buffer_size=1000):
 
 
 def numpy_copy(store, seq_len):
-    src = store.token_arrays[0]
+    src = store.pieces[0][0]
     dst = np.empty(BATCH * seq_len, np.int32)
     n_tok = BATCH * seq_len
     starts = np.random.default_rng(0).integers(0, len(src) - n_tok, 50)

@@ -14,7 +14,7 @@ from .errors import ForgeGrainError, PrepareError, StoreError
 __version__ = "0.1.0"
 
 _LAZY = {
-    "TokenStore": "store",
+    "TokenStore": "stores",
     "prepare": "preparation",
     "write_store": "writer",
     "PackedDataset": "packed",

@@ -11,7 +11,7 @@ from .errors import ForgeGrainError
 
 def _prepare(a) -> None:
     from .preparation import prepare
-    from .store import TokenStore
+    from .stores import TokenStore
     from .summary import format_summary
 
     out = prepare(
@@ -26,7 +26,7 @@ def _prepare(a) -> None:
 
 
 def _inspect(a) -> None:
-    from .store import TokenStore
+    from .stores import TokenStore
     from .summary import format_summary, plot_lengths
 
     store = TokenStore.open(

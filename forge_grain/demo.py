@@ -21,7 +21,7 @@ from .config import DataConfig, Phase, SourceConfig
 from .manifest import write_json_atomic
 from .pipeline import Pipeline
 from .preparation import prepare
-from .store import TokenStore
+from .stores import TokenStore
 from .summary import format_summary
 
 

@@ -34,7 +34,8 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from . import foreign, kernels
+from . import kernels
+from . import paths
 from .errors import PrepareError
 from .config import SourceConfig
 from .locks import file_lock
@@ -49,7 +50,7 @@ TOKENIZE_BATCH = 256
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    root = Path(cache_dir or foreign.cache_root()) / "hf"
+    root = Path(cache_dir or paths.cache_root()) / "hf"
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -289,7 +290,7 @@ class StreamCursor:
             p = self._plan
             row = self._order[self.emitted : self.emitted + 1]
             kernels.fill_rows(row, np.array([d], np.int64), p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags,
-                              (self._tokens,), np.zeros(1, np.int64), self.seq_len, self.pad_id,
+                              *kernels.one_piece(self._tokens), self.seq_len, self.pad_id,
                               *(out[k] for k in ROW_KEYS))
             self.emitted += 1
             if self.emitted == p.num_rows:

@@ -33,7 +33,7 @@ def _numba_cache() -> bool:
     here = Path(__file__).parent
     if os.access(here / "__pycache__" if (here / "__pycache__").is_dir() else here, os.W_OK):
         return True
-    from .foreign import cache_root
+    from .paths import cache_root
 
     for candidate in (cache_root() / "numba", Path(tempfile.gettempdir()) / f"forge_grain-numba-{os.getuid()}"):
         try:
@@ -237,12 +237,20 @@ def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
 # -- gathering rows -----------------------------------------------------------------------
 
 
+def one_piece(tokens: np.ndarray) -> tuple:
+    """`fill_rows`'s pieces for a single array of tokens."""
+    return (tokens,), np.array([0, len(tokens)], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+
+
 @nb.njit(cache=CACHE, nogil=True)
 def fill_rows(
-    rows, dest, row_ptr, seg_start, seg_len, seg_skip, seg_flags, shards, shard_starts, seq_len, pad_id,
-    inputs, targets, segment_ids, positions, loss_mask, natural_stop,
+    rows, dest, row_ptr, seg_start, seg_len, seg_skip, seg_flags, arrays, piece_starts, piece_array, piece_base,
+    seq_len, pad_id, inputs, targets, segment_ids, positions, loss_mask, natural_stop,
 ):
     """Write plan row `rows[k]` into row `dest[k]` of the preallocated [n, seq_len] outputs.
+
+    Token g of the store is in the run (piece) p with piece_starts[p] <= g: at
+    piece_base[p] + g - piece_starts[p] of arrays[piece_array[p]] (a store's `pieces`).
 
     Each segment is written as a few contiguous range copies and fills (no per-token
     branches), so the compiler vectorizes them.
@@ -257,9 +265,9 @@ def fill_rows(
         for s in range(row_ptr[r], row_ptr[r + 1]):
             g = seg_start[s]
             length = seg_len[s]
-            sh = np.searchsorted(shard_starts, g, side="right") - 1
-            tok = shards[sh]
-            loc = g - shard_starts[sh]
+            pc = np.searchsorted(piece_starts, g, side="right") - 1
+            tok = arrays[piece_array[pc]]
+            loc = g - piece_starts[pc] + piece_base[pc]
             hi = min(p + length, T)  # input slots [p, hi)
             if hi > p:
                 n = hi - p

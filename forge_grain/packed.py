@@ -13,11 +13,12 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from . import foreign, kernels
+from . import kernels
+from .paths import cache_root
 from .buffers import BufferPool
 from .manifest import remove_stale_temporaries, temporary
 from .packing import PLAN_VERSION, ROW_KEYS, PackingPlan, plan
-from .store import TokenStore
+from .stores import TokenStore
 
 log = logging.getLogger(__name__)
 MASK_KEYS = ("loss_mask", "natural_stop")
@@ -82,7 +83,7 @@ def plan_cache_dir(store: TokenStore, cache_dir: str | Path | None) -> Path | No
     else:
         home = store.path if store.path.is_dir() else store.path.parent
         tag = hashlib.sha256(str(store.path.resolve()).encode()).hexdigest()[:16]
-        candidates = [home / ".plans", foreign.cache_root() / "plans" / tag]
+        candidates = [home / ".plans", cache_root() / "plans" / tag]
     for directory in candidates:
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -175,8 +176,7 @@ class PackedDataset(grain.MapDataset):
         self.plan_key = plan_dir.name if plan_dir is not None else None
         self._seed_key = seed_key(seed)
         self._pool = BufferPool()
-        self._shards = store.token_arrays  # None: not memory-mapped
-        self._shard_starts = store.shard_starts
+        self._pieces = store.pieces  # None: read a document at a time
 
     @property
     def num_rows(self) -> int:
@@ -211,20 +211,20 @@ class PackedDataset(grain.MapDataset):
         out = out if out is not None else empty_rows(n, self.seq_len, id_dtype, self._pool if n > 1 else None)
         dest = np.arange(n, dtype=np.int64) if dest is None else np.asarray(dest, np.int64)
         p = self.plan
-        if self._shards is not None:
-            row_ptr, start, length, skip, flags, shards, starts = (
-                p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, self._shards, self._shard_starts
+        if self._pieces is not None:
+            row_ptr, start, length, skip, flags, pieces = (
+                p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, self._pieces
             )
         else:
-            rows, row_ptr, start, length, skip, flags, shards, starts = self._read_segments(rows)
+            rows, row_ptr, start, length, skip, flags, pieces = self._read_segments(rows)
         kernels.fill_rows(
-            rows, dest, row_ptr, start, length, skip, flags, shards, starts, self.seq_len, self.pad_id,
+            rows, dest, row_ptr, start, length, skip, flags, *pieces, self.seq_len, self.pad_id,
             *(out[k] for k in ROW_KEYS),
         )
         return out
 
     def _read_segments(self, rows):
-        """For stores that are not memory-mapped (ArrayRecord): read the rows' segments
+        """For stores read a document at a time (ArrayRecord, MDS): read the rows' segments
         into one buffer and describe them as a plan over that buffer."""
         p = self.plan
         seg = np.concatenate([np.arange(p.row_ptr[r], p.row_ptr[r + 1]) for r in rows]) if len(rows) else np.zeros(0, int)
@@ -242,7 +242,7 @@ class PackedDataset(grain.MapDataset):
         row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return (
             np.arange(len(rows), dtype=np.int64), row_ptr, start, length,
-            np.asarray(p.seg_skip)[seg], np.asarray(p.seg_flags)[seg], (flat,), np.zeros(1, np.int64),
+            np.asarray(p.seg_skip)[seg], np.asarray(p.seg_flags)[seg], kernels.one_piece(flat),
         )
 
     def __reduce__(self):

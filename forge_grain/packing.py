@@ -27,7 +27,7 @@ import numpy as np
 from . import kernels
 from .errors import ForgeGrainError
 from .manifest import temporary
-from .store import TokenStore
+from .stores import TokenStore
 
 STRATEGIES = ("concat", "bos_bestfit", "bestfit")
 PLAN_VERSION = 2  # 2: plan.json carries a checksum

@@ -22,7 +22,7 @@ from .config import ConfigError, DataConfig
 from .errors import ForgeGrainError
 from .mixture import MAX_ROWS, Mixture
 from .packed import pack
-from .store import TokenStore
+from .stores import TokenStore
 
 STATE_VERSION = 1
 STREAM_STATE_KEYS = {"epoch", "window", "stream", "row_index", "emitted"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .store import TokenStore
+from .stores import TokenStore
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 

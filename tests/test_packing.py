@@ -141,7 +141,7 @@ def test_bos_bestfit_rows_start_at_bos_fill_fully_and_crop_near_the_minimum(tmp_
     assert cov.max() == 1  # no token used twice
     cropped = store.num_tokens - cov.sum()
     assert cropped == round(ds.stats["cropped_share"] * store.num_tokens)
-    assert cropped <= max(min_crop_share(store.lengths, seq_len) * store.num_tokens, seq_len)
+    assert cropped <= max(min_crop_share(store.lengths, seq_len) * store.num_tokens + 1e-6, seq_len)
 
 
 def test_plans_are_deterministic_across_processes_and_differ_by_seed(tmp_path):

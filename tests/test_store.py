@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import expected_documents
 
-from forge_grain import StoreError, TokenStore, foreign
+from forge_grain import StoreError, TokenStore
+from forge_grain.stores import raw as foreign
 
 
 def docs_of(store) -> list[list[int]]:

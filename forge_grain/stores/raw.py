@@ -1,4 +1,4 @@
-"""Token files written by other tools: 1-D `.npy` / `.bin` arrays without a manifest.
+"""Raw token files: 1-D `.npy` / `.bin` arrays of token ids without a manifest (`RawStore`).
 
 This is the layout of nanoGPT (`train.bin`, uint16), OLMo (header-less `.npy` memmaps,
 uint16/uint32) and KempnerForge's `MemoryMappedDataset` (`.npy` shards). Nothing in a
@@ -30,25 +30,19 @@ from pathlib import Path
 
 import numpy as np
 
-from . import identify
-from .errors import StoreError
-from .manifest import save_npy_atomic, token_dtype, write_json_atomic
-from .splits import select_split
+from ..errors import StoreError
+from ..manifest import save_npy_atomic, token_dtype, write_json_atomic
+from ..paths import cache_root
+from ..splits import select_split
+from . import checks, identify
+from .base import TokenStore, join_offsets
+from .checks import declared_dtype, empty_tokens
 
 log = logging.getLogger(__name__)
 
 SUFFIXES = (".npy", ".bin")
-MAX_TOKEN_ID = 2**31 - 1  # batches hold ids as int32 by default
 CACHE_VERSION = 2
 _SCAN_CHUNK = 1 << 26  # tokens per scan step: bounds memory on huge files
-SAMPLE_BLOCKS = 32  # blocks read for a file's content fingerprint: first, last and evenly spaced
-SAMPLE_BLOCK_BYTES = 4096
-_CHECK_ALL_BOUNDARIES = 1 << 20  # more documents than this: check an evenly spaced sample of them
-
-
-def cache_root() -> Path:
-    """Where forge-grain caches what it cannot keep beside the data (`FORGE_GRAIN_CACHE`)."""
-    return Path(os.environ.get("FORGE_GRAIN_CACHE") or Path.home() / ".cache" / "forge_grain")
 
 
 def find_token_files(path: str | Path, *, split: str | None = None, file_pattern: str | None = None) -> list[Path]:
@@ -78,14 +72,6 @@ def find_token_files(path: str | Path, *, split: str | None = None, file_pattern
 def _is_token_file(f: Path) -> bool:
     """Token arrays, not our own index caches (hidden) or store indices (.idx.npy)."""
     return f.suffix in SUFFIXES and not f.name.startswith(".") and not f.name.endswith(".idx.npy") and f.is_file()
-
-
-def declared_dtype(path: Path, dtype) -> np.dtype:
-    """`dtype` as a numpy dtype, or a `StoreError` naming what was passed."""
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        raise StoreError(f"{path}: dtype {dtype!r} is not a numpy dtype (e.g. 'uint16', 'uint32', 'int32')") from None
 
 
 def raw_dtype(path: Path, dtype, vocab_size: int | None) -> np.dtype:
@@ -132,68 +118,6 @@ def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndar
     if size == 0:
         return empty_tokens(dt)
     return np.memmap(path, dtype=dt, mode="r")
-
-
-def empty_tokens(dtype) -> np.ndarray:
-    """A read-only empty token array: the same array type as a read-only memory map, so a
-    tuple of shards that holds an empty one stays one type for the compiled gather."""
-    arr = np.zeros(0, dtype)
-    arr.setflags(write=False)
-    return arr
-
-
-# -- content fingerprints ----------------------------------------------------------------------
-
-
-def sample_offsets(size: int) -> list[int]:
-    """Byte offsets of the fingerprint's blocks: the first, the last, and evenly spaced ones."""
-    if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
-        return list(range(0, size, SAMPLE_BLOCK_BYTES))
-    last = size - SAMPLE_BLOCK_BYTES
-    return sorted({last * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)})
-
-
-def content_fingerprint(path: Path, full: bool = False) -> str:
-    """A hash of the file's size and content: of fixed sampled blocks (reads at most
-    128 KiB, whatever the size), or of every byte with `full=True`.
-
-    The sampled hash detects any change of size and any rewrite that touches a sampled
-    block; combined with the document boundaries (see `TokenStore.fingerprint`) it also
-    detects moved documents. A change confined to bytes between sampled blocks that
-    keeps every EOS in place is detected only by `full=True`.
-    """
-    size = path.stat().st_size
-    h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
-    with open(path, "rb") as f:
-        if full:
-            while block := f.read(1 << 24):
-                h.update(block)
-        else:
-            for off in sample_offsets(size):
-                f.seek(off)
-                h.update(f.read(SAMPLE_BLOCK_BYTES))
-    return h.hexdigest()
-
-
-def sampled_tokens(tokens: np.ndarray) -> np.ndarray:
-    """The tokens inside the fingerprint's sampled blocks (for cheap plausibility checks)."""
-    item = tokens.dtype.itemsize
-    parts = [np.asarray(tokens[off // item : (off + SAMPLE_BLOCK_BYTES) // item])
-             for off in sample_offsets(len(tokens) * item)]
-    return np.concatenate(parts) if parts else np.zeros(0, tokens.dtype)
-
-
-def check_width(path: Path, sample: np.ndarray) -> None:
-    """Refuse 16-bit data that is really 32-bit ids (every other 16-bit value zero), judged
-    on the file's `sampled_tokens`."""
-    if sample.dtype.itemsize != 2:
-        return
-    sample = sample[: len(sample) // 2 * 2]
-    if len(sample) >= 512 and not np.any(sample[1::2]) and np.any(sample[0::2]):
-        raise StoreError(
-            f"{path}: read as {sample.dtype}, every other token is 0, the signature of 32-bit ids read as 16-bit; "
-            "declare dtype='int32' or 'uint32' (or dtype='uint16' explicitly if this really is 16-bit data)"
-        )
 
 
 # -- document index, cached and validated ------------------------------------------------------
@@ -263,9 +187,7 @@ def _cache_problem(meta, offsets, tokens, eos_id, bos_id, fingerprint, sample) -
         return "its offsets are not increasing from 0 to the token count"
     if len(sample) and (int(sample.min()) < meta["min_token"] or int(sample.max()) > meta["max_token"]):
         return "its recorded token range excludes ids in the file"
-    inner = offsets[1:-1]
-    if len(inner) > _CHECK_ALL_BOUNDARIES:
-        inner = inner[np.linspace(0, len(inner) - 1, _CHECK_ALL_BOUNDARIES).astype(np.int64)]
+    inner = checks.spread(offsets[1:-1])
     if eos_id is not None and (len(inner) and np.any(np.asarray(tokens[inner - 1]) != eos_id)):
         return "a document boundary does not follow an EOS id"
     if eos_id is None and bos_id is not None and len(inner) and np.any(np.asarray(tokens[inner]) != bos_id):
@@ -291,11 +213,43 @@ def _scan(tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None) -> tupl
     return offsets, (0 if lo_id is None else lo_id), hi_id
 
 
-def check_ids(path: Path, lo: int, hi: int, vocab_size: int | None) -> None:
-    """Token ids must be non-negative, fit int32 batches, and lie below `vocab_size`."""
-    if lo < 0:
-        raise StoreError(f"{path}: holds the negative token id {lo}; token ids are never negative (wrong dtype?)")
-    if hi > MAX_TOKEN_ID:
-        raise StoreError(f"{path}: holds token id {hi}, which does not fit the int32 ids of batches (wrong dtype?)")
-    if vocab_size is not None and hi >= vocab_size:
-        raise StoreError(f"{path}: token id {hi} is at or past vocab_size {vocab_size}")
+class RawStore(TokenStore):
+    """nanoGPT `.bin`, OLMo/Dolma header-less `.npy` memmaps, KempnerForge `.npy` shards, or
+    any 1-D token arrays: the dtype is declared (or decided by the vocabulary, or a `.npy`
+    header), documents are found by EOS or BOS ids."""
+
+    format = "raw"
+    OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer", "split", "file_pattern"})
+
+    @classmethod
+    def describe_format(cls) -> str:
+        return "raw token files"
+
+    def _open(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None, tokenizer=None, split=None,
+              file_pattern=None, fingerprint="sampled") -> None:
+        full = checks.fingerprint_mode(self.path, fingerprint)
+        vocab_size = self._use_tokenizer(tokenizer, vocab_size)
+        self._files = find_token_files(self.path, split=split, file_pattern=file_pattern)
+        with checks.descriptors(self.path, len(self._files)):
+            self._arrays = [map_tokens(f, dtype, vocab_size) for f in self._files]
+        dtypes = {a.dtype for a in self._arrays}
+        if len(dtypes) > 1:
+            raise StoreError(f"{self.path}: token files mix dtypes {sorted(map(str, dtypes))}")
+        self.dtype = self._arrays[0].dtype
+        self.vocab_size, self.bos_id, self.eos_id = vocab_size, bos_id, eos_id
+        offsets = []
+        for f, a in zip(self._files, self._arrays):
+            sample = checks.sampled_tokens(a)  # read once: the width check and the cache check use it
+            if dtype is None:  # decided by the vocabulary or a .npy header: check it is plausible
+                checks.check_width(f, sample)
+            content = checks.content_fingerprint(f, full=full)
+            off, lo, hi = document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content, sample=sample)
+            checks.check_ids(f, lo, hi, vocab_size)
+            offsets.append(off)
+        self._file_docs = [len(o) - 1 for o in offsets]
+        self._offsets = join_offsets(offsets)
+        self._fingerprint = self._fingerprint_files(None, full)
+
+    def _verify_files(self) -> None:
+        for f, a in zip(self._files, self._arrays):
+            checks.check_width(f, checks.sampled_tokens(a))

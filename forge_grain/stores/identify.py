@@ -38,15 +38,15 @@ ADVICE = {
                "COLUMN --vocab-size N` if a column already holds token ids",
     "arrayrecord": "open the forge-grain store directory that holds it (with its manifest.json); for other "
                    "ArrayRecord data, write a store from its token arrays with `forge_grain.write_store`",
-    "megatron": "Megatron `.bin` data is indexed by its `.idx` file, not by EOS ids: convert its documents "
-                "with `forge_grain.write_store` (reading it in place is planned)",
-    "arrow": "prepare the dataset directory with `forge-grain prepare DIR OUT` (`--token-field COLUMN "
-             "--vocab-size N` for a column of token ids)",
+    "megatron": "Megatron data is indexed by its `.idx` file, not by EOS ids: open the prefix (or its .bin) with "
+                "`TokenStore.open(PATH)`, which reads the index (format='megatron')",
+    "arrow": "open a `save_to_disk` directory of token ids in place with `TokenStore.open(DIR)` (format='arrow', "
+             "token_field=COLUMN), or tokenize a text column with `forge-grain prepare DIR OUT`",
     "archive": "unpack it first: forge-grain reads uncompressed token arrays only",
-    "litdata": "LitData chunks carry their own headers: convert the documents with `forge_grain.write_store` "
-               "(reading them in place is planned)",
-    "mds": "MosaicML MDS shards carry their own headers: convert the documents with `forge_grain.write_store` "
-           "(reading them in place is planned)",
+    "litdata": "LitData chunks carry their own headers: open the directory with its index.json in place with "
+               "`TokenStore.open(DIR)` (format='litdata')",
+    "mds": "MosaicML MDS shards carry their own headers: open the directory with its index.json in place with "
+           "`TokenStore.open(DIR)` (format='mds', token_field=COLUMN)",
     "text": "tokenize it with `forge-grain prepare FILE OUT`",
 }
 
@@ -65,7 +65,7 @@ def identify(path: Path) -> tuple[str, str] | None:
     for magic, what, advice in _MAGICS:
         if head.startswith(magic):
             return what, advice
-    if path.suffix == ".bin" and _megatron_index(path.with_suffix(".idx")):
+    if path.suffix == ".bin" and megatron_index(path.with_suffix(".idx")):
         return f"the data of a Megatron indexed dataset (its index {path.with_suffix('.idx').name} is beside it)", "megatron"
     index = _sibling_index(path)
     if index == "litdata":
@@ -93,7 +93,7 @@ def describe_directory(path: Path) -> str | None:
     path = Path(path)
     if (path / "state.json").exists() and (path / "dataset_info.json").exists():
         return f"{path}: a Hugging Face `save_to_disk` dataset; {ADVICE['arrow']}"
-    kind = _index_kind(_read_index(path / "index.json"))
+    kind = index_kind(read_index(path / "index.json"))
     if kind:
         return f"{path}: a {'LitData' if kind == 'litdata' else 'MosaicML MDS'} dataset; {ADVICE[kind]}"
     suffixes = {f.suffix for f in path.iterdir() if f.is_file()} if path.is_dir() else set()
@@ -103,7 +103,14 @@ def describe_directory(path: Path) -> str | None:
     return None
 
 
-def _megatron_index(idx: Path) -> bool:
+def megatron_prefix(path: Path) -> Path | None:
+    """The dataset prefix when `path` is a Megatron prefix, its `.bin` or its `.idx`, else None."""
+    path = Path(path)
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    return prefix if megatron_index(Path(f"{prefix}.idx")) else None
+
+
+def megatron_index(idx: Path) -> bool:
     try:
         with open(idx, "rb") as f:
             return f.read(len(MEGATRON_IDX_MAGIC)) == MEGATRON_IDX_MAGIC
@@ -111,7 +118,7 @@ def _megatron_index(idx: Path) -> bool:
         return False
 
 
-def _read_index(index: Path):
+def read_index(index: Path):
     """A sibling `index.json` as parsed JSON, or None."""
     try:
         return json.loads(index.read_text())
@@ -119,7 +126,7 @@ def _read_index(index: Path):
         return None
 
 
-def _index_kind(d) -> str | None:
+def index_kind(d) -> str | None:
     """'litdata' or 'mds' for the index of those formats, else None."""
     if isinstance(d, dict) and "chunks" in d and "config" in d:
         return "litdata"
@@ -130,8 +137,8 @@ def _index_kind(d) -> str | None:
 
 def _sibling_index(path: Path) -> str | None:
     """The format of an `index.json` beside `path` that lists this file."""
-    d = _read_index(path.parent / "index.json")
-    kind = _index_kind(d)
+    d = read_index(path.parent / "index.json")
+    kind = index_kind(d)
     return kind if kind and path.name in json.dumps(d) else None
 
 

@@ -1,0 +1,331 @@
+"""`TokenStore`: the one interface `pack`, `Pipeline`, the bridges and `inspect` read documents through.
+
+Every format (forge-grain's own stores, raw token files, Megatron, Hugging Face Arrow,
+LitData, MosaicML MDS) is a subclass that fills in the same few fields when it opens:
+document `offsets` over the store's tokens taken in order, the token arrays they point
+into, the dtype and special ids, and a fingerprint of the data. Everything else (random
+access, lengths, pickling that reopens, id checks) lives here once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import StoreError
+from . import checks
+
+
+class TokenStore:
+    """Documents of a token store, each a 1-D numpy array of token ids, with O(1) random access.
+
+    `TokenStore.open(path)` (or `TokenStore(path)`) finds the format from what is on disk
+    and returns the subclass that reads it; `format=` names it instead. Opening reads only
+    indices and headers; documents are views into memory-mapped files where the format
+    allows. Pickling sends only the path and options and the other side maps the files
+    again, so Grain workers get it cheaply. It is a Grain `RandomAccessDataSource`:
+    `grain.MapDataset.source(store)` works.
+    """
+
+    format = "?"  # the subclass's format name
+    OPTIONS: frozenset[str] = frozenset()  # the `open` options this format accepts (besides `fingerprint`)
+
+    def __new__(cls, path=None, **options):
+        if cls is TokenStore:
+            from .formats import store_class
+
+            cls = store_class(Path(path), options.get("format"))
+        return super().__new__(cls)
+
+    def __init__(self, path: str | Path, **options):
+        self.path = Path(path)
+        self._options = options
+        opts = {k: v for k, v in options.items() if v is not None and k != "format"}
+        self._check_format(options.get("format"))
+        unknown = set(opts) - self.OPTIONS - {"fingerprint"}
+        if unknown:
+            raise StoreError(
+                f"{self.path}: {', '.join(f'{k}=' for k in sorted(unknown))} {'does' if len(unknown) == 1 else 'do'} "
+                f"not apply to {self.describe_format()} "
+                f"(it accepts {', '.join(sorted(self.OPTIONS | {'fingerprint'}))})"
+            )
+        self.manifest = None
+        self.tokenizer: dict | None = None
+        self.dtype: np.dtype
+        self.vocab_size = self.bos_id = self.eos_id = None
+        self._files: list[Path] = []  # the data files, for error messages and `files`
+        self._file_docs: list[int] = []  # documents per data file
+        self._arrays: list[np.ndarray] = []  # token arrays; empty for stores read a document at a time
+        self._pieces = None  # (token start, array, start in array) of each contiguous run; None: one per array
+        self._offsets = np.zeros(1, np.int64)
+        self._fingerprint = ""
+        self._open(**opts)
+        self._file_doc_starts = np.concatenate([[0], np.cumsum(self._file_docs)]).astype(np.int64)
+        self._piece_table = self._make_pieces()
+        self._lengths: np.ndarray | None = None
+        self._validate()
+
+    @classmethod
+    def open(cls, path: str | Path, *, verify: bool = False, format: str | None = None, **options) -> "TokenStore":
+        """Open a store; `verify=True` also checks every checksum and token id (reads all data).
+
+        `format` is one of `forge_grain.stores.FORMATS` ("native", "raw", "megatron",
+        "arrow", "litdata", "mds"); by default it is found from the files, and a path that
+        could be read two ways is refused. The other options describe what the files do
+        not record (each format accepts those it needs; a forge-grain store records them
+        all, and any given must agree): `dtype` of raw files (or `vocab_size`, or a
+        `tokenizer` whose vocabulary decides it), `eos_id`/`bos_id` (to find documents in
+        raw files; checked against every other format's documents), `split` and
+        `file_pattern` to pick files of a directory, `token_field` (the column of an Arrow
+        or MDS dataset; default "input_ids" or "tokens"), and `fingerprint="full"` to hash
+        every byte for the state fingerprint instead of sampled blocks.
+        """
+        store = (TokenStore if cls is TokenStore else cls)(path, format=format, **options)
+        if verify:
+            store.verify()
+        return store
+
+    # -- what a format fills in ---------------------------------------------------------------
+
+    def _open(self, **options) -> None:
+        """Set dtype, special ids, `_files`, `_file_docs`, `_offsets`, `_arrays` (or
+        `_document`), `_pieces` when arrays hold several runs, and `_fingerprint`."""
+        raise NotImplementedError
+
+    def _document(self, i: int) -> np.ndarray:
+        """Document `i` of a store that keeps no token arrays (ArrayRecord, MDS)."""
+        raise NotImplementedError
+
+    def _verify_files(self) -> None:
+        """A format's checks over all data beyond the token ids (checksums)."""
+
+    def _validate(self) -> None:
+        """Checks once the store is open (formats whose own index finds the documents)."""
+
+    def _check_indexed_documents(self) -> None:
+        """Sampled token ids of every file are valid ids for the vocabulary, and declared
+        EOS/BOS ids really end/start the documents the format's index describes."""
+        for s, file in enumerate(self._files):
+            lo, hi = self._file_doc_starts[s], self._file_doc_starts[s + 1]
+            sample = [t for t in self._sample(lo, hi) if len(t)]
+            if sample:
+                checks.check_ids(file, min(int(t.min()) for t in sample), max(int(t.max()) for t in sample),
+                                 self.vocab_size)
+        where = self._files[0] if len(self._files) == 1 else self.path
+        checks.check_special_ends(where, self._tokens_at, self._offsets, self.eos_id, self.bos_id)
+
+    def _sample(self, lo: int, hi: int, blocks: int = checks.SAMPLE_BLOCKS, size: int = 2048):
+        """Evenly spaced stretches of documents [lo, hi): token blocks, or whole documents."""
+        if self._piece_table is None:
+            return [self[int(i)] for i in checks.spread(np.arange(lo, hi), blocks)]
+        a, b = int(self._offsets[lo]), int(self._offsets[hi])
+        return [self._token_range(int(x), min(int(x) + size, b)) for x in checks.spread(np.arange(a, b, size), blocks)]
+
+    def _tokens_at(self, positions: np.ndarray) -> np.ndarray:
+        """Tokens at the given positions of the store's tokens in order."""
+        positions = np.asarray(positions, np.int64)
+        if self._piece_table is None:
+            docs = np.searchsorted(self._offsets, positions, side="right") - 1
+            return np.array([self[int(d)][int(x - self._offsets[d])] for d, x in zip(docs, positions)], self.dtype)
+        starts, array, base = self._piece_table
+        p = np.searchsorted(starts, positions, side="right") - 1
+        out = np.empty(len(positions), self.dtype)
+        for a in np.unique(array[p]):
+            sel = array[p] == a
+            out[sel] = self._arrays[int(a)][positions[sel] - starts[p[sel]] + base[p[sel]]]
+        return out
+
+    @classmethod
+    def describe_format(cls) -> str:
+        return f"a {cls.format} dataset"
+
+    def _check_format(self, declared: str | None) -> None:
+        if declared is not None and declared != self.format:
+            raise StoreError(f"{self.path}: format={declared!r} was given, but this is {self.describe_format()}")
+
+    # -- shared steps of opening --------------------------------------------------------------------
+
+    def _use_tokenizer(self, tokenizer, vocab_size):
+        """A tokenizer decides the vocabulary size (a declared one must agree) and is recorded."""
+        if tokenizer is None:
+            return vocab_size
+        from ..tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        if vocab_size is not None and vocab_size != tok.vocab_size:
+            raise StoreError(f"{self.path}: vocab_size {vocab_size} disagrees with {tokenizer} ({tok.vocab_size} ids)")
+        self.tokenizer = tok.identity
+        return tok.vocab_size
+
+    def _fingerprint_files(self, extra, full: bool) -> str:
+        """The fingerprint of data files and what the format read from them (`extra`)."""
+        parts = [[f.name, checks.content_fingerprint(f, full=full)] for f in self._files]
+        digest = hashlib.sha256(json.dumps([self.format, str(self.dtype), self.eos_id, self.bos_id, self.vocab_size,
+                                            parts, extra]).encode())
+        digest.update(np.ascontiguousarray(self._offsets).view(np.uint8))
+        return digest.hexdigest()[:16]
+
+    def _make_pieces(self):
+        """(token starts + end, array index, start in array) of each contiguous run of tokens."""
+        if not self._arrays:
+            return None
+        if self._pieces is None:  # one run per array, in order
+            sizes = [len(a) for a in self._arrays]
+            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            return starts, np.arange(len(sizes), dtype=np.int64), np.zeros(len(sizes), np.int64)
+        starts, array, base = (np.asarray(x, np.int64) for x in self._pieces)
+        return starts, array, base
+
+    # -- the data ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        n = len(self)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"document {i} out of range for a store of {n} documents")
+        if self._piece_table is None:
+            return self._document(i)
+        starts, array, base = self._piece_table
+        lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
+        p = 0 if len(array) == 1 else int(np.searchsorted(starts, lo, side="right") - 1)
+        p = min(p, len(array) - 1)
+        at = lo - int(starts[p]) + int(base[p])
+        return self._arrays[array[p]][at : at + hi - lo]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+    def shard_of(self, doc: int) -> int:
+        """The data file holding document `doc`."""
+        if len(self._file_docs) == 1:
+            return 0
+        return int(np.searchsorted(self._file_doc_starts, doc, side="right") - 1)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Start of each document (and the end of the last) in the store's tokens taken in order."""
+        return self._offsets
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Every document's length in tokens, one int64 array (no token is read)."""
+        if self._lengths is None:
+            self._lengths = np.diff(self._offsets)
+        return self._lengths
+
+    @property
+    def pieces(self):
+        """What the compiled gather reads tokens from: (arrays, token starts of the runs with
+        the end appended, each run's array, each run's start in its array), or None for a
+        store read a document at a time."""
+        if self._piece_table is None:
+            return None
+        starts, array, base = self._piece_table
+        return _one_array_type(self._arrays), starts, array, base
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def files(self) -> list[Path]:
+        return list(self._files)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the data: checksums a format records, or the files' content
+        fingerprints and the document boundaries (see `checks.content_fingerprint`)."""
+        return self._fingerprint
+
+    @property
+    def layout(self) -> str:
+        return self.format
+
+    def verify(self) -> None:
+        """Check the format's checksums, and that every token id is non-negative, fits int32
+        batches and lies below `vocab_size` (reads all data)."""
+        self._verify_files()
+        for s, file in enumerate(self._files):
+            lo, hi = self._file_doc_starts[s], self._file_doc_starts[s + 1]
+            if self._piece_table is not None and lo < hi:
+                a, b = int(self._offsets[lo]), int(self._offsets[hi])
+                tokens = (self._token_range(x, min(x + (1 << 24), b)) for x in range(a, b, 1 << 24))
+            else:
+                tokens = (self[i] for i in range(lo, hi))
+            lo_id = hi_id = None
+            for t in tokens:
+                if len(t):
+                    lo_id = int(t.min()) if lo_id is None else min(lo_id, int(t.min()))
+                    hi_id = int(t.max()) if hi_id is None else max(hi_id, int(t.max()))
+            if lo_id is not None:
+                checks.check_ids(file, lo_id, hi_id, self.vocab_size)
+
+    def _token_range(self, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of the store's tokens in order (may span runs)."""
+        starts, array, base = self._piece_table
+        parts = []
+        p = int(np.searchsorted(starts, a, side="right") - 1)
+        while a < b and p < len(array):
+            end = min(b, int(starts[p + 1]))
+            if end > a:
+                at = a - int(starts[p]) + int(base[p])
+                parts.append(np.asarray(self._arrays[array[p]][at : at + end - a]))
+            a = max(a, end)
+            p += 1
+        return np.concatenate(parts) if parts else checks.empty_tokens(self.dtype)
+
+    def close(self) -> None:
+        """Drop the memory maps (views already handed out stay valid while referenced)."""
+        self._arrays = []
+
+    def __enter__(self) -> "TokenStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        return (_reopen, (type(self), self.path, self._options))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({str(self.path)!r}, format={self.format}, documents={len(self)}, "
+            f"tokens={self.num_tokens}, dtype={self.dtype}, vocab_size={self.vocab_size})"
+        )
+
+
+def _one_array_type(arrays) -> tuple:
+    """The arrays as one array type for the compiled gather: if a header left any of them
+    misaligned (LitData int64 chunks), all are marked unaligned, which numpy allows."""
+    arrays = [np.asarray(a) for a in arrays]
+    if all(a.flags.aligned for a in arrays):
+        return tuple(arrays)
+    views = []
+    for a in arrays:
+        v = a.view()
+        v.setflags(align=False)
+        views.append(v)
+    return tuple(views)
+
+
+def _reopen(cls, path, options):
+    return cls(path, **options)
+
+
+def join_offsets(per_file: list[np.ndarray]) -> np.ndarray:
+    """Concatenate per-file document offsets into offsets over all files' tokens in order."""
+    parts, base = [], 0
+    for off in per_file:
+        parts.append(np.asarray(off[:-1], np.int64) + base)
+        base += int(off[-1])
+    parts.append(np.array([base], np.int64))
+    return np.concatenate(parts).astype(np.int64)

@@ -1,0 +1,186 @@
+"""Checks every store format shares: declared dtypes, token-id ranges, content fingerprints,
+document boundaries, and the file-level errors (missing files, too many open files).
+
+Each check names the file and says what to pass, so bytes are never silently misread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import resource
+import stat
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import StoreError
+
+MAX_TOKEN_ID = 2**31 - 1  # batches hold ids as int32 by default
+SAMPLE_BLOCKS = 32  # blocks read for a file's content fingerprint: first, last and evenly spaced
+SAMPLE_BLOCK_BYTES = 4096
+CHECK_ALL_BOUNDARIES = 1 << 20  # more documents than this: check an evenly spaced sample of them
+
+
+def declared_dtype(path: Path, dtype) -> np.dtype:
+    """`dtype` as a numpy dtype, or a `StoreError` naming what was passed."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise StoreError(f"{path}: dtype {dtype!r} is not a numpy dtype (e.g. 'uint16', 'uint32', 'int32')") from None
+
+
+def check_declared_dtype(path: Path, declared, recorded: np.dtype, where: str) -> None:
+    """A dtype the user declared must be the one the format records (`where` says where)."""
+    if declared is not None and declared_dtype(path, declared) != recorded:
+        raise StoreError(f"{path}: dtype={np.dtype(declared)} was declared, but {where} records {recorded}")
+
+
+def integer_dtype(path: Path, dtype: np.dtype, where: str) -> np.dtype:
+    """Token ids are integers: a float or other dtype recorded by a format is refused."""
+    if dtype.kind not in "iu":
+        raise StoreError(f"{path}: {where} records dtype {dtype}; token ids need an integer type")
+    return dtype
+
+
+def empty_tokens(dtype) -> np.ndarray:
+    """A read-only empty token array: the same array type as a read-only memory map, so a
+    tuple of shards that holds an empty one stays one type for the compiled gather."""
+    arr = np.zeros(0, dtype)
+    arr.setflags(write=False)
+    return arr
+
+
+def map_array(path: Path, dtype: np.dtype, offset: int = 0, count: int | None = None) -> np.ndarray:
+    """`count` items of `dtype` at byte `offset` of `path`, memory-mapped read-only."""
+    if count == 0 or path.stat().st_size == offset:
+        return empty_tokens(dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=None if count is None else (count,))
+
+
+# -- content fingerprints ----------------------------------------------------------------------
+
+
+def sample_offsets(size: int) -> list[int]:
+    """Byte offsets of the fingerprint's blocks: the first, the last, and evenly spaced ones."""
+    if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+        return list(range(0, size, SAMPLE_BLOCK_BYTES))
+    last = size - SAMPLE_BLOCK_BYTES
+    return sorted({last * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)})
+
+
+def content_fingerprint(path: Path, full: bool = False) -> str:
+    """A hash of the file's size and content: of fixed sampled blocks (reads at most
+    128 KiB, whatever the size), or of every byte with `full=True`.
+
+    The sampled hash detects any change of size and any rewrite that touches a sampled
+    block; combined with the document boundaries (see `TokenStore.fingerprint`) it also
+    detects moved documents. A change confined to bytes between sampled blocks that
+    keeps every boundary in place is detected only by `full=True`.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
+    with open(path, "rb") as f:
+        if full:
+            while block := f.read(1 << 24):
+                h.update(block)
+        else:
+            for off in sample_offsets(size):
+                f.seek(off)
+                h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def fingerprint_mode(path: Path, fingerprint: str) -> bool:
+    """True for `fingerprint="full"`, False for "sampled"; anything else is an error."""
+    if fingerprint not in ("sampled", "full"):
+        raise StoreError(f"{path}: fingerprint must be 'sampled' or 'full', not {fingerprint!r}")
+    return fingerprint == "full"
+
+
+def sampled_tokens(tokens: np.ndarray) -> np.ndarray:
+    """The tokens inside the fingerprint's sampled blocks (for cheap plausibility checks)."""
+    item = tokens.dtype.itemsize
+    parts = [np.asarray(tokens[off // item : (off + SAMPLE_BLOCK_BYTES) // item])
+             for off in sample_offsets(len(tokens) * item)]
+    return np.concatenate(parts) if parts else np.zeros(0, tokens.dtype)
+
+
+def check_width(path: Path, sample: np.ndarray) -> None:
+    """Refuse 16-bit data that is really 32-bit ids (every other 16-bit value zero), judged
+    on the file's `sampled_tokens`."""
+    if sample.dtype.itemsize != 2:
+        return
+    sample = sample[: len(sample) // 2 * 2]
+    if len(sample) >= 512 and not np.any(sample[1::2]) and np.any(sample[0::2]):
+        raise StoreError(
+            f"{path}: read as {sample.dtype}, every other token is 0, the signature of 32-bit ids read as 16-bit; "
+            "declare dtype='int32' or 'uint32' (or dtype='uint16' explicitly if this really is 16-bit data)"
+        )
+
+
+def check_ids(path: Path, lo: int, hi: int, vocab_size: int | None) -> None:
+    """Token ids must be non-negative, fit int32 batches, and lie below `vocab_size`."""
+    if lo < 0:
+        raise StoreError(f"{path}: holds the negative token id {lo}; token ids are never negative (wrong dtype?)")
+    if hi > MAX_TOKEN_ID:
+        raise StoreError(f"{path}: holds token id {hi}, which does not fit the int32 ids of batches (wrong dtype?)")
+    if vocab_size is not None and hi >= vocab_size:
+        raise StoreError(f"{path}: token id {hi} is at or past vocab_size {vocab_size}")
+
+
+def spread(values: np.ndarray, limit: int = CHECK_ALL_BOUNDARIES) -> np.ndarray:
+    """All of `values`, or `limit` of them evenly spaced (the first and last included)."""
+    if len(values) <= limit:
+        return values
+    return values[np.linspace(0, len(values) - 1, limit).astype(np.int64)]
+
+
+def check_special_ends(path: Path, tokens_at, offsets: np.ndarray, eos_id, bos_id) -> None:
+    """Documents found by the format's own index must end with a declared EOS id and start
+    with a declared BOS id (all documents, or an evenly spaced sample of a million);
+    `tokens_at(positions)` reads the tokens at positions of the store."""
+    starts, ends = offsets[:-1], offsets[1:]
+    nonempty = np.flatnonzero(ends > starts)
+    for name, special, at, what in (("eos_id", eos_id, ends - 1, "end with"), ("bos_id", bos_id, starts, "start with")):
+        if special is None or not len(nonempty):
+            continue
+        picked = spread(nonempty)
+        values = np.asarray(tokens_at(at[picked]))
+        bad = np.flatnonzero(values != special)
+        if len(bad):
+            doc = int(picked[bad[0]])
+            raise StoreError(
+                f"{path}: {name}={special} was declared, but document {doc} "
+                f"does not {what} it (it has {int(values[bad[0]])}); check the id, or leave it out"
+            )
+
+
+# -- files -----------------------------------------------------------------------------------------
+
+
+def require_regular(file: Path, what: str) -> None:
+    """A regular file (after links), never a device, a FIFO or a directory that would hang or mislead reads."""
+    try:
+        mode = file.stat().st_mode
+    except FileNotFoundError:
+        raise StoreError(f"{file}: {what} is missing") from None
+    if not stat.S_ISREG(mode):
+        raise StoreError(f"{file}: {what} is not a regular file")
+
+
+@contextlib.contextmanager
+def descriptors(path: Path, num_files: int):
+    """Running out of file descriptors (each memory map keeps one) is a `StoreError` saying what to do."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise_it = f"raise it (`ulimit -n {hard}` here)" if hard > soft else "ask for a higher hard limit"
+        raise StoreError(
+            f"{path}: mapping its {num_files} token files needs a file descriptor each, and this process reached its "
+            f"limit of {soft} open files (ulimit -n); {raise_it}, or write the data as fewer, larger shards"
+        ) from None

@@ -1,0 +1,63 @@
+"""Which format a path holds, from what is on disk; a path that could be read two ways is refused."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from ..errors import StoreError
+from . import identify
+
+# format name -> (module, class)
+FORMATS = {
+    "native": ("native", "NativeStore"),
+    "raw": ("raw", "RawStore"),
+    "megatron": ("megatron", "MegatronStore"),
+    "arrow": ("arrow", "ArrowStore"),
+    "litdata": ("litdata", "LitDataStore"),
+    "mds": ("mds", "MDSStore"),
+}
+
+
+def store_class(path: Path, format: str | None = None):
+    """The `TokenStore` subclass for `path`: `format` when given, else the one detected."""
+    name = format or detect(path)
+    if name not in FORMATS:
+        raise StoreError(f"{path}: unknown format {name!r}; one of {', '.join(FORMATS)}")
+    module, cls = FORMATS[name]
+    return getattr(importlib.import_module(f".{module}", __package__), cls)
+
+
+def detect(path: Path) -> str:
+    """The format of `path`: a directory's marker files, or a file's own signature."""
+    path = Path(path)
+    if path.is_dir():
+        found = _directory_formats(path)
+        if len(found) > 1:
+            raise StoreError(
+                f"{path}: holds the files of {' and of '.join(f'{what} ({why})' for what, why in found.values())}; "
+                f"it cannot be read both ways: pass format= one of {', '.join(sorted(found))}, or separate them"
+            )
+        return next(iter(found), "raw")
+    if identify.megatron_prefix(path) is not None:
+        return "megatron"
+    if path.suffix == ".arrow" and path.is_file():
+        return "arrow"
+    return "raw"
+
+
+def _directory_formats(path: Path) -> dict[str, tuple[str, str]]:
+    """The formats whose marker files `path` holds: name -> (what, which files say so)."""
+    found = {}
+    if (path / "manifest.json").exists():
+        found["native"] = ("a forge-grain store", "manifest.json")
+    kind = identify.index_kind(identify.read_index(path / "index.json"))
+    if kind == "litdata":
+        found["litdata"] = ("a LitData dataset", "index.json with chunks")
+    elif kind == "mds":
+        found["mds"] = ("a MosaicML MDS dataset", "index.json with shards")
+    if (path / "state.json").exists() and (path / "dataset_info.json").exists():
+        found["arrow"] = ("a Hugging Face save_to_disk dataset", "state.json")
+    if any(identify.megatron_index(f) for f in path.glob("*.idx")):
+        found["megatron"] = ("a Megatron indexed dataset", ".idx files")
+    return found

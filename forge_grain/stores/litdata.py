@@ -1,0 +1,116 @@
+"""LitData `optimize(...)` output for `TokensLoader`, read in place.
+
+A chunk file is `uint32 n`, then `n + 1` uint32 byte offsets of its items, then the items'
+bytes back to back; `TokensLoader` writes each item (one document's token ids) with no
+header of its own (data format `no_header_numpy:K` or `no_header_tensor:K`, K naming the
+dtype). So a chunk's tokens are one contiguous array after its header: the store maps each
+chunk once, zero-copy, and takes the documents from the offset table. `index.json` lists
+the chunks in order; each chunk's table must agree with it and with the file's size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import StoreError
+from . import checks
+from .base import TokenStore, join_offsets
+
+# litdata.constants: _NUMPY_DTYPES_MAPPING (index into its list of numpy scalar types) and
+# _TORCH_DTYPES_MAPPING, for the integer types token ids use
+NUMPY_DTYPES = {0: "int8", 1: "int16", 2: "int32", 3: "int64", 4: "uint8", 5: "uint16", 6: "uint32", 7: "uint64"}
+TORCH_DTYPES = {11: "uint8", 12: "int8", 13: "int16", 14: "int16", 15: "int32", 16: "int32", 17: "int64",
+                18: "int64", 20: "uint16"}
+
+
+class LitDataStore(TokenStore):
+    """A directory written by `litdata.optimize(..., item_loader=TokensLoader())`."""
+
+    format = "litdata"
+    OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer"})
+
+    @classmethod
+    def describe_format(cls) -> str:
+        return "a LitData dataset"
+
+    def _open(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None, tokenizer=None,
+              fingerprint="sampled") -> None:
+        full = checks.fingerprint_mode(self.path, fingerprint)
+        self.vocab_size = self._use_tokenizer(tokenizer, vocab_size)
+        self.eos_id, self.bos_id = eos_id, bos_id
+        index_file = self.path / "index.json"
+        index = _read_index(index_file)
+        self.dtype = _token_dtype(index_file, index["config"])
+        checks.check_declared_dtype(index_file, dtype, self.dtype, "its data_format")
+        offsets = []
+        with checks.descriptors(self.path, len(index["chunks"])):
+            for chunk in index["chunks"]:
+                file = self.path / chunk["filename"]
+                header, item_offsets = _chunk_table(file, chunk, self.dtype)
+                count = (int(item_offsets[-1]) - header) // self.dtype.itemsize
+                self._arrays.append(checks.map_array(file, self.dtype, offset=header, count=count))
+                self._files.append(file)
+                offsets.append((item_offsets - header) // self.dtype.itemsize)
+        self._file_docs = [len(o) - 1 for o in offsets]
+        self._offsets = join_offsets(offsets)
+        self._fingerprint = self._fingerprint_files(checks.content_fingerprint(index_file, full), full)
+
+    _validate = TokenStore._check_indexed_documents
+
+
+def _read_index(index_file: Path) -> dict:
+    try:
+        index = json.loads(index_file.read_text())
+        chunks, config = index["chunks"], index["config"]
+        assert isinstance(chunks, list) and isinstance(config, dict)
+        for c in chunks:
+            assert isinstance(c["filename"], str) and isinstance(c["chunk_size"], int)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise StoreError(f"{index_file}: not a readable LitData index ({type(e).__name__}: {e})") from None
+    if config.get("compression"):
+        raise StoreError(
+            f"{index_file}: its chunks are {config['compression']}-compressed, which cannot be read in place; "
+            "re-run litdata.optimize without compression, or write the documents to a forge-grain store "
+            "with forge_grain.write_store"
+        )
+    return index
+
+
+def _token_dtype(index_file: Path, config: dict) -> np.dtype:
+    """The dtype `TokensLoader` reads, from the index's single data format."""
+    formats = config.get("data_format") or []
+    kind, _, code = (formats[0] if len(formats) == 1 else "").partition(":")
+    table = {"no_header_numpy": NUMPY_DTYPES, "no_header_tensor": TORCH_DTYPES}.get(kind)
+    if table is None or not code.isdigit() or int(code) not in table:
+        raise StoreError(
+            f"{index_file}: data_format {formats} is not the one item of integer token ids that TokensLoader "
+            "reads (no_header_numpy:K or no_header_tensor:K); write the dataset with "
+            "optimize(..., item_loader=TokensLoader()) yielding one 1-D token array per document"
+        )
+    return np.dtype(table[int(code)])
+
+
+def _chunk_table(file: Path, chunk: dict, dtype: np.dtype) -> tuple[int, np.ndarray]:
+    """The header size and item byte offsets of one chunk, checked against the index and file size."""
+    checks.require_regular(file, "chunk listed in index.json")
+    size = file.stat().st_size
+    n = int(chunk["chunk_size"])
+    header = 4 * (n + 2)
+    if size < header:
+        raise StoreError(f"{file}: {size} bytes cannot hold the header of {n} items that index.json lists")
+    with open(file, "rb") as f:
+        table = np.frombuffer(f.read(header), "<u4").astype(np.int64)
+    offsets = table[1:]
+    if table[0] != n or offsets[0] != header or np.any(np.diff(offsets) < 0):
+        raise StoreError(f"{file}: its header (n={int(table[0])}) disagrees with index.json ({n} items)")
+    if offsets[-1] != size or chunk.get("chunk_bytes") not in (None, size - header, size):
+        raise StoreError(
+            f"{file}: {size} bytes, but its offset table ends at byte {int(offsets[-1])}; the chunk is truncated "
+            "or was replaced"
+        )
+    if np.any((offsets - header) % dtype.itemsize):
+        raise StoreError(f"{file}: an item's size is not a whole number of {dtype} tokens; the dtype is wrong")
+    return header, offsets

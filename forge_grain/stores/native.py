@@ -1,0 +1,122 @@
+"""forge-grain's own stores: a directory with `manifest.json`, shards in the `bin` or `arrayrecord` layout.
+
+`forge-grain prepare` and `write_store` write them; the manifest records the dtype, the
+special ids, the tokenizer and a checksum per shard, so nothing needs declaring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import StoreError
+from ..manifest import MANIFEST_NAME, Manifest, sha256_file
+from . import arrayrecord, checks
+from .base import TokenStore, join_offsets
+
+
+class NativeStore(TokenStore):
+    """A forge-grain store; options given for it must agree with its manifest."""
+
+    format = "native"
+    OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size"})
+
+    @classmethod
+    def describe_format(cls) -> str:
+        return "a forge-grain store"
+
+    def _open(self, **declared) -> None:
+        m = self.manifest = Manifest.load(self.path)
+        self.dtype = np.dtype(m.dtype)
+        self.vocab_size, self.bos_id, self.eos_id = m.vocab_size, m.bos_id, m.eos_id
+        self.tokenizer = m.tokenizer
+        self._check_declared(declared)
+        self._files = [self.path / s.tokens for s in m.shards]
+        self._records = None
+        with checks.descriptors(self.path, len(m.shards)):
+            offsets = self._map_shards(m)
+        if m.layout == "arrayrecord":
+            self._records = arrayrecord.open_records(self.path, self._files, m.num_documents)
+        self._file_docs = [s.num_documents for s in m.shards]
+        self._offsets = join_offsets(offsets)
+        self._fingerprint = hashlib.sha256("|".join(sh.sha256 for sh in m.shards).encode()).hexdigest()[:16]
+
+    def _check_declared(self, declared: dict) -> None:
+        """Options given for a store must agree with its manifest."""
+        recorded = {"dtype": self.dtype, "eos_id": self.eos_id, "bos_id": self.bos_id, "vocab_size": self.vocab_size}
+        for key, value in declared.items():
+            if key == "fingerprint":
+                continue
+            same = checks.declared_dtype(self.path, value) == self.dtype if key == "dtype" else value == recorded[key]
+            if not same:
+                raise StoreError(
+                    f"{self.path}: {key}={value!r} was declared, but the store's {MANIFEST_NAME} records "
+                    f"{recorded[key]!r}"
+                )
+
+    def _map_shards(self, m: Manifest) -> list[np.ndarray]:
+        """Check every shard and its index, map `bin` shards; each shard's offsets."""
+        offsets = []
+        for shard, file in zip(m.shards, self._files):
+            checks.require_regular(file, f"shard listed in {self.path / MANIFEST_NAME}")
+            checks.require_regular(self.path / shard.index, f"index listed in {self.path / MANIFEST_NAME}")
+            if m.layout == "bin":
+                self._arrays.append(self._map_bin_shard(file, shard))
+            offsets.append(self._load_index(self.path / shard.index, shard))
+            if m.layout == "arrayrecord":
+                arrayrecord.check_records(file, shard, offsets[-1], self.dtype)
+        return offsets
+
+    def _map_bin_shard(self, file: Path, shard) -> np.ndarray:
+        size = file.stat().st_size
+        if size % self.dtype.itemsize:
+            raise StoreError(
+                f"{file}: {size} bytes is not a multiple of the {self.dtype} item size "
+                f"({self.dtype.itemsize}); the shard is truncated or corrupt"
+            )
+        if size != shard.num_tokens * self.dtype.itemsize:
+            raise StoreError(
+                f"{file}: holds {size // self.dtype.itemsize} tokens, manifest says {shard.num_tokens}; "
+                "the shard is truncated or was replaced"
+            )
+        return checks.map_array(file, self.dtype)
+
+    @staticmethod
+    def _load_index(file: Path, shard) -> np.ndarray:
+        try:
+            idx = np.load(file)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise StoreError(f"{file}: document index missing or unreadable ({e})") from None
+        ok = (
+            idx.ndim == 1
+            and len(idx) == shard.num_documents + 1
+            and idx[0] == 0
+            and idx[-1] == shard.num_tokens
+            and bool(np.all(np.diff(idx) >= 0))
+        )
+        if not ok:
+            raise StoreError(
+                f"{file}: document index disagrees with its shard {shard.tokens} "
+                f"(expected {shard.num_documents + 1} non-decreasing offsets from 0 to {shard.num_tokens})"
+            )
+        return idx.astype(np.int64, copy=False)
+
+    def _document(self, i: int) -> np.ndarray:
+        return arrayrecord.read_document(self._records, i, self.dtype, self._files[self.shard_of(i)])
+
+    def _verify_files(self) -> None:
+        for shard, file in zip(self.manifest.shards, self._files):
+            if sha256_file(file) != shard.sha256:
+                raise StoreError(f"{file}: checksum mismatch; the shard is corrupt (re-run `forge-grain prepare`)")
+
+    @property
+    def layout(self) -> str:
+        return self.manifest.layout
+
+    def close(self) -> None:
+        super().close()
+        if self._records is not None and hasattr(self._records, "close"):
+            self._records.close()
+        self._records = None
