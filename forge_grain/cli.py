@@ -31,8 +31,8 @@ def _inspect(a) -> None:
 
     store = TokenStore.open(
         a.path, verify=a.verify, dtype=a.dtype, eos_id=a.eos_id, bos_id=a.bos_id, vocab_size=a.vocab_size,
-        tokenizer=a.tokenizer, split=a.split, file_pattern=a.file_pattern,
-        fingerprint="full" if a.full_fingerprint else "sampled",
+        tokenizer=a.tokenizer, split=a.split, file_pattern=a.file_pattern, format=a.format,
+        token_field=a.token_field, fingerprint="full" if a.full_fingerprint else "sampled",
     )
     print(format_summary(store))
     if a.verify:
@@ -99,13 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=_prepare)
 
     ins = sub.add_parser("inspect", help="summarize a token store")
-    ins.add_argument("path", help="token store directory, or foreign .npy/.bin file(s)")
+    ins.add_argument("path", help="a token store in any format read in place: a forge-grain store, raw .npy/.bin "
+                     "file(s), a Megatron prefix, a save_to_disk dataset, a LitData or MDS directory")
+    ins.add_argument("--format", choices=["native", "raw", "megatron", "arrow", "litdata", "mds"],
+                     help="the format, when detection from the files should not decide")
+    ins.add_argument("--token-field", help="Arrow/MDS datasets: the column of token ids (default input_ids / tokens)")
     ins.add_argument("--verify", action="store_true", help="check checksums and token ids (reads everything)")
     ins.add_argument("--plot", metavar="PNG", help="also write a length histogram to this PNG")
     ins.add_argument("--dtype", help="dtype of raw token files (uint16, uint32, int32, ...); required for raw "
                      "files unless --vocab-size or --tokenizer decides it")
-    ins.add_argument("--eos-id", type=int, help="foreign files: documents end with this id")
-    ins.add_argument("--bos-id", type=int, help="foreign files: documents start with this id")
+    ins.add_argument("--eos-id", type=int, help="raw files: documents end with this id (other formats: checked)")
+    ins.add_argument("--bos-id", type=int, help="raw files: documents start with this id (other formats: checked)")
     ins.add_argument("--vocab-size", type=int, help="foreign files: check ids are below this")
     ins.add_argument("--tokenizer", help="foreign files: the tokenizer that made them (gives the vocabulary size)")
     ins.add_argument("--split", help="foreign files: the split to read in a directory of several (train, validation, test)")

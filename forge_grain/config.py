@@ -30,9 +30,13 @@ class SourceConfig:
     token store; `True` streams it, tokenizing on the fly and packing `window` documents
     at a time.
 
-    A `path` of foreign token files (no manifest) is described as for `TokenStore.open`:
-    `dtype` (or `vocab_size`, or `tokenizer`, to decide it), `eos_id`/`bos_id` to find
-    documents, `file_pattern` to filter a directory, `split` to pick one split's files.
+    A `path` is opened as by `TokenStore.open`, in any format it reads in place (a
+    forge-grain store, raw `.bin`/`.npy` files, Megatron, Hugging Face Arrow, LitData,
+    MDS; `format` names it when detection should not decide), described by the options
+    the files do not record: `dtype` (or `vocab_size`, or `tokenizer`, to decide it),
+    `eos_id`/`bos_id` (to find documents in raw files), `file_pattern` to filter a
+    directory, `split` to pick one split's files, `token_field` for the column of an
+    Arrow or MDS dataset.
     """
 
     name: str
@@ -55,10 +59,13 @@ class SourceConfig:
     bos_id: int | None = None
     vocab_size: int | None = None
     file_pattern: str | None = None
+    format: str | None = None
+    token_field: str | None = None
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
-        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "split", "tokenizer")
+        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "split", "tokenizer", "format",
+                "token_field")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
@@ -168,7 +175,8 @@ class DataConfig:
             if (s.path is None) == (s.hf_dataset is None):
                 raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
             if s.hf_dataset is not None:
-                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern") if getattr(s, k) is not None]
+                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "format", "token_field")
+                         if getattr(s, k) is not None]
                 if wrong:
                     raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
             for key in ("eos_id", "bos_id", "vocab_size"):

@@ -21,7 +21,7 @@ import numpy as np
 from .config import ConfigError, DataConfig
 from .errors import ForgeGrainError
 from .mixture import MAX_ROWS, Mixture
-from .packed import pack
+from .sources import open_source
 from .stores import TokenStore
 
 STATE_VERSION = 1
@@ -87,25 +87,12 @@ class Pipeline:
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
         self.stores, self.datasets, self.streams = [], [], []
         for s in config.sources:
-            seed = _source_seed(config.seed, s.name)
-            if s.hf_dataset is not None and s.hf_streaming:
-                from .hf import StreamCursor, StreamingSource
-
-                source = StreamingSource(s, config.seq_len, seed, shard_index, shard_count, cache_dir)
-                cursor = StreamCursor(source, rows_per_epoch=shard_count * min(source.rows_per_shard()))
-                self.stores.append(source)
-                self.datasets.append(cursor)
-                self.streams.append(cursor)
-                continue
-            if s.hf_dataset is not None:
-                from .hf import eager_store
-
-                store = TokenStore.open(eager_store(s, cache_dir))
-            else:
-                store = TokenStore.open(s.path, **s.store_options())
-            self.stores.append(store)
-            self.datasets.append(pack(store, config.seq_len, s.strategy, seed=seed, stride=s.stride,
-                                      num_epochs=None, cache_dir=cache_dir))
+            opened = open_source(s, config.seq_len, _source_seed(config.seed, s.name), shard_index, shard_count,
+                                 cache_dir)
+            self.stores.append(opened.store)
+            self.datasets.append(opened.dataset)
+            if opened.stream is not None:
+                self.streams.append(opened.stream)
         self._check_tokenizers()
         if self.streams:
             if worker_count:

@@ -58,6 +58,8 @@ def _directory_formats(path: Path) -> dict[str, tuple[str, str]]:
         found["mds"] = ("a MosaicML MDS dataset", "index.json with shards")
     if (path / "state.json").exists() and (path / "dataset_info.json").exists():
         found["arrow"] = ("a Hugging Face save_to_disk dataset", "state.json")
+    elif (path / "dataset_dict.json").exists():
+        found["arrow"] = ("a Hugging Face save_to_disk DatasetDict", "dataset_dict.json")
     if any(identify.megatron_index(f) for f in path.glob("*.idx")):
         found["megatron"] = ("a Megatron indexed dataset", ".idx files")
     return found
