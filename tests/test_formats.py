@@ -19,6 +19,7 @@ from mds_writer import write_mds
 from forge_grain import DataConfig, Pipeline, StoreError, TokenStore, pack, write_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
+LITDATA = Path(__file__).parent / "data" / "litdata"  # written by litdata.optimize: see scripts/make_litdata_fixture.py
 VOCAB, EOS = 1000, 1
 
 
@@ -38,7 +39,8 @@ def same_docs(store, docs):
 
 
 def write_megatron(prefix: Path, docs, dtype=np.int32) -> Path:
-    import torch
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -52,6 +54,7 @@ def write_megatron(prefix: Path, docs, dtype=np.int32) -> Path:
 
 
 def write_litdata(out: Path, docs, dtype="int64", chunk_tokens=4000) -> Path:
+    pytest.importorskip("litdata")
     npz = out.parent / f"{out.name}-docs.npz"
     np.savez(npz, **{f"doc_{i}": d for i, d in enumerate(docs)})
     r = subprocess.run([sys.executable, SCRIPTS / "write_litdata.py", npz, out, str(chunk_tokens), dtype],
@@ -87,7 +90,7 @@ def peers(tmp_path_factory, docs):
     return {
         "megatron": write_megatron(base / "megatron" / "c4_text_document", docs),
         "arrow": write_arrow(base / "arrow", docs, text=["x"] * len(docs)),
-        "litdata": write_litdata(base / "litdata", docs),
+        "litdata": Path(shutil.copytree(LITDATA / "dataset", base / "litdata")),
         "mds": write_mds(base / "mds", {"tokens": "ndarray:int32", "id": "str"},
                          [{"tokens": d, "id": str(i)} for i, d in enumerate(docs)], samples_per_shard=70),
         "olmo": olmo,
@@ -138,19 +141,38 @@ def test_arrow_dataset_dict_split(tmp_path, docs):
         TokenStore.open(tmp_path / "dd", split="test")
 
 
-def test_litdata_documents_and_tokensloader_blocks(peers, docs):
-    from litdata import StreamingDataset, TokensLoader
+def litdata_docs():
+    d = np.load(LITDATA / "docs.npz")
+    return [d[f"doc_{i}"] for i in range(len(d.files))]
 
-    store = TokenStore.open(peers["litdata"], eos_id=EOS)
-    assert store.format == "litdata" and store.dtype == np.int64 and same_docs(store, docs)
-    block = 16
-    ref = StreamingDataset(str(peers["litdata"]), item_loader=TokensLoader(block_size=block), shuffle=False)
-    blocks = []  # TokensLoader cuts each chunk's tokens into whole blocks
+
+def tokensloader_blocks(store, block):
+    """TokensLoader's items: each chunk's tokens cut into whole blocks, chunk by chunk."""
+    blocks = []
     for s in range(len(store.files)):
         lo, hi = store._file_doc_starts[s], store._file_doc_starts[s + 1]
         tokens = np.concatenate([store[i] for i in range(lo, hi)])
         blocks += [tokens[k : k + block] for k in range(0, len(tokens) - block + 1, block)]
-    assert len(ref) == len(blocks) and all(np.array_equal(ref[i].numpy(), b) for i, b in enumerate(blocks))
+    return blocks
+
+
+def test_litdata_documents_and_tokensloader_blocks(peers):
+    store = TokenStore.open(peers["litdata"], eos_id=EOS)
+    assert store.format == "litdata" and store.dtype == np.int64 and same_docs(store, litdata_docs())
+    assert len(store.files) > 1 and not all(a.flags.aligned for a in store.pieces[0])  # int64 after 4-byte headers
+    ref = np.load(LITDATA / "blocks16.npy")  # what StreamingDataset(TokensLoader(16)) returned for these files
+    assert np.array_equal(np.stack(tokensloader_blocks(store, 16)), ref)
+
+
+def test_litdata_written_and_read_by_litdata_now(tmp_path, docs):
+    """The same, live, where litdata imports (not in the test environment: see make_litdata_fixture.py)."""
+    pytest.importorskip("litdata")
+    from litdata import StreamingDataset, TokensLoader
+
+    store = TokenStore.open(write_litdata(tmp_path / "lit", docs, dtype="int32"), eos_id=EOS)
+    assert store.dtype == np.int32 and same_docs(store, docs)
+    ref = StreamingDataset(str(tmp_path / "lit"), item_loader=TokensLoader(block_size=16), shuffle=False)
+    assert [r.numpy().tolist() for r in ref] == [b.tolist() for b in tokensloader_blocks(store, 16)]
 
 
 @pytest.mark.parametrize("encoding", ["ndarray:int32", "ndarray", "bytes"])
@@ -197,6 +219,7 @@ def test_olmo_memmaps_split_at_eos_like_olmo_core(peers, docs):
 
 @pytest.mark.parametrize("fmt", ["megatron", "arrow", "litdata", "mds", "olmo"])
 def test_every_format_packs_pickles_and_fingerprints_its_data(peers, docs, fmt, tmp_path):
+    docs = litdata_docs() if fmt == "litdata" else docs
     store = TokenStore.open(peers[fmt], **OPTIONS[fmt])
     ds = pack(store, 64, "bestfit", cache_dir=tmp_path)
     batch = ds.get_batch(np.arange(ds.num_rows))

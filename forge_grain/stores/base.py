@@ -67,6 +67,7 @@ class TokenStore:
         self._file_doc_starts = np.concatenate([[0], np.cumsum(self._file_docs)]).astype(np.int64)
         self._piece_table = self._make_pieces()
         self._lengths: np.ndarray | None = None
+        self._views = self._doc_start = self._doc_array = None  # built on the first read (`_index_documents`)
         self._validate()
 
     @classmethod
@@ -186,7 +187,7 @@ class TokenStore:
         return len(self._offsets) - 1
 
     def __getitem__(self, i: int) -> np.ndarray:
-        n = len(self)
+        n = len(self._offsets) - 1
         i = int(i)
         if i < 0:
             i += n
@@ -194,12 +195,25 @@ class TokenStore:
             raise IndexError(f"document {i} out of range for a store of {n} documents")
         if self._piece_table is None:
             return self._document(i)
+        if self._views is None:
+            self._index_documents()
+        start, length = int(self._doc_start[i]), int(self._offsets[i + 1] - self._offsets[i])
+        view = self._views[0] if self._doc_array is None else self._views[self._doc_array[i]]
+        return view[start : start + length]
+
+    def _index_documents(self) -> None:
+        """Where each document starts in its array, and which array (when there are several):
+        a read is then two lookups and a slice of a plain ndarray view (slicing a memmap is slower)."""
         starts, array, base = self._piece_table
-        lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
-        p = 0 if len(array) == 1 else int(np.searchsorted(starts, lo, side="right") - 1)
-        p = min(p, len(array) - 1)
-        at = lo - int(starts[p]) + int(base[p])
-        return self._arrays[array[p]][at : at + hi - lo]
+        if len(array) == 1 and base[0] == 0:
+            self._doc_start = self._offsets
+        else:
+            p = np.searchsorted(starts, self._offsets[:-1], side="right") - 1
+            p = np.minimum(p, len(array) - 1)
+            self._doc_start = self._offsets[:-1] - starts[p] + base[p]
+            if len(self._arrays) > 1:
+                self._doc_array = array[p].astype(np.int32)
+        self._views = [np.asarray(a) for a in self._arrays]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))
@@ -286,6 +300,7 @@ class TokenStore:
     def close(self) -> None:
         """Drop the memory maps (views already handed out stay valid while referenced)."""
         self._arrays = []
+        self._views = None
 
     def __enter__(self) -> "TokenStore":
         return self
