@@ -24,17 +24,10 @@ class ArrowStore(TokenStore):
     """A `save_to_disk` dataset directory (a `DatasetDict`'s split with `split=`), or one `.arrow` file."""
 
     format = "arrow"
+    description = "a Hugging Face Arrow dataset"
     OPTIONS = frozenset({"token_field", "split", "dtype", "eos_id", "bos_id", "vocab_size", "tokenizer"})
 
-    @classmethod
-    def describe_format(cls) -> str:
-        return "a Hugging Face Arrow dataset"
-
-    def _open(self, token_field=None, split=None, dtype=None, eos_id=None, bos_id=None, vocab_size=None,
-              tokenizer=None, fingerprint="sampled") -> None:
-        full = checks.fingerprint_mode(self.path, fingerprint)
-        self.vocab_size = self._use_tokenizer(tokenizer, vocab_size)
-        self.eos_id, self.bos_id = eos_id, bos_id
+    def _open(self, token_field=None, split=None, dtype=None) -> None:
         field = token_field or DEFAULT_FIELD
         directory, self._files, dataset_fingerprint = data_files(self.path, split)
         starts, array, base, lengths, dtypes = [0], [], [], [], set()
@@ -58,7 +51,7 @@ class ArrowStore(TokenStore):
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(all_lengths)]).astype(np.int64)
         self._pieces = (np.array(starts, np.int64), np.array(array, np.int64), np.array(base, np.int64))
-        self._fingerprint = self._fingerprint_files([field, dataset_fingerprint], full)
+        self._fingerprint = self._fingerprint_files([field, dataset_fingerprint])
 
     _validate = TokenStore._check_indexed_documents
 

@@ -32,6 +32,7 @@ class TokenStore:
     """
 
     format = "?"  # the subclass's format name
+    description = "a token dataset"  # for messages: "this is <description>"
     OPTIONS: frozenset[str] = frozenset()  # the `open` options this format accepts (besides `fingerprint`)
 
     def __new__(cls, path=None, **options):
@@ -50,7 +51,7 @@ class TokenStore:
         if unknown:
             raise StoreError(
                 f"{self.path}: {', '.join(f'{k}=' for k in sorted(unknown))} {'does' if len(unknown) == 1 else 'do'} "
-                f"not apply to {self.describe_format()} "
+                f"not apply to {self.description} "
                 f"(it accepts {', '.join(sorted(self.OPTIONS | {'fingerprint'}))})"
             )
         self.manifest = None
@@ -63,6 +64,11 @@ class TokenStore:
         self._pieces = None  # (token start, array, start in array) of each contiguous run; None: one per array
         self._offsets = np.zeros(1, np.int64)
         self._fingerprint = ""
+        # what every format accepts the same way; `_open` gets the options of its own
+        self._declared = {k: opts.pop(k) for k in ("vocab_size", "eos_id", "bos_id", "tokenizer") if k in opts}
+        self._full = checks.fingerprint_mode(self.path, opts.pop("fingerprint", "sampled"))
+        self.vocab_size = self._use_tokenizer(self._declared.get("tokenizer"), self._declared.get("vocab_size"))
+        self.eos_id, self.bos_id = self._declared.get("eos_id"), self._declared.get("bos_id")
         self._open(**opts)
         self._file_doc_starts = np.concatenate([[0], np.cumsum(self._file_docs)]).astype(np.int64)
         self._piece_table = self._make_pieces()
@@ -93,8 +99,9 @@ class TokenStore:
     # -- what a format fills in ---------------------------------------------------------------
 
     def _open(self, **options) -> None:
-        """Set dtype, special ids, `_files`, `_file_docs`, `_offsets`, `_arrays` (or
-        `_document`), `_pieces` when arrays hold several runs, and `_fingerprint`."""
+        """Given the format's own options (`vocab_size`, `eos_id`, `bos_id` are set already), set
+        dtype, `_files`, `_file_docs`, `_offsets`, `_arrays` (or `_document`), `_pieces` when
+        arrays hold several runs, and `_fingerprint`."""
         raise NotImplementedError
 
     def _document(self, i: int) -> np.ndarray:
@@ -140,13 +147,9 @@ class TokenStore:
             out[sel] = self._arrays[int(a)][positions[sel] - starts[p[sel]] + base[p[sel]]]
         return out
 
-    @classmethod
-    def describe_format(cls) -> str:
-        return f"a {cls.format} dataset"
-
     def _check_format(self, declared: str | None) -> None:
         if declared is not None and declared != self.format:
-            raise StoreError(f"{self.path}: format={declared!r} was given, but this is {self.describe_format()}")
+            raise StoreError(f"{self.path}: format={declared!r} was given, but this is {self.description}")
 
     # -- shared steps of opening --------------------------------------------------------------------
 
@@ -162,9 +165,9 @@ class TokenStore:
         self.tokenizer = tok.identity
         return tok.vocab_size
 
-    def _fingerprint_files(self, extra, full: bool) -> str:
+    def _fingerprint_files(self, extra) -> str:
         """The fingerprint of data files and what the format read from them (`extra`)."""
-        parts = [[f.name, checks.content_fingerprint(f, full=full)] for f in self._files]
+        parts = [[f.name, checks.content_fingerprint(f, full=self._full)] for f in self._files]
         digest = hashlib.sha256(json.dumps([self.format, str(self.dtype), self.eos_id, self.bos_id, self.vocab_size,
                                             parts, extra]).encode())
         digest.update(np.ascontiguousarray(self._offsets).view(np.uint8))

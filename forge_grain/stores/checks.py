@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import mmap
 import resource
 import stat
 from pathlib import Path
@@ -50,6 +51,17 @@ def empty_tokens(dtype) -> np.ndarray:
     arr = np.zeros(0, dtype)
     arr.setflags(write=False)
     return arr
+
+
+def map_alignments(path: Path, dtype: np.dtype) -> list[np.ndarray]:
+    """The file as `dtype` items starting at byte 0, 1, ..., itemsize - 1: views of one
+    read-only memory map (one file descriptor), for items at arbitrary byte offsets."""
+    size = path.stat().st_size
+    if size == 0:
+        return [empty_tokens(dtype)] * dtype.itemsize
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return [np.frombuffer(mm, dtype, count=max(0, size - r) // dtype.itemsize, offset=r) for r in range(dtype.itemsize)]
 
 
 def map_array(path: Path, dtype: np.dtype, offset: int = 0, count: int | None = None) -> np.ndarray:

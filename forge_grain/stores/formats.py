@@ -20,10 +20,17 @@ FORMATS = {
 
 
 def store_class(path: Path, format: str | None = None):
-    """The `TokenStore` subclass for `path`: `format` when given, else the one detected."""
+    """The `TokenStore` subclass for `path`: `format` when given (it must be one of the formats
+    the directory's marker files show, if any), else the one detected."""
     name = format or detect(path)
     if name not in FORMATS:
         raise StoreError(f"{path}: unknown format {name!r}; one of {', '.join(FORMATS)}")
+    found = _directory_formats(path) if format is not None and path.is_dir() else {}
+    if found and format not in found:
+        raise StoreError(
+            f"{path}: format={format!r} was given, but this is "
+            f"{' and '.join(f'{what} ({why})' for what, why in found.values())}"
+        )
     module, cls = FORMATS[name]
     return getattr(importlib.import_module(f".{module}", __package__), cls)
 

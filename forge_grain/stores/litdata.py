@@ -30,17 +30,10 @@ class LitDataStore(TokenStore):
     """A directory written by `litdata.optimize(..., item_loader=TokensLoader())`."""
 
     format = "litdata"
+    description = "a LitData dataset"
     OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer"})
 
-    @classmethod
-    def describe_format(cls) -> str:
-        return "a LitData dataset"
-
-    def _open(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None, tokenizer=None,
-              fingerprint="sampled") -> None:
-        full = checks.fingerprint_mode(self.path, fingerprint)
-        self.vocab_size = self._use_tokenizer(tokenizer, vocab_size)
-        self.eos_id, self.bos_id = eos_id, bos_id
+    def _open(self, dtype=None) -> None:
         index_file = self.path / "index.json"
         index = _read_index(index_file)
         self.dtype = _token_dtype(index_file, index["config"])
@@ -56,7 +49,7 @@ class LitDataStore(TokenStore):
                 offsets.append((item_offsets - header) // self.dtype.itemsize)
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
-        self._fingerprint = self._fingerprint_files(checks.content_fingerprint(index_file, full), full)
+        self._fingerprint = self._fingerprint_files(checks.content_fingerprint(index_file, self._full))
 
     _validate = TokenStore._check_indexed_documents
 

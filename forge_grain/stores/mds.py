@@ -6,8 +6,8 @@ each column's bytes in column-name order. A token column is `bytes` (ids back to
 dtype must be declared), `ndarray:DTYPE[:SHAPE]`, or `ndarray` (a dtype byte first); a
 dynamic shape puts a byte (ndim << 2 | shape width) and the shape before the ids.
 
-Samples sit at arbitrary byte offsets, so each shard is mapped once per byte alignment and
-every document is a view (possibly unaligned) into one of those maps: no copy. A shard
+Samples sit at arbitrary byte offsets, so each shard is mapped once and viewed at every byte
+alignment; every document is a view (possibly unaligned) into one of those views: no copy. A shard
 written compressed (`zip_data`) cannot be mapped: it is decompressed once into the cache,
 keyed by its content fingerprint, and read from there.
 """
@@ -38,31 +38,21 @@ class MDSStore(TokenStore):
     """A directory with an MDS `index.json` and its shards."""
 
     format = "mds"
+    description = "a MosaicML MDS dataset"
     OPTIONS = frozenset({"token_field", "dtype", "eos_id", "bos_id", "vocab_size", "tokenizer"})
 
-    @classmethod
-    def describe_format(cls) -> str:
-        return "a MosaicML MDS dataset"
-
-    def _open(self, token_field=None, dtype=None, eos_id=None, bos_id=None, vocab_size=None, tokenizer=None,
-              fingerprint="sampled") -> None:
-        full = checks.fingerprint_mode(self.path, fingerprint)
-        self.vocab_size = self._use_tokenizer(tokenizer, vocab_size)
-        self.eos_id, self.bos_id = eos_id, bos_id
+    def _open(self, token_field=None, dtype=None) -> None:
         shards = _read_index(self.path / "index.json")
         field = token_field or _default_field(self.path / "index.json", shards[0])
         self._shards = shards
         dtypes, starts, array, base, lengths = set(), [0], [], [], []
         with checks.descriptors(self.path, len(shards)):
             for s, shard in enumerate(shards):
-                file = self._shard_file(shard, full)
+                file = self._shard_file(shard)
                 shard_dtype, at, count = _token_column(file, shard, field, dtype)
                 dtypes.add(shard_dtype)
                 first_array = len(self._arrays)
-                size = file.stat().st_size
-                for r in range(shard_dtype.itemsize):  # one map per byte alignment of the samples
-                    self._arrays.append(checks.map_array(file, shard_dtype, offset=r,
-                                                         count=max(0, size - r) // shard_dtype.itemsize))
+                self._arrays += checks.map_alignments(file, shard_dtype)  # samples start at any byte
                 for a, c in zip(at, count):
                     array.append(first_array + a % shard_dtype.itemsize)
                     base.append(a // shard_dtype.itemsize)
@@ -75,12 +65,12 @@ class MDSStore(TokenStore):
         self.dtype = dtypes.pop()
         self._offsets = np.array(starts, np.int64)
         self._pieces = (self._offsets, np.array(array, np.int64), np.array(base, np.int64))
-        self._fingerprint = self._fingerprint_files([field, checks.content_fingerprint(self.path / "index.json", full)],
-                                                    full)
+        self._fingerprint = self._fingerprint_files([field, checks.content_fingerprint(self.path / "index.json",
+                                                                                       self._full)])
 
     _validate = TokenStore._check_indexed_documents
 
-    def _shard_file(self, shard: dict, full: bool) -> Path:
+    def _shard_file(self, shard: dict) -> Path:
         """The shard's raw file, decompressing a compressed one into the cache once."""
         raw = shard.get("raw_data") or {}
         file = self.path / raw.get("basename", "")

@@ -28,17 +28,10 @@ class MegatronStore(TokenStore):
     """One Megatron dataset prefix (or a directory of several, in name order)."""
 
     format = "megatron"
+    description = "a Megatron indexed dataset"
     OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer"})
 
-    @classmethod
-    def describe_format(cls) -> str:
-        return "a Megatron indexed dataset"
-
-    def _open(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None, tokenizer=None,
-              fingerprint="sampled") -> None:
-        full = checks.fingerprint_mode(self.path, fingerprint)
-        self.vocab_size = self._use_tokenizer(tokenizer, vocab_size)
-        self.eos_id, self.bos_id = eos_id, bos_id
+    def _open(self, dtype=None) -> None:
         prefixes = self._prefixes()
         offsets, dtypes = [], set()
         with checks.descriptors(self.path, len(prefixes)):
@@ -57,7 +50,7 @@ class MegatronStore(TokenStore):
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
         self._indices = [Path(f"{p}.idx") for p in prefixes]
-        self._fingerprint = self._fingerprint_files([checks.content_fingerprint(i, full) for i in self._indices], full)
+        self._fingerprint = self._fingerprint_files([checks.content_fingerprint(i, self._full) for i in self._indices])
 
     def _prefixes(self) -> list[Path]:
         if self.path.is_dir():

@@ -21,18 +21,15 @@ class NativeStore(TokenStore):
     """A forge-grain store; options given for it must agree with its manifest."""
 
     format = "native"
+    description = "a forge-grain store"
     OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size"})
 
-    @classmethod
-    def describe_format(cls) -> str:
-        return "a forge-grain store"
-
-    def _open(self, **declared) -> None:
+    def _open(self, dtype=None) -> None:
         m = self.manifest = Manifest.load(self.path)
         self.dtype = np.dtype(m.dtype)
         self.vocab_size, self.bos_id, self.eos_id = m.vocab_size, m.bos_id, m.eos_id
         self.tokenizer = m.tokenizer
-        self._check_declared(declared)
+        self._check_declared({**self._declared, **({} if dtype is None else {"dtype": dtype})})
         self._files = [self.path / s.tokens for s in m.shards]
         self._records = None
         with checks.descriptors(self.path, len(m.shards)):
@@ -47,8 +44,6 @@ class NativeStore(TokenStore):
         """Options given for a store must agree with its manifest."""
         recorded = {"dtype": self.dtype, "eos_id": self.eos_id, "bos_id": self.bos_id, "vocab_size": self.vocab_size}
         for key, value in declared.items():
-            if key == "fingerprint":
-                continue
             same = checks.declared_dtype(self.path, value) == self.dtype if key == "dtype" else value == recorded[key]
             if not same:
                 raise StoreError(

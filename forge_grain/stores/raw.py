@@ -219,16 +219,11 @@ class RawStore(TokenStore):
     header), documents are found by EOS or BOS ids."""
 
     format = "raw"
+    description = "raw token files"
     OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer", "split", "file_pattern"})
 
-    @classmethod
-    def describe_format(cls) -> str:
-        return "raw token files"
-
-    def _open(self, dtype=None, eos_id=None, bos_id=None, vocab_size=None, tokenizer=None, split=None,
-              file_pattern=None, fingerprint="sampled") -> None:
-        full = checks.fingerprint_mode(self.path, fingerprint)
-        vocab_size = self._use_tokenizer(tokenizer, vocab_size)
+    def _open(self, dtype=None, split=None, file_pattern=None) -> None:
+        vocab_size, eos_id, bos_id = self.vocab_size, self.eos_id, self.bos_id
         self._files = find_token_files(self.path, split=split, file_pattern=file_pattern)
         with checks.descriptors(self.path, len(self._files)):
             self._arrays = [map_tokens(f, dtype, vocab_size) for f in self._files]
@@ -236,19 +231,18 @@ class RawStore(TokenStore):
         if len(dtypes) > 1:
             raise StoreError(f"{self.path}: token files mix dtypes {sorted(map(str, dtypes))}")
         self.dtype = self._arrays[0].dtype
-        self.vocab_size, self.bos_id, self.eos_id = vocab_size, bos_id, eos_id
         offsets = []
         for f, a in zip(self._files, self._arrays):
             sample = checks.sampled_tokens(a)  # read once: the width check and the cache check use it
             if dtype is None:  # decided by the vocabulary or a .npy header: check it is plausible
                 checks.check_width(f, sample)
-            content = checks.content_fingerprint(f, full=full)
+            content = checks.content_fingerprint(f, full=self._full)
             off, lo, hi = document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content, sample=sample)
             checks.check_ids(f, lo, hi, vocab_size)
             offsets.append(off)
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
-        self._fingerprint = self._fingerprint_files(None, full)
+        self._fingerprint = self._fingerprint_files(None)
 
     def _verify_files(self) -> None:
         for f, a in zip(self._files, self._arrays):
