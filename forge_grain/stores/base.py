@@ -45,36 +45,38 @@ class TokenStore:
     def __init__(self, path: str | Path, **options):
         self.path = Path(path)
         self._options = options
-        opts = {k: v for k, v in options.items() if v is not None and k != "format"}
-        self._check_format(options.get("format"))
-        unknown = set(opts) - self.OPTIONS - {"fingerprint"}
-        if unknown:
-            raise StoreError(
-                f"{self.path}: {', '.join(f'{k}=' for k in sorted(unknown))} {'does' if len(unknown) == 1 else 'do'} "
-                f"not apply to {self.description} "
-                f"(it accepts {', '.join(sorted(self.OPTIONS | {'fingerprint'}))})"
-            )
         self.manifest = None
         self.tokenizer: dict | None = None
         self.dtype: np.dtype
-        self.vocab_size = self.bos_id = self.eos_id = None
         self._files: list[Path] = []  # the data files, for error messages and `files`
         self._file_docs: list[int] = []  # documents per data file
         self._arrays: list[np.ndarray] = []  # token arrays; empty for stores read a document at a time
         self._pieces = None  # (token start, array, start in array) of each contiguous run; None: one per array
         self._offsets = np.zeros(1, np.int64)
         self._fingerprint = ""
-        # what every format accepts the same way; `_open` gets the options of its own
-        self._declared = {k: opts.pop(k) for k in ("vocab_size", "eos_id", "bos_id", "tokenizer") if k in opts}
-        self._full = checks.fingerprint_mode(self.path, opts.pop("fingerprint", "sampled"))
-        self.vocab_size = self._use_tokenizer(self._declared.get("tokenizer"), self._declared.get("vocab_size"))
-        self.eos_id, self.bos_id = self._declared.get("eos_id"), self._declared.get("bos_id")
-        self._open(**opts)
+        self._open(**self._common_options(options))
         self._file_doc_starts = np.concatenate([[0], np.cumsum(self._file_docs)]).astype(np.int64)
         self._piece_table = self._make_pieces()
         self._lengths: np.ndarray | None = None
         self._views = self._doc_start = self._doc_array = None  # built on the first read (`_index_documents`)
         self._validate()
+
+    def _common_options(self, options: dict) -> dict:
+        """Check the options apply to this format, take those every format treats alike
+        (`vocab_size`, `eos_id`, `bos_id`, `tokenizer`, `fingerprint`); the rest are `_open`'s."""
+        opts = {k: v for k, v in options.items() if v is not None and k != "format"}
+        self._check_format(options.get("format"))
+        unknown = set(opts) - self.OPTIONS - {"fingerprint"}
+        if unknown:
+            raise StoreError(
+                f"{self.path}: {', '.join(f'{k}=' for k in sorted(unknown))} {'does' if len(unknown) == 1 else 'do'} "
+                f"not apply to {self.description} (it accepts {', '.join(sorted(self.OPTIONS | {'fingerprint'}))})"
+            )
+        self._declared = {k: opts.pop(k) for k in ("vocab_size", "eos_id", "bos_id", "tokenizer") if k in opts}
+        self._full = checks.fingerprint_mode(self.path, opts.pop("fingerprint", "sampled"))
+        self.vocab_size = self._use_tokenizer(self._declared.get("tokenizer"), self._declared.get("vocab_size"))
+        self.eos_id, self.bos_id = self._declared.get("eos_id"), self._declared.get("bos_id")
+        return opts
 
     @classmethod
     def open(cls, path: str | Path, *, verify: bool = False, format: str | None = None, **options) -> "TokenStore":
@@ -91,7 +93,7 @@ class TokenStore:
         or MDS dataset; default "input_ids" or "tokens"), and `fingerprint="full"` to hash
         every byte for the state fingerprint instead of sampled blocks.
         """
-        store = (TokenStore if cls is TokenStore else cls)(path, format=format, **options)
+        store = cls(path, format=format, **options)
         if verify:
             store.verify()
         return store
