@@ -22,12 +22,17 @@ from forge_grain import Pipeline
 ARRAY_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop", "source_id")
 
 
-def to_global(local_batch: dict, sharding: jax.sharding.Sharding, keys=ARRAY_KEYS) -> dict:
+def to_global(local_batch: dict, sharding: jax.sharding.Sharding, keys=None) -> dict:
     """This process's rows of a batch as global arrays laid out by `sharding`.
 
-    `sharding` applies to the [batch, seq_len] arrays; 1-D arrays (source_id) use its
-    batch axis alone.
+    `keys`: the arrays to convert; by default every key of the row format the batch holds
+    (a `PackedDataset` batch has no `source_id`, a pipeline batch has). `sharding` applies to
+    the [batch, seq_len] arrays; 1-D arrays (source_id) use its batch axis alone.
     """
+    keys = [k for k in ARRAY_KEYS if k in local_batch] if keys is None else keys
+    missing = [k for k in keys if k not in local_batch]
+    if missing:
+        raise KeyError(f"to_global: the batch has no {missing} (its keys: {sorted(local_batch)})")
     out = {}
     for k in keys:
         value = np.asarray(local_batch[k])

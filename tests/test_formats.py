@@ -116,6 +116,25 @@ def test_megatron_documents_are_megatron_readers(peers, docs):
         assert np.array_equal(store.lengths, ref.sequence_lengths)
 
 
+def test_megatron_document_of_several_sequences_is_their_concatenation(tmp_path, docs):
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
+    for k in range(0, 30, 3):  # documents of three sequences each (sentence-split data)
+        for d in docs[k : k + 3]:
+            builder.add_item(torch.from_numpy(d.astype(np.int32)))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "m.idx"))
+    ref = IndexedDataset(str(tmp_path / "m"))
+    store = TokenStore.open(tmp_path / "m", eos_id=EOS)
+    bounds = ref.document_indices
+    assert len(store) == len(bounds) - 1 == 10 and store.dtype == np.uint16
+    for i in range(len(store)):
+        assert np.array_equal(store[i], np.concatenate([ref[j] for j in range(bounds[i], bounds[i + 1])]))
+
+
 def test_arrow_documents_are_datasets_rows_without_a_copy(peers, docs):
     import datasets
 

@@ -8,6 +8,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from conftest import config, write_toml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from multiproc import run_jax_processes
@@ -60,6 +61,10 @@ def test_classic_grain_data_loader_batches_become_global_arrays(tmp_path, stores
         operations=[grain.transforms.Batch(batch_size=8, drop_remainder=True)],
     )
     batch = next(iter(loader))
-    arrays = to_global(batch, sharding(), keys=("inputs", "loss_mask"))
+    arrays = to_global(batch, sharding())  # the keys the batch has: no source_id without a mixture
+    assert set(arrays) == {"inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop"}
     assert arrays["inputs"].shape == (8, 64)
-    assert np.array_equal(np.asarray(arrays["inputs"]), ds.get_batch(np.arange(8))["inputs"])
+    expected = ds.get_batch(np.arange(8))
+    assert all(np.array_equal(np.asarray(arrays[k]), expected[k]) for k in arrays)
+    with pytest.raises(KeyError, match=r"the batch has no \['source_id'\]"):
+        to_global(batch, sharding(), keys=("inputs", "source_id"))
