@@ -41,7 +41,7 @@ from .config import SourceConfig
 from .locks import file_lock
 from .manifest import save_npy_atomic, token_dtype, write_json_atomic
 from .packed import empty_rows
-from .packing import ROW_KEYS, PackingError, plan_offsets
+from .packing import ROW_KEYS, PackingError, plan_offsets, stream_key
 from .preparation import prepare
 from .texts import document_text, load_texts
 from .tokenizer import load_tokenizer
@@ -271,8 +271,8 @@ class StreamCursor:
             self._plan = self.source.plan_window(np.array([len(d) for d in docs], np.int64), self.epoch, self.window)
             if self._plan is not None and self.emitted < self._plan.num_rows:
                 self._tokens = np.concatenate([d for d in docs if len(d)]).astype(self.source.dtype)
-                rng = np.random.default_rng(self.source.window_seed(self.epoch, self.window))
-                self._order = rng.permutation(self._plan.num_rows).astype(np.int64)
+                key = stream_key("window-rows", self.source.window_seed(self.epoch, self.window))
+                self._order = kernels.permutation(self._plan.num_rows, key)
                 return
             self.window, self.emitted = self.window + 1, 0
             if ended:

@@ -313,6 +313,21 @@ def _feistel(x, n, half, mask, k):
             return x
 
 
+@nb.njit(cache=CACHE)
+def permutation(n, key):
+    """A random permutation of [0, n) determined by a 64-bit `key`: Fisher-Yates driven by
+    splitmix64. The stream is this project's own, so a numpy upgrade cannot change the data
+    (numpy does not promise to keep its Generator streams). The modulo's bias is below
+    n / 2^64 per draw."""
+    out = np.arange(n)
+    state = np.uint64(key)
+    for i in range(n - 1, 0, -1):
+        state += np.uint64(0x9E3779B97F4A7C15)
+        j = np.int64(_mix64(state) % np.uint64(i + 1))
+        out[i], out[j] = out[j], out[i]
+    return out
+
+
 @nb.njit(cache=CACHE, nogil=True)
 def epoch_rows(idx, n, seed_key, shuffle):
     """Plan rows of dataset indices: index i is row pi_e(i mod n) of epoch e = i // n, where

@@ -30,7 +30,7 @@ from .manifest import temporary
 from .stores import TokenStore
 
 STRATEGIES = ("concat", "bos_bestfit", "bestfit")
-PLAN_VERSION = 2  # 2: plan.json carries a checksum
+PLAN_VERSION = 3  # 2: plan.json carries a checksum; 3: own document permutation, bestfit windows overlap by one
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop")
 _ARRAYS = ("row_ptr", "seg_start", "seg_len", "seg_skip", "seg_flags")
 
@@ -79,12 +79,16 @@ class PackingPlan:
         # else another process saved the same plan first
 
     def checksum(self) -> str:
+        """sha256 of the parameters and arrays: the plan's content (computed once)."""
+        if "_checksum" in self.__dict__:
+            return self.__dict__["_checksum"]
         h = hashlib.sha256(json.dumps([PLAN_VERSION, self.strategy, self.seq_len]).encode())
         for name in _ARRAYS:
             a = np.ascontiguousarray(getattr(self, name))
             h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
             h.update(memoryview(a).cast("B"))
-        return h.hexdigest()
+        self.__dict__["_checksum"] = h.hexdigest()
+        return self.__dict__["_checksum"]
 
     @classmethod
     def load(cls, directory: Path) -> "PackingPlan":
@@ -131,12 +135,12 @@ def plan_offsets(
     offsets = np.asarray(offsets, np.int64)
     _check_args(offsets, seq_len, strategy, stride, name)
     t0 = time.perf_counter()
-    order = np.random.default_rng(seed).permutation(len(offsets) - 1).astype(np.int64)
+    order = kernels.permutation(len(offsets) - 1, stream_key("document-order", seed))
     if strategy == "concat":
         row_ptr, start, length, skip, flags, lost = kernels.plan_concat(offsets, order, seq_len)
         cropped = 0
     elif strategy == "bestfit":
-        start, length, skip, flags = kernels.split_items(offsets, order, seq_len, stride or seq_len)
+        start, length, skip, flags = kernels.split_items(offsets, order, seq_len, stride or default_stride(seq_len))
         row_ptr, (start, length, skip, flags), _ = _best_fit_rows(seq_len, start, length, skip, flags)
         lost = cropped = 0
     else:
@@ -148,6 +152,20 @@ def plan_offsets(
     stats = _stats(total, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost))
     stats["planning_seconds"] = round(time.perf_counter() - t0, 4)
     return PackingPlan(strategy, seq_len, row_ptr, start, length.astype(np.int32), skip.astype(np.int32), flags, stats)
+
+
+def stream_key(purpose: str, *parts) -> int:
+    """A 63-bit key for one of the stream's random choices, from its purpose and seeds."""
+    digest = hashlib.sha256(json.dumps(["forge-grain", purpose, *parts]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def default_stride(seq_len: int) -> int:
+    """bestfit's default: windows of `seq_len` tokens overlapping by one, so the token at each
+    border is the last input of one window and the first target of the next, and every
+    token after a document's first is a target exactly once (plain chunks, stride = seq_len,
+    never train the target at a border)."""
+    return max(seq_len - 1, 1)
 
 
 def _check_args(offsets, seq_len, strategy, stride, name) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from .config import ConfigError, DataConfig
 from .errors import ForgeGrainError
 from .mixture import MAX_ROWS, Mixture
+from .packed import PackedDataset
 from .sources import open_source
 from .stores import TokenStore
 
@@ -172,7 +173,8 @@ class Pipeline:
             "schedule": c.schedule(),
             "sources": [
                 {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
-                 "plan": d.plan_key, "data": _data_id(st)}
+                 "plan": d.plan_key, "plan_sha256": d.plan.checksum() if isinstance(d, PackedDataset) else None,
+                 "data": _data_id(st)}
                 for s, d, st in zip(c.sources, self.datasets, self.stores)
             ],
         }

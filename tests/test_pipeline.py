@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from conftest import TOKENIZER, config, store, write_toml
 from multiproc import run_jax_processes
 
-from forge_grain import ConfigError, DataConfig, Pipeline, StateError, mix, pack
+from forge_grain import ConfigError, DataConfig, Pipeline, StateError, mix, pack, write_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
 def collect(it, n):
@@ -266,3 +267,43 @@ def test_batches_still_held_are_never_overwritten_by_reused_buffers(stores):
         next(it)
     assert np.array_equal(held["inputs"], expected_held)
     assert np.array_equal(as_tensor.numpy(), expected_tensor)
+
+
+# -- the stream is pinned ----------------------------------------------------------------------
+
+
+def pinned_config(tmp_path):
+    """Two sources whose documents come from integer arithmetic alone (no random generator)."""
+    paths = {}
+    for k, name in enumerate(("a", "b")):
+        docs = [np.array([0] + [(i * 31 + j * 17 + k) % 997 + 2 for j in range((i * 7919 + k) % 97)] + [1], np.uint16)
+                for i in range(300)]
+        paths[name] = write_store(tmp_path / name, docs, vocab_size=1000, bos_id=0, eos_id=1, tokenizer=TOKENIZER)
+    return DataConfig(sources=[{"name": "a", "path": str(paths["a"]), "weight": 0.7},
+                               {"name": "b", "path": str(paths["b"]), "strategy": "bos_bestfit", "weight": 0.3}],
+                      seq_len=32, global_batch_size=8, seed=1234, num_epochs=None)
+
+
+PINNED = {0: "4c70360b862d321f", 1: "5600f35883d6210a", 57: "27a49bcfe7bb684b"}  # recorded 2026-11-22
+
+
+def test_the_stream_is_pinned_to_recorded_batches(tmp_path):
+    """The batches of a fixed corpus, config and seed never change: not with numpy, not with a
+    refactor. A change that moves them must be deliberate (and bump the plan version)."""
+    p = Pipeline(pinned_config(tmp_path), 0, 1, num_threads=0, cache_dir=tmp_path / "plans")
+    for step, want in PINNED.items():
+        b = p.global_batch(step)
+        h = hashlib.sha256(b"".join(np.ascontiguousarray(b[k]).tobytes() for k in sorted(b) if k != "step"))
+        assert h.hexdigest()[:16] == want, step
+
+
+def test_a_different_plan_under_the_same_key_is_refused(tmp_path, monkeypatch):
+    cfg = pinned_config(tmp_path)
+    state = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "plans").state_at(5)
+    from forge_grain import kernels
+
+    original = kernels.permutation
+    monkeypatch.setattr(kernels, "permutation", lambda n, key: original(n, key + 1))  # as if the stream changed
+    it = iter(Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "other-plans"))
+    with pytest.raises(StateError, match="sources"):
+        it.set_state(state)
