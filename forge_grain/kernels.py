@@ -328,16 +328,40 @@ def permutation(n, key):
     return out
 
 
+EXACT_SHUFFLE_MAX = 4096  # epochs of at most this many rows are shuffled exactly (Fisher-Yates)
+
+
+@nb.njit(cache=CACHE, inline="always")
+def _epoch_key(seed_key, e):
+    return _mix64(np.uint64(seed_key) ^ _mix64(np.uint64(e) + np.uint64(0x632BE59BD9B4E019)))
+
+
 @nb.njit(cache=CACHE, nogil=True)
 def epoch_rows(idx, n, seed_key, shuffle):
     """Plan rows of dataset indices: index i is row pi_e(i mod n) of epoch e = i // n, where
-    pi_e is a seeded permutation of [0, n): O(1) memory, O(1) per index.
+    pi_e is a seeded permutation of [0, n) whose key mixes `seed_key` with the epoch.
 
-    pi_e is a 4-round Feistel network over the smallest even bit width covering n, with
-    cycle walking to stay below n (as Grain's index_shuffle and MosaicML's shuffles do);
-    its key mixes `seed_key` with the epoch.
+    Up to `EXACT_SHUFFLE_MAX` rows, pi_e is a Fisher-Yates shuffle (uniform, as an ideal
+    shuffle is: a small Feistel network is far from it), built once per epoch a call
+    touches, so its cost per index stays bounded. Beyond, pi_e is a 4-round Feistel network
+    over the smallest even bit width covering n, with cycle walking to stay below n (as
+    Grain's index_shuffle and MosaicML's shuffles do): O(1) memory and time per index.
     """
     out = np.empty(len(idx), np.int64)
+    if not shuffle:
+        for i in range(len(idx)):
+            out[i] = idx[i] - (idx[i] // n) * n
+        return out
+    if n <= EXACT_SHUFFLE_MAX:
+        perm = np.empty(0, np.int64)
+        last = np.int64(-1)
+        for i in range(len(idx)):
+            e = idx[i] // n
+            if e != last:
+                perm = permutation(n, _epoch_key(seed_key, e))
+                last = e
+            out[i] = perm[idx[i] - e * n]
+        return out
     bits = 2
     while (np.uint64(1) << np.uint64(bits)) < np.uint64(n):
         bits += 2
@@ -347,11 +371,7 @@ def epoch_rows(idx, n, seed_key, shuffle):
     for i in range(len(idx)):
         e = idx[i] // n
         j = idx[i] - e * n
-        if not shuffle:
-            out[i] = j
-            continue
-        k = _mix64(np.uint64(seed_key) ^ _mix64(np.uint64(e) + np.uint64(0x632BE59BD9B4E019)))
-        out[i] = np.int64(_feistel(np.uint64(j), un, half, mask, k))
+        out[i] = np.int64(_feistel(np.uint64(j), un, half, mask, _epoch_key(seed_key, e)))
     return out
 
 

@@ -26,6 +26,10 @@ from .sources import open_source
 from .stores import TokenStore
 
 STATE_VERSION = 1
+# Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
+# so a state saved before such a change is refused instead of resuming into other data.
+# 2: exact small-epoch shuffles, own document permutation.
+STREAM_VERSION = 2
 STREAM_STATE_KEYS = {"epoch", "window", "stream", "row_index", "emitted"}
 
 
@@ -165,6 +169,7 @@ class Pipeline:
         """What the batches depend on; the shard count, workers and prefetch are not in it."""
         c = self.config
         summary = {
+            "stream_version": STREAM_VERSION,
             "seq_len": c.seq_len,
             "global_batch_size": c.global_batch_size,
             "seed": c.seed,

@@ -292,3 +292,35 @@ def test_inspect_prints_a_packing_report(bin_store):
     assert r.returncode == 0, r.stderr
     for word in ("concat", "bos_bestfit", "bestfit", "fill", "cropped", "lost", "docs/row", "plan s"):
         assert word in r.stdout
+
+
+def test_small_epochs_are_shuffled_uniformly():
+    """An epoch of a few rows gets each ordering about equally often, and consecutive epochs
+    repeat an order no more often than independent shuffles would (1 in n!)."""
+    import itertools
+
+    from forge_grain import kernels
+
+    n, epochs = 5, 24_000
+    rows = kernels.epoch_rows(np.arange(n * epochs), n, 12345, True).reshape(epochs, n)
+    counts = {}
+    for r in map(tuple, rows):
+        counts[r] = counts.get(r, 0) + 1
+    assert set(counts) == set(itertools.permutations(range(n)))
+    expected = epochs / 120
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    assert chi2 < 180  # 119 degrees of freedom: the 99.9% quantile is about 168
+    assert abs(counts[tuple(range(n))] / epochs - 1 / 120) < 0.004  # the identity, too
+    for n in (2, 3):
+        rows = kernels.epoch_rows(np.arange(n * 6000), n, 7, True).reshape(-1, n)
+        repeats = np.mean(np.all(rows[1:] == rows[:-1], axis=1))
+        assert abs(repeats - 1 / (2 if n == 2 else 6)) < 0.03
+
+
+def test_large_epochs_are_permutations():
+    from forge_grain import kernels
+
+    for n in (4097, 100_003):
+        for e in (0, 3):
+            rows = kernels.epoch_rows(np.arange(e * n, (e + 1) * n), n, 99, True)
+            assert np.array_equal(np.sort(rows), np.arange(n)) and not np.array_equal(rows, np.arange(n))
