@@ -1,16 +1,19 @@
 """`mix()`: a deterministic `MapDataset` interleaving packed datasets by weight, with phases.
 
 Row h of the mixture goes to a source by a closed-form rule (see `kernels.mix_locate`):
-no state, no precomputed index, O(log m) per row, O(m) memory per phase. Each source's
-count over any prefix of a phase is within the tree depth (ceil(log2 m)) of its weight
-times the prefix length, so over any window of n rows its share is within 2·depth/n of
-its weight. A phase change takes effect exactly at its first row. Source row r of source
+no state, no precomputed index, O(log m) per row, O(m) memory per phase. The weights are
+used exactly as given (as integers in their exact ratios; see `integer_weights`), and
+each source's count over any prefix of a phase is within the tree depth (ceil(log2 m)) of
+its weight times the prefix length, so over any window of n rows its share is within
+2·depth/n of its weight. A phase change takes effect exactly at its first row. Source row r of source
 i is row r of its (infinitely repeating, reshuffled per epoch) packed dataset.
 """
 
 from __future__ import annotations
 
+import math
 import sys
+from fractions import Fraction
 
 import grain
 import numpy as np
@@ -19,8 +22,8 @@ from . import kernels
 from .buffers import BufferPool
 from .packed import PackedDataset, empty_rows
 
-WEIGHT_SCALE = 1 << 20  # integer weight resolution; rows per phase must stay below 2**43
-MAX_ROWS = 1 << 43  # row indices past this would overflow the int64 weight arithmetic
+MAX_WEIGHT_SUM = 1 << 62  # integer weights (and their sum) stay below this, for the 128-bit kernel arithmetic
+MAX_ROWS = 1 << 43  # the longest mixture: ~8.8e12 rows, far beyond any run
 
 
 def _tree(m: int):
@@ -40,10 +43,23 @@ def _tree(m: int):
 
 
 def integer_weights(weights) -> np.ndarray:
-    w = np.asarray(weights, np.float64)
-    u = np.round(w / w.sum() * WEIGHT_SCALE).astype(np.int64)
-    u[(w > 0) & (u == 0)] = 1
-    return u
+    """Integers in exactly the ratios of the weights as given: a float is a dyadic rational,
+    so one power of two scales them all to integers (divided by their gcd). Weights whose
+    exact ratios need more than 62 bits (a spread of more than ~2^9 between the largest and
+    the smallest binade used) are rounded at 2^-62 of the total, which moves no source by a
+    row before `MAX_ROWS`."""
+    fractions = [Fraction(float(x)) for x in weights]
+    denominator = 1
+    for f in fractions:
+        denominator = denominator * f.denominator // math.gcd(denominator, f.denominator)
+    ints = [f.numerator * (denominator // f.denominator) for f in fractions]
+    g = math.gcd(*ints)
+    ints = [x // g for x in ints]
+    total = sum(ints)
+    if total >= MAX_WEIGHT_SUM:
+        scale = Fraction(MAX_WEIGHT_SUM // 2, total)
+        ints = [max(1, round(x * scale)) if x else 0 for x in ints]
+    return np.array(ints, np.int64)
 
 
 class Mixture(grain.MapDataset):

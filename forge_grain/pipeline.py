@@ -28,8 +28,8 @@ from .stores import TokenStore
 STATE_VERSION = 1
 # Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
 # so a state saved before such a change is refused instead of resuming into other data.
-# 2: exact small-epoch shuffles, own document permutation.
-STREAM_VERSION = 2
+# 2: exact small-epoch shuffles, own document permutation; 3: mixture weights used exactly.
+STREAM_VERSION = 3
 STREAM_STATE_KEYS = {"epoch", "window", "stream", "row_index", "emitted"}
 
 

@@ -106,13 +106,35 @@ def test_mixture_shares_track_weights_over_every_window(tmp_path, stores, m):
     onehot = np.zeros((n + 1, m))
     onehot[np.arange(1, n + 1), src] = 1
     cum = onehot.cumsum(0)  # cum[h, i]: rows of source i among the first h
-    # every prefix is within the tree depth (+1 for rounding the weights) of exact
-    assert np.abs(cum - np.arange(n + 1)[:, None] * w).max() <= depth + 1
-    # hence every window of n rows is within 2 (depth + 1) rows of its weight
+    # every prefix is within the tree depth of exact (1e-9: float error of the check itself)
+    assert np.abs(cum - np.arange(n + 1)[:, None] * w / w.sum()).max() <= depth + 1e-9
+    # hence every window of n rows is within 2 depth rows of its weight
     for size in (50, 1000):
         window = cum[size:] - cum[:-size]
-        assert np.abs(window - size * w).max() <= 2 * (depth + 1)
+        assert np.abs(window - size * w / w.sum()).max() <= 2 * depth + 1e-9
     assert np.array_equal(mixture.counts(n), cum[n])
+
+
+@pytest.mark.parametrize("weights", [[1 / 3, 2 / 3], [0.6, 0.4], [0.1, 0.2, 0.3, 0.4], [1e-3, 0.5, 0.25, 7.0, 1.0]])
+def test_mixture_counts_hold_the_configured_weights_at_any_length(tmp_path, stores, weights):
+    """Against the weights as configured (exact rationals), at up to 2^42 rows: no drift."""
+    from fractions import Fraction
+
+    ds = pack(stores["web"], 64, "bestfit", num_epochs=None, cache_dir=tmp_path / "c")
+    mixture = mix([ds] * len(weights), weights)
+    depth = int(np.ceil(np.log2(len(weights))))
+    exact = [Fraction(w) / sum(map(Fraction, weights)) for w in weights]
+    for n in (3 * 10**7, 2**30 + 12345, 2**36 + 1, 2**42 - 7):
+        counts = mixture.counts(n)
+        assert sum(counts) == n
+        assert max(abs(c - n * e) for c, e in zip(counts.tolist(), exact)) <= depth, n
+    # and the closed-form counts are what locating every row gives, at a far offset
+    start = 2**40
+    src, rank = mixture.locate(np.arange(start, start + 5000))
+    before = mixture.counts(start)
+    for i in range(len(weights)):
+        mine = rank[src == i]
+        assert np.array_equal(mine, before[i] + np.arange(len(mine)))  # each source's rows, in order, none skipped
 
 
 def test_each_source_row_is_used_once_in_order_across_phases(tmp_path, stores):
