@@ -204,9 +204,13 @@ def test_memory_mapped_dataset_samples_as_kempnerforge(kf_data):
     tokens = sum(len(d) for d in kf_data["docs"])
     assert len(plain) == (tokens - 1) // 32  # every token after the first is a label once; no file tail dropped
     packed = MemoryMappedDataset(kf_data["npy"], seq_len=33, pack_sequences=True, eos_token_id=1)
-    p = packed[3]
-    crossing = p["segment_ids"][1:] != p["segment_ids"][:-1]  # the label at j is the token at j + 1
-    assert (p["labels"][:-1][crossing] == -100).all() and crossing.any()
+    crossings = 0
+    for i in range(min(len(packed), 30)):
+        p = packed[i]
+        crossing = p["segment_ids"][1:] != p["segment_ids"][:-1]  # the label at j is the token at j + 1
+        assert (p["labels"][:-1][crossing] == -100).all()
+        crossings += int(crossing.sum())
+    assert crossings > 0  # rows do hold several documents
     with pytest.raises(ValueError, match="eos_token_id"):
         MemoryMappedDataset(kf_data["npy"], seq_len=33, pack_sequences=True)
 
