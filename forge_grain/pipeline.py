@@ -60,7 +60,8 @@ class Pipeline:
 
     `num_threads` threads assemble batches ahead of the consumer (the gather kernels
     release the GIL); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
-    instead. Neither changes the data, and the state does not record them. `dtype` is
+    instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
+    Neither changes the data, and the state does not record them. `dtype` is
     that of ids and positions (int32; int64 for torch embedding lookups).
     """
 
