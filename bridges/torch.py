@@ -27,13 +27,20 @@ only when iterating the pipeline directly.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
+import tempfile
+import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from forge_grain import DataConfig, Pipeline, StateError
+from forge_grain.locks import file_lock
 from forge_grain.pipeline import STATE_VERSION
 
 CONVENTIONS = ("forge", "hf")
@@ -98,7 +105,8 @@ class GrainIterableDataset(IterableDataset):
             self.pipeline = Pipeline(source, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
                                      dtype=np_dtype)
         self.convention, self.dtype = convention, dtype
-        self._resume: dict | None = None  # applies to the next pass only
+        self._resume: dict | None = None  # a per-worker state: applies to the next pass of this process only
+        self._channel = ResumeChannel()  # a global (tracker) state: applies to the next pass, wherever it runs
         self._next_step: int | None = None  # next step this process will produce
         self._num_workers = 1
         self._epoch = 0
@@ -160,6 +168,8 @@ class GrainIterableDataset(IterableDataset):
         state, self._resume = self._resume, None
         if self.pipeline.streams and W > 1:
             raise StateError("streaming sources are read in order by one process: use num_workers 0 or 1")
+        posted = self._channel.take(W)
+        state = state if posted is None else posted
         if state is None:
             first = self._pass_start() + w
             self.pipeline.seek(first)  # streaming sources back to the start of the pass
@@ -201,21 +211,73 @@ class GrainIterableDataset(IterableDataset):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") == "worker":
+        if state.get("kind") == "worker":  # StatefulDataLoader hands each worker its own
             if state.get("fingerprint") != self.pipeline.fingerprint:
                 raise StateError("this state was saved by a pipeline with another config or other data")
             inner = state.get("pipeline") or {"version": STATE_VERSION, "fingerprint": state["fingerprint"]}
             self.pipeline.check_state({**inner, "step": state.get("next_step")})  # types, range, streams
+            self._resume = dict(state)
         else:
             self.pipeline.check_state(state)
-            state = {**state, "kind": "global"}
-        self._resume = dict(state)
+            self._channel.post({**state, "kind": "global"})
         self._next_step = None
 
     # -- path 2: the global step (any world size, any workers) --------------------------------
 
     def tracker(self) -> "StepTracker":
         return StepTracker(self)
+
+
+class ResumeChannel:
+    """Hands a loaded global state to exactly the processes that start the next pass.
+
+    The next pass runs in this process (num_workers=0), in workers the DataLoader starts for
+    it, or in persistent workers started long before: no copy of the dataset taken at fork
+    or spawn time can say which. So every pass start, in any process, takes a number from a
+    counter in a small directory (under a file lock); a posted state records the number it
+    was posted at and applies to the W pass starts that follow it (W: the workers of the
+    pass), and to no later pass.
+    """
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="forge-grain-resume-"))
+        self._cleanup = weakref.finalize(self, _remove_if_owner, str(self.dir), os.getpid())
+
+    def post(self, state: dict | None) -> None:
+        with file_lock(self.dir / "lock"):
+            self._write("posted.json", {"state": state, "at": self._read("calls.json", 0)})
+
+    def take(self, num_workers: int) -> dict | None:
+        """Count one pass start; the posted state if this start belongs to the pass after it."""
+        with file_lock(self.dir / "lock"):
+            n = self._read("calls.json", 0)
+            self._write("calls.json", n + 1)
+            posted = self._read("posted.json", None)
+        if posted is None or not posted["at"] <= n < posted["at"] + num_workers:
+            return None
+        return posted["state"]
+
+    def _read(self, name: str, default):
+        try:
+            return json.loads((self.dir / name).read_text())
+        except FileNotFoundError:
+            return default
+
+    def _write(self, name: str, value) -> None:
+        tmp = self.dir / f".{name}.{os.getpid()}"
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, self.dir / name)
+
+    def __getstate__(self):
+        return {"dir": self.dir}  # workers share the directory; only the creator removes it
+
+    def __setstate__(self, state):
+        self.dir = state["dir"]
+
+
+def _remove_if_owner(directory: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class StepTracker:
@@ -232,13 +294,14 @@ class StepTracker:
     def update(self, batch: dict) -> None:
         """Record that the training loop consumed `batch`."""
         self.next_step = int(batch["step"]) + 1
-        self.dataset._resume = None  # the loader's workers already took their copies
 
     def state_dict(self) -> dict:
         return self.dataset.pipeline.state_at(self.next_step)
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the next pass of the dataset starts at `state['step']`."""
+        """Resume: the next pass of the dataset starts at `state['step']`, whatever the worker
+        count, and also when the loader's workers are persistent and already running; the pass
+        after it starts where `set_epoch` puts it."""
         self.next_step = self.dataset.pipeline.check_state(state)
         self.dataset.load_state_dict(state)
 

@@ -119,6 +119,27 @@ def test_tracker_state_after_resume_pass_does_not_leak_into_the_next_epoch(store
     assert [int(b["step"]) for b in loader] == list(range(ds.num_steps))  # the next epoch is whole
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loaded_state_applies_to_the_next_pass_only_whatever_the_workers(stores, workers):
+    """Without tracker.update() too: the pass after the resumed one starts at 0 for any worker count."""
+    cfg = small(stores)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1)
+    ds.tracker().load_state_dict(Pipeline(cfg, 0, 1, num_threads=0).state_at(4))
+    loader = DataLoader(ds, batch_size=None, num_workers=workers)
+    assert [int(b["step"]) for b in loader] == list(range(4, ds.num_steps))
+    assert [int(b["step"]) for b in loader] == list(range(ds.num_steps))
+
+
+def test_a_state_loaded_while_persistent_workers_run_is_applied(stores):
+    cfg = small(stores)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    assert [int(b["step"]) for b in loader] == list(range(ds.num_steps))  # the workers are now running
+    ds.tracker().load_state_dict(Pipeline(cfg, 0, 1, num_threads=0).state_at(3))
+    assert [int(b["step"]) for b in loader] == list(range(3, ds.num_steps))
+    assert [int(b["step"]) for b in loader] == list(range(ds.num_steps))
+
+
 def test_tracker_is_a_dcp_stateful(tmp_path, stores):
     import torch.distributed.checkpoint as dcp
 
