@@ -5,7 +5,7 @@ iterator together with Orbax, get killed, resume, and check the loss curve match
 
 Data: forge-grain's pipeline through `bridges.jax.JaxIterator` (global jax.Arrays, device
 prefetch); its state goes into the same Orbax checkpoint as the parameters
-(`forge_grain.checkpoint.save_args`). Document masking: attention is causal within a
+(`forge_grain.checkpoint.Save`). Document masking: attention is causal within a
 segment only (query i sees key j iff `segment_ids` match and j <= i), position
 embeddings use `positions`, and the loss is averaged over `loss_mask`.
 """
@@ -86,9 +86,8 @@ def train(args, resume: bool) -> dict:
     if resume:
         start = mngr.latest_step()
         restored = mngr.restore(start, args=ocp.args.Composite(
-            train=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}), data=checkpoint.restore_args()))
+            train=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}), data=checkpoint.Restore(data)))
         params, opt_state = restored["train"]["params"], restored["train"]["opt_state"]
-        data.set_state(restored["data"])
     losses = {}
     for step in range(start, args.steps):
         batch = next(data)
@@ -97,7 +96,7 @@ def train(args, resume: bool) -> dict:
         losses[step] = float(loss)
         if args.phase == "until-kill" and step + 1 == args.checkpoint_at:
             mngr.save(step + 1, args=ocp.args.Composite(
-                train=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), data=checkpoint.save_args(data)))
+                train=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), data=checkpoint.Save(data)))
             mngr.wait_until_finished()  # Orbax writes to a temporary directory and renames it when complete
             print(f"checkpoint at step {step + 1}; killing the process", flush=True)
             os._exit(137)

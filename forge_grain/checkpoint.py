@@ -1,53 +1,131 @@
-"""Saving the pipeline's position with Orbax, restorable under any shard count.
+"""The pipeline's position as an Orbax checkpoint item, restorable under any shard count.
 
-The state is global (the next step and a fingerprint), so one copy serves every host:
-it is written once, by the primary host, through Orbax's JSON handler, and every host
-reads the same file back. Grain's own handler writes `process_i-of-n.json` files and so
-cannot restore on a different number of hosts.
+    import orbax.checkpoint as ocp
+    from forge_grain import checkpoint
 
     mngr = ocp.CheckpointManager(directory)
-    mngr.save(step, args=ocp.args.Composite(data=checkpoint.save_args(it), **model_args))
-    restored = mngr.restore(step, args=ocp.args.Composite(data=checkpoint.restore_args(), ...))
-    it.set_state(restored["data"])
+    mngr.save(step, args=ocp.args.Composite(data=checkpoint.Save(it), params=ocp.args.StandardSave(params)))
+    mngr.wait_until_finished()  # Orbax saves in the background: wait before the process may exit
+    mngr.restore(step, args=ocp.args.Composite(data=checkpoint.Restore(it), params=ocp.args.StandardRestore()))
+
+`Save`/`Restore` are Orbax `CheckpointArgs` registered with `PipelineCheckpointHandler`, so
+the data state is an item like any other. The state of stored sources is global (the next
+step and a fingerprint): it is written once, by shard 0, as `state.json`, and every host of
+any later cluster size reads that one file. (Grain's own handler writes
+`process_i-of-n.json` and cannot restore on another host count.) Streaming sources have a
+position per shard: each shard also writes its own `stream-k-of-n.json`, and a restore reads
+the file of its shard (streaming sources resume on the shard count that saved them).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from typing import Any
 
-def save_args(iterator):
-    """Orbax args that save `iterator`'s state (`ocp.args.JsonSave`)."""
-    import orbax.checkpoint as ocp
+import orbax.checkpoint as ocp
 
-    state = iterator.get_state()
-    if "streams" in state and state["shard"][1] > 1:
-        raise ValueError(
-            "with streaming sources every shard has its own state, and Orbax's JSON handler writes the primary "
-            "host's only: save iterator.get_state() per host yourself (for example one JSON file per process)"
-        )
-    return ocp.args.JsonSave(state)
+from .pipeline import StateError
+
+STATE_FILE = "state.json"
 
 
-def restore_args():
-    """Orbax args that read a saved pipeline state back (`ocp.args.JsonRestore`)."""
-    import orbax.checkpoint as ocp
+def _stream_file(shard: int, count: int) -> str:
+    return f"stream-{shard}-of-{count}.json"
 
-    return ocp.args.JsonRestore()
+
+class PipelineCheckpointHandler(ocp.CheckpointHandler):
+    """Orbax handler for a `PipelineIterator` or `JaxIterator` (anything with `pipeline`,
+    `get_state` and `set_state`)."""
+
+    def save(self, directory, args: "Save" = None, item=None):
+        it = item if item is not None else args.iterator
+        state = it.get_state()
+        pipeline = it.pipeline
+        if "streams" in state:
+            _write(directory / _stream_file(pipeline.shard_index, pipeline.shard_count), state)
+        if pipeline.shard_index == 0:
+            _write(directory / STATE_FILE, state)
+
+    def restore(self, directory, args: "Restore" = None, item=None) -> dict:
+        """The saved state; set into `args.iterator` when one is given."""
+        it = item if item is not None else (args.iterator if args is not None else None)
+        state = _read(directory / STATE_FILE)
+        if "streams" in state:
+            if it is None:
+                raise StateError(f"{directory}: streaming states are per shard: pass the iterator to Restore(it)")
+            p = it.pipeline
+            own = directory / _stream_file(p.shard_index, p.shard_count)
+            if not own.exists():
+                saved = state.get("shard", [None, "?"])[1]
+                raise StateError(
+                    f"{own}: no state for shard {p.shard_index} of {p.shard_count}; this checkpoint was saved by "
+                    f"{saved} shards, and streaming sources resume on the shard count that saved them"
+                )
+            state = _read(own)
+        if it is not None:
+            it.set_state(state)
+        return state
+
+    def metadata(self, directory):
+        return None
+
+    def structure(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(PipelineCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class Save(ocp.args.CheckpointArgs):
+    """Save a pipeline iterator's position (an Orbax checkpoint item)."""
+
+    iterator: Any
+
+
+@ocp.args.register_with_handler(PipelineCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class Restore(ocp.args.CheckpointArgs):
+    """Restore a position into `iterator` (None: only return the saved state dict)."""
+
+    iterator: Any = None
+
+
+def _write(path, state: dict) -> None:
+    path.write_text(json.dumps(state, indent=1))
+
+
+def _read(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StateError(f"{path}: no forge-grain pipeline state in this checkpoint item") from None
+
+
+def save_args(iterator) -> Save:
+    """The Orbax args that save `iterator`'s position (same as `Save(iterator)`)."""
+    return Save(iterator)
+
+
+def restore_args(iterator=None) -> Restore:
+    """The Orbax args that restore a position (same as `Restore(iterator)`)."""
+    return Restore(iterator)
 
 
 def save(manager, step: int, iterator, **extra_args) -> bool:
-    """Save the pipeline state (item `data`) and any other Orbax args in one checkpoint."""
-    import orbax.checkpoint as ocp
-
-    return manager.save(step, args=ocp.args.Composite(data=save_args(iterator), **extra_args))
+    """Save the pipeline state (item `data`) and any other Orbax args in one checkpoint; wait
+    for `manager.wait_until_finished()` before the process may exit."""
+    return manager.save(step, args=ocp.args.Composite(data=Save(iterator), **extra_args))
 
 
 def restore(manager, iterator, step: int | None = None) -> dict:
     """Restore the pipeline state of checkpoint `step` (default: the latest) into `iterator`."""
-    import orbax.checkpoint as ocp
-
     step = manager.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-    state = manager.restore(step, args=ocp.args.Composite(data=restore_args()))["data"]
-    iterator.set_state(state)
-    return state
+    return manager.restore(step, args=ocp.args.Composite(data=Restore(iterator)))["data"]

@@ -186,6 +186,27 @@ def test_single_host_streaming_state_through_orbax(tmp_path, jsonl):
     again = iter(Pipeline(cfg, 0, 1, cache_dir=tmp_path))
     checkpoint.restore(mngr, again)
     assert all(np.array_equal(next(again)["inputs"], e) for e in expected)
-    two = iter(Pipeline(hf_config(jsonl, "concat", batch=4), 0, 2, cache_dir=tmp_path))
-    with pytest.raises(ValueError, match="per host"):
-        checkpoint.save_args(two)
+
+
+
+def test_streaming_states_of_several_hosts_go_through_the_same_orbax_handler(tmp_path, jsonl):
+    """Each host writes its own shard's stream file beside the global state; each restores its own."""
+    from forge_grain import checkpoint
+
+    cfg = hf_config(jsonl, "concat", batch=4)
+    handler = checkpoint.PipelineCheckpointHandler()
+    item = tmp_path / "item"
+    item.mkdir()
+    two = [iter(Pipeline(cfg, k, 2, cache_dir=tmp_path)) for k in (0, 1)]
+    for it in two:
+        for _ in range(3):
+            next(it)
+        handler.save(item, args=checkpoint.Save(it))  # what each host's Orbax does in the shared directory
+    assert sorted(f.name for f in item.iterdir()) == ["state.json", "stream-0-of-2.json", "stream-1-of-2.json"]
+    expected = [[next(it)["inputs"] for _ in range(4)] for it in two]
+    for k, want in enumerate(expected):
+        again = iter(Pipeline(cfg, k, 2, cache_dir=tmp_path))
+        handler.restore(item, args=checkpoint.Restore(again))
+        assert all(np.array_equal(next(again)["inputs"], e) for e in want)
+    with pytest.raises(StateError, match="saved by 2 shards"):
+        handler.restore(item, args=checkpoint.Restore(iter(Pipeline(cfg, 0, 1, cache_dir=tmp_path))))
