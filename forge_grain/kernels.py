@@ -237,6 +237,20 @@ def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
 # -- gathering rows -----------------------------------------------------------------------
 
 
+@nb.njit(cache=CACHE)
+def row_loss_positions(row_ptr, seg_len, seg_skip, seq_len):
+    """Trained targets (loss positions) of each plan row: what `fill_rows` marks in loss_mask."""
+    out = np.zeros(len(row_ptr) - 1, np.int64)
+    for r in range(len(row_ptr) - 1):
+        p = 0
+        for s in range(row_ptr[r], row_ptr[r + 1]):
+            lo, hi = p + seg_skip[s], min(p + seg_len[s] - 1, seq_len)
+            if hi > lo:
+                out[r] += hi - lo
+            p += seg_len[s]
+    return out
+
+
 def one_piece(tokens: np.ndarray) -> tuple:
     """`fill_rows`'s pieces for a single array of tokens."""
     return (tokens,), np.array([0, len(tokens)], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)

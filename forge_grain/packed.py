@@ -177,6 +177,7 @@ class PackedDataset(grain.MapDataset):
         self._seed_key = seed_key(seed)
         self._pool = BufferPool()
         self._pieces = store.pieces  # None: read a document at a time
+        self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
 
     @property
     def num_rows(self) -> int:
@@ -195,6 +196,17 @@ class PackedDataset(grain.MapDataset):
             return self.slice(index)
         batch = self.get_batch(np.array([index], np.int64))
         return {k: v[0] for k, v in batch.items()}
+
+    def trained_tokens(self, n: int) -> int:
+        """Loss positions in the first `n` rows of this dataset's order (epochs included)."""
+        if self._row_tokens is None:
+            p = self.plan
+            self._row_tokens = kernels.row_loss_positions(p.row_ptr, p.seg_len, p.seg_skip, self.seq_len)
+        full, part = divmod(int(n), self.num_rows)
+        total = full * int(self._row_tokens.sum())
+        if part:
+            total += int(self._row_tokens[self.rows_of(np.arange(full * self.num_rows, full * self.num_rows + part))].sum())
+        return total
 
     def rows_of(self, indices) -> np.ndarray:
         """Plan rows of dataset indices: epoch e = i // num_rows, permuted by (seed, e)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from . import history
 from .config import ConfigError, DataConfig
 from .errors import ForgeGrainError
 from .mixture import MAX_ROWS, Mixture
@@ -55,6 +56,17 @@ def default_shard() -> tuple[int, int]:
     return 0, 1
 
 
+class _RemovedSource:
+    """A source of the mixture's history that the config no longer has: it had rows before
+    the change, gets weight 0 after it, and is never read."""
+
+    def __init__(self, name: str, seq_len: int):
+        self.name, self.seq_len = name, seq_len
+
+    def get_batch(self, ranks, out=None, dest=None, id_dtype=np.int32):
+        raise StateError(f"source '{self.name}' was removed from the mixture; steps before the change are not rebuilt")
+
+
 class Pipeline:
     """The data stream a `DataConfig` describes, for one shard of the cluster.
 
@@ -76,6 +88,8 @@ class Pipeline:
         worker_count: int = 0,
         cache_dir: str | Path | None = None,
         dtype=np.int32,
+        resume_from: dict | None = None,
+        allow_mixture_change: bool = False,
     ):
         if shard_index is None or shard_count is None:
             shard_index, shard_count = default_shard()
@@ -117,14 +131,35 @@ class Pipeline:
             raise ConfigError(
                 f"global_batch_size {B} is larger than the {self.rows_per_epoch} rows of num_epochs={config.num_epochs}"
             )
+        self.history: list[dict] = []  # mixture changes at resume (see `forge_grain.history`)
+        self._resumed_from: tuple[str, int] | None = None  # (fingerprint, step) of a state resumed with a change
+        if resume_from is not None:
+            self._adopt_history(resume_from, allow_mixture_change)
+        self.source_names, phases = history.mixing_schedule(self.history, [s.name for s in config.sources], schedule)
+        removed = [_RemovedSource(n, config.seq_len) for n in self.source_names[len(config.sources):]]
         self.mixture = Mixture(
-            self.datasets,
-            schedule[0][1],
-            phases=[(step * B, w) for step, w in schedule[1:]],
+            self.datasets + removed,
+            phases[0][1],
+            phases=[(step * B, w) for step, w in phases[1:]],
             length=None if self.num_steps is None else self.num_steps * B,
         )
         self.fingerprint, self._summary = self._fingerprint()
         self._warn_unreachable_phases()
+
+    def _adopt_history(self, state: dict, allow_change: bool) -> None:
+        """The mixture history of `state`, extended by a change to this config if allowed."""
+        if not isinstance(state, dict) or "fingerprint" not in state:
+            raise StateError(f"resume_from: not a forge-grain pipeline state: {str(state)[:200]}")
+        self.history = list((state.get("config") or {}).get("history", []))
+        if state["fingerprint"] == self._fingerprint()[0]:
+            return  # the same mixture: an ordinary resume
+        if not allow_change:
+            return  # strict: check_state names what differs
+        try:
+            self.history = history.extend(state, self._fingerprint(with_history=False)[1])
+        except history.HistoryError as e:
+            raise StateError(str(e)) from None
+        self._resumed_from = (state["fingerprint"], int(state["step"]))
 
     # -- phases -----------------------------------------------------------------------------
 
@@ -136,6 +171,21 @@ class Pipeline:
         start, weights = schedule[k]
         return {"start_step": start, "weights": dict(zip([s.name for s in self.config.sources], weights)),
                 "lr_scale": self.config.all_phases()[k - 1].lr_scale if k else 1.0}
+
+    def consumed(self, step: int) -> dict:
+        """Per source name, what the steps before `step` consumed, in closed form (no batch is
+        made): `rows`, `trained_tokens` (loss positions) and `epochs` (passes over its rows;
+        both None for a streaming source, whose rows are known only once read). Removed
+        sources of a mixture change are included."""
+        if not 0 <= step <= self.step_limit:
+            raise IndexError(f"step {step} is outside [0, {self.step_limit}]")
+        counts = self.mixture.counts(int(step) * self.config.global_batch_size)
+        out = {}
+        for name, d, rows in zip(self.source_names, self.mixture.datasets, counts.tolist()):
+            packed = isinstance(d, PackedDataset)
+            out[name] = {"rows": rows, "trained_tokens": d.trained_tokens(rows) if packed else None,
+                         "epochs": rows / d.num_rows if packed else None}
+        return out
 
     def _warn_unreachable_phases(self) -> None:
         if self.num_steps is None:
@@ -166,7 +216,7 @@ class Pipeline:
                     "mixed sources must share one tokenizer"
                 )
 
-    def _fingerprint(self) -> tuple[str, dict]:
+    def _fingerprint(self, with_history: bool = True) -> tuple[str, dict]:
         """What the batches depend on; the shard count, workers and prefetch are not in it."""
         c = self.config
         summary = {
@@ -184,8 +234,9 @@ class Pipeline:
                 for s, d, st in zip(c.sources, self.datasets, self.stores)
             ],
         }
-        digest = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
-        return digest, summary
+        if with_history:
+            summary["history"] = self.history
+        return history.digest(summary), summary
 
     # -- batches ----------------------------------------------------------------------------
 
@@ -276,13 +327,17 @@ class Pipeline:
             raise StateError(f"not a forge-grain pipeline state: {str(state)[:200]}")
         if state.get("version") != STATE_VERSION:
             raise StateError(f"pipeline state version {state.get('version')!r} is not {STATE_VERSION}")
+        if self._resumed_from is not None and (state["fingerprint"], state["step"]) == self._resumed_from:
+            return int(state["step"])  # the state this pipeline changed the mixture of
         if state["fingerprint"] != self.fingerprint:
             saved = state.get("config") if isinstance(state.get("config"), dict) else {}
             diff = sorted(k for k in set(saved) | set(self._summary) if saved.get(k) != self._summary.get(k))
             raise StateError(
                 "this state was saved by a pipeline with another config or other data; differing: "
-                f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch. "
-                "What may not: sources and their data, weights, phases, seq_len, global_batch_size, seed, num_epochs."
+                f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "
+                "weights, phases, temperature and the set of sources with Pipeline(config, resume_from=state, "
+                "allow_mixture_change=True). What may not: a source's data or packing, seq_len, "
+                "global_batch_size, seed, num_epochs."
             )
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):

@@ -329,3 +329,145 @@ def test_a_different_plan_under_the_same_key_is_refused(tmp_path, monkeypatch):
     it = iter(Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "other-plans"))
     with pytest.raises(StateError, match="sources"):
         it.set_state(state)
+
+
+# -- changing the mixture at resume ----------------------------------------------------------
+
+
+def mix_config(stores, weights, phases=(), num_epochs=None):
+    names = list(weights)
+    return DataConfig.from_dict(dict(
+        sources=[dict(name=n, path=str(stores[n]), weight=weights[n],
+                      strategy={"web": "bos_bestfit", "code": "bestfit", "math": "concat"}[n]) for n in names],
+        phases=[dict(start_step=s, weights=w) for s, w in phases],
+        seq_len=64, global_batch_size=8, seed=7, num_epochs=num_epochs,
+    ))
+
+
+def rows_by_source(pipeline, steps):
+    """(source name, rank) of every row of the given global steps, from the mixture's closed form."""
+    out = []
+    for step in steps:
+        src, rank = pipeline.mixture.locate(pipeline.global_rows(step))
+        out += [(pipeline.source_names[i], int(r)) for i, r in zip(src, rank)]
+    return out
+
+
+def test_a_changed_mixture_resumes_every_source_at_its_next_unseen_row(stores):
+    before = Pipeline(mix_config(stores, {"web": 0.6, "code": 0.3, "math": 0.1}, phases=[(3, {"web": 1, "code": 1})]),
+                      0, 1, num_threads=0)
+    k = 7
+    state = before.state_at(k)
+    seen = {}  # rows each source gave before k, counted by iterating
+    for step in range(k):
+        for i in before.global_batch(step)["source_id"]:
+            seen[before.source_names[i]] = seen.get(before.source_names[i], 0) + 1
+    new = mix_config(stores, {"web": 0.2, "code": 0.5, "math": 0.3})
+    with pytest.raises(StateError, match="allow_mixture_change=True"):
+        iter(Pipeline(new, 0, 1, num_threads=0)).set_state(state)  # strict by default
+    after = Pipeline(new, 0, 1, num_threads=0, resume_from=state, allow_mixture_change=True)
+    it = after.iterator(state)
+    nxt = dict(seen)
+    for step in range(k, k + 6):
+        batch = next(it)
+        assert int(batch["step"]) == step
+        for (name, rank), sid, inputs in zip(rows_by_source(after, [step]), batch["source_id"], batch["inputs"]):
+            assert after.source_names[sid] == name and rank == nxt.get(name, 0)  # exactly the next unseen row
+            nxt[name] = rank + 1
+            d = after.datasets[after.source_names.index(name)]
+            assert np.array_equal(inputs, d.get_batch([rank])["inputs"][0])
+    # the new weights rule from k on (a closed form: every prefix within the tree depth)
+    c = after.consumed(k + 400)
+    got = {n: c[n]["rows"] - seen.get(n, 0) for n in c}
+    assert all(abs(got[n] - 400 * 8 * w) <= 2 for n, w in {"web": 0.2, "code": 0.5, "math": 0.3}.items())
+    # elastic: 2 shards of the changed pipeline concatenate to its global batches
+    halves = [Pipeline(new, r, 2, num_threads=0, resume_from=state, allow_mixture_change=True) for r in (0, 1)]
+    its = [h.iterator(state) for h in halves]
+    for step in range(k, k + 3):
+        parts = [next(i) for i in its]
+        assert np.array_equal(np.concatenate([p["inputs"] for p in parts]), after.global_batch(step)["inputs"])
+
+
+def test_sources_added_and_removed_then_changed_again(stores):
+    a = Pipeline(mix_config(stores, {"web": 0.5, "math": 0.5}), 0, 1, num_threads=0)
+    k1 = 5
+    s1 = a.state_at(k1)
+    # remove math, add code
+    b = Pipeline(mix_config(stores, {"web": 0.5, "code": 0.5}), 0, 1, num_threads=0, resume_from=s1,
+                 allow_mixture_change=True)
+    assert b.source_names == ["web", "code", "math"]
+    rows = rows_by_source(b, range(k1, k1 + 4))
+    assert not any(n == "math" for n, _ in rows)
+    code_ranks = [r for n, r in rows if n == "code"]
+    assert code_ranks == list(range(len(code_ranks))) and code_ranks  # a new source starts at its row 0
+    web_before = a.consumed(k1)["web"]["rows"]
+    web_ranks = [r for n, r in rows if n == "web"]
+    assert web_ranks == list(range(web_before, web_before + len(web_ranks)))
+    # a second resume, with yet other weights and math back, on another shard count
+    k2 = 9
+    s2 = b.state_at(k2)
+    assert len(s2["config"]["history"]) == 1
+    c_cfg = mix_config(stores, {"web": 0.1, "code": 0.3, "math": 0.6})
+    c = Pipeline(c_cfg, 0, 1, num_threads=0, resume_from=s2, allow_mixture_change=True)
+    consumed = b.consumed(k2)
+    rows2 = rows_by_source(c, range(k2, k2 + 5))
+    for name in ("web", "code", "math"):
+        ranks = [r for n, r in rows2 if n == name]
+        assert ranks == list(range(consumed[name]["rows"], consumed[name]["rows"] + len(ranks))), name
+    shards = [Pipeline(c_cfg, r, 4, num_threads=0, resume_from=s2, allow_mixture_change=True) for r in range(4)]
+    its = [p.iterator(s2) for p in shards]
+    for step in range(k2, k2 + 2):
+        assert np.array_equal(np.concatenate([next(i)["inputs"] for i in its]), c.global_batch(step)["inputs"])
+    # a state saved after the second change resumes strictly, with the whole history
+    s3 = c.state_at(k2 + 3)
+    again = Pipeline(c_cfg, 0, 1, num_threads=0, resume_from=s3)
+    assert again.fingerprint == c.fingerprint and len(s3["config"]["history"]) == 2
+    assert np.array_equal(again.iterator(s3).__next__()["inputs"], c.global_batch(k2 + 3)["inputs"])
+
+
+def test_a_mixture_change_may_not_change_a_sources_data_or_the_geometry(stores, tmp_path):
+    a = Pipeline(mix_config(stores, {"web": 0.5, "code": 0.5}), 0, 1, num_threads=0)
+    state = a.state_at(3)
+    geometry = DataConfig.from_dict({**dict(sources=[dict(name="web", path=str(stores["web"]))]),
+                                     "seq_len": 32, "global_batch_size": 8, "seed": 7, "num_epochs": None})
+    with pytest.raises(StateError, match=r"may not change \['seq_len'\]"):
+        Pipeline(geometry, 0, 1, num_threads=0, resume_from=state, allow_mixture_change=True)
+    other = dict(mix_config(stores, {"web": 0.5, "code": 0.5}).sources[1].__dict__)
+    other.update(path=str(stores["math"]))  # 'code' now names other data
+    cfg = DataConfig.from_dict(dict(sources=[dict(name="web", path=str(stores["web"]), strategy="bos_bestfit"), other],
+                                    seq_len=64, global_batch_size=8, seed=7, num_epochs=None))
+    with pytest.raises(StateError, match=r"sources \['code'\] changed their data or packing"):
+        Pipeline(cfg, 0, 1, num_threads=0, resume_from=state, allow_mixture_change=True)
+    tampered = {**state, "config": {**state["config"], "seed": 8}}
+    with pytest.raises(StateError, match="changed after it was saved"):
+        Pipeline(mix_config(stores, {"web": 0.9, "code": 0.1}), 0, 1, num_threads=0, resume_from=tampered,
+                 allow_mixture_change=True)
+
+
+def test_consumed_equals_counting_the_batches(stores):
+    rng = np.random.default_rng(3)
+    a = Pipeline(mix_config(stores, {"web": 0.6, "code": 0.3, "math": 0.1}, phases=[(4, {"math": 1, "code": 1})]),
+                 0, 1, num_threads=0)
+    s = a.state_at(6)
+    b = Pipeline(mix_config(stores, {"web": 0.3, "code": 0.7}, phases=[(12, {"web": 1})]), 0, 1, num_threads=0,
+                 resume_from=s, allow_mixture_change=True)
+    counted = {n: {"rows": 0, "trained_tokens": 0} for n in b.source_names}
+    checks = set(rng.integers(0, 40, 6).tolist()) | {0, 6, 12, 40}
+    for step in range(41):
+        if step in checks:
+            got = (a if step <= 6 else b).consumed(step)
+            for n in counted:
+                assert got.get(n, {"rows": 0})["rows"] == counted[n]["rows"], (step, n)
+                if got.get(n, {}).get("trained_tokens") is not None:
+                    assert got[n]["trained_tokens"] == counted[n]["trained_tokens"], (step, n)
+        if step == 40:
+            break
+        batch = (a if step < 6 else b).global_batch(step)
+        for i, mask in zip(batch["source_id"], batch["loss_mask"]):
+            name = (a if step < 6 else b).source_names[i]
+            counted[name]["rows"] += 1
+            counted[name]["trained_tokens"] += int(mask.sum())
+    web = b.consumed(40)["web"]
+    assert web["epochs"] == web["rows"] / b.datasets[0].num_rows
+    # the changed pipeline computes the steps before the change through its history
+    assert {n: v["rows"] for n, v in b.consumed(6).items()} == {n: v["rows"] for n, v in a.consumed(6).items()}

@@ -1,0 +1,81 @@
+"""Changing the mixture at resume, exactly: the schedule history a pipeline state carries.
+
+A state saved at step S under schedule W (weights and phases over some sources) can resume
+under a config whose weights, phases or sources differ, when the user asks for it
+(`Pipeline(config, resume_from=state, allow_mixture_change=True)`). Steps before S are what
+they were: the old schedule, recorded as a history segment ending at S. From S on, the new
+config's schedule applies (the entry in force at S starts there). Mixing is a closed form of
+the weights alone, so each continuing source's row count at S follows from the old
+schedule and it continues from exactly its next unseen row; a new source starts at its row
+0; a removed source gets weight 0. The history travels in every later state, so further
+resumes, elastic or with yet other weights, stay exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .errors import ForgeGrainError
+
+# what a mixture change may not touch: the rows of every source and the batch geometry
+FIXED_KEYS = ("stream_version", "seq_len", "global_batch_size", "seed", "num_epochs")
+SOURCE_KEYS = ("strategy", "stride", "window", "plan", "plan_sha256", "data")
+
+
+class HistoryError(ForgeGrainError):
+    """A state that cannot be resumed under this config, even with a mixture change."""
+
+
+def digest(summary: dict) -> str:
+    """The fingerprint of a pipeline summary (what the state's `fingerprint` is)."""
+    return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
+
+
+def extend(state: dict, current: dict) -> list[dict]:
+    """The history of a pipeline that resumes `state` under the summary `current` (without
+    its history) with a mixture change: the saved history plus the saved schedule up to the
+    saved step. Refuses changes other than weights, phases, temperature and the source set."""
+    saved = state.get("config")
+    if not isinstance(saved, dict) or digest(saved) != state.get("fingerprint"):
+        raise HistoryError("the state's config does not match its fingerprint: it was changed after it was saved")
+    if "streams" in state:
+        raise HistoryError("streaming sources resume only with the mixture they were saved with")
+    fixed = [k for k in FIXED_KEYS if saved.get(k) != current.get(k)]
+    if fixed:
+        raise HistoryError(f"a mixture change may not change {fixed}; only weights, phases, temperature and sources")
+    before = {s["name"]: s for s in saved["sources"]}
+    changed = [s["name"] for s in current["sources"] if s["name"] in before
+               and any(before[s["name"]].get(k) != s.get(k) for k in SOURCE_KEYS)]
+    if changed:
+        raise HistoryError(f"sources {changed} changed their data or packing since the state was saved")
+    step = int(state["step"])
+    history = list(saved.get("history", []))
+    if history and step < history[-1]["until_step"]:
+        raise HistoryError(f"the state's step {step} is before its own last mixture change")
+    return history + [{"until_step": step, "sources": [s["name"] for s in saved["sources"]],
+                       "schedule": saved["schedule"]}]
+
+
+def mixing_schedule(history: list[dict], names: list[str], schedule: list) -> tuple[list[str], list]:
+    """(all source names: the config's, then removed ones; [(start_step, weights over them)])
+    for a history and the config's own schedule [(start_step, weights by config source)]."""
+    union = list(names) + [n for seg in history for n in seg["sources"] if n not in names]
+    union = list(dict.fromkeys(union))
+    segments, start = [], 0
+    for seg in history:
+        segments.append((start, seg["until_step"], seg["sources"], seg["schedule"]))
+        start = seg["until_step"]
+    segments.append((start, None, names, schedule))
+    out = []
+    for lo, hi, seg_names, seg_schedule in segments:
+        if hi is not None and hi <= lo:
+            continue  # a segment with no steps (two changes at one step)
+        in_force = [k for k, (s, _) in enumerate(seg_schedule) if s <= lo][-1]
+        for s, weights in seg_schedule[in_force:]:
+            s = max(int(s), lo)
+            if hi is not None and s >= hi:
+                break
+            by_name = dict(zip(seg_names, weights))
+            out.append((s, [float(by_name.get(n, 0.0)) for n in union]))
+    return union, out
