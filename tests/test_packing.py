@@ -324,3 +324,15 @@ def test_large_epochs_are_permutations():
         for e in (0, 3):
             rows = kernels.epoch_rows(np.arange(e * n, (e + 1) * n), n, 99, True)
             assert np.array_equal(np.sort(rows), np.arange(n)) and not np.array_equal(rows, np.arange(n))
+
+
+def test_long_documents_train_their_eos_and_end_naturally(tmp_path):
+    """A document of k·T + 1 tokens used to lose its EOS target at the chunk border."""
+    T = 16
+    lengths = [2 * T + 1, T + 1, 3 * T, 5 * T + 7, 2]
+    store = make_store(tmp_path / "s", lengths)
+    ds = pack(store, T, "bestfit", cache_dir=tmp_path / "c")
+    want = np.ones(store.num_tokens, np.int64)
+    want[store.offsets[:-1]] = 0
+    assert np.array_equal(trained_targets(ds, store), want)  # the last token (EOS) of each included
+    assert int(all_rows(ds)["natural_stop"].sum()) == len(lengths)
