@@ -148,6 +148,16 @@ def test_arrow_documents_are_datasets_rows_without_a_copy(peers, docs):
         TokenStore.open(peers["arrow"], token_field="text")
 
 
+def test_arrow_null_rows_are_named(tmp_path, docs):
+    import datasets
+
+    rows = [d.tolist() for d in docs[:20]]
+    rows[13] = None
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(StoreError, match=r"data-00000-of-00001\.arrow: row 13 of column 'input_ids' is null"):
+        TokenStore.open(tmp_path / "ds")
+
+
 def test_arrow_dataset_dict_split(tmp_path, docs):
     import datasets
 

@@ -29,7 +29,7 @@ class ArrowStore(TokenStore):
 
     def _open(self, token_field=None, split=None, dtype=None) -> None:
         field = token_field or DEFAULT_FIELD
-        directory, self._files, dataset_fingerprint = data_files(self.path, split)
+        self._files, dataset_fingerprint = data_files(self.path, split)
         starts, array, base, lengths, dtypes = [0], [], [], [], set()
         with checks.descriptors(self.path, len(self._files)):
             for k, f in enumerate(self._files):
@@ -56,13 +56,13 @@ class ArrowStore(TokenStore):
     _validate = TokenStore._check_indexed_documents
 
 
-def data_files(path: Path, split: str | None) -> tuple[Path, list[Path], str | None]:
-    """(directory, its Arrow data files in order, the dataset's own fingerprint) of a
-    `save_to_disk` directory, a `DatasetDict` directory's split, or one `.arrow` file."""
+def data_files(path: Path, split: str | None) -> tuple[list[Path], str | None]:
+    """(the Arrow data files in order, the dataset's own fingerprint) of a `save_to_disk`
+    directory, a `DatasetDict` directory's split, or one `.arrow` file."""
     if path.is_file():
         if split is not None:
             raise StoreError(f"{path}: split={split!r} applies to a DatasetDict directory, and this is one file")
-        return path.parent, [path], None
+        return [path], None
     if (path / "dataset_dict.json").exists():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
         chosen = split or "train"
@@ -82,7 +82,7 @@ def data_files(path: Path, split: str | None) -> tuple[Path, list[Path], str | N
         checks.require_regular(f, f"Arrow file listed in {path / 'state.json'}")
     if not files:
         raise StoreError(f"{path / 'state.json'}: lists no data files")
-    return path, files, state.get("_fingerprint")
+    return files, state.get("_fingerprint")
 
 
 def _read_file(f: Path, field: str) -> tuple[np.dtype, list[tuple[int, np.ndarray]]]:
@@ -90,11 +90,19 @@ def _read_file(f: Path, field: str) -> tuple[np.dtype, list[tuple[int, np.ndarra
     start in the file (in items) and each row's length. Reads metadata only."""
     import pyarrow as pa
 
-    try:
-        whole = pa.memory_map(str(f), "r").read_buffer()
-        reader = _open_ipc(pa, whole)
-    except pa.ArrowInvalid as e:
-        raise StoreError(f"{f}: not a readable Arrow file ({e})") from None
+    with pa.memory_map(str(f), "r") as source:
+        whole = source.read_buffer()
+        try:
+            reader = _open_ipc(pa, whole)
+        except pa.ArrowInvalid as e:
+            raise StoreError(f"{f}: not a readable Arrow file ({e})") from None
+        return _read_column(reader, whole, f, field)
+
+
+def _read_column(reader, whole, f: Path, field: str):
+    """`_read_file`'s answer from an open IPC reader over the mapped file `whole`."""
+    import pyarrow as pa
+
     schema = reader.schema
     if field not in schema.names:
         lists = [n for n in schema.names if _id_list(pa, schema.field(n).type)]
