@@ -133,6 +133,7 @@ class Pipeline:
             )
         self.history: list[dict] = []  # mixture changes at resume (see `forge_grain.history`)
         self._resumed_from: tuple[str, int] | None = None  # (fingerprint, step) of a state resumed with a change
+        self._resume_args = (resume_from, allow_mixture_change)  # for copies rebuilt in worker processes
         if resume_from is not None:
             self._adopt_history(resume_from, allow_mixture_change)
         self.source_names, phases = history.mixing_schedule(self.history, [s.name for s in config.sources], schedule)
@@ -370,12 +371,15 @@ class Pipeline:
                 raise StateError(f"state streams[{i}]: {sorted(bad) or ['stream']} have the wrong type or sign")
 
     def __reduce__(self):
-        # worker processes rebuild it from the config (plans come from the on-disk cache)
-        return (_rebuild, (self.config, self.shard_index, self.shard_count, self.cache_dir, self.dtype))
+        # worker processes rebuild it from the config (plans come from the on-disk cache) and,
+        # after a mixture change, from the state it resumed
+        return (_rebuild, (self.config, self.shard_index, self.shard_count, self.cache_dir, self.dtype,
+                           *self._resume_args))
 
 
-def _rebuild(config, shard_index, shard_count, cache_dir, dtype):
-    return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype)
+def _rebuild(config, shard_index, shard_count, cache_dir, dtype, resume_from=None, allow_mixture_change=False):
+    return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
+                    resume_from=resume_from, allow_mixture_change=allow_mixture_change)
 
 
 def _data_id(store) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -380,6 +381,13 @@ def test_a_changed_mixture_resumes_every_source_at_its_next_unseen_row(stores):
     c = after.consumed(k + 400)
     got = {n: c[n]["rows"] - seen.get(n, 0) for n in c}
     assert all(abs(got[n] - 400 * 8 * w) <= 2 for n, w in {"web": 0.2, "code": 0.5, "math": 0.3}.items())
+    # worker processes rebuild the changed pipeline, history included, and make the same batches
+    workers = Pipeline(new, 0, 1, num_threads=0, worker_count=2, resume_from=state, allow_mixture_change=True)
+    assert pickle.loads(pickle.dumps(workers)).fingerprint == after.fingerprint
+    wit = workers.iterator(state)
+    for step in range(k, k + 3):
+        assert np.array_equal(next(wit)["inputs"], after.global_batch(step)["inputs"])
+    wit.close()
     # elastic: 2 shards of the changed pipeline concatenate to its global batches
     halves = [Pipeline(new, r, 2, num_threads=0, resume_from=state, allow_mixture_change=True) for r in (0, 1)]
     its = [h.iterator(state) for h in halves]
