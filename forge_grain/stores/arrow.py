@@ -45,9 +45,7 @@ class ArrowStore(TokenStore):
                     lengths.append(row_lengths)
                     docs += len(row_lengths)
                 self._file_docs.append(docs)
-        if len(dtypes) > 1:
-            raise StoreError(f"{self.path}: its Arrow files hold '{field}' as different types {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop()
+        self.dtype = self._one_dtype(dtypes, f"its Arrow files' '{field}' columns")
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(all_lengths)]).astype(np.int64)
         self._pieces = (np.array(starts, np.int64), np.array(array, np.int64), np.array(base, np.int64))

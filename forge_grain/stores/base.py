@@ -167,6 +167,12 @@ class TokenStore:
         self.tokenizer = tok.identity
         return tok.vocab_size
 
+    def _one_dtype(self, dtypes: set, what: str) -> np.dtype:
+        """The one dtype of all the store's files; files that disagree are an error."""
+        if len(dtypes) > 1:
+            raise StoreError(f"{self.path}: {what} mix dtypes {sorted(map(str, dtypes))}")
+        return dtypes.pop()
+
     def _fingerprint_files(self, extra) -> str:
         """The fingerprint of data files and what the format read from them (`extra`)."""
         parts = [[f.name, checks.content_fingerprint(f, full=self._full)] for f in self._files]

@@ -39,9 +39,11 @@ def check_declared_dtype(path: Path, declared, recorded: np.dtype, where: str) -
 
 
 def integer_dtype(path: Path, dtype: np.dtype, where: str) -> np.dtype:
-    """Token ids are integers: a float or other dtype recorded by a format is refused."""
+    """Token ids are integers: a float or other dtype, declared or recorded by a format
+    (`where` says which), is refused."""
     if dtype.kind not in "iu":
-        raise StoreError(f"{path}: {where} records dtype {dtype}; token ids need an integer type")
+        raise StoreError(f"{path}: dtype {dtype} ({where}) is not an integer type; token ids need one "
+                         "(e.g. uint16, int32)")
     return dtype
 
 

@@ -60,9 +60,7 @@ class MDSStore(TokenStore):
                 self._files.append(file)
                 self._file_docs.append(len(at))
                 lengths.append(count)
-        if len(dtypes) > 1:
-            raise StoreError(f"{self.path}: its shards hold '{field}' as different dtypes {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop()
+        self.dtype = self._one_dtype(dtypes, f"its shards' '{field}' columns")
         self._offsets = np.array(starts, np.int64)
         self._pieces = (self._offsets, np.array(array, np.int64), np.array(base, np.int64))
         self._fingerprint = self._fingerprint_files([field, checks.content_fingerprint(self.path / "index.json",
@@ -201,7 +199,7 @@ def _ids_layout(file, raw, col_start, encoding: str, field: str, declared) -> tu
                 f"{file}: column {field!r} is MDS 'bytes', which does not record the dtype of its ids; declare it: "
                 "dtype='int64' (LLM Foundry's ConcatTokensDataset), 'uint16', 'int32', ..."
             )
-        dt = checks.integer_dtype(file, checks.declared_dtype(file, declared), "the declared dtype")
+        dt = checks.integer_dtype(file, checks.declared_dtype(file, declared), "declared")
         return dt, np.zeros(len(col_start), np.int64)
     if kind != "ndarray":
         raise StoreError(f"{file}: column {field!r} is encoded {encoding!r}; token ids need 'bytes' or 'ndarray'")

@@ -44,9 +44,7 @@ class MegatronStore(TokenStore):
                 self._arrays.append(tokens)
                 offsets.append(doc_offsets)
                 dtypes.add(file_dtype)
-        if len(dtypes) > 1:
-            raise StoreError(f"{self.path}: its Megatron datasets mix dtypes {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop()
+        self.dtype = self._one_dtype(dtypes, "its Megatron datasets")
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
         self._indices = [Path(f"{p}.idx") for p in prefixes]

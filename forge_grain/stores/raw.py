@@ -77,10 +77,7 @@ def _is_token_file(f: Path) -> bool:
 def raw_dtype(path: Path, dtype, vocab_size: int | None) -> np.dtype:
     """The dtype of a raw file: declared, or decided by the vocabulary size; never guessed."""
     if dtype is not None:
-        dt = declared_dtype(path, dtype)
-        if dt.kind not in "iu":
-            raise StoreError(f"{path}: dtype {dt} is not an integer type; token ids need one (e.g. uint16, int32)")
-        return dt
+        return checks.integer_dtype(path, declared_dtype(path, dtype), "declared")
     if vocab_size is not None:
         return token_dtype(vocab_size)
     raise StoreError(
@@ -227,10 +224,7 @@ class RawStore(TokenStore):
         self._files = find_token_files(self.path, split=split, file_pattern=file_pattern)
         with checks.descriptors(self.path, len(self._files)):
             self._arrays = [map_tokens(f, dtype, vocab_size) for f in self._files]
-        dtypes = {a.dtype for a in self._arrays}
-        if len(dtypes) > 1:
-            raise StoreError(f"{self.path}: token files mix dtypes {sorted(map(str, dtypes))}")
-        self.dtype = self._arrays[0].dtype
+        self.dtype = self._one_dtype({a.dtype for a in self._arrays}, "token files")
         offsets = []
         for f, a in zip(self._files, self._arrays):
             sample = checks.sampled_tokens(a)  # read once: the width check and the cache check use it
