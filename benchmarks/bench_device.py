@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain import DataConfig, Pipeline, write_store
+from report import publish
 
 VOCAB = 32000
 
@@ -124,11 +125,7 @@ def main() -> None:
     cfg = DataConfig.from_dict(dict(sources=[dict(name="s", path=str(store), strategy="bos_bestfit")],
                                     seq_len=a.seq_len, global_batch_size=a.batch, num_epochs=None))
     lines = torch_part(cfg, a.steps, a.work) + jax_part(cfg, a.steps)
-    text = "\n".join(lines)
-    print(text)
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "device.txt").write_text(text + "\n")
+    publish("device", lines)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the MDS writer from the published lay
 
 from corpora import lognormal_lengths  # noqa: E402
 from mds_writer import write_mds  # noqa: E402
+from report import publish  # noqa: E402
 
 from forge_grain import TokenStore, pack, write_store  # noqa: E402
 
@@ -164,8 +165,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         paths = write_all(Path(tmp), docs)
-        print(f"{a.docs:,} documents, {sum(map(len, docs)):,} tokens, written in every format in "
-              f"{time.perf_counter() - t:.0f} s; {a.reads:,} random reads each, best of 3\n")
+        lines = [f"{a.docs:,} documents, {sum(map(len, docs)):,} tokens, written in every format in "
+                 f"{time.perf_counter() - t:.0f} s; {a.reads:,} random reads each, best of 3", ""]
         stores = {fmt: TokenStore.open(p, **({"dtype": "uint16", "eos_id": EOS} if fmt == "nanogpt" else {}))
                   for fmt, p in paths.items()}
         for fmt, s in stores.items():
@@ -173,15 +174,16 @@ def main() -> None:
         readers = peer_readers(paths, docs, median)
         picks = np.random.default_rng(1).integers(0, len(docs), a.reads)
         native = rate(stores["native"].__getitem__, picks)
-        print(f"{'format':<10} {'forge-grain docs/s':>19} {'peer reader':<34} {'peer reads/s':>13} {'ratio':>7} "
-              f"{'vs native bin':>14}")
-        print(f"{'native':<10} {native:>19,.0f}")
+        lines.append(f"{'format':<10} {'forge-grain docs/s':>19} {'peer reader':<34} {'peer reads/s':>13} "
+                     f"{'ratio':>7} {'vs native bin':>14}")
+        lines.append(f"{'native':<10} {native:>19,.0f}")
         for fmt in ("megatron", "arrow", "litdata", "mds", "nanogpt"):
             ours = rate(stores[fmt].__getitem__, picks)
             name, read, n = readers[fmt]
             theirs = rate(read, picks % n)
-            print(f"{fmt:<10} {ours:>19,.0f} {name:<34} {theirs:>13,.0f} {ours / theirs:>6.1f}x {ours / native:>13.2f}")
-        print("\npacked rows/s, seq_len 1024, get_batch of 64 random rows (the compiled gather)")
+            lines.append(f"{fmt:<10} {ours:>19,.0f} {name:<34} {theirs:>13,.0f} {ours / theirs:>6.1f}x "
+                         f"{ours / native:>13.2f}")
+        lines += ["", "packed rows/s, seq_len 1024, get_batch of 64 random rows (the compiled gather)"]
         rows = np.random.default_rng(2).integers(0, 1 << 30, (50, 64))
         base = None
         for fmt, s in stores.items():
@@ -194,7 +196,8 @@ def main() -> None:
                     ds.get_batch(r % ds.num_rows)
                 best = max(best, rows.size / (time.perf_counter() - t))
             base = base or best
-            print(f"  {fmt:<10} {best:>10,.0f} rows/s   {best / base:.2f} of native bin")
+            lines.append(f"  {fmt:<10} {best:>10,.0f} rows/s   {best / base:.2f} of native bin")
+    publish("formats", lines)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from forge_grain.demo import stdlib_files
+from report import publish
 
 CHILD_PREPARE = """
 import json, resource, sys, time
@@ -109,11 +110,7 @@ def main() -> None:
         f"ratio at {a.mb:g} MB: peer (extrapolated) / forge-grain = "
         f"{peer_bytes_per_char * big_chars / 2**20 / ours['peak_mb']:.1f}x",
     ]
-    text = "\n".join(lines)
-    print(text)
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "long_document.txt").write_text(text + "\n")
+    publish("long_document", lines)
 
 
 if __name__ == "__main__":
