@@ -27,9 +27,9 @@ class HistoryError(ForgeGrainError):
     """A state that cannot be resumed under this config, even with a mixture change."""
 
 
-def digest(summary: dict) -> str:
-    """The fingerprint of a pipeline summary (what the state's `fingerprint` is)."""
-    return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()
+def digest(obj) -> str:
+    """sha256 of JSON with sorted keys: a pipeline summary's is the state's `fingerprint`."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def extend(state: dict, current: dict) -> list[dict]:

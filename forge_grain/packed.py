@@ -17,7 +17,7 @@ from . import kernels
 from .paths import cache_root
 from .buffers import BufferPool
 from .manifest import remove_stale_temporaries, temporary
-from .packing import PLAN_VERSION, ROW_KEYS, PackingPlan, plan
+from .packing import PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan
 from .stores import TokenStore
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,7 @@ def _discard(directory: Path) -> None:
 
 def seed_key(seed: int) -> int:
     """A 63-bit key for the row shuffle of a seed (the kernel mixes in the epoch)."""
-    digest = hashlib.sha256(f"forge-grain-rows:{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return key63(f"forge-grain-rows:{seed}")
 
 
 class PackedDataset(grain.MapDataset):

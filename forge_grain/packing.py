@@ -154,10 +154,14 @@ def plan_offsets(
     return PackingPlan(strategy, seq_len, row_ptr, start, length.astype(np.int32), skip.astype(np.int32), flags, stats)
 
 
+def key63(text: str) -> int:
+    """A 63-bit key from the sha256 of `text` (a seed for the compiled shuffles)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
 def stream_key(purpose: str, *parts) -> int:
     """A 63-bit key for one of the stream's random choices, from its purpose and seeds."""
-    digest = hashlib.sha256(json.dumps(["forge-grain", purpose, *parts]).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return key63(json.dumps(["forge-grain", purpose, *parts]))
 
 
 def default_stride(seq_len: int) -> int:

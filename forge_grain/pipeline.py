@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -319,7 +318,7 @@ class Pipeline:
             if step not in self._stream_states:
                 raise StateError(f"no stream state recorded for step {step}")
             streams = self._stream_states[step]
-            state.update(streams=streams, shard=[self.shard_index, self.shard_count], streams_sha256=_digest(streams))
+            state.update(streams=streams, shard=[self.shard_index, self.shard_count], streams_sha256=history.digest(streams))
         return state
 
     def check_state(self, state: dict) -> int:
@@ -360,7 +359,7 @@ class Pipeline:
         streams = state.get("streams")
         if not isinstance(streams, list) or len(streams) != len(self.streams):
             raise StateError(f"state 'streams' must list {len(self.streams)} stream state(s), got {str(streams)[:200]}")
-        if state.get("streams_sha256") != _digest(streams):
+        if state.get("streams_sha256") != history.digest(streams):
             raise StateError("state 'streams' does not match its checksum: the state was changed after it was saved")
         for i, st in enumerate(streams):
             if not isinstance(st, dict) or set(st) != STREAM_STATE_KEYS:
@@ -385,10 +384,6 @@ def _rebuild(config, shard_index, shard_count, cache_dir, dtype, resume_from=Non
 def _data_id(store) -> str:
     """The store's content fingerprint, or a streaming source's identity (dataset, files, tokenizer)."""
     return store.fingerprint if isinstance(store, TokenStore) else store.key
-
-
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def _source_seed(seed: int, name: str) -> int:
