@@ -60,8 +60,7 @@ def extend(state: dict, current: dict) -> list[dict]:
 def mixing_schedule(history: list[dict], names: list[str], schedule: list) -> tuple[list[str], list]:
     """(all source names: the config's, then removed ones; [(start_step, weights over them)])
     for a history and the config's own schedule [(start_step, weights by config source)]."""
-    union = list(names) + [n for seg in history for n in seg["sources"] if n not in names]
-    union = list(dict.fromkeys(union))
+    union = list(dict.fromkeys([*names, *(n for seg in history for n in seg["sources"])]))
     segments, start = [], 0
     for seg in history:
         segments.append((start, seg["until_step"], seg["sources"], seg["schedule"]))

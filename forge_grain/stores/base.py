@@ -107,7 +107,7 @@ class TokenStore:
         raise NotImplementedError
 
     def _document(self, i: int) -> np.ndarray:
-        """Document `i` of a store that keeps no token arrays (ArrayRecord, MDS)."""
+        """Document `i` of a store that keeps no token arrays (ArrayRecord)."""
         raise NotImplementedError
 
     def _verify_files(self) -> None:
@@ -118,7 +118,8 @@ class TokenStore:
 
     def _check_indexed_documents(self) -> None:
         """Sampled token ids of every file are valid ids for the vocabulary, and declared
-        EOS/BOS ids really end/start the documents the format's index describes."""
+        EOS/BOS ids really end/start the documents the format's index describes (formats
+        with token arrays: Megatron, Arrow, LitData, MDS)."""
         for s, file in enumerate(self._files):
             lo, hi = self._file_doc_starts[s], self._file_doc_starts[s + 1]
             sample = [t for t in self._sample(lo, hi) if len(t)]
@@ -129,18 +130,13 @@ class TokenStore:
         checks.check_special_ends(where, self._tokens_at, self._offsets, self.eos_id, self.bos_id)
 
     def _sample(self, lo: int, hi: int, blocks: int = checks.SAMPLE_BLOCKS, size: int = 2048):
-        """Evenly spaced stretches of documents [lo, hi): token blocks, or whole documents."""
-        if self._piece_table is None:
-            return [self[int(i)] for i in checks.spread(np.arange(lo, hi), blocks)]
+        """Evenly spaced blocks of the tokens of documents [lo, hi)."""
         a, b = int(self._offsets[lo]), int(self._offsets[hi])
         return [self._token_range(int(x), min(int(x) + size, b)) for x in checks.spread(np.arange(a, b, size), blocks)]
 
     def _tokens_at(self, positions: np.ndarray) -> np.ndarray:
         """Tokens at the given positions of the store's tokens in order."""
         positions = np.asarray(positions, np.int64)
-        if self._piece_table is None:
-            docs = np.searchsorted(self._offsets, positions, side="right") - 1
-            return np.array([self[int(d)][int(x - self._offsets[d])] for d, x in zip(docs, positions)], self.dtype)
         starts, array, base = self._piece_table
         p = np.searchsorted(starts, positions, side="right") - 1
         out = np.empty(len(positions), self.dtype)
