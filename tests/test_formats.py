@@ -295,6 +295,26 @@ def test_wrong_dtype_is_named(peers, tmp_path):
         TokenStore.open(peers["olmo"], dtype="int64", eos_id=EOS, vocab_size=VOCAB)
 
 
+def test_wrong_types_are_named(peers, tmp_path):
+    """A column, encoding or recorded dtype that is not integer token ids is refused, naming the file."""
+    with pytest.raises(StoreError, match=r"data-00000-of-00001\.arrow: column 'text' is string, not a list of integer"):
+        TokenStore.open(peers["arrow"], token_field="text")
+    with pytest.raises(StoreError, match=r"shard\.00000\.mds: column 'id' is encoded 'str'; token ids need"):
+        TokenStore.open(peers["mds"], token_field="id")
+    meg = Path(shutil.copytree(peers["megatron"].parent, tmp_path / "meg")) / "c4_text_document.idx"
+    raw = bytearray(meg.read_bytes())
+    raw[17] = 7  # Megatron's dtype code for float32
+    meg.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match=r"c4_text_document\.idx: dtype float32 \(the Megatron index\) is not an integer"):
+        TokenStore.open(meg.with_suffix(""))
+    lit = Path(shutil.copytree(peers["litdata"], tmp_path / "lit"))
+    index = json.loads((lit / "index.json").read_text())
+    index["config"]["data_format"] = ["no_header_tensor:0"]  # float32 tensors
+    (lit / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreError, match=r"lit/index\.json: data_format \['no_header_tensor:0'\] is not the one item"):
+        TokenStore.open(lit)
+
+
 def truncate(file: Path, nbytes: int = 6) -> None:
     with open(file, "r+b") as f:
         f.truncate(file.stat().st_size - nbytes)
