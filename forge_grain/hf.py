@@ -26,7 +26,6 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -271,6 +270,7 @@ class StreamCursor:
             self._plan = self.source.plan_window(np.array([len(d) for d in docs], np.int64), self.epoch, self.window)
             if self._plan is not None and self.emitted < self._plan.num_rows:
                 self._tokens = np.concatenate([d for d in docs if len(d)]).astype(self.source.dtype)
+                self._pieces = kernels.one_piece(self._tokens)
                 key = stream_key("window-rows", self.source.window_seed(self.epoch, self.window))
                 self._order = kernels.permutation(self._plan.num_rows, key)
                 return
@@ -290,7 +290,7 @@ class StreamCursor:
             p = self._plan
             row = self._order[self.emitted : self.emitted + 1]
             kernels.fill_rows(row, np.array([d], np.int64), p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags,
-                              *kernels.one_piece(self._tokens), self.seq_len, self.pad_id,
+                              *self._pieces, self.seq_len, self.pad_id,
                               *(out[k] for k in ROW_KEYS))
             self.emitted += 1
             if self.emitted == p.num_rows:

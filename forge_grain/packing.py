@@ -27,6 +27,7 @@ import numpy as np
 from . import kernels
 from .errors import ForgeGrainError
 from .manifest import temporary
+from .mapping import map_npy
 from .stores import TokenStore
 
 STRATEGIES = ("concat", "bos_bestfit", "bestfit")
@@ -93,8 +94,8 @@ class PackingPlan:
     @classmethod
     def load(cls, directory: Path) -> "PackingPlan":
         meta = json.loads((directory / "plan.json").read_text())
-        # memory-mapped, as plain ndarray views (np.memmap's subclass overhead is per call)
-        arrays = {name: np.asarray(np.load(directory / f"{name}.npy", mmap_mode="r")) for name in _ARRAYS}
+        # memory-mapped, holding no file descriptor (a pipeline may hold thousands of plans)
+        arrays = {name: map_npy(directory / f"{name}.npy") for name in _ARRAYS}
         p = cls(meta["strategy"], meta["seq_len"], stats=meta["stats"], **arrays)
         if meta.get("version") != PLAN_VERSION or meta.get("checksum") != p.checksum():
             raise ValueError(f"{directory}: the plan does not match its checksum")

@@ -135,13 +135,20 @@ def test_megatron_document_of_several_sequences_is_their_concatenation(tmp_path,
         assert np.array_equal(store[i], np.concatenate([ref[j] for j in range(bounds[i], bounds[i + 1])]))
 
 
+def maps_a_file(a: np.ndarray) -> bool:
+    """Whether `a` views a memory-mapped file (forge_grain.mapping's regions, or an mmap)."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return type(a).__name__ in ("_Region", "mmap")
+
+
 def test_arrow_documents_are_datasets_rows_without_a_copy(peers, docs):
     import datasets
 
     ref = datasets.load_from_disk(str(peers["arrow"]))
     store = TokenStore.open(peers["arrow"])
     assert store.format == "arrow" and all(np.array_equal(store[i], ref[i]["input_ids"]) for i in range(len(ref)))
-    assert isinstance(store[5].base, np.memmap) or isinstance(store[5].base.base, np.memmap)  # a view of the file
+    assert maps_a_file(store[5])  # a view of the file, not a copy
     with pytest.raises(StoreError, match=r"no column 'ids'.*\['input_ids'\].*token_field="):
         TokenStore.open(peers["arrow"], token_field="ids")
     with pytest.raises(StoreError, match=r"column 'text' is string, not a list of integer token ids"):

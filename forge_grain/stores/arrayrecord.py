@@ -1,8 +1,8 @@
 """The `arrayrecord` layout of forge-grain stores: one ArrayRecord record per document.
 
-Records are read one at a time through Grain's `ArrayRecordDataSource` (no memory map),
-so these stores gather rows a document at a time; each shard is checked against the
-manifest and index at open, so a truncated or swapped shard is named there.
+Records are read one at a time (no memory map), so these stores gather rows a document
+at a time; each shard is checked against the manifest and index at open, so a truncated
+or swapped shard is named there.
 """
 
 from __future__ import annotations
@@ -13,22 +13,37 @@ import numpy as np
 
 from ..errors import StoreError
 from ..manifest import MANIFEST_NAME
+from . import handles
 
 
-def open_records(store: Path, files: list[Path], num_documents: int):
-    import grain  # lazy: only this layout needs it at open time
+class Records:
+    """The records of a store's shards in order, each shard's reader opened on first use
+    through the process's handle pool (`handles.POOL`), so a store of thousands of shards
+    holds at most the pool's cap of descriptors (Grain's `ArrayRecordDataSource` keeps a
+    reader per shard it has touched)."""
 
-    records = grain.sources.ArrayRecordDataSource([str(f) for f in files])
-    if len(records) != num_documents:
-        raise StoreError(
-            f"{store}: ArrayRecord shards hold {len(records)} records, manifest says {num_documents} documents"
-        )
-    return records
+    def __init__(self, files: list[Path], counts: list[int]):
+        self._files = [str(f) for f in files]
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def read(self, i: int) -> bytes:
+        s = int(np.searchsorted(self._starts, i, side="right") - 1)
+        reader = handles.POOL.get(("arrayrecord", self._files[s]), lambda: _reader(self._files[s]))
+        return reader.read([i - int(self._starts[s])])[0]
 
 
-def read_document(records, i: int, dtype: np.dtype, file: Path) -> np.ndarray:
+def _reader(file: str):
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    return ArrayRecordReader(file, "readahead_buffer_size:0")  # random access: no read-ahead
+
+
+def read_document(records: Records, i: int, dtype: np.dtype, file: Path) -> np.ndarray:
     try:
-        return np.frombuffer(records[i], dtype=dtype)
+        return np.frombuffer(records.read(i), dtype=dtype)
     except RuntimeError as e:
         raise StoreError(f"{file}: cannot read document {i} ({e})") from None
 

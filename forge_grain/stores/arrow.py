@@ -31,20 +31,19 @@ class ArrowStore(TokenStore):
         field = token_field or DEFAULT_FIELD
         self._files, dataset_fingerprint = data_files(self.path, split)
         starts, array, base, lengths, dtypes = [0], [], [], [], set()
-        with checks.descriptors(self.path, len(self._files)):
-            for k, f in enumerate(self._files):
-                file_dtype, pieces = _read_file(f, field)
-                checks.check_declared_dtype(f, dtype, file_dtype, "its Arrow schema")
-                dtypes.add(file_dtype)
-                self._arrays.append(checks.map_array(f, file_dtype, count=f.stat().st_size // file_dtype.itemsize))
-                docs = 0
-                for at, row_lengths in pieces:
-                    array.append(k)
-                    base.append(at)
-                    starts.append(starts[-1] + int(row_lengths.sum()))
-                    lengths.append(row_lengths)
-                    docs += len(row_lengths)
-                self._file_docs.append(docs)
+        for k, f in enumerate(self._files):
+            file_dtype, pieces = _read_file(f, field)
+            checks.check_declared_dtype(f, dtype, file_dtype, "its Arrow schema")
+            dtypes.add(file_dtype)
+            self._arrays.append(checks.map_array(f, file_dtype, count=f.stat().st_size // file_dtype.itemsize))
+            docs = 0
+            for at, row_lengths in pieces:
+                array.append(k)
+                base.append(at)
+                starts.append(starts[-1] + int(row_lengths.sum()))
+                lengths.append(row_lengths)
+                docs += len(row_lengths)
+            self._file_docs.append(docs)
         self.dtype = self._one_dtype(dtypes, f"its Arrow files' '{field}' columns")
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(all_lengths)]).astype(np.int64)

@@ -59,6 +59,7 @@ class TokenStore:
         self._piece_table = self._make_pieces()
         self._lengths: np.ndarray | None = None
         self._views = self._doc_start = self._doc_array = None  # built on the first read (`_index_documents`)
+        self._gather_arrays = None  # the arrays as the compiled gather takes them (`pieces`)
         self._validate()
 
     def _common_options(self, options: dict) -> dict:
@@ -250,8 +251,12 @@ class TokenStore:
         store read a document at a time."""
         if self._piece_table is None:
             return None
+        if self._gather_arrays is None:
+            from .. import kernels
+
+            self._gather_arrays = kernels.token_arrays(self._arrays)
         starts, array, base = self._piece_table
-        return _one_array_type(self._arrays), starts, array, base
+        return self._gather_arrays, starts, array, base
 
     @property
     def num_tokens(self) -> int:
@@ -307,7 +312,7 @@ class TokenStore:
     def close(self) -> None:
         """Drop the memory maps (views already handed out stay valid while referenced)."""
         self._arrays = []
-        self._views = None
+        self._views = self._gather_arrays = None
 
     def __enter__(self) -> "TokenStore":
         return self
@@ -323,20 +328,6 @@ class TokenStore:
             f"{type(self).__name__}({str(self.path)!r}, format={self.format}, documents={len(self)}, "
             f"tokens={self.num_tokens}, dtype={self.dtype}, vocab_size={self.vocab_size})"
         )
-
-
-def _one_array_type(arrays) -> tuple:
-    """The arrays as one array type for the compiled gather: if a header left any of them
-    misaligned (LitData int64 chunks), all are marked unaligned, which numpy allows."""
-    arrays = [np.asarray(a) for a in arrays]
-    if all(a.flags.aligned for a in arrays):
-        return tuple(arrays)
-    views = []
-    for a in arrays:
-        v = a.view()
-        v.setflags(align=False)
-        views.append(v)
-    return tuple(views)
 
 
 def _reopen(cls, path, options):

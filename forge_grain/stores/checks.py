@@ -1,21 +1,18 @@
 """Checks every store format shares: declared dtypes, token-id ranges, content fingerprints,
-document boundaries, and the file-level errors (missing files, too many open files).
+document boundaries, and the file-level errors (missing or irregular files).
 
 Each check names the file and says what to pass, so bytes are never silently misread.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
-import mmap
-import resource
 import stat
 from pathlib import Path
 
 import numpy as np
 
+from .. import mapping
 from ..errors import StoreError
 
 MAX_TOKEN_ID = 2**31 - 1  # batches hold ids as int32 by default
@@ -57,20 +54,21 @@ def empty_tokens(dtype) -> np.ndarray:
 
 def map_alignments(path: Path, dtype: np.dtype) -> list[np.ndarray]:
     """The file as `dtype` items starting at byte 0, 1, ..., itemsize - 1: views of one
-    read-only memory map (one file descriptor), for items at arbitrary byte offsets."""
-    size = path.stat().st_size
-    if size == 0:
+    read-only memory map, for items at arbitrary byte offsets."""
+    raw = mapping.map_bytes(path)
+    if len(raw) == 0:
         return [empty_tokens(dtype)] * dtype.itemsize
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return [np.frombuffer(mm, dtype, count=max(0, size - r) // dtype.itemsize, offset=r) for r in range(dtype.itemsize)]
+    item = dtype.itemsize
+    return [raw[r : r + max(0, len(raw) - r) // item * item].view(dtype) for r in range(item)]
 
 
 def map_array(path: Path, dtype: np.dtype, offset: int = 0, count: int | None = None) -> np.ndarray:
-    """`count` items of `dtype` at byte `offset` of `path`, memory-mapped read-only."""
-    if count == 0 or path.stat().st_size == offset:
+    """`count` items of `dtype` (as many as fit by default) at byte `offset` of `path`,
+    memory-mapped read-only (holding no file descriptor: see `forge_grain.mapping`)."""
+    raw = mapping.map_bytes(path, offset, None if count is None else count * dtype.itemsize)
+    if len(raw) < dtype.itemsize:
         return empty_tokens(dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=None if count is None else (count,))
+    return raw[: len(raw) // dtype.itemsize * dtype.itemsize].view(dtype)
 
 
 # -- content fingerprints ----------------------------------------------------------------------
@@ -182,19 +180,3 @@ def require_regular(file: Path, what: str) -> None:
         raise StoreError(f"{file}: {what} is missing") from None
     if not stat.S_ISREG(mode):
         raise StoreError(f"{file}: {what} is not a regular file")
-
-
-@contextlib.contextmanager
-def descriptors(path: Path, num_files: int):
-    """Running out of file descriptors (each memory map keeps one) is a `StoreError` saying what to do."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.EMFILE:
-            raise
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        raise_it = f"raise it (`ulimit -n {hard}` here)" if hard > soft else "ask for a higher hard limit"
-        raise StoreError(
-            f"{path}: mapping its {num_files} token files needs a file descriptor each, and this process reached its "
-            f"limit of {soft} open files (ulimit -n); {raise_it}, or write the data as fewer, larger shards"
-        ) from None

@@ -39,14 +39,13 @@ class LitDataStore(TokenStore):
         self.dtype = _token_dtype(index_file, index["config"])
         checks.check_declared_dtype(index_file, dtype, self.dtype, "its data_format")
         offsets = []
-        with checks.descriptors(self.path, len(index["chunks"])):
-            for chunk in index["chunks"]:
-                file = self.path / chunk["filename"]
-                header, item_offsets = _chunk_table(file, chunk, self.dtype)
-                count = (int(item_offsets[-1]) - header) // self.dtype.itemsize
-                self._arrays.append(checks.map_array(file, self.dtype, offset=header, count=count))
-                self._files.append(file)
-                offsets.append((item_offsets - header) // self.dtype.itemsize)
+        for chunk in index["chunks"]:
+            file = self.path / chunk["filename"]
+            header, item_offsets = _chunk_table(file, chunk, self.dtype)
+            count = (int(item_offsets[-1]) - header) // self.dtype.itemsize
+            self._arrays.append(checks.map_array(file, self.dtype, offset=header, count=count))
+            self._files.append(file)
+            offsets.append((item_offsets - header) // self.dtype.itemsize)
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
         self._fingerprint = self._fingerprint_files(checks.content_fingerprint(index_file, self._full))

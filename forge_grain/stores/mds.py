@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import mapping
 from ..errors import StoreError
 from ..manifest import temporary
 from ..paths import cache_root
@@ -46,20 +47,19 @@ class MDSStore(TokenStore):
         field = token_field or _default_field(self.path / "index.json", shards[0])
         self._shards = shards
         dtypes, starts, array, base, lengths = set(), [0], [], [], []
-        with checks.descriptors(self.path, len(shards)):
-            for s, shard in enumerate(shards):
-                file = self._shard_file(shard)
-                shard_dtype, at, count = _token_column(file, shard, field, dtype)
-                dtypes.add(shard_dtype)
-                first_array = len(self._arrays)
-                self._arrays += checks.map_alignments(file, shard_dtype)  # samples start at any byte
-                for a, c in zip(at, count):
-                    array.append(first_array + a % shard_dtype.itemsize)
-                    base.append(a // shard_dtype.itemsize)
-                    starts.append(starts[-1] + c)
-                self._files.append(file)
-                self._file_docs.append(len(at))
-                lengths.append(count)
+        for s, shard in enumerate(shards):
+            file = self._shard_file(shard)
+            shard_dtype, at, count = _token_column(file, shard, field, dtype)
+            dtypes.add(shard_dtype)
+            first_array = len(self._arrays)
+            self._arrays += checks.map_alignments(file, shard_dtype)  # samples start at any byte
+            for a, c in zip(at, count):
+                array.append(first_array + a % shard_dtype.itemsize)
+                base.append(a // shard_dtype.itemsize)
+                starts.append(starts[-1] + c)
+            self._files.append(file)
+            self._file_docs.append(len(at))
+            lengths.append(count)
         self.dtype = self._one_dtype(dtypes, f"its shards' '{field}' columns")
         self._offsets = np.array(starts, np.int64)
         self._pieces = (self._offsets, np.array(array, np.int64), np.array(base, np.int64))
@@ -147,7 +147,7 @@ def _token_column(file: Path, shard: dict, field: str, declared) -> tuple[np.dty
     names, encodings, sizes = shard["column_names"], shard["column_encodings"], shard["column_sizes"]
     if field not in names:
         raise StoreError(f"{file}: MDS columns are {names}, not {field!r}; pass token_field=")
-    raw = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
+    raw = mapping.map_bytes(file)
     starts = _sample_offsets(file, raw, shard)
     n = len(starts) - 1
     variable = [k for k, size in enumerate(sizes) if size is None]

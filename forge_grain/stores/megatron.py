@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import mapping
 from ..errors import StoreError
 from . import checks, identify
 from .base import TokenStore, join_offsets
@@ -34,16 +35,15 @@ class MegatronStore(TokenStore):
     def _open(self, dtype=None) -> None:
         prefixes = self._prefixes()
         offsets, dtypes = [], set()
-        with checks.descriptors(self.path, len(prefixes)):
-            for prefix in prefixes:
-                idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
-                file_dtype, doc_offsets = read_index(idx)
-                checks.check_declared_dtype(idx, dtype, file_dtype, "the Megatron index")
-                tokens = self._map_bin(bin_, file_dtype, int(doc_offsets[-1]))
-                self._files += [bin_]
-                self._arrays.append(tokens)
-                offsets.append(doc_offsets)
-                dtypes.add(file_dtype)
+        for prefix in prefixes:
+            idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+            file_dtype, doc_offsets = read_index(idx)
+            checks.check_declared_dtype(idx, dtype, file_dtype, "the Megatron index")
+            tokens = self._map_bin(bin_, file_dtype, int(doc_offsets[-1]))
+            self._files += [bin_]
+            self._arrays.append(tokens)
+            offsets.append(doc_offsets)
+            dtypes.add(file_dtype)
         self.dtype = self._one_dtype(dtypes, "its Megatron datasets")
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
@@ -82,7 +82,7 @@ def read_index(idx: Path) -> tuple[np.dtype, np.ndarray]:
     """A Megatron `.idx` file's dtype and document offsets (in tokens), after checking that its
     parts agree: sizes, contiguous pointers, and a document index from 0 to the sequence count."""
     checks.require_regular(idx, "Megatron index")
-    raw = np.memmap(idx, dtype=np.uint8, mode="r")
+    raw = mapping.map_bytes(idx)
     if len(raw) < _HEADER or bytes(raw[:9]) != identify.MEGATRON_IDX_MAGIC:
         raise StoreError(f"{idx}: not a Megatron index (no {identify.MEGATRON_IDX_MAGIC!r} header)")
     version = int(raw[9:17].view("<u8")[0])

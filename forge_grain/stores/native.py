@@ -32,10 +32,9 @@ class NativeStore(TokenStore):
         self._check_declared({**self._declared, **({} if dtype is None else {"dtype": dtype})})
         self._files = [self.path / s.tokens for s in m.shards]
         self._records = None
-        with checks.descriptors(self.path, len(m.shards)):
-            offsets = self._map_shards(m)
+        offsets = self._map_shards(m)
         if m.layout == "arrayrecord":
-            self._records = arrayrecord.open_records(self.path, self._files, m.num_documents)
+            self._records = arrayrecord.Records(self._files, [s.num_documents for s in m.shards])
         self._file_docs = [s.num_documents for s in m.shards]
         self._offsets = join_offsets(offsets)
         self._fingerprint = hashlib.sha256("|".join(sh.sha256 for sh in m.shards).encode()).hexdigest()[:16]
@@ -112,6 +111,4 @@ class NativeStore(TokenStore):
 
     def close(self) -> None:
         super().close()
-        if self._records is not None and hasattr(self._records, "close"):
-            self._records.close()
         self._records = None

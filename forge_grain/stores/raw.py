@@ -30,13 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import mapping
 from ..errors import StoreError
 from ..manifest import save_npy_atomic, token_dtype, write_json_atomic
 from ..paths import cache_root
 from ..splits import select_split
 from . import checks, identify
 from .base import TokenStore, join_offsets
-from .checks import declared_dtype, empty_tokens
+from .checks import declared_dtype
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndar
         has_header = f.read(len(identify.NPY_MAGIC)) == identify.NPY_MAGIC
     if has_header:
         try:
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            arr = mapping.map_npy(path)
         except ValueError as e:
             raise StoreError(f"{path}: not a readable .npy array ({e})") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
@@ -112,9 +113,7 @@ def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndar
             f"{path}: {size} bytes is not a multiple of the {dt} item size ({dt.itemsize}); "
             "the file is truncated or the dtype is wrong"
         )
-    if size == 0:
-        return empty_tokens(dt)
-    return np.memmap(path, dtype=dt, mode="r")
+    return checks.map_array(path, dt)
 
 
 # -- document index, cached and validated ------------------------------------------------------
@@ -222,8 +221,7 @@ class RawStore(TokenStore):
     def _open(self, dtype=None, split=None, file_pattern=None) -> None:
         vocab_size, eos_id, bos_id = self.vocab_size, self.eos_id, self.bos_id
         self._files = find_token_files(self.path, split=split, file_pattern=file_pattern)
-        with checks.descriptors(self.path, len(self._files)):
-            self._arrays = [map_tokens(f, dtype, vocab_size) for f in self._files]
+        self._arrays = [map_tokens(f, dtype, vocab_size) for f in self._files]
         self.dtype = self._one_dtype({a.dtype for a in self._arrays}, "token files")
         offsets = []
         for f, a in zip(self._files, self._arrays):

@@ -1,0 +1,90 @@
+"""Read-only memory maps that hold no file descriptor.
+
+`np.memmap` and `mmap.mmap` keep a duplicate of the file's descriptor open for as long as
+the map lives (Python < 3.13), so a pipeline over thousands of shards and plans ran out
+of descriptors (`ulimit -n` is 1024 on many clusters) although a mapping needs none once
+made. Here the file is opened, mapped and closed at once: descriptors stay O(1) whatever
+the number of shards and sources. The region is unmapped when the last array viewing it
+is garbage-collected, so views handed out stay valid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+_PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def map_bytes(path: str | Path, offset: int = 0, length: int | None = None) -> np.ndarray:
+    """Bytes [offset, offset + length) of `path` (to its end by default) as a read-only uint8
+    array backed by a memory map that holds no file descriptor."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        length = size - offset if length is None else length
+        if length <= 0 or offset + length > size:
+            if length == 0 or offset == size:
+                return _empty()
+            raise ValueError(f"{path}: bytes [{offset}, {offset + length}) lie past its end ({size} bytes)")
+        start = offset - offset % _PAGE
+        region = _map(f.fileno(), start, offset + length - start)
+    return np.asarray(region)[offset - start :]
+
+
+def map_npy(path: str | Path) -> np.ndarray:
+    """A `.npy` file's array, memory-mapped read-only without a descriptor (as `np.load(mmap_mode="r")`)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        header = f.tell()
+    if dtype.hasobject or (fortran and len(shape) > 1):
+        raise ValueError(f"{path}: holds Python objects or a Fortran-ordered array; only plain arrays are mapped")
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    raw = map_bytes(path, header, count * dtype.itemsize)
+    return raw.view(dtype).reshape(shape)
+
+
+def _empty() -> np.ndarray:
+    arr = np.zeros(0, np.uint8)
+    arr.setflags(write=False)
+    return arr
+
+
+if sys.version_info >= (3, 13):
+
+    def _map(fd: int, offset: int, length: int):
+        """A read-only buffer over the region; `trackfd=False` keeps no duplicate descriptor."""
+        return np.frombuffer(mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=offset, trackfd=False), np.uint8)
+
+else:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _MAP_FAILED = ctypes.c_void_p(-1).value
+
+    class _Region:
+        """A region mapped with the C library's `mmap`: numpy views it through the array
+        interface (read-only) and keeps it alive; it is unmapped when collected."""
+
+        def __init__(self, fd: int, offset: int, length: int):
+            addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+            if addr in (None, _MAP_FAILED):
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            self._addr, self._length = addr, length
+            self.__array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, True), "version": 3}
+
+        def __del__(self):
+            _libc.munmap(self._addr, self._length)
+
+    def _map(fd: int, offset: int, length: int):
+        return _Region(fd, offset, length)

@@ -1,0 +1,52 @@
+"""One pool of open file handles per process, so descriptors stay bounded whatever the
+number of shards and sources.
+
+Memory maps hold no descriptor (`forge_grain.mapping`). Readers that do (ArrayRecord's)
+are opened on first use and kept here, least recently used dropped first past
+`FORGE_GRAIN_MAX_OPEN_FILES` (default 128, well under the 1024 clusters commonly allow).
+A dropped handle is not closed by the pool: a thread still reading it keeps it alive,
+and it closes its file when collected, so eviction never races a read.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import Callable
+
+DEFAULT_MAX_OPEN_FILES = 128
+
+
+class HandlePool:
+    """Open handles by key, at most `capacity` kept (least recently used dropped first)."""
+
+    def __init__(self, capacity: int | None = None):
+        self.capacity = capacity or int(os.environ.get("FORGE_GRAIN_MAX_OPEN_FILES", DEFAULT_MAX_OPEN_FILES))
+        self._open: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def get(self, key, opener: Callable[[], object]):
+        """The open handle for `key`, opened by `opener()` when the pool holds none."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's handles share its file positions
+                self._open.clear()
+                self._pid = os.getpid()
+            handle = self._open.get(key)
+            if handle is not None:
+                self._open.move_to_end(key)
+                return handle
+        handle = opener()
+        with self._lock:
+            handle = self._open.setdefault(key, handle)
+            self._open.move_to_end(key)
+            while len(self._open) > self.capacity:
+                self._open.popitem(last=False)
+        return handle
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+POOL = HandlePool()
