@@ -87,6 +87,8 @@ class DataConfig:
     `floor(num_epochs * total rows / global_batch_size)` steps (None: unlimited). A source
     that runs out before then repeats with a fresh shuffle (`inf` in TOML is None). `mix_temperature` T turns
     weights w into w^(1/T), renormalized (1.0: as given; larger: more uniform).
+    `plan_chunk_docs`: a store of more documents is planned a chunk of this many at a time
+    (default about 4 M; see `forge_grain.chunked`); it changes the plan, so it is data.
     """
 
     sources: list[SourceConfig]
@@ -99,6 +101,7 @@ class DataConfig:
     anneal_start_step: int | None = None
     anneal_weights: dict[str, float] | None = None
     max_steps: int | None = None
+    plan_chunk_docs: int | None = None
     loader: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -201,6 +204,8 @@ class DataConfig:
             raise ConfigError(f"num_epochs: must be positive (or None for unlimited), got {self.num_epochs!r}")
         if self.max_steps is not None:
             _positive_int("max_steps", self.max_steps)
+        if self.plan_chunk_docs is not None:
+            _positive_int("plan_chunk_docs", self.plan_chunk_docs)
         unknown = sorted(set(self.loader) - set(LOADER_KEYS))
         if unknown:
             raise ConfigError(f"loader: unknown key(s) {unknown} (known: {sorted(LOADER_KEYS)})")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import grain
@@ -17,7 +19,8 @@ from . import kernels
 from .paths import cache_root
 from .buffers import BufferPool
 from .manifest import remove_stale_temporaries, temporary
-from .packing import PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan
+from .chunked import CHUNK_DOCS, plan_chunked
+from .packing import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos
 from .stores import TokenStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,8 @@ def pack(
     num_epochs: int | None = 1,
     pad_id: int | None = None,
     cache_dir: str | Path | None = None,
+    chunk_docs: int | None = None,
+    plan_workers: int | None = None,
 ) -> "PackedDataset":
     """Pack a token store into rows of `seq_len`; the plan is cached on disk and reused.
 
@@ -54,22 +59,47 @@ def pack(
     `stride < seq_len` makes overlapping windows whose repeated head is loss-masked).
     `num_epochs=None` repeats forever; each epoch visits the rows in a new seeded order
     (`shuffle=False`: plan order).
+
+    A store of more than `chunk_docs` documents (default `chunked.CHUNK_DOCS`, about 4 M)
+    is planned a chunk at a time in `plan_workers` processes (default: one per core); see
+    `forge_grain.chunked` for what that changes (nothing a trainer sees but the plan's
+    memory and time).
     """
     store = store if isinstance(store, TokenStore) else TokenStore.open(store)
+    chunk_docs = chunk_docs or CHUNK_DOCS
+    chunked = len(store) > chunk_docs
     cache = plan_cache_dir(store, cache_dir)
-    directory = cache / plan_key(store, seq_len, strategy, seed, stride) if cache is not None else None
+    key = plan_key(store, seq_len, strategy, seed, stride, chunk_docs if chunked else None)
+    directory = cache / key if cache is not None else None
     p = _load_valid(directory, store, seq_len, strategy)
-    if p is None:
+    if p is None and chunked:
+        p = _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, plan_workers)
+    elif p is None:
         p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id)
         directory = _save(p, directory, store, seq_len, strategy)
         p = _load_valid(directory, store, seq_len, strategy) or p  # memory-mapped when saved
     return PackedDataset(store, p, seed=seed, shuffle=shuffle, num_epochs=num_epochs, pad_id=pad_id, plan_dir=directory)
 
 
-def plan_key(store: TokenStore, seq_len: int, strategy: str, seed: int, stride: int | None) -> str:
-    """Fingerprint of everything a plan depends on: document lengths and the parameters."""
+def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, workers) -> PackingPlan:
+    """`chunked.plan_chunked` into the plan cache; without one, into a temporary directory
+    and then memory (the plan must not depend on whether a cache could be written)."""
+    require_bos(store, strategy, bos_id)
+    args = dict(seed=seed, stride=stride, chunk_docs=chunk_docs, workers=workers, name=str(store.path))
+    if directory is not None:
+        return plan_chunked(store.offsets, seq_len, strategy, directory, **args)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = plan_chunked(store.offsets, seq_len, strategy, Path(tmp) / "plan", **args)
+        return dataclasses.replace(p, **{name: np.array(getattr(p, name)) for name in PLAN_ARRAYS})
+
+
+def plan_key(store: TokenStore, seq_len: int, strategy: str, seed: int, stride: int | None,
+             chunk_docs: int | None = None) -> str:
+    """Fingerprint of everything a plan depends on: document lengths and the parameters
+    (and the chunk size of a store planned in chunks)."""
     h = hashlib.sha256(np.ascontiguousarray(store.offsets).view(np.uint8))
-    h.update(json.dumps([PLAN_VERSION, seq_len, strategy, seed, stride]).encode())
+    params = [PLAN_VERSION, seq_len, strategy, seed, stride] + ([chunk_docs] if chunk_docs is not None else [])
+    h.update(json.dumps(params).encode())
     return f"{strategy}-{seq_len}-{h.hexdigest()[:20]}"
 
 

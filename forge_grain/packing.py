@@ -33,7 +33,7 @@ from .stores import TokenStore
 STRATEGIES = ("concat", "bos_bestfit", "bestfit")
 PLAN_VERSION = 3  # 2: plan.json carries a checksum; 3: own document permutation, bestfit windows overlap by one
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop")
-_ARRAYS = ("row_ptr", "seg_start", "seg_len", "seg_skip", "seg_flags")
+PLAN_ARRAYS = ("row_ptr", "seg_start", "seg_len", "seg_skip", "seg_flags")
 
 
 class PackingError(ForgeGrainError):
@@ -67,7 +67,7 @@ class PackingPlan:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            for name in _ARRAYS:
+            for name in PLAN_ARRAYS:
                 np.save(tmp / f"{name}.npy", getattr(self, name))
             meta = {"strategy": self.strategy, "seq_len": self.seq_len, "stats": self.stats, "version": PLAN_VERSION,
                     "checksum": self.checksum()}
@@ -83,23 +83,39 @@ class PackingPlan:
         """sha256 of the parameters and arrays: the plan's content (computed once)."""
         if "_checksum" in self.__dict__:
             return self.__dict__["_checksum"]
-        h = hashlib.sha256(json.dumps([PLAN_VERSION, self.strategy, self.seq_len]).encode())
-        for name in _ARRAYS:
+        h = checksum_start(self.strategy, self.seq_len)
+        for name in PLAN_ARRAYS:
             a = np.ascontiguousarray(getattr(self, name))
-            h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+            checksum_array(h, name, a.dtype, len(a))
             h.update(memoryview(a).cast("B"))
         self.__dict__["_checksum"] = h.hexdigest()
         return self.__dict__["_checksum"]
 
     @classmethod
-    def load(cls, directory: Path) -> "PackingPlan":
+    def load(cls, directory: Path, verify: bool = True) -> "PackingPlan":
+        """The plan saved in `directory`, memory-mapped (holding no file descriptor: a pipeline
+        may hold thousands of plans); `verify=False` skips the checksum, for a plan this
+        process has just written."""
         meta = json.loads((directory / "plan.json").read_text())
-        # memory-mapped, holding no file descriptor (a pipeline may hold thousands of plans)
-        arrays = {name: map_npy(directory / f"{name}.npy") for name in _ARRAYS}
+        arrays = {name: map_npy(directory / f"{name}.npy") for name in PLAN_ARRAYS}
         p = cls(meta["strategy"], meta["seq_len"], stats=meta["stats"], **arrays)
-        if meta.get("version") != PLAN_VERSION or meta.get("checksum") != p.checksum():
+        if meta.get("version") != PLAN_VERSION:
+            raise ValueError(f"{directory}: a plan of version {meta.get('version')}, not {PLAN_VERSION}")
+        if not verify:
+            p.__dict__["_checksum"] = meta["checksum"]
+        elif meta.get("checksum") != p.checksum():
             raise ValueError(f"{directory}: the plan does not match its checksum")
         return p
+
+
+def checksum_start(strategy: str, seq_len: int):
+    """The plan checksum's hash, started with the parameters (arrays follow, in `PLAN_ARRAYS` order)."""
+    return hashlib.sha256(json.dumps([PLAN_VERSION, strategy, seq_len]).encode())
+
+
+def checksum_array(h, name: str, dtype: np.dtype, length: int) -> None:
+    """What precedes an array's bytes in the plan checksum."""
+    h.update(f"{name}:{np.dtype(dtype).str}:{(length,)}".encode())
 
 
 def plan(
@@ -112,12 +128,16 @@ def plan(
     bos_id: int | None = None,
 ) -> PackingPlan:
     """Plan rows from the store's document lengths (never its tokens)."""
+    require_bos(store, strategy, bos_id)
+    return plan_offsets(store.offsets, seq_len, strategy, seed=seed, stride=stride, name=str(store.path))
+
+
+def require_bos(store: TokenStore, strategy: str, bos_id: int | None) -> None:
     if strategy == "bos_bestfit" and bos_id is None and store.bos_id is None:
         raise PackingError(
             f"{store.path}: 'bos_bestfit' starts every row at a document's BOS, but the store has no BOS id "
             "(prepare it with BOS, or pass bos_id=)"
         )
-    return plan_offsets(store.offsets, seq_len, strategy, seed=seed, stride=stride, name=str(store.path))
 
 
 def plan_offsets(
@@ -128,15 +148,18 @@ def plan_offsets(
     seed: int = 0,
     stride: int | None = None,
     name: str = "documents",
+    chunk: int | None = None,
 ) -> PackingPlan:
     """Plan rows for documents [offsets[i], offsets[i + 1]) of a token space.
 
-    Deterministic in (offsets, arguments): document order is a permutation seeded by `seed`.
+    Deterministic in (offsets, arguments): document order is a permutation seeded by `seed`
+    (and `chunk`, the index of a chunk planned on its own: see `forge_grain.chunked`).
     """
     offsets = np.asarray(offsets, np.int64)
     _check_args(offsets, seq_len, strategy, stride, name)
     t0 = time.perf_counter()
-    order = kernels.permutation(len(offsets) - 1, stream_key("document-order", seed))
+    key = stream_key("document-order", seed) if chunk is None else stream_key("document-order", seed, chunk)
+    order = kernels.permutation(len(offsets) - 1, key)
     if strategy == "concat":
         row_ptr, start, length, skip, flags, lost = kernels.plan_concat(offsets, order, seq_len)
         cropped = 0
@@ -147,8 +170,8 @@ def plan_offsets(
     else:
         row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1)
         lost = cropped
-    total = int(offsets[-1])
-    if len(row_ptr) < 2:
+    total = int(offsets[-1] - offsets[0])
+    if len(row_ptr) < 2 and chunk is None:  # a chunk may be too small for a row: the store's plan may not
         raise PackingError(f"{name}: {total} tokens cannot fill one row of {seq_len} + 1 tokens")
     stats = _stats(total, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost))
     stats["planning_seconds"] = round(time.perf_counter() - t0, 4)
@@ -264,6 +287,8 @@ def _stats(total, seq_len, strategy, row_ptr, length, skip, cropped, lost) -> di
         "lost_share": lost / total,
         "docs_per_row": (len(length) / rows) if rows else 0.0,
         "loss_positions": int(np.sum(np.maximum(length - 1 - skip, 0))),
+        # the counts behind the shares, so plans of chunks add up (`forge_grain.chunked`)
+        "tokens": total, "real_tokens": real, "segments": len(length), "cropped_tokens": cropped, "lost_tokens": lost,
     }
 
 

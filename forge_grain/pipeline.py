@@ -72,8 +72,9 @@ class Pipeline:
     `num_threads` threads assemble batches ahead of the consumer (the gather kernels
     release the GIL); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
     instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
-    Neither changes the data, and the state does not record them. `dtype` is
-    that of ids and positions (int32; int64 for torch embedding lookups).
+    Neither changes the data, and the state does not record them, nor does
+    `plan_workers` (processes planning the chunks of a large store; default one per
+    core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class Pipeline:
         num_threads: int = 2,
         prefetch: int = 4,
         worker_count: int = 0,
+        plan_workers: int | None = None,
         cache_dir: str | Path | None = None,
         dtype=np.int32,
         resume_from: dict | None = None,
@@ -107,7 +109,7 @@ class Pipeline:
         self.stores, self.datasets, self.streams = [], [], []
         for s in config.sources:
             opened = open_source(s, config.seq_len, _source_seed(config.seed, s.name), shard_index, shard_count,
-                                 cache_dir)
+                                 cache_dir, config.plan_chunk_docs, plan_workers)
             self.stores.append(opened.store)
             self.datasets.append(opened.dataset)
             if opened.stream is not None:

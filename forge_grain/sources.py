@@ -27,8 +27,10 @@ class OpenedSource:
 
 
 def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, shard_count: int,
-                cache_dir: str | Path | None = None) -> OpenedSource:
-    """The packed rows of one source; `seed` is the source's own (see `Pipeline`)."""
+                cache_dir: str | Path | None = None, chunk_docs: int | None = None,
+                plan_workers: int | None = None) -> OpenedSource:
+    """The packed rows of one source; `seed` is the source's own (see `Pipeline`);
+    `chunk_docs` and `plan_workers` go to `pack`."""
     if src.hf_dataset is not None and src.hf_streaming:
         from .hf import StreamCursor, StreamingSource
 
@@ -41,5 +43,6 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
         store = TokenStore.open(eager_store(src, cache_dir))
     else:
         store = TokenStore.open(src.path, **src.store_options())
-    dataset = pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None, cache_dir=cache_dir)
+    dataset = pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None, cache_dir=cache_dir,
+                   chunk_docs=chunk_docs, plan_workers=plan_workers)
     return OpenedSource(store, dataset)

@@ -11,11 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 
-from forge_grain import prepare
+from conftest import config
+from forge_grain import chunked, plan_offsets, prepare
+from forge_grain.chunked import plan_chunked
+from forge_grain.packing import PLAN_ARRAYS, PackingPlan
 from forge_grain.writer import write_store
 
 LIMIT = 256
@@ -88,3 +92,78 @@ def test_a_pipeline_of_1000_sources_iterates_and_resumes_under_ulimit_256(tmp_pa
     config = dict(sources=sources, seq_len=32, global_batch_size=64, seed=5)
     fds, tokens = run_limited(config, tmp_path)
     assert fds < 64 and tokens > 0
+
+
+# -- chunked planning -------------------------------------------------------------------------
+
+def lognormal_offsets(n: int, seed: int = 0) -> np.ndarray:
+    lengths = np.clip(np.random.default_rng(seed).lognormal(np.log(600), 1.0, n), 1, 100_000).astype(np.int64)
+    return np.concatenate([[0], np.cumsum(lengths)])
+
+
+def plan_arrays(p) -> list[np.ndarray]:
+    return [np.asarray(getattr(p, name)) for name in PLAN_ARRAYS]
+
+
+@pytest.mark.parametrize("strategy", ["bestfit", "bos_bestfit", "concat"])
+def test_chunked_plans_match_the_whole_corpus_quality_whatever_the_workers(tmp_path, strategy):
+    offsets = lognormal_offsets(20_000)
+    whole = plan_offsets(offsets, 2048, strategy, seed=4)
+    one = plan_chunked(offsets, 2048, strategy, tmp_path / "w1", seed=4, chunk_docs=5000, workers=1, progress=False)
+    two = plan_chunked(offsets, 2048, strategy, tmp_path / "w2", seed=4, chunk_docs=5000, workers=2, progress=False)
+    assert one.stats["chunks"] == 4 and all(np.array_equal(a, b) for a, b in zip(plan_arrays(one), plan_arrays(two)))
+    assert PackingPlan.load(tmp_path / "w1").checksum() == one.checksum()  # the checksum hashed while writing holds
+    assert abs(one.stats["fill"] - whole.stats["fill"]) < 0.001
+    assert abs(one.stats["cropped_share"] - whole.stats["cropped_share"]) < 0.001
+    # rows of a chunk hold only that chunk's tokens, and the stats add up over the rows
+    bounds = offsets[chunked.chunk_bounds(20_000, 5000)]
+    seg_chunk = np.searchsorted(bounds, one.seg_start, side="right") - 1
+    row_of_seg = np.repeat(np.arange(one.num_rows), np.diff(one.row_ptr))
+    first = seg_chunk[one.row_ptr[:-1][np.diff(one.row_ptr) > 0]]
+    assert np.array_equal(seg_chunk, first[row_of_seg])
+    assert one.stats["rows"] == one.num_rows and one.stats["segments"] == len(one.seg_start)
+
+
+def test_a_killed_chunked_planning_run_completes_on_a_rerun_reusing_finished_chunks(tmp_path):
+    offsets = lognormal_offsets(2_000_000, seed=1)
+    np.save(tmp_path / "offsets.npy", offsets)
+    code = ("import sys, numpy as np; from pathlib import Path; from forge_grain.chunked import plan_chunked; "
+            "plan_chunked(np.load(sys.argv[1]), 512, 'bestfit', Path(sys.argv[2]), chunk_docs=100_000, workers=1, "
+            "progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "offsets.npy"), str(tmp_path / "plan")])
+    parts = tmp_path / "plan.chunks"
+    deadline = time.monotonic() + 120
+    while len(list(parts.glob("chunk-*/plan.json"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    finished = {d.name: d.stat().st_mtime_ns for d in parts.glob("chunk-*") if (d / "plan.json").exists()}
+    assert 3 <= len(finished) < 20 and not (tmp_path / "plan").exists()  # killed part-way: no plan yet
+    reused = []
+    real_plan_chunk = chunked._plan_chunk
+    chunked._plan_chunk = lambda offs, k, d, **kw: (reused.append(d.name), real_plan_chunk(offs, k, d, **kw))
+    try:
+        resumed = plan_chunked(offsets, 512, "bestfit", tmp_path / "plan", chunk_docs=100_000, workers=1,
+                               progress=False)
+    finally:
+        chunked._plan_chunk = real_plan_chunk
+    assert not set(reused) & set(finished) and len(reused) == 20 - len(finished)
+    fresh = plan_chunked(offsets, 512, "bestfit", tmp_path / "fresh", chunk_docs=100_000, workers=1, progress=False)
+    assert all(np.array_equal(a, b) for a, b in zip(plan_arrays(resumed), plan_arrays(fresh)))
+    assert not parts.exists()  # the chunks are removed once the store's plan is saved
+
+
+def test_a_pipeline_planned_in_chunks_resumes_exactly_and_refuses_another_chunking(tmp_path, stores):
+    from forge_grain import Pipeline, StateError
+
+    cfg = config(stores, plan_chunk_docs=100)
+    pipe = Pipeline(cfg, 0, 1, cache_dir=tmp_path, plan_workers=2)
+    it = pipe.iterator()
+    batches = [next(it) for _ in range(5)]
+    again = Pipeline(cfg, 0, 1, cache_dir=tmp_path).iterator(pipe.state_at(2))
+    for want in batches[2:]:
+        got = next(again)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    assert [d.plan.stats["chunks"] for d in pipe.datasets] == [4, 3, 2]
+    with pytest.raises(StateError):
+        Pipeline(config(stores, plan_chunk_docs=200), 0, 1, cache_dir=tmp_path).iterator(pipe.state_at(2))

@@ -1,0 +1,104 @@
+"""Planning at scale: time and peak memory of whole-corpus against chunked planning.
+
+    python benchmarks/bench_planning.py [--docs 1000000 10000000 30000000] [--seq-len 2048]
+                                        [--chunk-docs 4194304] [--strategies bestfit bos_bestfit concat]
+
+Document lengths are log-normal (median 600 tokens, sigma 1), as in the other benchmarks;
+offsets are written once per size and memory-mapped by each run. Every run is a fresh
+process, so its peak RSS (`ru_maxrss`, offsets included) is its own; chunked runs with 2
+workers report the parent's peak and the largest worker's. Then the per-core rate and
+what it predicts for 1 B documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from corpora import lognormal_lengths
+from report import publish
+
+RUN = """
+import json, resource, sys, time
+from pathlib import Path
+from forge_grain.mapping import map_npy
+from forge_grain.packing import plan_offsets
+from forge_grain.chunked import plan_chunked
+offsets_file, strategy, seq_len, mode, chunk_docs, out = sys.argv[1:]
+offsets = map_npy(offsets_file)
+t = time.perf_counter()
+if mode == "whole":
+    p = plan_offsets(offsets, int(seq_len), strategy)
+else:
+    p = plan_chunked(offsets, int(seq_len), strategy, Path(out), chunk_docs=int(chunk_docs), workers=int(mode),
+                     progress=False)
+seconds = time.perf_counter() - t
+mb = lambda who: resource.getrusage(who).ru_maxrss / 1024
+print(json.dumps({"seconds": seconds, "rss_mb": mb(resource.RUSAGE_SELF), "worker_rss_mb": mb(resource.RUSAGE_CHILDREN),
+                  "fill": p.stats["fill"], "crop": p.stats["cropped_share"]}))
+"""
+
+
+def run(offsets_file: Path, strategy: str, seq_len: int, mode: str, chunk_docs: int, work: Path) -> dict:
+    out = work / f"plan-{strategy}-{mode}-{offsets_file.stem}"
+    r = subprocess.run([sys.executable, "-c", RUN, str(offsets_file), strategy, str(seq_len), mode, str(chunk_docs),
+                        str(out)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr[-3000:])
+    subprocess.run(["rm", "-rf", str(out)])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, nargs="+", default=[1_000_000, 10_000_000, 30_000_000])
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--chunk-docs", type=int, default=1 << 22)
+    ap.add_argument("--strategies", nargs="+", default=["bestfit", "bos_bestfit", "concat"])
+    args = ap.parse_args()
+    lines = [f"planning, seq_len {args.seq_len}, chunks of {args.chunk_docs:,} documents; "
+             "peak RSS per process (offsets, 8 B/document, included)", "",
+             f"{'documents':>12} {'strategy':<12} {'mode':<16} {'seconds':>8} {'M docs/s':>9} {'peak RSS MB':>12} "
+             f"{'worker MB':>10} {'fill':>8} {'crop':>7}"]
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for n in args.docs:
+            offsets_file = work / f"offsets-{n}.npy"
+            np.save(offsets_file, np.concatenate([[0], np.cumsum(lognormal_lengths(n))]).astype(np.int64))
+            for strategy in args.strategies:
+                for mode in ("whole", "1", "2"):
+                    if mode != "whole" and n <= args.chunk_docs:
+                        continue
+                    r = run(offsets_file, strategy, args.seq_len, mode, args.chunk_docs, work)
+                    label = "whole corpus" if mode == "whole" else f"chunked, {mode} proc"
+                    worker = f"{r['worker_rss_mb']:10.0f}" if mode == "2" else f"{'':>10}"
+                    lines.append(f"{n:>12,} {strategy:<12} {label:<16} {r['seconds']:8.2f} {n / r['seconds'] / 1e6:9.2f} "
+                                 f"{r['rss_mb']:12.0f} {worker} {r['fill']:8.5f} {r['crop']:7.4f}")
+                    rates[(n, strategy, mode)] = r
+                    print(lines[-1], flush=True)
+            offsets_file.unlink()
+    lines += ["", "extrapolated to 1 B documents (from the largest size measured):"]
+    n = max(args.docs)
+    for strategy in args.strategies:
+        whole, one, two = (rates.get((n, strategy, m)) for m in ("whole", "1", "2"))
+        if whole:
+            lines.append(f"  {strategy:<12} whole corpus: {whole['seconds'] * 1e9 / n / 60:6.1f} min on one core, "
+                         f"peak {whole['rss_mb'] * 1e9 / n / 1024:6.1f} GB")
+        if one and two:
+            per_core = n / one["seconds"]
+            lines.append(f"  {strategy:<12} chunked: {per_core / 1e6:.2f} M docs/s per core, {1e9 / per_core / 16:5.1f} s "
+                         f"on 16 cores; 2 processes {one['seconds'] / two['seconds']:.2f}x one; peak per worker "
+                         f"{two['worker_rss_mb'] / 1024:.2f} GB (bounded by the chunk) + parent "
+                         f"{two['rss_mb'] / 1024:.2f} GB at {n:,} documents")
+    publish("planning", lines)
+
+
+if __name__ == "__main__":
+    main()

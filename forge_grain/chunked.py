@@ -1,0 +1,207 @@
+"""Planning a large store a chunk of documents at a time, in parallel processes.
+
+A whole-corpus plan holds every document's runs in memory at once (about 100 bytes per
+document while planning) on one core. Past `CHUNK_DOCS` documents, `pack` plans chunks of
+contiguous documents instead: chunk k is documents [k * n / c, (k + 1) * n / c) of the
+store's c = ceil(n / chunk_docs) chunks (equal sizes, so no chunk is a small remainder),
+with its own seeded document order. Chunks are planned in worker processes, each saved
+on its own as it finishes (a killed run re-plans only the missing ones), then streamed
+into one plan in chunk order. Rows are shuffled globally as always, so the chunking
+changes which documents can share a row (never two from different chunks) and nothing
+else; with chunks of millions of documents the fill and crop are those of the whole
+corpus to within a few thousandths of a percent (`benchmarks/bench_planning.py`).
+
+Peak memory is one chunk's planning per worker plus the store's offsets; the result does
+not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .manifest import temporary
+from .mapping import map_npy
+from .packing import (PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan, checksum_array, checksum_start,
+                      plan_offsets)
+
+CHUNK_DOCS = 1 << 22  # documents per chunk by default: ~0.5 GB of planning memory per worker
+
+
+def chunk_bounds(num_docs: int, chunk_docs: int) -> np.ndarray:
+    """Document boundaries of the chunks: c + 1 non-decreasing values from 0 to num_docs."""
+    count = max(1, -(-num_docs // chunk_docs))
+    return np.array([k * num_docs // count for k in range(count + 1)], np.int64)
+
+
+def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Path, *, seed: int = 0,
+                 stride: int | None = None, chunk_docs: int = CHUNK_DOCS, workers: int | None = None,
+                 name: str = "documents", progress: bool = True) -> PackingPlan:
+    """Plan `offsets` chunk by chunk in `workers` processes (default: one per core, at most
+    one per chunk), and save the store's plan to `directory` (atomically); returns it,
+    memory-mapped. Chunks finished by an earlier, interrupted run are reused."""
+    t0 = time.perf_counter()
+    offsets = np.asarray(offsets, np.int64)
+    bounds = chunk_bounds(len(offsets) - 1, chunk_docs)
+    parts = directory.with_name(directory.name + ".chunks")
+    parts.mkdir(parents=True, exist_ok=True)
+    jobs = [(k, int(bounds[k]), int(bounds[k + 1])) for k in range(len(bounds) - 1)]
+    dirs = [_chunk_dir(parts, offsets, a, b, k) for k, a, b in jobs]
+    todo = [(k, a, b, str(d)) for (k, a, b), d in zip(jobs, dirs) if _load_chunk(d) is None]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name)
+    with _bar(len(jobs), len(jobs) - len(todo), f"plan {name}", progress) as bar:
+        if workers == 1:
+            for k, a, b, d in todo:
+                _plan_chunk(offsets[a : b + 1], k, Path(d), **job)
+                bar.update(1)
+        else:
+            _run_workers(offsets, todo, workers, job, parts, bar)
+    chunks = [_load_chunk(d, verify=False) for d in dirs]  # verified above, or written just now
+    if any(c is None for c in chunks):
+        raise PackingError(f"{name}: a chunk's plan in {parts} vanished or was damaged while planning; run again")
+    _join(chunks, seq_len, strategy, directory, time.perf_counter() - t0)
+    shutil.rmtree(parts, ignore_errors=True)
+    p = PackingPlan.load(directory, verify=False)
+    if p.num_rows == 0:
+        raise PackingError(f"{name}: {int(offsets[-1])} tokens cannot fill one row of {seq_len} + 1 tokens")
+    return p
+
+
+def _chunk_dir(parts: Path, offsets: np.ndarray, a: int, b: int, k: int) -> Path:
+    """A chunk's plan is cached under a key of its documents' offsets (relative to its start)."""
+    h = hashlib.sha256(np.ascontiguousarray(offsets[a : b + 1] - offsets[a]).view(np.uint8))
+    h.update(json.dumps([PLAN_VERSION, a, b, k]).encode())
+    return parts / f"chunk-{k:05d}-{h.hexdigest()[:16]}"
+
+
+def _run_workers(offsets: np.ndarray, todo: list, workers: int, job: dict, parts: Path, bar) -> None:
+    """Plan the chunks `todo` in `workers` processes, chunk k in worker k % workers.
+
+    Workers are fresh interpreters (`python -m forge_grain.chunked JOB`) that map the
+    offsets from a file: no `if __name__ == "__main__"` guard is needed in the caller's
+    script (multiprocessing's spawn would re-run it), and nothing is forked from a parent
+    that may hold Grain or JAX threads."""
+    np.save(parts / "offsets.npy", offsets)
+    procs = []
+    try:
+        for w in range(workers):
+            spec = parts / f"worker-{w}.json"
+            spec.write_text(json.dumps({**job, "offsets": str(parts / "offsets.npy"), "chunks": todo[w::workers]}))
+            with open(parts / f"worker-{w}.log", "w") as log:  # a file, not a pipe that could fill and block
+                procs.append(subprocess.Popen([sys.executable, "-m", "forge_grain.chunked", str(spec)],
+                                              stdout=log, stderr=subprocess.STDOUT))
+        done = 0
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+            now = sum((Path(d) / "plan.json").exists() for *_, d in todo)
+            bar.update(now - done)
+            done = now
+        for w, p in enumerate(procs):
+            if p.returncode:
+                log = (parts / f"worker-{w}.log").read_text()[-2000:]
+                raise PackingError(f"planning worker {w} failed (exit {p.returncode}); its log ends:\n{log}")
+        bar.update(len(todo) - done)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _plan_chunk(offsets, k, directory: Path, *, seq_len, strategy, seed, stride, name) -> None:
+    """Plan one chunk (its documents in token positions of the store) and save it."""
+    base = int(offsets[0])
+    if offsets[-1] == base:  # a chunk of empty documents: no rows
+        p = PackingPlan(strategy, seq_len, np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32),
+                        np.zeros(0, np.int32), np.zeros(0, np.uint8), {"tokens": 0, "rows": 0})
+    else:
+        p = plan_offsets(offsets - base, seq_len, strategy, seed=seed, stride=stride, name=name, chunk=k)
+        p.seg_start = p.seg_start + base
+    p.save(directory)
+
+
+def _load_chunk(directory: Path, verify: bool = True) -> PackingPlan | None:
+    try:
+        return PackingPlan.load(directory, verify)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _join(chunks: list[PackingPlan], seq_len: int, strategy: str, directory: Path, seconds: float) -> None:
+    """Write the chunks' plans as one, array by array in chunk order (memory: one chunk's
+    array at a time; the checksum is hashed as the bytes are written), with the stats they
+    add up to; renamed into place when complete."""
+    tmp = temporary(directory)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    h = checksum_start(strategy, seq_len)
+    for name in PLAN_ARRAYS:
+        dtype = getattr(chunks[0], name).dtype
+        total = sum(len(getattr(c, name)) for c in chunks) - (len(chunks) - 1 if name == "row_ptr" else 0)
+        checksum_array(h, name, dtype, total)
+        with open(tmp / f"{name}.npy", "wb") as f:
+            np.lib.format.write_array_header_2_0(f, {"descr": dtype.str, "fortran_order": False, "shape": (total,)})
+            for part in _parts(chunks, name, dtype):
+                f.write(part)
+                h.update(part)
+    meta = {"strategy": strategy, "seq_len": seq_len, "stats": _join_stats(chunks, seq_len, strategy, seconds),
+            "version": PLAN_VERSION, "checksum": h.hexdigest()}
+    (tmp / "plan.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.rename(tmp, directory)
+
+
+def _parts(chunks: list[PackingPlan], name: str, dtype: np.dtype):
+    """The bytes of array `name` of the joined plan, a chunk at a time: row pointers
+    continue from the previous chunk's segments; the rest is the chunks' arrays in order."""
+    if name != "row_ptr":
+        for c in chunks:
+            yield np.ascontiguousarray(getattr(c, name), dtype).tobytes()
+        return
+    yield np.zeros(1, dtype).tobytes()
+    base = 0
+    for c in chunks:
+        yield (np.asarray(c.row_ptr[1:]) + base).astype(dtype).tobytes()
+        base += int(c.row_ptr[-1])
+
+
+def _join_stats(chunks: list[PackingPlan], seq_len: int, strategy: str, seconds: float) -> dict:
+    """The store's stats from its chunks' counts (the same definitions as `packing._stats`)."""
+    add = lambda key: sum(int(c.stats.get(key, 0)) for c in chunks)  # noqa: E731
+    rows, total, real, segments = add("rows"), add("tokens"), add("real_tokens"), add("segments")
+    slots = rows * seq_len
+    return {
+        "strategy": strategy, "seq_len": seq_len, "rows": rows,
+        "fill": real / slots if slots else 0.0, "padding": 1 - real / slots if slots else 0.0,
+        "cropped_share": add("cropped_tokens") / total, "lost_share": add("lost_tokens") / total,
+        "docs_per_row": segments / rows if rows else 0.0, "loss_positions": add("loss_positions"),
+        "tokens": total, "real_tokens": real, "segments": segments, "cropped_tokens": add("cropped_tokens"),
+        "lost_tokens": add("lost_tokens"), "chunks": len(chunks), "planning_seconds": round(seconds, 4),
+    }
+
+
+def _bar(total: int, done: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, unit="chunk", disable=not progress or total < 2)
+
+
+def _worker(spec: Path) -> None:
+    """A planning worker: plan the chunks its job file lists."""
+    job = json.loads(spec.read_text())
+    offsets = map_npy(job.pop("offsets"))
+    for k, a, b, directory in job.pop("chunks"):
+        _plan_chunk(offsets[a : b + 1], k, Path(directory), **job)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
