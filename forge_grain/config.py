@@ -36,7 +36,10 @@ class SourceConfig:
     the files do not record: `dtype` (or `vocab_size`, or `tokenizer`, to decide it),
     `eos_id`/`bos_id` (to find documents in raw files), `file_pattern` to filter a
     directory, `split` to pick one split's files, `token_field` for the column of an
-    Arrow or MDS dataset.
+    Arrow or MDS dataset. A `path` that is a URL (`s3://bucket/store`, any fsspec URL)
+    is a forge-grain store in object storage, read through a local cache:
+    `storage_options` go to fsspec (credentials, `endpoint_url`), `cache_limit` bounds
+    the cache's bytes, `object_cache` is its directory (see `forge_grain.stores.remote`).
     """
 
     name: str
@@ -61,11 +64,14 @@ class SourceConfig:
     file_pattern: str | None = None
     format: str | None = None
     token_field: str | None = None
+    storage_options: dict | None = None
+    cache_limit: int | None = None
+    object_cache: str | None = None
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
         keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "split", "tokenizer", "format",
-                "token_field")
+                "token_field", "storage_options", "cache_limit", "object_cache")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
@@ -178,11 +184,11 @@ class DataConfig:
             if (s.path is None) == (s.hf_dataset is None):
                 raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
             if s.hf_dataset is not None:
-                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "format", "token_field")
-                         if getattr(s, k) is not None]
+                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "format", "token_field",
+                                     "storage_options", "cache_limit", "object_cache") if getattr(s, k) is not None]
                 if wrong:
                     raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
-            for key in ("eos_id", "bos_id", "vocab_size"):
+            for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
                 v = getattr(s, key)
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                     raise ConfigError(f"sources[{i}].{key}: must be a non-negative integer, got {v!r}")
@@ -278,7 +284,7 @@ def _phase(d: Any, i: int) -> Phase:
 def _relative_to(base: Path, p: str | None, always: bool = False) -> str | None:
     """A relative local path in a TOML file is relative to the file. Strings that name no
     local file (a hub dataset, a tokenizer name) stay as they are unless `always`."""
-    if p is None or Path(p).is_absolute():
+    if p is None or Path(p).is_absolute() or "://" in p:
         return p
     if always or (base / p).exists() or any(c in p for c in "*?["):
         return str(base / p)

@@ -252,6 +252,21 @@ def row_loss_positions(row_ptr, seg_len, seg_skip, seq_len):
     return out
 
 
+@nb.njit(cache=CACHE)
+def row_segments(rows, row_ptr):
+    """The segment indices of plan rows `rows`, row after row."""
+    n = 0
+    for r in rows:
+        n += row_ptr[r + 1] - row_ptr[r]
+    out = np.empty(n, np.int64)
+    k = 0
+    for r in rows:
+        for s in range(row_ptr[r], row_ptr[r + 1]):
+            out[k] = s
+            k += 1
+    return out
+
+
 def one_piece(tokens: np.ndarray) -> tuple:
     """`fill_rows`'s pieces for a single array of tokens."""
     return token_arrays([tokens]), np.array([0, len(tokens)], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)

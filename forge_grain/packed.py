@@ -252,7 +252,11 @@ class PackedDataset(grain.MapDataset):
         out = out if out is not None else empty_rows(n, self.seq_len, id_dtype, self._pool if n > 1 else None)
         dest = np.arange(n, dtype=np.int64) if dest is None else np.asarray(dest, np.int64)
         p = self.plan
-        if self._pieces is not None:
+        if self._pieces is not None and self.store.fetches:
+            row_ptr, start, length, skip, flags, pieces = (
+                p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, self._fetched_pieces(rows)
+            )
+        elif self._pieces is not None:
             row_ptr, start, length, skip, flags, pieces = (
                 p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, self._pieces
             )
@@ -264,11 +268,32 @@ class PackedDataset(grain.MapDataset):
         )
         return out
 
+    def _arrays_of(self, rows) -> np.ndarray:
+        """The token arrays plan rows `rows` read (a segment never spans two: it lies in one document)."""
+        _, starts, array, _ = self._pieces
+        first = np.searchsorted(starts, np.asarray(self.plan.seg_start)[kernels.row_segments(rows, self.plan.row_ptr)],
+                                side="right") - 1
+        return np.unique(array[first])
+
+    def _fetched_pieces(self, rows) -> tuple:
+        """For a store whose files are fetched on demand: the pieces with only the arrays
+        these rows read (fetched and mapped now), renumbered for this gather."""
+        _, starts, array, base = self._pieces
+        needed = self._arrays_of(rows)
+        local = np.zeros(int(array.max()) + 1, np.int64)
+        local[needed] = np.arange(len(needed))
+        return kernels.token_arrays(self.store.arrays_for(needed)), starts, local[array], base
+
+    def prefetch(self, indices) -> None:
+        """Tell the store which token arrays the rows `indices` will read (fetched ahead)."""
+        if self._pieces is not None and self.store.fetches:
+            self.store.prefetch(self._arrays_of(self.rows_of(indices)))
+
     def _read_segments(self, rows):
         """For stores read a document at a time (ArrayRecord, MDS): read the rows' segments
         into one buffer and describe them as a plan over that buffer."""
         p = self.plan
-        seg = np.concatenate([np.arange(p.row_ptr[r], p.row_ptr[r + 1]) for r in rows]) if len(rows) else np.zeros(0, int)
+        seg = kernels.row_segments(rows, p.row_ptr)
         counts = np.array([p.row_ptr[r + 1] - p.row_ptr[r] for r in rows], np.int64)
         offsets = self.store.offsets
         parts = []

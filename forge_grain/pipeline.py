@@ -74,7 +74,8 @@ class Pipeline:
     instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
-    core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
+    core), nor `fetch_ahead` (steps whose shards sources in object storage download
+    ahead). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class Pipeline:
         prefetch: int = 4,
         worker_count: int = 0,
         plan_workers: int | None = None,
+        fetch_ahead: int = 8,
         cache_dir: str | Path | None = None,
         dtype=np.int32,
         resume_from: dict | None = None,
@@ -105,6 +107,7 @@ class Pipeline:
         self.local_batch_size = B // shard_count
         self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
         self.cache_dir = cache_dir
+        self.fetch_ahead = fetch_ahead
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
         self.stores, self.datasets, self.streams = [], [], []
         for s in config.sources:
@@ -260,6 +263,7 @@ class Pipeline:
             raise IndexError(f"step {step} is outside [0, {self.step_limit})")
         if self.streams and step != self._stream_step:
             raise StateError(f"streaming sources are read in order: the next step is {self._stream_step}, not {step}")
+        self._fetch_ahead(step)
         out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         if self.streams:
@@ -267,6 +271,17 @@ class Pipeline:
             self._stream_states[step + 1] = [c.state() for c in self.streams]
             self._stream_states.pop(step - 64, None)  # keep what unconsumed prefetched steps may need
         return out
+
+    def _fetch_ahead(self, step: int) -> None:
+        """Tell sources in object storage which shards this step and the next `fetch_ahead`
+        read: they download them in the background and keep them from eviction."""
+        fetching = [i for i, st in enumerate(self.stores) if getattr(st, "fetches", False)]
+        if not fetching or not self.fetch_ahead:
+            return
+        last = min(step + 1 + self.fetch_ahead, self.step_limit)
+        src, rank = self.mixture.locate(np.concatenate([self.shard_rows(s) for s in range(step, last)]))
+        for i in fetching:
+            self.datasets[i].prefetch(rank[src == i])
 
     def seek(self, step: int, streams: list | None = None) -> None:
         """Position streaming sources for `step` (states from `state_at`); no-op without streams."""

@@ -22,16 +22,18 @@ class Records:
     holds at most the pool's cap of descriptors (Grain's `ArrayRecordDataSource` keeps a
     reader per shard it has touched)."""
 
-    def __init__(self, files: list[Path], counts: list[int]):
+    def __init__(self, files: list[Path], counts: list[int], fetch=None):
         self._files = [str(f) for f in files]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._fetch = fetch  # shard index -> local path, for shards fetched on demand (object storage)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def read(self, i: int) -> bytes:
         s = int(np.searchsorted(self._starts, i, side="right") - 1)
-        reader = handles.POOL.get(("arrayrecord", self._files[s]), lambda: _reader(self._files[s]))
+        reader = handles.POOL.get(("arrayrecord", self._files[s]),
+                                  lambda: _reader(str(self._fetch(s)) if self._fetch else self._files[s]))
         return reader.read([i - int(self._starts[s])])[0]
 
 

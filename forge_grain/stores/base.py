@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import StoreError
+from ..paths import local_path
 from . import checks
 
 
@@ -32,6 +33,7 @@ class TokenStore:
     """
 
     format = "?"  # the subclass's format name
+    fetches = False  # True: token arrays are fetched on demand (object storage); see `arrays_for`
     description = "a token dataset"  # for messages: "this is <description>"
     OPTIONS: frozenset[str] = frozenset()  # the `open` options this format accepts (besides `fingerprint`)
 
@@ -39,11 +41,11 @@ class TokenStore:
         if cls is TokenStore:
             from .formats import store_class
 
-            cls = store_class(Path(path), options.get("format"))
+            cls = store_class(path, options.get("format"))
         return super().__new__(cls)
 
     def __init__(self, path: str | Path, **options):
-        self.path = Path(path)
+        self.path = local_path(path)
         self._options = options
         self.manifest = None
         self.tokenizer: dict | None = None
@@ -58,7 +60,7 @@ class TokenStore:
         self._file_doc_starts = np.concatenate([[0], np.cumsum(self._file_docs)]).astype(np.int64)
         self._piece_table = self._make_pieces()
         self._lengths: np.ndarray | None = None
-        self._views = self._doc_start = self._doc_array = None  # built on the first read (`_index_documents`)
+        self._doc_start = self._doc_array = None  # built on the first read (`_index_documents`)
         self._gather_arrays = None  # the arrays as the compiled gather takes them (`pieces`)
         self._validate()
 
@@ -143,7 +145,7 @@ class TokenStore:
         out = np.empty(len(positions), self.dtype)
         for a in np.unique(array[p]):
             sel = array[p] == a
-            out[sel] = self._arrays[int(a)][positions[sel] - starts[p[sel]] + base[p[sel]]]
+            out[sel] = self._array(int(a))[positions[sel] - starts[p[sel]] + base[p[sel]]]
         return out
 
     def _check_format(self, declared: str | None) -> None:
@@ -203,15 +205,25 @@ class TokenStore:
             raise IndexError(f"document {i} out of range for a store of {n} documents")
         if self._piece_table is None:
             return self._document(i)
-        if self._views is None:
+        if self._doc_start is None:
             self._index_documents()
         start, length = int(self._doc_start[i]), int(self._offsets[i + 1] - self._offsets[i])
-        view = self._views[0] if self._doc_array is None else self._views[self._doc_array[i]]
-        return view[start : start + length]
+        return self._array(0 if self._doc_array is None else int(self._doc_array[i]))[start : start + length]
+
+    def _array(self, k: int) -> np.ndarray:
+        """Token array `k` (a store whose files are fetched on demand maps it here first)."""
+        return self._arrays[k]
+
+    def arrays_for(self, needed: np.ndarray) -> list[np.ndarray]:
+        """Token arrays `needed` (indices), for one gather."""
+        return [self._array(int(k)) for k in needed]
+
+    def prefetch(self, needed: np.ndarray) -> None:
+        """Token arrays the next steps will read (a hint; stores in object storage fetch them)."""
 
     def _index_documents(self) -> None:
         """Where each document starts in its array, and which array (when there are several):
-        a read is then two lookups and a slice of a plain ndarray view (slicing a memmap is slower)."""
+        a read is then two lookups and a slice."""
         starts, array, base = self._piece_table
         if len(array) == 1 and base[0] == 0:
             self._doc_start = self._offsets
@@ -221,7 +233,6 @@ class TokenStore:
             self._doc_start = self._offsets[:-1] - starts[p] + base[p]
             if len(self._arrays) > 1:
                 self._doc_array = array[p].astype(np.int32)
-        self._views = [np.asarray(a) for a in self._arrays]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))
@@ -304,7 +315,7 @@ class TokenStore:
             end = min(b, int(starts[p + 1]))
             if end > a:
                 at = a - int(starts[p]) + int(base[p])
-                parts.append(np.asarray(self._arrays[array[p]][at : at + end - a]))
+                parts.append(self._array(int(array[p]))[at : at + end - a])
             a = max(a, end)
             p += 1
         return np.concatenate(parts) if parts else checks.empty_tokens(self.dtype)
@@ -312,7 +323,7 @@ class TokenStore:
     def close(self) -> None:
         """Drop the memory maps (views already handed out stay valid while referenced)."""
         self._arrays = []
-        self._views = self._gather_arrays = None
+        self._gather_arrays = None
 
     def __enter__(self) -> "TokenStore":
         return self

@@ -6,6 +6,7 @@ import importlib
 from pathlib import Path
 
 from ..errors import StoreError
+from ..paths import is_url, local_path
 from . import identify
 
 # format name -> (module, class)
@@ -19,9 +20,18 @@ FORMATS = {
 }
 
 
-def store_class(path: Path, format: str | None = None):
+def store_class(path, format: str | None = None):
     """The `TokenStore` subclass for `path`: `format` when given (it must be one of the formats
-    the directory's marker files show, if any), else the one detected."""
+    the directory's marker files show, if any), else the one detected. A URL (`s3://...`)
+    is a forge-grain store in object storage (the one format read remotely)."""
+    if is_url(path):
+        from .remote import RemoteStore
+
+        if format not in (None, "native"):
+            raise StoreError(f"{path}: format={format!r} is not read from object storage; only forge-grain stores "
+                             "(format 'native', written by `forge-grain prepare`) are")
+        return RemoteStore
+    path = local_path(path)
     name = format or detect(path)
     if name not in FORMATS:
         raise StoreError(f"{path}: unknown format {name!r}; one of {', '.join(FORMATS)}")

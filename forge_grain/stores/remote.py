@@ -1,0 +1,247 @@
+"""forge-grain stores in object storage: any fsspec URL (`s3://`, `gs://`, `hf://`, ...).
+
+`TokenStore.open("s3://bucket/prefix")` downloads the manifest and the document indices
+(small) when it opens, and each shard into a local cache directory the first time a batch
+needs it: to a temporary name, checked against the manifest's size and sha256, renamed.
+Failures are retried with backoff; one that persists is an error naming the object. The
+pipeline tells the store which shards the next steps read (`prefetch`), so they are
+downloaded ahead in background threads, and `cache_limit` bounds the cache's bytes:
+eviction removes the least recently used shards that no upcoming step needs.
+
+Processes on one host share the cache directory (by default under `FORGE_GRAIN_CACHE`):
+a file lock per object means each shard is downloaded once, whoever asks first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import StoreError
+from ..locks import file_lock
+from ..manifest import MANIFEST_NAME, Manifest, temporary
+from ..paths import cache_root
+from . import arrayrecord, checks
+from .native import NativeStore
+
+RETRIES = 5
+BLOCK = 1 << 22  # bytes per read while downloading
+
+
+class ObjectCache:
+    """Local copies of one remote directory's files, shared by the processes of a host."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, directory=None, limit: int | None = None,
+                 retries: int = RETRIES):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.dir = Path(directory or cache_root() / "objects") / tag
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.limit, self.retries = limit, retries
+        self.downloads = 0  # objects this process downloaded (the rest were cached)
+
+    def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
+            keep=frozenset()) -> Path:
+        """The local copy (at `copy`, relative to the cache directory) of object `name`,
+        downloaded first if the cache lacks it, once per host: other processes wait for the
+        download. `keep`: copies eviction must spare."""
+        local = self.dir / copy
+        if local.exists():
+            return local
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
+            if local.exists():
+                return local
+            if self.limit is not None and size is not None:
+                self._make_room(size, keep | {copy})
+            self._download(name, local, sha256, size)
+        return local
+
+    def fresh(self, name: str) -> bytes:
+        """Object `name`'s current bytes (no cache): the manifest, which says what else to trust."""
+        return self._retry(name, lambda: self.fs.cat_file(f"{self.root}/{name}"))
+
+    def _download(self, name: str, local: Path, sha256: str | None, size: int | None) -> None:
+        tmp = temporary(local)
+
+        def attempt():
+            h, n = hashlib.sha256(), 0
+            with self.fs.open(f"{self.root}/{name}", "rb") as src, open(tmp, "wb") as dst:
+                while block := src.read(BLOCK):
+                    h.update(block)
+                    dst.write(block)
+                    n += len(block)
+            if size is not None and n != size:
+                raise _Damaged(f"{n} bytes arrived, the manifest says {size}")
+            if sha256 is not None and h.hexdigest() != sha256:
+                raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
+            os.replace(tmp, local)
+
+        try:
+            self._retry(name, attempt)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.downloads += 1
+
+    def _retry(self, name: str, attempt):
+        """`attempt()`, retried with exponential backoff; a missing object is not retried."""
+        for k in range(self.retries):
+            try:
+                return attempt()
+            except (FileNotFoundError, PermissionError) as e:
+                raise StoreError(f"{self.url}/{name}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
+            except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
+                last = e
+                time.sleep(min(0.05 * 2**k, 2.0))
+        raise StoreError(f"{self.url}/{name}: failed after {self.retries} attempts: {last}") from None
+
+    def _make_room(self, size: int, keep: set) -> None:
+        """Evict least recently used files (not `keep`) until `size` more bytes fit the limit."""
+        with file_lock(self.dir / ".evict.lock"):
+            files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self._cached()]
+            used = sum(s for _, s, _ in files)
+            for _, s, p in sorted(files, key=lambda f: f[0]):
+                if used + size <= self.limit:
+                    break
+                if str(p.relative_to(self.dir)) not in keep and p.suffix in (".bin", ".array_record"):
+                    p.unlink(missing_ok=True)
+                    used -= s
+            if used + size > self.limit:
+                raise StoreError(
+                    f"{self.url}: cache_limit {self.limit} bytes cannot hold the shards the next steps need "
+                    f"({used} bytes kept, {size} more wanted); raise cache_limit"
+                )
+
+    def _cached(self):
+        for root, dirs, names in os.walk(self.dir):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # `.plans`: packing plans kept beside the copies
+            for n in names:
+                if not n.startswith(".") and ".tmp" not in n:
+                    yield Path(root) / n
+
+    def used(self) -> int:
+        """Bytes of the files in the cache directory."""
+        return sum(p.stat().st_size for p in self._cached())
+
+
+class _Damaged(Exception):
+    """A download that arrived incomplete or with the wrong checksum (retried)."""
+
+
+class RemoteStore(NativeStore):
+    """A forge-grain store in object storage, read through a local cache.
+
+    Options besides `NativeStore`'s: `storage_options` (for fsspec: credentials,
+    `endpoint_url`, ...), `object_cache` (the cache directory; default
+    `$FORGE_GRAIN_CACHE/objects`), `cache_limit` (bytes; default unbounded) and
+    `fetch_threads` (parallel downloads ahead of need; default 4).
+    """
+
+    description = "a forge-grain store in object storage"
+    OPTIONS = NativeStore.OPTIONS | {"storage_options", "object_cache", "cache_limit", "fetch_threads"}
+    fetches = True
+
+    def __init__(self, path, **options):
+        self.url = str(path).rstrip("/")
+        try:
+            super().__init__(path, **options)
+        except StoreError as e:  # name the objects, not their local copies
+            mirror = getattr(self, "path", None)
+            raise StoreError(str(e).replace(f"{mirror}", self.url) if mirror else str(e)) from None
+
+    def _open(self, dtype=None, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=4) -> None:
+        self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit)
+        manifest = self.cache.fresh(MANIFEST_NAME)
+        # the indices and shards of this manifest live in a directory named by its content:
+        # a store rewritten in place gets a new one, so nothing stale is ever read
+        self.mirror = Path(hashlib.sha256(manifest).hexdigest()[:16])
+        local = self.cache.dir / self.mirror
+        local.mkdir(exist_ok=True)
+        if not (local / MANIFEST_NAME).exists():
+            tmp = temporary(local / MANIFEST_NAME)
+            tmp.write_bytes(manifest)
+            os.replace(tmp, local / MANIFEST_NAME)
+        self.path = local
+        m = Manifest.load(local)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the indices: small, all needed at open
+            list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}"), m.shards))
+        self._pool = concurrent.futures.ThreadPoolExecutor(fetch_threads, thread_name_prefix="forge-grain-fetch")
+        self._lock = threading.Lock()
+        self._mapped: dict[int, np.ndarray] = {}
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._keep: frozenset = frozenset()
+        super()._open(dtype)
+        if self._records is not None:
+            self._records = arrayrecord.Records(self._files, self._file_docs, fetch=self._fetch)
+
+    def _map_shards(self, m: Manifest) -> list[np.ndarray]:
+        """Indices only: shards are fetched when a batch or a prefetch needs them."""
+        offsets = [self._load_index(self.path / s.index, s) for s in m.shards]
+        if m.layout == "bin":
+            self._arrays = [checks.empty_tokens(self.dtype)] * len(m.shards)
+            sizes = [s.num_tokens for s in m.shards]
+            self._pieces = (np.concatenate([[0], np.cumsum(sizes)]), np.arange(len(sizes)), np.zeros(len(sizes)))
+        return offsets
+
+    def _name(self, k: int) -> str:
+        return f"{self.mirror}/{self.manifest.shards[k].tokens}"
+
+    def _fetch(self, k: int) -> Path:
+        s = self.manifest.shards[k]
+        size = s.num_tokens * self.dtype.itemsize if self.manifest.layout == "bin" else None
+        return self.cache.get(s.tokens, self._name(k), s.sha256, size, keep=self._keep)
+
+    def _array(self, k: int) -> np.ndarray:
+        arr = self._mapped.get(k)
+        if arr is not None:
+            return arr
+        with self._lock:
+            future = self._pending.get(k)
+        path = future.result() if future is not None else self._fetch(k)
+        arr = self._map_bin_shard(path, self.manifest.shards[k])
+        os.utime(path)  # recently used: evicted last
+        with self._lock:
+            self._mapped[k] = arr
+        return arr
+
+    def prefetch(self, needed: np.ndarray) -> None:
+        """Download shards `needed` in the background; until the next hint, eviction spares
+        them. Maps of shards no longer needed are dropped, so evicted files free their space."""
+        needed = [int(k) for k in needed]
+        with self._lock:
+            self._keep = frozenset(self._name(k) for k in needed)
+            for k in [k for k in self._mapped if k not in set(needed)]:
+                del self._mapped[k]
+            for k in needed:
+                if k not in self._mapped and k not in self._pending:
+                    self._pending[k] = self._pool.submit(self._fetch, k)
+            for k in [k for k, f in self._pending.items() if f.done()]:
+                self._pending.pop(k).result()  # a failed download raises here, naming the object
+
+    def _verify_files(self) -> None:
+        for k in range(len(self.manifest.shards)):
+            self._fetch(k)  # a download is checked against the manifest's sha256
+
+    def __reduce__(self):
+        return (_reopen_remote, (self.url, self._options))
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
+
+    def close(self) -> None:
+        super().close()
+        self._mapped.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _reopen_remote(url, options):
+    return RemoteStore(url, **options)
