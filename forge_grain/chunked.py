@@ -186,6 +186,7 @@ def _join_stats(chunks: list[PackingPlan], seq_len: int, strategy: str, seconds:
         "docs_per_row": segments / rows if rows else 0.0, "loss_positions": add("loss_positions"),
         "tokens": total, "real_tokens": real, "segments": segments, "cropped_tokens": add("cropped_tokens"),
         "lost_tokens": add("lost_tokens"), "chunks": len(chunks), "planning_seconds": round(seconds, 4),
+        "chunk_rows": [c.num_rows for c in chunks],  # rows of chunk k follow those of chunk k - 1
     }
 
 

@@ -40,6 +40,8 @@ class SourceConfig:
     is a forge-grain store in object storage, read through a local cache:
     `storage_options` go to fsspec (credentials, `endpoint_url`), `cache_limit` bounds
     the cache's bytes, `object_cache` is its directory (see `forge_grain.stores.remote`).
+    `shuffle_window=W` shuffles W planning chunks' rows at a time instead of the whole
+    epoch's, bounding the shards a window reads (see `PackedDataset.rows_of`); it is data.
     """
 
     name: str
@@ -67,6 +69,7 @@ class SourceConfig:
     storage_options: dict | None = None
     cache_limit: int | None = None
     object_cache: str | None = None
+    shuffle_window: int | None = None
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
@@ -188,6 +191,8 @@ class DataConfig:
                                      "storage_options", "cache_limit", "object_cache") if getattr(s, k) is not None]
                 if wrong:
                     raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
+            if s.shuffle_window is not None:
+                _positive_int(f"sources[{i}].shuffle_window", s.shuffle_window)
             for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
                 v = getattr(s, key)
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

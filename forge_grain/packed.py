@@ -20,7 +20,7 @@ from .paths import cache_root
 from .buffers import BufferPool
 from .manifest import remove_stale_temporaries, temporary
 from .chunked import CHUNK_DOCS, plan_chunked
-from .packing import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos
+from .packing import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos, stream_key
 from .stores import TokenStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ def pack(
     seed: int = 0,
     stride: int | None = None,
     shuffle: bool = True,
+    shuffle_window: int | None = None,
     num_epochs: int | None = 1,
     pad_id: int | None = None,
     cache_dir: str | Path | None = None,
@@ -58,7 +59,9 @@ def pack(
     "bestfit" (best-fit decreasing with padding; long documents split, no token lost;
     `stride < seq_len` makes overlapping windows whose repeated head is loss-masked).
     `num_epochs=None` repeats forever; each epoch visits the rows in a new seeded order
-    (`shuffle=False`: plan order).
+    (`shuffle=False`: plan order). `shuffle_window=W` shuffles W planning chunks' rows at
+    a time instead of the whole epoch's, so a store in object storage is read a few chunks
+    at a time (see `PackedDataset.rows_of`).
 
     A store of more than `chunk_docs` documents (default `chunked.CHUNK_DOCS`, about 4 M)
     is planned a chunk at a time in `plan_workers` processes (default: one per core); see
@@ -78,7 +81,8 @@ def pack(
         p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id)
         directory = _save(p, directory, store, seq_len, strategy)
         p = _load_valid(directory, store, seq_len, strategy) or p  # memory-mapped when saved
-    return PackedDataset(store, p, seed=seed, shuffle=shuffle, num_epochs=num_epochs, pad_id=pad_id, plan_dir=directory)
+    return PackedDataset(store, p, seed=seed, shuffle=shuffle, shuffle_window=shuffle_window, num_epochs=num_epochs,
+                         pad_id=pad_id, plan_dir=directory)
 
 
 def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, workers) -> PackingPlan:
@@ -194,12 +198,16 @@ class PackedDataset(grain.MapDataset):
     gathered in one compiled call.
     """
 
-    def __init__(self, store, packing_plan, *, seed=0, shuffle=True, num_epochs=1, pad_id=None, plan_dir=None):
+    def __init__(self, store, packing_plan, *, seed=0, shuffle=True, shuffle_window=None, num_epochs=1, pad_id=None,
+                 plan_dir=None):
         super().__init__()
         self.store = store
         self.plan = packing_plan
         self.seq_len = packing_plan.seq_len
         self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
+        self.shuffle_window = shuffle_window
+        self._chunk_rows = np.asarray(packing_plan.stats.get("chunk_rows", [packing_plan.num_rows]), np.int64)
+        self._windows: dict = {}  # epoch -> its chunk order and window starts (`_window_rows`)
         self.pad_id = pad_id if pad_id is not None else (store.eos_id if store.eos_id is not None else 0)
         self._plan_dir = plan_dir
         self.plan_key = plan_dir.name if plan_dir is not None else None
@@ -242,7 +250,54 @@ class PackedDataset(grain.MapDataset):
         idx = np.asarray(indices, np.int64).reshape(-1)
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for a packed dataset of {len(self)} rows")
+        if self.shuffle and self.shuffle_window:
+            return self._window_rows(idx)
         return kernels.epoch_rows(idx, self.num_rows, self._seed_key, self.shuffle)
+
+    def _window_rows(self, idx: np.ndarray) -> np.ndarray:
+        """The locality order: each epoch visits the plan's chunks in a seeded order,
+        `shuffle_window` chunks at a time, and shuffles the rows of those chunks together.
+
+        A window's rows read only its chunks' documents (contiguous shards), so a reader
+        needs those shards, not the store. The price is shuffle quality: rows of different
+        windows never neighbour each other within an epoch, and documents of one chunk
+        are met together (chunks are random samples of contiguous documents: as random as
+        the order the data was written in). Still a pure function of the index, so exact
+        and elastic resume hold as for the global shuffle.
+        """
+        n = self.num_rows
+        out = np.empty(len(idx), np.int64)
+        epochs = idx // n
+        for e in np.unique(epochs):
+            order, starts, firsts = self._epoch_windows(int(e))
+            sel = np.flatnonzero(epochs == e)
+            pos = idx[sel] - e * n
+            win = np.searchsorted(starts, pos, side="right") - 1
+            for w in np.unique(win):
+                at = sel[win == w]
+                m = int(starts[w + 1] - starts[w])
+                key = stream_key("window", self._seed_key, int(e), int(w))
+                local = kernels.epoch_rows(pos[win == w] - starts[w], m, key, True)
+                chunks = order[w * self.shuffle_window : (w + 1) * self.shuffle_window]
+                cum = np.concatenate([[0], np.cumsum(self._chunk_rows[chunks])])
+                c = np.searchsorted(cum, local, side="right") - 1
+                out[at] = firsts[chunks[c]] + local - cum[c]
+        return out
+
+    def _epoch_windows(self, e: int):
+        """Epoch e's chunk order, the start of each window in the epoch's positions, and each
+        chunk's first plan row (cached for a few epochs)."""
+        if e not in self._windows:
+            if len(self._windows) > 4:
+                self._windows.clear()
+            order = kernels.permutation(len(self._chunk_rows), stream_key("chunk-order", self._seed_key, e))
+            sizes = self._chunk_rows[order]
+            W = self.shuffle_window
+            per_window = np.add.reduceat(sizes, np.arange(0, len(sizes), W))
+            starts = np.concatenate([[0], np.cumsum(per_window)])
+            firsts = np.concatenate([[0], np.cumsum(self._chunk_rows)])[:-1]
+            self._windows[e] = (order, starts, firsts)
+        return self._windows[e]
 
     def get_batch(self, indices, out: dict | None = None, dest=None, id_dtype=np.int32) -> dict:
         """Rows `indices` as [len(indices), seq_len] arrays; into `out` when given, at
@@ -315,7 +370,8 @@ class PackedDataset(grain.MapDataset):
         plan_ref = self._plan_dir if self._plan_dir is not None and (self._plan_dir / "plan.json").exists() else self.plan
         return (
             _restore,
-            (self.store, plan_ref, dict(seed=self.seed, shuffle=self.shuffle, num_epochs=self.num_epochs, pad_id=self.pad_id)),
+            (self.store, plan_ref, dict(seed=self.seed, shuffle=self.shuffle, shuffle_window=self.shuffle_window,
+                                        num_epochs=self.num_epochs, pad_id=self.pad_id)),
         )
 
     def __str__(self) -> str:

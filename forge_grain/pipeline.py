@@ -235,7 +235,7 @@ class Pipeline:
             "sources": [
                 {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
                  "plan": d.plan_key, "plan_sha256": d.plan.checksum() if isinstance(d, PackedDataset) else None,
-                 "data": _data_id(st)}
+                 "data": _data_id(st), **({"shuffle_window": s.shuffle_window} if s.shuffle_window else {})}
                 for s, d, st in zip(c.sources, self.datasets, self.stores)
             ],
         }

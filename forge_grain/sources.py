@@ -44,5 +44,5 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
     else:
         store = TokenStore.open(src.path, **src.store_options())
     dataset = pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None, cache_dir=cache_dir,
-                   chunk_docs=chunk_docs, plan_workers=plan_workers)
+                   chunk_docs=chunk_docs, plan_workers=plan_workers, shuffle_window=src.shuffle_window)
     return OpenedSource(store, dataset)

@@ -45,6 +45,11 @@ class HandlePool:
                 self._open.popitem(last=False)
         return handle
 
+    def drop(self, key) -> None:
+        """Forget `key`'s handle (its file was removed): it closes once no reader holds it."""
+        with self._lock:
+            self._open.pop(key, None)
+
     def __len__(self) -> int:
         return len(self._open)
 

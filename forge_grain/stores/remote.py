@@ -15,6 +15,7 @@ a file lock per object means each shard is downloaded once, whoever asks first.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import threading
@@ -25,9 +26,9 @@ import numpy as np
 
 from ..errors import StoreError
 from ..locks import file_lock
-from ..manifest import MANIFEST_NAME, Manifest, temporary
+from ..manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, temporary
 from ..paths import cache_root
-from . import arrayrecord, checks
+from . import arrayrecord, checks, handles
 from .native import NativeStore
 
 RETRIES = 5
@@ -61,21 +62,32 @@ class ObjectCache:
         with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
             if local.exists():
                 return local
-            if self.limit is not None and size is not None:
-                self._make_room(size, keep | {copy})
-            self._download(name, local, sha256, size)
+            self._download(name, local, sha256, size, keep | {copy})
         return local
 
     def fresh(self, name: str) -> bytes:
         """Object `name`'s current bytes (no cache): the manifest, which says what else to trust."""
-        return self._retry(name, lambda: self.fs.cat_file(f"{self.root}/{name}"))
+        def attempt():
+            data = self.fs.cat_file(f"{self.root}/{name}")
+            size = self.fs.size(f"{self.root}/{name}")
+            if len(data) != size:
+                raise _Damaged(f"{len(data)} bytes arrived of {size}")
+            return data
 
-    def _download(self, name: str, local: Path, sha256: str | None, size: int | None) -> None:
+        return self._retry(name, attempt)
+
+    def _download(self, name: str, local: Path, sha256: str | None, size: int | None, keep) -> None:
         tmp = temporary(local)
+        if size is None:  # the manifest does not say (indices, ArrayRecord shards): ask, so a cut-off
+            size = self._retry(name, lambda: self.fs.size(f"{self.root}/{name}"))  # read is never taken
+        if self.limit is not None:
+            self._make_room(size, keep, tmp)
+        else:
+            tmp.write_bytes(b"")
 
         def attempt():
             h, n = hashlib.sha256(), 0
-            with self.fs.open(f"{self.root}/{name}", "rb") as src, open(tmp, "wb") as dst:
+            with self.fs.open(f"{self.root}/{name}", "rb") as src, open(tmp, "r+b") as dst:
                 while block := src.read(BLOCK):
                     h.update(block)
                     dst.write(block)
@@ -84,7 +96,10 @@ class ObjectCache:
                 raise _Damaged(f"{n} bytes arrived, the manifest says {size}")
             if sha256 is not None and h.hexdigest() != sha256:
                 raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
-            os.replace(tmp, local)
+            if tmp.stat().st_size != n:  # a retry after a longer, failed attempt
+                os.truncate(tmp, n)
+            with self._accounting():  # a rename mid-listing could hide the file from a count
+                os.replace(tmp, local)
 
         try:
             self._retry(name, attempt)
@@ -104,33 +119,49 @@ class ObjectCache:
                 time.sleep(min(0.05 * 2**k, 2.0))
         raise StoreError(f"{self.url}/{name}: failed after {self.retries} attempts: {last}") from None
 
-    def _make_room(self, size: int, keep: set) -> None:
-        """Evict least recently used files (not `keep`) until `size` more bytes fit the limit."""
-        with file_lock(self.dir / ".evict.lock"):
-            files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self._cached()]
+    def _make_room(self, size: int, keep: set, reserve: Path) -> None:
+        """Evict least recently used files (not `keep`) until `size` more bytes fit the limit,
+        and reserve them: `reserve` (the download's temporary) is created at that size while
+        the lock is held, so concurrent downloads, in any process, count each other."""
+        with self._accounting():
+            files = list(self._cached())
             used = sum(s for _, s, _ in files)
             for _, s, p in sorted(files, key=lambda f: f[0]):
                 if used + size <= self.limit:
                     break
-                if str(p.relative_to(self.dir)) not in keep and p.suffix in (".bin", ".array_record"):
+                evictable = not p.name.startswith(".") and p.suffix in (".bin", ".array_record")
+                if evictable and str(p.relative_to(self.dir)) not in keep:
                     p.unlink(missing_ok=True)
+                    handles.POOL.drop(("arrayrecord", str(p)))  # an open reader would hold its space
                     used -= s
             if used + size > self.limit:
                 raise StoreError(
                     f"{self.url}: cache_limit {self.limit} bytes cannot hold the shards the next steps need "
-                    f"({used} bytes kept, {size} more wanted); raise cache_limit"
+                    f"({used} bytes kept, {size} more wanted); raise cache_limit, or lower fetch_ahead or "
+                    "shuffle_window"
                 )
+            with open(reserve, "wb") as f:
+                f.truncate(size)
 
     def _cached(self):
         for root, dirs, names in os.walk(self.dir):
             dirs[:] = [d for d in dirs if not d.startswith(".")]  # `.plans`: packing plans kept beside the copies
-            for n in names:
-                if not n.startswith(".") and ".tmp" not in n:
-                    yield Path(root) / n
+            for n in names:  # downloads in progress too: their temporaries are allocated at full size
+                try:
+                    st = os.stat(Path(root) / n)
+                except FileNotFoundError:  # evicted or renamed meanwhile
+                    continue
+                yield st.st_mtime, st.st_size, Path(root) / n
 
     def used(self) -> int:
-        """Bytes of the files in the cache directory."""
-        return sum(p.stat().st_size for p in self._cached())
+        """Bytes of the files in the cache directory, downloads in progress at their full size."""
+        with self._accounting():
+            return sum(size for _, size, _ in self._cached())
+
+    def _accounting(self):
+        """The lock under which the cache's bytes change by more than a shrink (reservations,
+        renames, eviction) and are counted, across the host's processes."""
+        return file_lock(self.dir / ".evict.lock") if self.limit is not None else contextlib.nullcontext()
 
 
 class _Damaged(Exception):
@@ -166,6 +197,7 @@ class RemoteStore(NativeStore):
         self.mirror = Path(hashlib.sha256(manifest).hexdigest()[:16])
         local = self.cache.dir / self.mirror
         local.mkdir(exist_ok=True)
+        remove_stale_temporaries(local)  # downloads of processes that died
         if not (local / MANIFEST_NAME).exists():
             tmp = temporary(local / MANIFEST_NAME)
             tmp.write_bytes(manifest)

@@ -1,0 +1,134 @@
+"""A real S3-compatible server for the tests (moto in server mode on 127.0.0.1), and an HTTP
+proxy between client and server that injects faults into object reads: dropped
+connections, 500s, slow and truncated responses. It also counts the GETs of each object."""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import logging
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+KEYS = {"key": "testing", "secret": "testing"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """moto's S3 on a free port; `options(proxy=...)` are s3fs storage options reaching it."""
+
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.proxy = FaultProxy(self.port)
+
+    def options(self, via_proxy: bool = False) -> dict:
+        port = self.proxy.port if via_proxy else self.port
+        # the client retries nothing itself: what the tests see is forge-grain's own retrying
+        return {**KEYS, "endpoint_url": f"http://127.0.0.1:{port}", "skip_instance_cache": True,
+                "config_kwargs": {"retries": {"max_attempts": 1}, "read_timeout": 2, "connect_timeout": 2}}
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(**self.options())
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        self.server.stop()
+
+
+class FaultProxy:
+    """Forwards HTTP to the server; `fail(part, kind, times)` makes the next `times` GETs of
+    objects whose path contains `part` fail with `kind`: "drop", "500", "delay", "truncate"."""
+
+    def __init__(self, upstream: int):
+        self.upstream = upstream
+        self.faults: list[list] = []
+        self.gets: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail(self, part: str, kind: str, times: int = 1) -> None:
+        with self.lock:
+            self.faults.append([part, kind, times])
+
+    def clear(self) -> None:
+        with self.lock:
+            self.faults.clear()
+            self.gets.clear()
+
+    def take(self, method: str, path: str) -> str | None:
+        with self.lock:
+            if method != "GET" or "?" in path:  # object reads only, not listings
+                return None
+            self.gets[path] += 1
+            for f in self.faults:
+                if f[0] in path and f[2] > 0:
+                    f[2] -= 1
+                    return f[1]
+        return None
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+def _handler(proxy: FaultProxy):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _forward(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            fault = proxy.take(self.command, self.path)
+            if fault == "drop":
+                self.close_connection = True
+                return
+            if fault == "delay":
+                time.sleep(3)  # past the client's read timeout
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=30)
+            conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+            if fault == "500":
+                resp_status, data = 500, b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+                headers = [("Content-Type", "application/xml")]
+            else:
+                resp_status = resp.status
+                headers = [(k, v) for k, v in resp.getheaders()
+                           if k.lower() not in ("content-length", "transfer-encoding", "connection")]
+            self.send_response(resp_status)
+            for k, v in headers:
+                self.send_header(k, v)
+            length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+            self.send_header("Content-Length", length)
+            self.end_headers()
+            if fault == "truncate":
+                self.wfile.write(data[: len(data) // 2])
+                self.close_connection = True
+                return
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+    return Handler
