@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from .errors import ForgeGrainError
+
+
+def _storage_options(parser) -> None:
+    parser.add_argument("--storage-options", type=json.loads, metavar="JSON",
+                        help="for an s3:// (or other fsspec) URL: fsspec options as JSON, e.g. "
+                        "'{\"endpoint_url\": \"http://minio:9000\"}' (credentials come from the environment)")
 
 
 def _prepare(a) -> None:
@@ -20,9 +27,9 @@ def _prepare(a) -> None:
         list_separator=_unescape(a.join_lists), special_tokens_in_text=a.special_tokens_in_text,
         add_bos=a.bos, add_eos=a.eos, bos_token=a.bos_token, eos_token=a.eos_token, bos_id=a.bos_id,
         eos_id=a.eos_id, layout=a.layout, num_shards=a.num_shards, num_proc=a.num_proc, overwrite=a.overwrite,
-        progress=not a.quiet, piece_chars=a.piece_chars,
+        progress=not a.quiet, piece_chars=a.piece_chars, storage_options=a.storage_options,
     )
-    print(format_summary(TokenStore.open(out)))
+    print(format_summary(TokenStore.open(out, storage_options=a.storage_options)))
 
 
 def _inspect(a) -> None:
@@ -33,6 +40,7 @@ def _inspect(a) -> None:
         a.path, verify=a.verify, dtype=a.dtype, eos_id=a.eos_id, bos_id=a.bos_id, vocab_size=a.vocab_size,
         tokenizer=a.tokenizer, split=a.split, file_pattern=a.file_pattern, format=a.format,
         token_field=a.token_field, fingerprint="full" if a.full_fingerprint else "sampled",
+        storage_options=a.storage_options,
     )
     print(format_summary(store))
     if a.verify:
@@ -96,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokenize longer documents in pieces of about this many characters, with the same ids; "
                     "bounds memory at ~150 bytes per token of a piece (default: 1048576)")
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _storage_options(pr)
     pr.set_defaults(func=_prepare)
 
     ins = sub.add_parser("inspect", help="summarize a token store")
@@ -118,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="foreign files: hash every byte for the fingerprint (default: sampled blocks)")
     ins.add_argument("--seq-len", type=int, help="also report how each packing strategy fills rows of this length")
     ins.add_argument("--seed", type=int, default=0, help="document shuffle seed for the packing report")
+    _storage_options(ins)
     ins.set_defaults(func=_inspect)
 
     de = sub.add_parser("demo", help="run the whole flow on a corpus that needs no download")

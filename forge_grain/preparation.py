@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -37,6 +38,7 @@ from .manifest import (
     write_json_atomic,
 )
 from .locks import exclusive_or_refuse
+from .paths import cache_root, is_url
 from .tokenizer import TextTokenizer, load_tokenizer
 
 BATCH_DOCS = 512  # documents tokenized per call: large enough for the Rust batch path
@@ -90,7 +92,8 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
     piece_chars: int = 1 << 20,
-) -> Path:
+    storage_options: dict | None = None,
+) -> Path | str:
     """Tokenize `source` (see `forge_grain.texts.load_corpus`) into a token store at `output`.
 
     Text (`text_field`): every non-empty document becomes `[BOS] + tokens + [EOS]`
@@ -103,7 +106,24 @@ def prepare(
     pieces with the same ids (see `TextTokenizer.encode_long`), so memory is bounded by
     the piece (about 150 bytes a token), not the largest document.
     Returns the store's path (`TokenStore.open` it).
+
+    An `output` URL (`s3://bucket/store`, any fsspec URL; `storage_options` go to fsspec)
+    is prepared in a local staging directory under `FORGE_GRAIN_CACHE`, then uploaded,
+    manifest last (see `stores.remote.upload_store`), and the staging copy is removed;
+    re-running an interrupted command resumes both. Returns the URL.
     """
+    if is_url(output):
+        args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
+        from .stores.remote import upload_store
+
+        staging = cache_root() / "uploads" / hashlib.sha256(str(output).encode()).hexdigest()[:16]
+        try:
+            prepare(source, staging, **args)
+        except PrepareError as e:  # the staging directory stands for the URL
+            raise PrepareError(str(e).replace(str(staging), str(output))) from None
+        upload_store(staging, str(output), storage_options, overwrite=overwrite, progress=progress)
+        shutil.rmtree(staging, ignore_errors=True)  # the store is in object storage now; a re-run finds it complete
+        return str(output)
     from .texts import load_corpus
 
     if layout not in LAYOUTS:

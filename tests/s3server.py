@@ -52,35 +52,38 @@ class S3Server:
 
 
 class FaultProxy:
-    """Forwards HTTP to the server; `fail(part, kind, times)` makes the next `times` GETs of
-    objects whose path contains `part` fail with `kind`: "drop", "500", "delay", "truncate"."""
+    """Forwards HTTP to the server; `fail(part, kind, times, method)` makes the next `times`
+    requests (GETs by default) of objects whose path contains `part` fail with `kind`:
+    "drop", "500", "delay", "truncate". `gets` and `puts` count object reads and writes."""
 
     def __init__(self, upstream: int):
         self.upstream = upstream
         self.faults: list[list] = []
         self.gets: collections.Counter = collections.Counter()
+        self.puts: collections.Counter = collections.Counter()
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def fail(self, part: str, kind: str, times: int = 1) -> None:
+    def fail(self, part: str, kind: str, times: int = 1, method: str = "GET") -> None:
         with self.lock:
-            self.faults.append([part, kind, times])
+            self.faults.append([part, kind, times, method])
 
     def clear(self) -> None:
         with self.lock:
             self.faults.clear()
             self.gets.clear()
+            self.puts.clear()
 
     def take(self, method: str, path: str) -> str | None:
         with self.lock:
-            if method != "GET" or "?" in path:  # object reads only, not listings
+            if method not in ("GET", "PUT") or "?" in path:  # object reads and writes, not listings
                 return None
-            self.gets[path] += 1
+            (self.gets if method == "GET" else self.puts)[path] += 1
             for f in self.faults:
-                if f[0] in path and f[2] > 0:
+                if f[0] in path and f[2] > 0 and f[3] == method:
                     f[2] -= 1
                     return f[1]
         return None
@@ -104,11 +107,12 @@ def _handler(proxy: FaultProxy):
                 return
             if fault == "delay":
                 time.sleep(3)  # past the client's read timeout
-            conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=30)
-            conn.request(self.command, self.path, body=body, headers=dict(self.headers))
-            resp = conn.getresponse()
-            data = resp.read()
-            conn.close()
+            if fault != "500":  # a failing server does not store or serve anything
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=30)
+                conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
             if fault == "500":
                 resp_status, data = 500, b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
                 headers = [("Content-Type", "application/xml")]

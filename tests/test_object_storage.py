@@ -156,3 +156,31 @@ def test_two_processes_share_one_cache_downloading_each_shard_once(tmp_path, s3,
     shard_gets = {path: n for path, n in s3.proxy.gets.items() if path.endswith(".bin")}
     assert len(shard_gets) == 30 and set(shard_gets.values()) == {1}  # one download per shard for the host
     assert sum(int(o[1]) for o in outs) == 60  # 30 shards and 30 indices, split between the two
+
+
+def test_prepare_to_object_storage_writes_the_local_store_and_an_interrupted_upload_resumes(tmp_path, s3,
+                                                                                          local_stores, monkeypatch):
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    docs = local_stores["bin"].parent / "docs.jsonl"
+    args = dict(token_field="ids", vocab_size=1000, bos_id=0, num_shards=30, progress=False)
+    s3.proxy.clear()
+    s3.proxy.fail("up/shard-00012.bin", "500", times=1000, method="PUT")  # the upload fails part-way
+    with pytest.raises(StoreError, match=r"s3://bucket/up/shard-00012\.bin: failed after 5 attempts"):
+        prepare(docs, "s3://bucket/up", storage_options=s3.options(via_proxy=True), **args)
+    fs = s3.fs()
+    assert not fs.exists("bucket/up/manifest.json")  # an unfinished upload never looks like a store
+    first = {p for p, n in s3.proxy.puts.items() if p.endswith((".bin", ".npy"))}
+    s3.proxy.clear()
+    url = prepare(docs, "s3://bucket/up", storage_options=s3.options(via_proxy=True), **args)
+    again = {p for p in s3.proxy.puts if p.endswith((".bin", ".npy"))}
+    assert "/bucket/up/shard-00012.bin" in again and not again & (first - {"/bucket/up/shard-00012.bin"})
+    remote = TokenStore.open(url, storage_options=s3.options(), object_cache=str(tmp_path / "o"), verify=True)
+    local = TokenStore.open(local_stores["bin"])
+    assert remote.fingerprint == local.fingerprint and len(remote) == len(local)
+    assert all(np.array_equal(remote[i], local[i]) for i in range(0, len(local), 11))
+    assert not fs.exists("bucket/up/.forge-grain-upload.json")
+    s3.proxy.clear()
+    prepare(docs, "s3://bucket/up", storage_options=s3.options(via_proxy=True), **args)
+    assert not s3.proxy.puts  # complete already: nothing uploaded
+    with pytest.raises(StoreError, match="already holds another token store"):
+        prepare(docs, "s3://bucket/up", storage_options=s3.options(), **{**args, "num_shards": 20})

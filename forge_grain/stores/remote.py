@@ -35,19 +35,42 @@ RETRIES = 5
 BLOCK = 1 << 22  # bytes per read while downloading
 
 
-class ObjectCache:
-    """Local copies of one remote directory's files, shared by the processes of a host."""
+class RemoteDir:
+    """A directory at an fsspec URL, and the retrying every request to it goes through."""
 
-    def __init__(self, url: str, storage_options: dict | None = None, directory=None, limit: int | None = None,
-                 retries: int = RETRIES):
+    def __init__(self, url: str, storage_options: dict | None = None, retries: int = RETRIES):
         import fsspec
 
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.retries = retries
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _retry(self, name: str, attempt):
+        """`attempt()`, retried with exponential backoff; a missing object is not retried."""
+        for k in range(self.retries):
+            try:
+                return attempt()
+            except (FileNotFoundError, PermissionError) as e:
+                raise StoreError(f"{self.url}/{name}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
+            except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
+                last = e
+                time.sleep(min(0.05 * 2**k, 2.0))
+        raise StoreError(f"{self.url}/{name}: failed after {self.retries} attempts: {last}") from None
+
+
+class ObjectCache(RemoteDir):
+    """Local copies of one remote directory's files, shared by the processes of a host."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, directory=None, limit: int | None = None,
+                 retries: int = RETRIES):
+        super().__init__(url, storage_options, retries)
         tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.dir = Path(directory or cache_root() / "objects") / tag
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.limit, self.retries = limit, retries
+        self.limit = limit
         self.downloads = 0  # objects this process downloaded (the rest were cached)
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
@@ -68,8 +91,8 @@ class ObjectCache:
     def fresh(self, name: str) -> bytes:
         """Object `name`'s current bytes (no cache): the manifest, which says what else to trust."""
         def attempt():
-            data = self.fs.cat_file(f"{self.root}/{name}")
-            size = self.fs.size(f"{self.root}/{name}")
+            data = self.fs.cat_file(self.path(name))
+            size = self.fs.size(self.path(name))
             if len(data) != size:
                 raise _Damaged(f"{len(data)} bytes arrived of {size}")
             return data
@@ -79,7 +102,7 @@ class ObjectCache:
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, keep) -> None:
         tmp = temporary(local)
         if size is None:  # the manifest does not say (indices, ArrayRecord shards): ask, so a cut-off
-            size = self._retry(name, lambda: self.fs.size(f"{self.root}/{name}"))  # read is never taken
+            size = self._retry(name, lambda: self.fs.size(self.path(name)))  # read is never taken
         if self.limit is not None:
             self._make_room(size, keep, tmp)
         else:
@@ -87,7 +110,7 @@ class ObjectCache:
 
         def attempt():
             h, n = hashlib.sha256(), 0
-            with self.fs.open(f"{self.root}/{name}", "rb") as src, open(tmp, "r+b") as dst:
+            with self.fs.open(self.path(name), "rb") as src, open(tmp, "r+b") as dst:
                 while block := src.read(BLOCK):
                     h.update(block)
                     dst.write(block)
@@ -106,18 +129,6 @@ class ObjectCache:
         finally:
             tmp.unlink(missing_ok=True)
         self.downloads += 1
-
-    def _retry(self, name: str, attempt):
-        """`attempt()`, retried with exponential backoff; a missing object is not retried."""
-        for k in range(self.retries):
-            try:
-                return attempt()
-            except (FileNotFoundError, PermissionError) as e:
-                raise StoreError(f"{self.url}/{name}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
-            except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
-                last = e
-                time.sleep(min(0.05 * 2**k, 2.0))
-        raise StoreError(f"{self.url}/{name}: failed after {self.retries} attempts: {last}") from None
 
     def _make_room(self, size: int, keep: set, reserve: Path) -> None:
         """Evict least recently used files (not `keep`) until `size` more bytes fit the limit,
@@ -277,3 +288,64 @@ class RemoteStore(NativeStore):
 
 def _reopen_remote(url, options):
     return RemoteStore(url, **options)
+
+
+UPLOAD_MARKER = ".forge-grain-upload.json"  # names the manifest an unfinished upload is writing
+
+
+def upload_store(local: Path, url: str, storage_options: dict | None = None, *, overwrite: bool = False,
+                 progress: bool = True, threads: int = 8) -> None:
+    """Copy the prepared store at `local` to `url`: shards and indices, then the manifest.
+
+    An object store's PUT is atomic (an object present is whole), and the store is
+    complete only once its manifest is there, so an interrupted upload leaves no store
+    that looks complete; a re-run uploads only the files missing from this upload (a
+    marker object names the manifest being uploaded, so files of an earlier store at
+    the same URL are never taken for this one's). A URL holding another store is
+    refused unless `overwrite`.
+    """
+    from tqdm.auto import tqdm
+
+    remote = RemoteDir(url, storage_options)
+    manifest = (local / MANIFEST_NAME).read_bytes()
+    digest = hashlib.sha256(manifest).hexdigest()
+    current = _read_or_none(remote, MANIFEST_NAME)
+    if current == manifest:
+        return  # uploaded already
+    if current is not None:
+        if not overwrite:
+            raise StoreError(f"{remote.url}: already holds another token store; choose another output or pass "
+                             "--overwrite")
+        remote._retry(MANIFEST_NAME, lambda: remote.fs.rm_file(remote.path(MANIFEST_NAME)))  # incomplete from here
+    resuming = _read_or_none(remote, UPLOAD_MARKER) == digest.encode()
+    if not resuming:
+        remote._retry(UPLOAD_MARKER, lambda: remote.fs.pipe_file(remote.path(UPLOAD_MARKER), digest.encode()))
+    files = [name for s in Manifest.load(local).shards for name in (s.tokens, s.index)]
+    present = _remote_sizes(remote) if resuming else {}
+    todo = [f for f in files if present.get(f) != (local / f).stat().st_size]
+    with tqdm(total=sum((local / f).stat().st_size for f in todo), unit="B", unit_scale=True,
+              desc=f"upload {remote.url}", disable=not progress) as bar:
+        def put(name):
+            remote._retry(name, lambda: remote.fs.put_file(str(local / name), remote.path(name)))
+            bar.update((local / name).stat().st_size)
+
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(put, todo))
+    remote._retry(MANIFEST_NAME, lambda: remote.fs.pipe_file(remote.path(MANIFEST_NAME), manifest))
+    remote._retry(UPLOAD_MARKER, lambda: remote.fs.rm_file(remote.path(UPLOAD_MARKER)))
+
+
+def _read_or_none(remote: RemoteDir, name: str) -> bytes | None:
+    try:
+        return remote._retry(name, lambda: remote.fs.cat_file(remote.path(name)))
+    except StoreError as e:
+        if "FileNotFoundError" in str(e):
+            return None
+        raise
+
+
+def _remote_sizes(remote: RemoteDir) -> dict[str, int]:
+    """Size of each object directly under the URL."""
+    remote.fs.invalidate_cache(remote.root)
+    listing = remote._retry("", lambda: remote.fs.ls(remote.root, detail=True))
+    return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in listing if e.get("type") == "file"}
