@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -36,13 +37,25 @@ def map_bytes(path: str | Path, offset: int = 0, length: int | None = None) -> n
     return np.asarray(region)[offset - start :]
 
 
+# the header numpy writes for a plain 1-D or n-D array (parsed without numpy's slower, general parser)
+_PLAIN_HEADER = re.compile(rb"\{'descr': '([<>|=][a-zA-Z]\d+)', 'fortran_order': False, 'shape': \(([\d, ]*)\), \} *\n")
+
+
 def map_npy(path: str | Path) -> np.ndarray:
     """A `.npy` file's array, memory-mapped read-only without a descriptor (as `np.load(mmap_mode="r")`)."""
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read_header(f)
-        header = f.tell()
+        head = f.read(4096)
+        plain = _PLAIN_HEADER.fullmatch(head[10 : 10 + int.from_bytes(head[8:10], "little")])
+        if head[:8] == b"\x93NUMPY\x01\x00" and plain:  # a plain array, as the writers here save them
+            dtype = np.dtype(plain[1].decode())
+            shape, fortran = tuple(int(x) for x in plain[2].split(b",") if x.strip()), False
+            header = 10 + int.from_bytes(head[8:10], "little")
+        else:
+            f.seek(0)
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            header = f.tell()
     if dtype.hasobject or (fortran and len(shape) > 1):
         raise ValueError(f"{path}: holds Python objects or a Fortran-ordered array; only plain arrays are mapped")
     count = int(np.prod(shape, dtype=np.int64))
