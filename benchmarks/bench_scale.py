@@ -1,0 +1,145 @@
+"""Scale: a pipeline of 10,000 sources, and a store read from object storage against disk.
+
+    python benchmarks/bench_scale.py [--sources 10000] [--docs 20000] [--shards 128]
+
+1. `--sources` tiny stores in one mixture: pipeline build (plans cold, then cached), open
+   file descriptors after the build, time to the first batch.
+2. A synthetic store (log-normal documents, as the other benchmarks) in `--shards` shards,
+   uploaded to a local S3-compatible server (moto in server mode, as the tests use), read
+   through s3fs with a cache limit of 10% of the store and the locality order, against the
+   same pipeline over the store on disk: time to the first batch and steady tokens/s.
+   moto is a Python server on this 2-core machine, so the ratio is a floor for what a real
+   object store with a fast network gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from corpora import synthetic_store
+from forge_grain import DataConfig, Pipeline
+from forge_grain.writer import write_store
+from report import publish
+
+SEQ_LEN, BATCH = 2048, 16
+
+
+def many_sources(n: int, work: Path) -> list[str]:
+    rng = np.random.default_rng(0)
+    sources = []
+    for i in range(n):
+        docs = [np.concatenate([[0], rng.integers(2, 1000, int(rng.integers(5, 50)))]) for _ in range(8)]
+        path = write_store(work / f"s{i:05d}", docs, vocab_size=1000, bos_id=0, eos_id=1)
+        sources.append(dict(name=f"s{i:05d}", path=str(path), weight=1 + i % 3))
+    cfg = DataConfig.from_dict(dict(sources=sources, seq_len=32, global_batch_size=64, seed=5))
+    lines = [f"{n:,} sources (8 documents each), seq_len 32, global batch 64:"]
+    for label in ("plans cold", "plans cached"):
+        t = time.perf_counter()
+        pipe = Pipeline(cfg, 0, 1)
+        build = time.perf_counter() - t
+        fds = len(os.listdir("/proc/self/fd"))
+        t = time.perf_counter()
+        next(pipe.iterator())
+        lines.append(f"  build ({label}) {build:6.2f} s ({build / n * 1e3:.2f} ms a source), open descriptors {fds}, "
+                     f"first batch {time.perf_counter() - t:.3f} s")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def object_storage(num_docs: int, shards: int, work: Path) -> list[str]:
+    from moto.server import ThreadedMotoServer
+    import s3fs
+
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        opts = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
+        local = resharded(synthetic_store(work / "synthetic", num_docs).path, shards, work)
+        fs = s3fs.S3FileSystem(**opts)
+        fs.mkdir("bench")
+        fs.put(str(local), "bench/store", recursive=True)
+        size = sum(f.stat().st_size for f in local.iterdir() if f.suffix == ".bin")
+        limit = size // 10
+        common = dict(name="web", strategy="bos_bestfit", shuffle_window=1)
+        chunk_docs = max(1, num_docs // 40)
+        disk_cfg = config(dict(path=str(local), **common), chunk_docs)
+        s3_cfg = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects"),
+                             cache_limit=limit, **common), chunk_docs)
+        lines = [f"object storage: {num_docs:,} documents, {size / 1e6:.1f} MB of tokens in {shards} shards; "
+                 f"seq_len {SEQ_LEN}, batch {BATCH}, locality order (shuffle_window 1 of {40} chunks), "
+                 f"cache_limit {limit / 1e6:.1f} MB (10%)"]
+        rates = {}
+        for label, cfg in (("local disk", disk_cfg), ("S3 (moto) through the cache", s3_cfg)):
+            t = time.perf_counter()
+            pipe = Pipeline(cfg, 0, 1, cache_dir=work / "plans" if label == "local disk" else None)
+            it = pipe.iterator()
+            next(it)
+            first = time.perf_counter() - t
+            steps = min(pipe.num_steps - 1, 400)
+            t = time.perf_counter()
+            peak = 0
+            for k in range(steps):
+                next(it)
+                if label != "local disk" and k % 10 == 0:
+                    peak = max(peak, pipe.stores[0].cache.used())
+            rate = steps * BATCH * SEQ_LEN / (time.perf_counter() - t)
+            rates[label] = rate
+            extra = (f", cache peak {peak / 1e6:.2f} MB of {limit / 1e6:.2f}, {pipe.stores[0].cache.downloads} downloads"
+                     if label != "local disk" else "")
+            lines.append(f"  {label:<30} first batch {first:6.2f} s, steady {rate / 1e6:7.2f} M tok/s over {steps} "
+                         f"steps{extra}")
+            print(lines[-1], flush=True)
+        ratio = rates["S3 (moto) through the cache"] / rates["local disk"]
+        lines.append(f"  object storage runs at {ratio:.2f}x local disk")
+        return lines
+    finally:
+        server.stop()
+
+
+def config(src: dict, chunk_docs: int) -> DataConfig:
+    return DataConfig.from_dict(dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0,
+                                     plan_chunk_docs=chunk_docs, num_epochs=1))
+
+
+def resharded(store: Path, shards: int, work: Path) -> Path:
+    """The synthetic store's documents written again as `shards` shards (prepare's pre-tokenized path)."""
+    import json
+
+    from forge_grain import TokenStore, prepare
+
+    src = TokenStore.open(store)
+    with open(work / "docs.jsonl", "w") as f:
+        for i in range(len(src)):
+            f.write(json.dumps({"ids": src[i].tolist()}) + "\n")
+    return prepare(work / "docs.jsonl", work / "sharded", token_field="ids", vocab_size=src.vocab_size,
+                   bos_id=src.bos_id, num_shards=shards, progress=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sources", type=int, default=10_000)
+    ap.add_argument("--docs", type=int, default=20_000)
+    ap.add_argument("--shards", type=int, default=128)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "sources").mkdir()
+        lines = many_sources(args.sources, work / "sources") + [""] + object_storage(args.docs, args.shards, work)
+    publish("scale", lines)
+
+
+if __name__ == "__main__":
+    main()
