@@ -9,6 +9,7 @@ access, lengths, pickling that reopens, id checks) lives here once.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from pathlib import Path
@@ -19,6 +20,10 @@ import numpy as np
 from ..errors import StoreError
 from ..paths import local_path
 from . import checks
+
+
+MAX_BISECTED_RUNS = 1 << 16  # up to this many runs a read bisects them; beyond, a table per document
+FEW_PIECES = "few"  # `_doc_start` when reads bisect the runs
 
 
 class TokenStore:
@@ -207,7 +212,12 @@ class TokenStore:
             return self._document(i)
         if self._doc_start is None:
             self._index_documents()
-        start, length = int(self._doc_start[i]), int(self._offsets[i + 1] - self._offsets[i])
+        g, length = int(self._offsets[i]), int(self._offsets[i + 1] - self._offsets[i])
+        if self._doc_start is FEW_PIECES:  # find the run: a bisection of a short list
+            p = max(bisect.bisect_right(self._run_starts, g) - 1, 0)
+            start = g - self._run_starts[p] + self._run_base[p]
+            return self._array(self._run_array[p])[start : start + length]
+        start = int(self._doc_start[i])
         return self._array(0 if self._doc_array is None else int(self._doc_array[i]))[start : start + length]
 
     def _array(self, k: int) -> np.ndarray:
@@ -222,11 +232,16 @@ class TokenStore:
         """Token arrays the next steps will read (a hint; stores in object storage fetch them)."""
 
     def _index_documents(self) -> None:
-        """Where each document starts in its array, and which array (when there are several):
-        a read is then two lookups and a slice."""
+        """How a read finds its document's array and start. One array: the offsets are the
+        starts. A few runs (one per shard file, say): a bisection of their starts per read, so
+        nothing per document is kept in memory. Many runs (a run per Arrow record batch or
+        MDS sample): a start and an array index per document, two lookups per read."""
         starts, array, base = self._piece_table
         if len(array) == 1 and base[0] == 0:
             self._doc_start = self._offsets
+        elif len(array) <= MAX_BISECTED_RUNS:
+            self._run_starts, self._run_array, self._run_base = (x.tolist() for x in (starts, array, base))
+            self._doc_start = FEW_PIECES
         else:
             p = np.searchsorted(starts, self._offsets[:-1], side="right") - 1
             p = np.minimum(p, len(array) - 1)
@@ -346,10 +361,16 @@ def _reopen(cls, path, options):
 
 
 def join_offsets(per_file: list[np.ndarray]) -> np.ndarray:
-    """Concatenate per-file document offsets into offsets over all files' tokens in order."""
-    parts, base = [], 0
+    """Concatenate per-file document offsets into offsets over all files' tokens in order
+    (one file's are used as they are: a memory-mapped index stays mapped)."""
+    if len(per_file) == 1 and per_file[0].dtype == np.int64:
+        return per_file[0]
+    out = np.empty(sum(len(off) - 1 for off in per_file) + 1, np.int64)
+    at, base = 0, 0
     for off in per_file:
-        parts.append(np.asarray(off[:-1], np.int64) + base)
+        out[at : at + len(off) - 1] = off[:-1]
+        out[at : at + len(off) - 1] += base
+        at += len(off) - 1
         base += int(off[-1])
-    parts.append(np.array([base], np.int64))
-    return np.concatenate(parts).astype(np.int64)
+    out[-1] = base
+    return out

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import StoreError
 from ..manifest import MANIFEST_NAME, Manifest, sha256_file
+from ..mapping import map_npy
 from . import arrayrecord, checks
 from .base import TokenStore, join_offsets
 
@@ -80,7 +81,7 @@ class NativeStore(TokenStore):
     @staticmethod
     def _load_index(file: Path, shard) -> np.ndarray:
         try:
-            idx = np.load(file)
+            idx = map_npy(file)  # mapped: a store's indices are not copied into memory
         except (FileNotFoundError, ValueError, OSError) as e:
             raise StoreError(f"{file}: document index missing or unreadable ({e})") from None
         ok = (

@@ -250,8 +250,11 @@ class RemoteStore(NativeStore):
         with self._lock:
             future = self._pending.get(k)
         path = future.result() if future is not None else self._fetch(k)
-        arr = self._map_bin_shard(path, self.manifest.shards[k])
-        os.utime(path)  # recently used: evicted last
+        try:
+            arr = self._map_bin_shard(path, self.manifest.shards[k])
+            os.utime(path)  # recently used: evicted last
+        except FileNotFoundError:  # another process evicted it in between: fetch it again
+            arr = self._map_bin_shard(self._fetch(k), self.manifest.shards[k])
         with self._lock:
             self._mapped[k] = arr
         return arr
