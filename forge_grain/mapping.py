@@ -11,6 +11,7 @@ is garbage-collected, so views handed out stay valid.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import re
@@ -22,9 +23,14 @@ import numpy as np
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
 
+SMALL = 1 << 16  # bytes up to which a file's part is read into memory rather than mapped
+
+
 def map_bytes(path: str | Path, offset: int = 0, length: int | None = None) -> np.ndarray:
     """Bytes [offset, offset + length) of `path` (to its end by default) as a read-only uint8
-    array backed by a memory map that holds no file descriptor."""
+    array backed by a memory map that holds no file descriptor. Parts of at most `SMALL`
+    bytes are read instead: a process has a limited number of maps (`vm.max_map_count`,
+    65,530 by default), which thousands of tiny sources' shards, indices and plans would use up."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         length = size - offset if length is None else length
@@ -32,8 +38,14 @@ def map_bytes(path: str | Path, offset: int = 0, length: int | None = None) -> n
             if length == 0 or offset == size:
                 return _empty()
             raise ValueError(f"{path}: bytes [{offset}, {offset + length}) lie past its end ({size} bytes)")
+        if length <= SMALL:
+            f.seek(offset)
+            data = np.frombuffer(f.read(length), np.uint8)  # a read-only view of immutable bytes
+            if len(data) != length:
+                raise ValueError(f"{path}: shorter than its size while being read")
+            return data
         start = offset - offset % _PAGE
-        region = _map(f.fileno(), start, offset + length - start)
+        region = _map(f.fileno(), start, offset + length - start, path)
     return np.asarray(region)[offset - start :]
 
 
@@ -73,9 +85,12 @@ def _empty() -> np.ndarray:
 
 if sys.version_info >= (3, 13):
 
-    def _map(fd: int, offset: int, length: int):
+    def _map(fd: int, offset: int, length: int, path):
         """A read-only buffer over the region; `trackfd=False` keeps no duplicate descriptor."""
-        return np.frombuffer(mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=offset, trackfd=False), np.uint8)
+        try:
+            return np.frombuffer(mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=offset, trackfd=False), np.uint8)
+        except OSError as e:
+            raise _explained(e, path) from None
 
 else:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -88,16 +103,32 @@ else:
         """A region mapped with the C library's `mmap`: numpy views it through the array
         interface (read-only) and keeps it alive; it is unmapped when collected."""
 
-        def __init__(self, fd: int, offset: int, length: int):
+        _addr = None
+
+        def __init__(self, fd: int, offset: int, length: int, path):
             addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
             if addr in (None, _MAP_FAILED):
                 err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
+                raise _explained(OSError(err, os.strerror(err), str(path)), path)
             self._addr, self._length = addr, length
             self.__array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, True), "version": 3}
 
         def __del__(self):
-            _libc.munmap(self._addr, self._length)
+            if self._addr is not None:
+                _libc.munmap(self._addr, self._length)
 
-    def _map(fd: int, offset: int, length: int):
-        return _Region(fd, offset, length)
+    def _map(fd: int, offset: int, length: int, path):
+        return _Region(fd, offset, length, path)
+
+
+def _explained(e: OSError, path) -> OSError:
+    """Out of memory maps (ENOMEM) says which limit was reached and what to do."""
+    if e.errno != errno.ENOMEM:
+        return e
+    try:
+        limit = Path("/proc/sys/vm/max_map_count").read_text().strip()
+    except OSError:
+        limit = "the system's"
+    return OSError(errno.ENOMEM, f"cannot map {path}: this process reached its limit of {limit} memory maps "
+                   "(vm.max_map_count; each shard, index and plan of more than 64 KiB is one); raise it "
+                   "(sysctl -w vm.max_map_count=262144) or use fewer, larger shards or sources", str(path))
