@@ -287,17 +287,18 @@ class PackedDataset(grain.MapDataset):
     def _epoch_windows(self, e: int):
         """Epoch e's chunk order, the start of each window in the epoch's positions, and each
         chunk's first plan row (cached for a few epochs)."""
-        if e not in self._windows:
-            if len(self._windows) > 4:
-                self._windows.clear()
+        cached = self._windows.get(e)  # (threads may share the dataset: read once, then use the local)
+        if cached is None:
             order = kernels.permutation(len(self._chunk_rows), stream_key("chunk-order", self._seed_key, e))
             sizes = self._chunk_rows[order]
-            W = self.shuffle_window
-            per_window = np.add.reduceat(sizes, np.arange(0, len(sizes), W))
+            per_window = np.add.reduceat(sizes, np.arange(0, len(sizes), self.shuffle_window))
             starts = np.concatenate([[0], np.cumsum(per_window)])
             firsts = np.concatenate([[0], np.cumsum(self._chunk_rows)])[:-1]
-            self._windows[e] = (order, starts, firsts)
-        return self._windows[e]
+            cached = (order, starts, firsts)
+            if len(self._windows) > 4:
+                self._windows = {}
+            self._windows[e] = cached
+        return cached
 
     def get_batch(self, indices, out: dict | None = None, dest=None, id_dtype=np.int32) -> dict:
         """Rows `indices` as [len(indices), seq_len] arrays; into `out` when given, at

@@ -167,3 +167,32 @@ def test_a_pipeline_planned_in_chunks_resumes_exactly_and_refuses_another_chunki
     assert [d.plan.stats["chunks"] for d in pipe.datasets] == [4, 3, 2]
     with pytest.raises(StateError):
         Pipeline(config(stores, plan_chunk_docs=200), 0, 1, cache_dir=tmp_path).iterator(pipe.state_at(2))
+
+
+def test_the_locality_order_is_a_permutation_per_epoch_reading_few_chunks_at_a_time(tmp_path, stores):
+    from forge_grain import pack
+
+    ds = pack(stores["web"], 64, "bestfit", cache_dir=tmp_path, chunk_docs=50, shuffle_window=2, num_epochs=3)
+    n, chunk_rows = ds.num_rows, np.asarray(ds.plan.stats["chunk_rows"])
+    assert len(chunk_rows) == 8 and chunk_rows.sum() == n
+    chunk_of_row = np.repeat(np.arange(len(chunk_rows)), chunk_rows)
+    epochs = [ds.rows_of(np.arange(e * n, (e + 1) * n)) for e in range(3)]
+    for rows in epochs:
+        assert np.array_equal(np.sort(rows), np.arange(n))  # every row once per epoch
+        chunks = chunk_of_row[rows]
+        seen, windows = set(), []
+        for c in chunks:  # the epoch reads its chunks two at a time: a chunk once done is not met again
+            if c not in seen:
+                seen.add(c)
+                windows.append(c)
+        first_pos = {c: int(np.flatnonzero(chunks == c)[0]) for c in windows}
+        last_pos = {c: int(np.flatnonzero(chunks == c)[-1]) for c in windows}
+        for k in range(0, len(windows), 2):  # window k // 2 ends before window k // 2 + 1 starts
+            pair, later = windows[k : k + 2], windows[k + 2 :]
+            assert all(last_pos[c] < first_pos[d] for c in pair for d in later)
+        assert len(windows) == len(chunk_rows)
+    assert not np.array_equal(epochs[0], epochs[1])
+    same = pack(stores["web"], 64, "bestfit", cache_dir=tmp_path, chunk_docs=50, shuffle_window=2, num_epochs=3)
+    assert np.array_equal(same.rows_of(np.arange(3 * n)), np.concatenate(epochs))  # a pure function of the index
+    parts = np.concatenate([ds.rows_of(np.arange(k, 3 * n, 7)) for k in range(7)])  # any order of asking
+    assert np.array_equal(np.sort(parts), np.sort(np.concatenate(epochs)))
