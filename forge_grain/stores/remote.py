@@ -32,7 +32,7 @@ from . import arrayrecord, checks, handles
 from .native import NativeStore
 
 RETRIES = 5
-BLOCK = 1 << 22  # bytes per read while downloading
+BLOCK = 1 << 26  # bytes per ranged read while downloading
 
 
 class RemoteDir:
@@ -74,10 +74,12 @@ class ObjectCache(RemoteDir):
         self.downloads = 0  # objects this process downloaded (the rest were cached)
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
-            keep=frozenset()) -> Path:
+            upcoming=frozenset(), ahead: bool = False) -> Path | None:
         """The local copy (at `copy`, relative to the cache directory) of object `name`,
         downloaded first if the cache lacks it, once per host: other processes wait for the
-        download. `keep`: copies eviction must spare."""
+        download. `upcoming`: copies the next steps read, evicted only when a copy needed now
+        finds no other room. `ahead`: a prefetch, which evicts none of those and is skipped
+        (None) when they fill the cache."""
         local = self.dir / copy
         if local.exists():
             return local
@@ -85,7 +87,8 @@ class ObjectCache(RemoteDir):
         with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
             if local.exists():
                 return local
-            self._download(name, local, sha256, size, keep | {copy})
+            if not self._download(name, local, sha256, size, upcoming, ahead):
+                return None
         return local
 
     def fresh(self, name: str) -> bytes:
@@ -99,24 +102,27 @@ class ObjectCache(RemoteDir):
 
         return self._retry(name, attempt)
 
-    def _download(self, name: str, local: Path, sha256: str | None, size: int | None, keep) -> None:
+    def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead) -> bool:
         tmp = temporary(local)
         if size is None:  # the manifest does not say (indices, ArrayRecord shards): ask, so a cut-off
             size = self._retry(name, lambda: self.fs.size(self.path(name)))  # read is never taken
-        if self.limit is not None:
-            self._make_room(size, keep, tmp)
-        else:
+        if self.limit is None:
             tmp.write_bytes(b"")
+        elif not self._make_room(size, upcoming, tmp, ahead):
+            return False
 
         def attempt():
             h, n = hashlib.sha256(), 0
-            with self.fs.open(self.path(name), "rb") as src, open(tmp, "r+b") as dst:
-                while block := src.read(BLOCK):
+            with open(tmp, "r+b") as dst:
+                for start in range(0, size, BLOCK):  # ranged GETs: no HEAD first, memory bounded by a block
+                    block = self.fs.cat_file(self.path(name), start=start, end=min(start + BLOCK, size))
                     h.update(block)
                     dst.write(block)
                     n += len(block)
-            if size is not None and n != size:
-                raise _Damaged(f"{n} bytes arrived, the manifest says {size}")
+                    if len(block) != min(BLOCK, size - start):
+                        break
+            if n != size:
+                raise _Damaged(f"{n} bytes arrived, the object has {size}")
             if sha256 is not None and h.hexdigest() != sha256:
                 raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
             if tmp.stat().st_size != n:  # a retry after a longer, failed attempt
@@ -129,30 +135,40 @@ class ObjectCache(RemoteDir):
         finally:
             tmp.unlink(missing_ok=True)
         self.downloads += 1
+        return True
 
-    def _make_room(self, size: int, keep: set, reserve: Path) -> None:
-        """Evict least recently used files (not `keep`) until `size` more bytes fit the limit,
-        and reserve them: `reserve` (the download's temporary) is created at that size while
-        the lock is held, so concurrent downloads, in any process, count each other."""
-        with self._accounting():
-            files = list(self._cached())
-            used = sum(s for _, s, _ in files)
-            for _, s, p in sorted(files, key=lambda f: f[0]):
-                if used + size <= self.limit:
-                    break
-                evictable = not p.name.startswith(".") and p.suffix in (".bin", ".array_record")
-                if evictable and str(p.relative_to(self.dir)) not in keep:
+    def _make_room(self, size: int, upcoming: set, reserve: Path, ahead: bool) -> bool:
+        """Evict shards until `size` more bytes fit the limit, least recently used first and
+        those the next steps read (`upcoming`) last (a prefetch evicts none of them), and
+        reserve the bytes: `reserve` (the download's temporary) is created at that size while
+        the lock is held, so concurrent downloads, in any process, count each other. False
+        for a prefetch that finds no room; a fetch needed now waits for downloads in progress
+        to free theirs, and fails only when nothing can."""
+        if size > self.limit:
+            raise StoreError(f"{self.url}: an object of {size} bytes cannot fit cache_limit {self.limit}; raise it")
+        while True:
+            with self._accounting():
+                files = list(self._cached())
+                used = sum(s for _, s, _ in files)
+                evictable = [(str(p.relative_to(self.dir)) in upcoming, t, s, p) for t, s, p in files
+                             if not p.name.startswith(".") and p.suffix in (".bin", ".array_record")]
+                for is_upcoming, _, s, p in sorted(evictable, key=lambda f: f[:2]):
+                    if used + size <= self.limit or (ahead and is_upcoming):
+                        break
                     p.unlink(missing_ok=True)
                     handles.POOL.drop(("arrayrecord", str(p)))  # an open reader would hold its space
                     used -= s
-            if used + size > self.limit:
-                raise StoreError(
-                    f"{self.url}: cache_limit {self.limit} bytes cannot hold the shards the next steps need "
-                    f"({used} bytes kept, {size} more wanted); raise cache_limit, or lower fetch_ahead or "
-                    "shuffle_window"
-                )
-            with open(reserve, "wb") as f:
-                f.truncate(size)
+                if used + size <= self.limit:
+                    with open(reserve, "wb") as f:
+                        f.truncate(size)
+                    return True
+                downloading = any(".tmp-" in p.name for _, _, p in files)
+            if ahead:
+                return False
+            if not downloading:
+                raise StoreError(f"{self.url}: cache_limit {self.limit} bytes is full ({used} bytes) and nothing "
+                                 "can be evicted; raise it")
+            time.sleep(0.05)  # downloads in progress hold reservations: wait for them to land
 
     def _cached(self):
         for root, dirs, names in os.walk(self.dir):
@@ -238,10 +254,10 @@ class RemoteStore(NativeStore):
     def _name(self, k: int) -> str:
         return f"{self.mirror}/{self.manifest.shards[k].tokens}"
 
-    def _fetch(self, k: int) -> Path:
+    def _fetch(self, k: int, ahead: bool = False) -> Path | None:
         s = self.manifest.shards[k]
         size = s.num_tokens * self.dtype.itemsize if self.manifest.layout == "bin" else None
-        return self.cache.get(s.tokens, self._name(k), s.sha256, size, keep=self._keep)
+        return self.cache.get(s.tokens, self._name(k), s.sha256, size, upcoming=self._keep, ahead=ahead)
 
     def _array(self, k: int) -> np.ndarray:
         arr = self._mapped.get(k)
@@ -249,7 +265,8 @@ class RemoteStore(NativeStore):
             return arr
         with self._lock:
             future = self._pending.get(k)
-        path = future.result() if future is not None else self._fetch(k)
+        path = future.result() if future is not None else None
+        path = path or self._fetch(k)  # not prefetched, or skipped for want of room
         try:
             arr = self._map_bin_shard(path, self.manifest.shards[k])
             os.utime(path)  # recently used: evicted last
@@ -269,7 +286,7 @@ class RemoteStore(NativeStore):
                 del self._mapped[k]
             for k in needed:
                 if k not in self._mapped and k not in self._pending:
-                    self._pending[k] = self._pool.submit(self._fetch, k)
+                    self._pending[k] = self._pool.submit(self._fetch, k, True)
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 
