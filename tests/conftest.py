@@ -46,6 +46,12 @@ WORDS = (
 ).split()
 
 
+def tree_bytes(path: Path) -> dict[str, bytes]:
+    """Every file of a store by name, hidden temporaries included so leftovers show (the
+    `.plans` cache directory is not the store's content)."""
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.is_file()}
+
+
 def make_texts(n: int, seed: int = 0, empty_every: int = 0) -> list[str]:
     """Deterministic documents of log-normally varying length (and a few empty ones)."""
     rng = random.Random(seed)

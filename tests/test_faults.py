@@ -20,16 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_texts, trials, write_jsonl
+from conftest import make_texts, trials, tree_bytes, write_jsonl
 
 from forge_grain import TokenStore, pack, prepare
 
 CLI = [sys.executable, "-m", "forge_grain"]
-
-
-def tree_bytes(path: Path) -> dict[str, bytes]:
-    """Every file by name, hidden ones included, so leftovers show."""
-    return {f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.is_file()}
 
 
 @pytest.fixture(scope="module")

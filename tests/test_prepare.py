@@ -6,18 +6,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import expected_documents, make_texts, write_jsonl
+from conftest import expected_documents, make_texts, tree_bytes, write_jsonl
 
 from forge_grain import PrepareError, TokenStore, preparation, prepare
 from forge_grain.tokenizer import DEFAULT_TOKENIZER
-
-
-def tree_bytes(path: Path) -> dict[str, bytes]:
-    """Every file of a store by name (hidden temporaries included, so leftovers show)."""
-    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
 
 
 def test_same_inputs_give_byte_identical_stores_at_any_process_count(tmp_path, corpus):

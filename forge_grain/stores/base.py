@@ -12,12 +12,15 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from ..errors import StoreError
+from ..manifest import temporary
+from ..mapping import map_npy
 from ..paths import local_path
 from . import checks
 
@@ -360,17 +363,58 @@ def _reopen(cls, path, options):
     return cls(path, **options)
 
 
-def join_offsets(per_file: list[np.ndarray]) -> np.ndarray:
-    """Concatenate per-file document offsets into offsets over all files' tokens in order
-    (one file's are used as they are: a memory-mapped index stays mapped)."""
+def join_offsets(per_file: list[np.ndarray], cache: Path | None = None) -> np.ndarray:
+    """Concatenate per-file document offsets into offsets over all files' tokens in order.
+
+    One file's are used as they are (a memory-mapped index stays mapped). With `cache`, a
+    file, several files' are memory-mapped from it rather than held in memory (8 bytes a
+    document in every process otherwise): it is checked against the files' offsets, a
+    shard at a time, on every open, and written again (atomically) when missing or
+    different, so it is never trusted unchecked.
+    """
     if len(per_file) == 1 and per_file[0].dtype == np.int64:
         return per_file[0]
+    if cache is not None:
+        try:
+            joined = map_npy(cache)
+            if _joins(joined, per_file):
+                return joined
+        except (OSError, ValueError):
+            pass
+        try:
+            _write_joined(cache, per_file)
+            return map_npy(cache)
+        except OSError:  # a read-only or full disk: in memory, as without a cache
+            pass
     out = np.empty(sum(len(off) - 1 for off in per_file) + 1, np.int64)
+    for at, part in _joined_parts(per_file):
+        out[at : at + len(part)] = part
+    return out
+
+
+def _joined_parts(per_file):
+    """(position, offsets) of each file's part of the joined offsets, the end last."""
     at, base = 0, 0
     for off in per_file:
-        out[at : at + len(off) - 1] = off[:-1]
-        out[at : at + len(off) - 1] += base
+        yield at, np.asarray(off[:-1], np.int64) + base
         at += len(off) - 1
         base += int(off[-1])
-    out[-1] = base
-    return out
+    yield at, np.array([base], np.int64)
+
+
+def _joins(joined: np.ndarray, per_file) -> bool:
+    total = sum(len(off) - 1 for off in per_file) + 1
+    return len(joined) == total and all(np.array_equal(joined[at : at + len(p)], p) for at, p in _joined_parts(per_file))
+
+
+def _write_joined(path: Path, per_file) -> None:
+    tmp = temporary(path)
+    try:
+        with open(tmp, "wb") as f:
+            total = sum(len(off) - 1 for off in per_file) + 1
+            np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (total,)})
+            for _, part in _joined_parts(per_file):
+                f.write(part.astype("<i8").tobytes())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

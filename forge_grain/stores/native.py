@@ -7,6 +7,7 @@ special ids, the tokenizer and a checksum per shard, so nothing needs declaring.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,19 @@ class NativeStore(TokenStore):
         if m.layout == "arrayrecord":
             self._records = arrayrecord.Records(self._files, [s.num_documents for s in m.shards])
         self._file_docs = [s.num_documents for s in m.shards]
-        self._offsets = join_offsets(offsets)
+        self._offsets = join_offsets(offsets, self._offsets_cache(m))
         self._fingerprint = hashlib.sha256("|".join(sh.sha256 for sh in m.shards).encode()).hexdigest()[:16]
+
+    def _offsets_cache(self, m: Manifest) -> Path | None:
+        """Where several shards' joined offsets are kept (beside the store's plans), so a
+        process maps them instead of holding 8 bytes a document."""
+        if len(m.shards) < 2:
+            return None
+        from ..packed import plan_cache_dir  # the plans' directory: beside the store, else the user cache
+
+        directory = plan_cache_dir(self, None)
+        key = hashlib.sha256(json.dumps(m.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+        return directory / f"offsets-{key}.npy" if directory is not None else None
 
     def _check_declared(self, declared: dict) -> None:
         """Options given for a store must agree with its manifest."""
