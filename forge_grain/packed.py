@@ -213,7 +213,6 @@ class PackedDataset(grain.MapDataset):
         self.plan_key = plan_dir.name if plan_dir is not None else None
         self._seed_key = seed_key(seed)
         self._pool = BufferPool()
-        self._pieces = store.pieces  # None: read a document at a time
         self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
 
     @property
@@ -323,6 +322,12 @@ class PackedDataset(grain.MapDataset):
             *(out[k] for k in ROW_KEYS),
         )
         return out
+
+    @property
+    def _pieces(self):
+        """The store's token runs for the gather (None: read a document at a time); the store
+        builds them on the first gather, so a mixture of thousands of sources opens quickly."""
+        return self.store.pieces
 
     def _arrays_of(self, rows) -> np.ndarray:
         """The token arrays plan rows `rows` read (a segment never spans two: it lies in one document)."""
