@@ -217,7 +217,7 @@ class TokenStore:
             self._index_documents()
         g, length = int(self._offsets[i]), int(self._offsets[i + 1] - self._offsets[i])
         if self._doc_start is FEW_PIECES:  # find the run: a bisection of a short list
-            p = max(bisect.bisect_right(self._run_starts, g) - 1, 0)
+            p = min(max(bisect.bisect_right(self._run_starts, g) - 1, 0), len(self._run_array) - 1)
             start = g - self._run_starts[p] + self._run_base[p]
             return self._array(self._run_array[p])[start : start + length]
         start = int(self._doc_start[i])
