@@ -54,10 +54,10 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
     parts = directory.with_name(directory.name + ".chunks")
     parts.mkdir(parents=True, exist_ok=True)
     jobs = [(k, int(bounds[k]), int(bounds[k + 1])) for k in range(len(bounds) - 1)]
-    dirs = [_chunk_dir(parts, offsets, a, b, k) for k, a, b in jobs]
+    job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name)
+    dirs = [_chunk_dir(parts, offsets, a, b, k, job) for k, a, b in jobs]
     todo = [(k, a, b, str(d)) for (k, a, b), d in zip(jobs, dirs) if _load_chunk(d) is None]
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
-    job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name)
     with _bar(len(jobs), len(jobs) - len(todo), f"plan {name}", progress) as bar:
         if workers == 1:
             for k, a, b, d in todo:
@@ -76,10 +76,12 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
     return p
 
 
-def _chunk_dir(parts: Path, offsets: np.ndarray, a: int, b: int, k: int) -> Path:
-    """A chunk's plan is cached under a key of its documents' offsets (relative to its start)."""
+def _chunk_dir(parts: Path, offsets: np.ndarray, a: int, b: int, k: int, job: dict) -> Path:
+    """A chunk's plan is cached under a key of its documents' offsets (relative to its start)
+    and the planning parameters, so a directory reused with other ones re-plans."""
     h = hashlib.sha256(np.ascontiguousarray(offsets[a : b + 1] - offsets[a]).view(np.uint8))
-    h.update(json.dumps([PLAN_VERSION, a, b, k]).encode())
+    params = [job[key] for key in ("seq_len", "strategy", "seed", "stride")]
+    h.update(json.dumps([PLAN_VERSION, a, b, k, *params]).encode())
     return parts / f"chunk-{k:05d}-{h.hexdigest()[:16]}"
 
 

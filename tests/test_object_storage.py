@@ -135,6 +135,27 @@ def test_a_missing_object_or_store_is_named(tmp_path, s3, local_stores):
         store[int(store._file_doc_starts[7])]
 
 
+def test_a_broken_manifest_a_foreign_dtype_or_a_truncated_shard_in_object_storage_is_named(tmp_path, s3,
+                                                                                             local_stores):
+    fs = s3.fs()
+    fs.put(str(local_stores["bin"]), "bucket/hostile", recursive=True)
+    good = fs.cat("bucket/hostile/manifest.json")
+    opts = dict(storage_options=s3.options(), object_cache=str(tmp_path / "o"))
+    fs.pipe("bucket/hostile/manifest.json", b"{not json")
+    with pytest.raises(StoreError, match=r"s3://bucket/hostile/manifest\.json"):
+        TokenStore.open("s3://bucket/hostile", **opts)
+    fs.pipe("bucket/hostile/manifest.json", good.replace(b'"<u2"', b'"<f4"'))
+    with pytest.raises(StoreError, match=r"s3://bucket/hostile.*dtype"):
+        TokenStore.open("s3://bucket/hostile", **opts)
+    fs.pipe("bucket/hostile/manifest.json", good)
+    shard = fs.cat("bucket/hostile/shard-00004.bin")
+    fs.pipe("bucket/hostile/shard-00004.bin", shard[: len(shard) // 2])
+    store = TokenStore.open("s3://bucket/hostile", **opts)
+    with pytest.raises(StoreError, match=r"s3://bucket/hostile/shard-00004\.bin: failed .*bytes arrived of the"):
+        store[int(store._file_doc_starts[4])]
+    assert not list((tmp_path / "o").rglob("shard-00004.bin"))  # nothing kept of it
+
+
 READ_ALL = """
 import sys, json
 from forge_grain import TokenStore

@@ -153,6 +153,17 @@ def test_a_killed_chunked_planning_run_completes_on_a_rerun_reusing_finished_chu
     assert not parts.exists()  # the chunks are removed once the store's plan is saved
 
 
+def test_chunks_left_by_a_run_with_other_parameters_are_not_reused(tmp_path, monkeypatch):
+    offsets = lognormal_offsets(20_000, seed=2)
+    monkeypatch.setattr(chunked, "_join", lambda *a: (_ for _ in ()).throw(RuntimeError("killed")))
+    with pytest.raises(RuntimeError):  # a run dies with its chunks saved, its plan not joined
+        plan_chunked(offsets, 2048, "bestfit", tmp_path / "p", chunk_docs=5000, workers=1, progress=False)
+    monkeypatch.undo()
+    other = plan_chunked(offsets, 1024, "bestfit", tmp_path / "p", chunk_docs=5000, workers=1, progress=False)
+    fresh = plan_chunked(offsets, 1024, "bestfit", tmp_path / "q", chunk_docs=5000, workers=1, progress=False)
+    assert all(np.array_equal(a, b) for a, b in zip(plan_arrays(other), plan_arrays(fresh)))
+
+
 def test_a_pipeline_planned_in_chunks_resumes_exactly_and_refuses_another_chunking(tmp_path, stores):
     from forge_grain import Pipeline, StateError
 

@@ -48,12 +48,18 @@ class RemoteDir:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def _retry(self, name: str, attempt):
-        """`attempt()`, retried with exponential backoff; a missing object is not retried."""
+    def retry(self, name: str, attempt, missing_ok: bool = False):
+        """`attempt()`, retried with exponential backoff; a missing object is not retried (and
+        gives None with `missing_ok`)."""
         for k in range(self.retries):
             try:
                 return attempt()
-            except (FileNotFoundError, PermissionError) as e:
+            except FileNotFoundError:
+                if missing_ok:
+                    return None
+                raise StoreError(f"{self.url}/{name}: FileNotFoundError (no such object); check the URL and "
+                                 "credentials") from None
+            except PermissionError as e:
                 raise StoreError(f"{self.url}/{name}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
             except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
                 last = e
@@ -100,12 +106,12 @@ class ObjectCache(RemoteDir):
                 raise _Damaged(f"{len(data)} bytes arrived of {size}")
             return data
 
-        return self._retry(name, attempt)
+        return self.retry(name, attempt)
 
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead) -> bool:
         tmp = temporary(local)
         if size is None:  # the manifest does not say (indices, ArrayRecord shards): ask, so a cut-off
-            size = self._retry(name, lambda: self.fs.size(self.path(name)))  # read is never taken
+            size = self.retry(name, lambda: self.fs.size(self.path(name)))  # read is never taken
         if self.limit is None:
             tmp.write_bytes(b"")
         elif not self._make_room(size, upcoming, tmp, ahead):
@@ -122,7 +128,7 @@ class ObjectCache(RemoteDir):
                     if len(block) != min(BLOCK, size - start):
                         break
             if n != size:
-                raise _Damaged(f"{n} bytes arrived, the object has {size}")
+                raise _Damaged(f"{n} bytes arrived of the {size} expected")
             if sha256 is not None and h.hexdigest() != sha256:
                 raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
             if tmp.stat().st_size != n:  # a retry after a longer, failed attempt
@@ -131,7 +137,7 @@ class ObjectCache(RemoteDir):
                 os.replace(tmp, local)
 
         try:
-            self._retry(name, attempt)
+            self.retry(name, attempt)
         finally:
             tmp.unlink(missing_ok=True)
         self.downloads += 1
@@ -336,36 +342,31 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
         if not overwrite:
             raise StoreError(f"{remote.url}: already holds another token store; choose another output or pass "
                              "--overwrite")
-        remote._retry(MANIFEST_NAME, lambda: remote.fs.rm_file(remote.path(MANIFEST_NAME)))  # incomplete from here
+        remote.retry(MANIFEST_NAME, lambda: remote.fs.rm_file(remote.path(MANIFEST_NAME)))  # incomplete from here
     resuming = _read_or_none(remote, UPLOAD_MARKER) == digest.encode()
     if not resuming:
-        remote._retry(UPLOAD_MARKER, lambda: remote.fs.pipe_file(remote.path(UPLOAD_MARKER), digest.encode()))
+        remote.retry(UPLOAD_MARKER, lambda: remote.fs.pipe_file(remote.path(UPLOAD_MARKER), digest.encode()))
     files = [name for s in Manifest.load(local).shards for name in (s.tokens, s.index)]
     present = _remote_sizes(remote) if resuming else {}
     todo = [f for f in files if present.get(f) != (local / f).stat().st_size]
     with tqdm(total=sum((local / f).stat().st_size for f in todo), unit="B", unit_scale=True,
               desc=f"upload {remote.url}", disable=not progress) as bar:
         def put(name):
-            remote._retry(name, lambda: remote.fs.put_file(str(local / name), remote.path(name)))
+            remote.retry(name, lambda: remote.fs.put_file(str(local / name), remote.path(name)))
             bar.update((local / name).stat().st_size)
 
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             list(pool.map(put, todo))
-    remote._retry(MANIFEST_NAME, lambda: remote.fs.pipe_file(remote.path(MANIFEST_NAME), manifest))
-    remote._retry(UPLOAD_MARKER, lambda: remote.fs.rm_file(remote.path(UPLOAD_MARKER)))
+    remote.retry(MANIFEST_NAME, lambda: remote.fs.pipe_file(remote.path(MANIFEST_NAME), manifest))
+    remote.retry(UPLOAD_MARKER, lambda: remote.fs.rm_file(remote.path(UPLOAD_MARKER)))
 
 
 def _read_or_none(remote: RemoteDir, name: str) -> bytes | None:
-    try:
-        return remote._retry(name, lambda: remote.fs.cat_file(remote.path(name)))
-    except StoreError as e:
-        if "FileNotFoundError" in str(e):
-            return None
-        raise
+    return remote.retry(name, lambda: remote.fs.cat_file(remote.path(name)), missing_ok=True)
 
 
 def _remote_sizes(remote: RemoteDir) -> dict[str, int]:
     """Size of each object directly under the URL."""
     remote.fs.invalidate_cache(remote.root)
-    listing = remote._retry("", lambda: remote.fs.ls(remote.root, detail=True))
+    listing = remote.retry("", lambda: remote.fs.ls(remote.root, detail=True))
     return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in listing if e.get("type") == "file"}
