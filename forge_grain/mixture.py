@@ -11,6 +11,8 @@ i is row r of its (infinitely repeating, reshuffled per epoch) packed dataset.
 
 from __future__ import annotations
 
+import collections
+
 import math
 import sys
 from fractions import Fraction
@@ -29,9 +31,9 @@ MAX_ROWS = 1 << 43  # the longest mixture: ~8.8e12 rows, far beyond any run
 def _tree(m: int):
     """A balanced binary tree over sources 0..m-1; parents are numbered before children."""
     left, right, leaf = [], [], []
-    queue = [(0, m)]
+    queue = collections.deque([(0, m)])
     while queue:
-        lo, hi = queue.pop(0)
+        lo, hi = queue.popleft()
         k = len(left)
         left.append(-1), right.append(-1), leaf.append(lo if hi - lo == 1 else -1)
         if hi - lo > 1:

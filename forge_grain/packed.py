@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -10,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import grain
@@ -25,6 +27,7 @@ from .stores import TokenStore
 
 log = logging.getLogger(__name__)
 MASK_KEYS = ("loss_mask", "natural_stop")
+_OPENING = threading.Lock()  # held while a deferred dataset opens its store and plan
 
 
 def empty_rows(n: int, seq_len: int, id_dtype=np.int32, pool: BufferPool | None = None) -> dict:
@@ -201,24 +204,72 @@ class PackedDataset(grain.MapDataset):
     def __init__(self, store, packing_plan, *, seed=0, shuffle=True, shuffle_window=None, num_epochs=1, pad_id=None,
                  plan_dir=None):
         super().__init__()
-        self.store = store
-        self.plan = packing_plan
-        self.seq_len = packing_plan.seq_len
+        self._store, self._plan, self._opener = store, packing_plan, None
+        self._plan_dir = plan_dir
+        pad_id = pad_id if pad_id is not None else (store.eos_id if store.eos_id is not None else 0)
+        self._describe(packing_plan.seq_len, packing_plan.num_rows, packing_plan.stats.get("chunk_rows"), pad_id,
+                       plan_dir.name if plan_dir is not None else None, seed, shuffle, shuffle_window, num_epochs)
+
+    def _describe(self, seq_len, num_rows, chunk_rows, pad_id, plan_key, seed, shuffle, shuffle_window, num_epochs):
+        """What the mixture and the state fingerprint read without touching the store or plan."""
+        self.seq_len, self._num_rows, self.pad_id, self.plan_key = seq_len, num_rows, pad_id, plan_key
         self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
         self.shuffle_window = shuffle_window
-        self._chunk_rows = np.asarray(packing_plan.stats.get("chunk_rows", [packing_plan.num_rows]), np.int64)
+        self._chunk_rows = np.asarray(chunk_rows or [num_rows], np.int64)
         self._windows: dict = {}  # epoch -> its chunk order and window starts (`_window_rows`)
-        self.pad_id = pad_id if pad_id is not None else (store.eos_id if store.eos_id is not None else 0)
-        self._plan_dir = plan_dir
-        self.plan_key = plan_dir.name if plan_dir is not None else None
-        self._seed_key = seed_key(seed)
-        self._pool = BufferPool()
         self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
+        self._plan_sha256 = None
+
+    @functools.cached_property
+    def _seed_key(self) -> int:
+        return seed_key(self.seed)
+
+    @functools.cached_property
+    def _pool(self) -> BufferPool:
+        return BufferPool()
+
+    @classmethod
+    def deferred(cls, opener, *, seq_len, num_rows, chunk_rows, pad_id, plan_key, plan_sha256, **kwargs):
+        """A dataset that opens its store and plan when first read: `opener()` returns the
+        `PackedDataset` opened in full, which must agree with the description given here
+        (see `forge_grain.deferred`; a mixture of thousands of sources builds without
+        opening them)."""
+        self = cls.__new__(cls)
+        grain.MapDataset.__init__(self)
+        self._store = self._plan = self._plan_dir = None
+        self._opener = opener
+        self._describe(seq_len, num_rows, chunk_rows, pad_id, plan_key, **kwargs)
+        self._plan_sha256 = plan_sha256
+        return self
+
+    def _open(self) -> None:
+        with _OPENING:  # one lock for all: a lock per dataset costs more than thousands of sources' build
+            if self._plan is None:
+                full = self._opener()
+                self._store, self._plan_dir = full._store, full._plan_dir
+                self._plan = full._plan  # last: other threads read `_plan` to see it is open
+
+    @property
+    def store(self) -> TokenStore:
+        if self._plan is None:
+            self._open()
+        return self._store
+
+    @property
+    def plan(self) -> PackingPlan:
+        if self._plan is None:
+            self._open()
+        return self._plan
+
+    @property
+    def plan_sha256(self) -> str:
+        """The plan's checksum (for the state fingerprint), known without opening a deferred plan."""
+        return self._plan_sha256 if self._plan is None else self._plan.checksum()
 
     @property
     def num_rows(self) -> int:
         """Rows in one epoch."""
-        return self.plan.num_rows
+        return self._num_rows
 
     @property
     def stats(self) -> dict:

@@ -22,8 +22,8 @@ from .config import ConfigError, DataConfig
 from .errors import ForgeGrainError
 from .mixture import MAX_ROWS, Mixture
 from .packed import PackedDataset
+from .deferred import SourceRecords, source_key
 from .sources import open_source
-from .stores import TokenStore
 
 STATE_VERSION = 1
 # Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
@@ -109,14 +109,9 @@ class Pipeline:
         self.cache_dir = cache_dir
         self.fetch_ahead = fetch_ahead
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
-        self.stores, self.datasets, self.streams = [], [], []
-        for s in config.sources:
-            opened = open_source(s, config.seq_len, _source_seed(config.seed, s.name), shard_index, shard_count,
-                                 cache_dir, config.plan_chunk_docs, plan_workers)
-            self.stores.append(opened.store)
-            self.datasets.append(opened.dataset)
-            if opened.stream is not None:
-                self.streams.append(opened.stream)
+        self._sources = self._open_sources(plan_workers)
+        self.datasets = [o.dataset for o in self._sources]
+        self.streams = [o.stream for o in self._sources if o.stream is not None]
         self._check_tokenizers()
         if self.streams:
             if worker_count:
@@ -150,6 +145,25 @@ class Pipeline:
         )
         self.fingerprint, self._summary = self._fingerprint()
         self._warn_unreachable_phases()
+
+    def _open_sources(self, plan_workers: int | None) -> list:
+        """Each source's packed rows; stored sources whose files match their record are
+        deferred (opened when first read; see `forge_grain.deferred`)."""
+        c = self.config
+        seeds = [_source_seed(c.seed, s.name) for s in c.sources]
+        keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs) for s, seed in zip(c.sources, seeds)]
+        records = SourceRecords(keys, self.cache_dir) if any(k is not None for k in keys) else None
+        opened = [open_source(s, c.seq_len, seed, self.shard_index, self.shard_count, self.cache_dir,
+                              c.plan_chunk_docs, plan_workers, records, key)
+                  for s, seed, key in zip(c.sources, seeds, keys)]
+        if records is not None:
+            records.save()
+        return opened
+
+    @property
+    def stores(self) -> list:
+        """Each source's documents (a `TokenStore`, or a streaming source); opens deferred sources."""
+        return [o.store for o in self._sources]
 
     def _adopt_history(self, state: dict, allow_change: bool) -> None:
         """The mixture history of `state`, extended by a change to this config if allowed."""
@@ -205,20 +219,21 @@ class Pipeline:
     # -- identity ---------------------------------------------------------------------------
 
     def _check_tokenizers(self) -> None:
-        first, s0 = self.config.sources[0], self.stores[0]
-        for src, store in zip(self.config.sources[1:], self.stores[1:]):
-            a, b = (s0.tokenizer or {}).get("sha256"), (store.tokenizer or {}).get("sha256")
-            if (s0.vocab_size is None) != (store.vocab_size is None):
-                unknown = first if s0.vocab_size is None else src
+        first, s0 = self.config.sources[0], self._sources[0].identity
+        for src, opened in zip(self.config.sources[1:], self._sources[1:]):
+            s = opened.identity
+            a, b = s0["tokenizer_sha256"], s["tokenizer_sha256"]
+            if (s0["vocab_size"] is None) != (s["vocab_size"] is None):
+                unknown = first if s0["vocab_size"] is None else src
                 raise ConfigError(
                     f"source '{unknown.name}' has foreign token files of unknown vocabulary size, mixed with sources "
                     "that have one; declare its vocab_size (or tokenizer) so the ids can be checked"
                 )
-            if s0.vocab_size != store.vocab_size or (a and b and a != b):
+            if s0["vocab_size"] != s["vocab_size"] or (a and b and a != b):
                 raise ConfigError(
-                    f"sources '{first.name}' ({s0.path}) and '{src.name}' ({store.path}) were tokenized differently "
-                    f"(vocab_size {s0.vocab_size} vs {store.vocab_size}, tokenizer {str(a)[:12]} vs {str(b)[:12]}); "
-                    "mixed sources must share one tokenizer"
+                    f"sources '{first.name}' ({_where(first)}) and '{src.name}' ({_where(src)}) were tokenized "
+                    f"differently (vocab_size {s0['vocab_size']} vs {s['vocab_size']}, tokenizer {str(a)[:12]} vs "
+                    f"{str(b)[:12]}); mixed sources must share one tokenizer"
                 )
 
     def _fingerprint(self, with_history: bool = True) -> tuple[str, dict]:
@@ -234,9 +249,9 @@ class Pipeline:
             "schedule": c.schedule(),
             "sources": [
                 {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
-                 "plan": d.plan_key, "plan_sha256": d.plan.checksum() if isinstance(d, PackedDataset) else None,
-                 "data": _data_id(st), **({"shuffle_window": s.shuffle_window} if s.shuffle_window else {})}
-                for s, d, st in zip(c.sources, self.datasets, self.stores)
+                 "plan": d.plan_key, "plan_sha256": d.plan_sha256 if isinstance(d, PackedDataset) else None,
+                 "data": o.identity["data_id"], **({"shuffle_window": s.shuffle_window} if s.shuffle_window else {})}
+                for s, d, o in zip(c.sources, self.datasets, self._sources)
             ],
         }
         if with_history:
@@ -275,7 +290,7 @@ class Pipeline:
     def _fetch_ahead(self, step: int) -> None:
         """Tell sources in object storage which shards this step and the next `fetch_ahead`
         read: they download them in the background and keep them from eviction."""
-        fetching = [i for i, st in enumerate(self.stores) if getattr(st, "fetches", False)]
+        fetching = [i for i, o in enumerate(self._sources) if o.fetches]
         if not fetching or not self.fetch_ahead:
             return
         last = min(step + 1 + self.fetch_ahead, self.step_limit)
@@ -398,9 +413,9 @@ def _rebuild(config, shard_index, shard_count, cache_dir, dtype, resume_from=Non
                     resume_from=resume_from, allow_mixture_change=allow_mixture_change)
 
 
-def _data_id(store) -> str:
-    """The store's content fingerprint, or a streaming source's identity (dataset, files, tokenizer)."""
-    return store.fingerprint if isinstance(store, TokenStore) else store.key
+def _where(src) -> str:
+    """A source's data, for messages."""
+    return src.path if src.path is not None else f"hf:{src.hf_dataset}"
 
 
 def _source_seed(seed: int, name: str) -> int:

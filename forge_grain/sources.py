@@ -12,37 +12,79 @@ import dataclasses
 from pathlib import Path
 
 from .config import SourceConfig
-from .packed import pack
+from .deferred import SourceRecords, checked_opener
+from .packed import PackedDataset, pack
 from .stores import TokenStore
 
 
 @dataclasses.dataclass
 class OpenedSource:
-    """`store`: its documents (a `TokenStore`, or a streaming source); `dataset`: the packed
-    rows the mixture indexes; `stream`: the cursor of a streaming source, else None."""
+    """`dataset`: the packed rows the mixture indexes; `stream`: the cursor of a streaming
+    source, else None; `record`: the facts a deferred source was built from (see
+    `forge_grain.deferred`), else None and `opened` is its store (a `TokenStore`, or a
+    streaming source)."""
 
-    store: object
     dataset: object
     stream: object = None
+    opened: object = None
+    record: object = None
+
+    @property
+    def store(self):
+        """The source's documents (opening a deferred source)."""
+        return self.opened if self.record is None else self.dataset.store
+
+    @property
+    def identity(self) -> dict:
+        """What the build checks and fingerprints: `data_id`, `vocab_size`, `tokenizer_sha256`."""
+        if self.record is not None:
+            return self.record.facts
+        st = self.opened
+        return {"data_id": st.fingerprint if isinstance(st, TokenStore) else st.key, "vocab_size": st.vocab_size,
+                "tokenizer_sha256": (st.tokenizer or {}).get("sha256")}
+
+    @property
+    def fetches(self) -> bool:
+        """Its store fetches files on demand (object storage; never deferred)."""
+        return self.record is None and getattr(self.opened, "fetches", False)
 
 
 def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, shard_count: int,
                 cache_dir: str | Path | None = None, chunk_docs: int | None = None,
-                plan_workers: int | None = None) -> OpenedSource:
+                plan_workers: int | None = None, records: SourceRecords | None = None,
+                key: str | None = None) -> OpenedSource:
     """The packed rows of one source; `seed` is the source's own (see `Pipeline`);
-    `chunk_docs` and `plan_workers` go to `pack`."""
+    `chunk_docs` and `plan_workers` go to `pack`. With `records` and the source's `key`
+    there (`deferred.source_key`), a stored source whose files match its record is
+    deferred, and one opened in full is recorded."""
     if src.hf_dataset is not None and src.hf_streaming:
         from .hf import StreamCursor, StreamingSource
 
         source = StreamingSource(src, seq_len, seed, shard_index, shard_count, cache_dir)
         cursor = StreamCursor(source, rows_per_epoch=shard_count * min(source.rows_per_shard()))
-        return OpenedSource(source, cursor, cursor)
-    if src.hf_dataset is not None:
-        from .hf import eager_store
+        return OpenedSource(cursor, cursor, source)
 
-        store = TokenStore.open(eager_store(src, cache_dir))
-    else:
-        store = TokenStore.open(src.path, **src.store_options())
-    dataset = pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None, cache_dir=cache_dir,
-                   chunk_docs=chunk_docs, plan_workers=plan_workers, shuffle_window=src.shuffle_window)
-    return OpenedSource(store, dataset)
+    def open_full():
+        if src.hf_dataset is not None:
+            from .hf import eager_store
+
+            store = TokenStore.open(eager_store(src, cache_dir))
+        else:
+            store = TokenStore.open(src.path, **src.store_options())
+        return store, pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None,
+                           cache_dir=cache_dir, chunk_docs=chunk_docs, plan_workers=plan_workers,
+                           shuffle_window=src.shuffle_window)
+
+    record = records.find(key, src.path) if records is not None and key is not None else None
+    if record is not None:
+        f = record.facts
+        opener = checked_opener(src.name, src.path, record, records, open_full)
+        dataset = PackedDataset.deferred(
+            opener, seq_len=f["seq_len"], num_rows=f["num_rows"], chunk_rows=f["chunk_rows"], pad_id=f["pad_id"],
+            plan_key=f["plan_key"], plan_sha256=f["plan_sha256"], seed=seed, shuffle=True,
+            shuffle_window=src.shuffle_window, num_epochs=None)
+        return OpenedSource(dataset, record=record)
+    store, dataset = open_full()
+    if records is not None and key is not None:
+        records.add(key, store, dataset)
+    return OpenedSource(dataset, opened=store)

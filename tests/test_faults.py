@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import make_texts, trials, tree_bytes, write_jsonl
 
-from forge_grain import TokenStore, pack, prepare
+from forge_grain import pack, prepare
 
 CLI = [sys.executable, "-m", "forge_grain"]
 

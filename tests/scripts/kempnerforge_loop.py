@@ -6,7 +6,6 @@ the state must give those same 3 steps. Writes what it saw for the test to check
 import json
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler

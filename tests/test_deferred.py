@@ -1,0 +1,95 @@
+"""Deferred opening: a rebuilt pipeline takes its sources' facts from the record of the last
+build and opens each source when a batch first reads it; a store changed behind the record's
+back is an error at that read, never other data."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from forge_grain import DataConfig, Pipeline, StoreError
+from forge_grain.pipeline import StateError
+from forge_grain.writer import write_store
+
+
+def small_stores(root, n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    sources = []
+    for i in range(n):
+        docs = [np.concatenate([[0], rng.integers(2, 1000, int(rng.integers(5, 50)))]) for _ in range(12)]
+        path = write_store(root / f"s{i:02d}", docs, vocab_size=1000, bos_id=0, eos_id=1)
+        sources.append(dict(name=f"s{i:02d}", path=str(path), weight=1 + i % 3))
+    return sources
+
+
+def config(sources, **kw) -> DataConfig:
+    return DataConfig.from_dict(dict(sources=sources, **kw))
+
+
+def batches(pipe: Pipeline, start: int, stop: int) -> list[dict]:
+    return [pipe.batch(s) for s in range(start, stop)]
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def test_a_rebuilt_pipeline_defers_its_sources_and_gives_the_same_batches_and_state(tmp_path):
+    cfg = config(small_stores(tmp_path, 20), seq_len=32, global_batch_size=16, seed=3)
+    first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert not any(o.record for o in first._sources)  # nothing recorded yet: opened in full
+    want = batches(first, 0, 6)
+    again = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert all(o.record for o in again._sources) and not any(d._plan for d in again.datasets)
+    assert again.fingerprint == first.fingerprint and again.rows_per_epoch == first.rows_per_epoch
+    assert again.consumed(5) == first.consumed(5)
+    got = [next(again.iterator(first.state_at(3))) for _ in range(1)] + batches(again, 4, 6)
+    assert same(got, want[3:])
+    # on two shards, each rebuilt from the record, the halves make the same global batches
+    halves = [Pipeline(cfg, k, 2, cache_dir=tmp_path / "cache", num_threads=0) for k in range(2)]
+    for step in range(6):
+        joined = {k: np.concatenate([h.batch(step)[k] for h in halves]) for k in want[step] if k != "step"}
+        assert all(np.array_equal(joined[k], want[step][k]) for k in joined)
+
+
+def test_a_store_changed_behind_the_record_fails_at_its_first_read_and_the_rebuild_sees_it(tmp_path):
+    sources = small_stores(tmp_path, 3)
+    cfg = config(sources, seq_len=32, global_batch_size=16, seed=3)
+    first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    state = first.state_at(2)
+    # other document boundaries written into the index in place, size and times kept: the
+    # record's signature still matches, so the build defers the source
+    index = tmp_path / "s01" / "shard-00000.idx.npy"
+    st = os.stat(index)
+    offsets = np.load(index)
+    moved = offsets.copy()
+    moved[1:-1] = np.maximum(moved[:-2] + 1, moved[1:-1] - 1)  # each inner boundary a token earlier
+    assert not np.array_equal(moved, offsets)
+    with open(index, "r+b") as f:
+        f.seek(os.path.getsize(index) - moved.nbytes)
+        f.write(moved.astype(offsets.dtype).tobytes())
+    os.utime(index, ns=(st.st_atime_ns, st.st_mtime_ns))
+    stale = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert stale.fingerprint == first.fingerprint  # built from the record
+    with pytest.raises(StoreError, match=r"source 's01' .*changed after this pipeline was built.*plan_key"):
+        for step in range(stale.num_steps):
+            stale.batch(step)
+    # the record is gone: the next build opens every source and its state is another one
+    rebuilt = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert not any(o.record for o in rebuilt._sources) and rebuilt.fingerprint != first.fingerprint
+    with pytest.raises(StateError, match="other data"):
+        rebuilt.iterator(state)
+
+
+def test_a_store_rewritten_by_its_writer_is_opened_in_full_at_build(tmp_path):
+    sources = small_stores(tmp_path, 2)
+    cfg = config(sources, seq_len=32, global_batch_size=8, seed=1)
+    first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    small_stores(tmp_path, 2, seed=9)  # the same paths, other documents
+    again = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert not any(o.record for o in again._sources)
+    assert again.fingerprint != first.fingerprint
+    third = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)  # recorded again
+    assert all(o.record for o in third._sources) and third.fingerprint == again.fingerprint
