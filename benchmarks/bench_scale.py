@@ -2,8 +2,10 @@
 
     python benchmarks/bench_scale.py [--sources 10000] [--docs 20000] [--shards 128]
 
-1. `--sources` tiny stores in one mixture: pipeline build (plans cold, then cached), open
-   file descriptors after the build, time to the first batch.
+1. `--sources` tiny stores in one mixture: pipeline build with the plans cold, with the
+   plans cached (every source opened), and from the record of the last build (sources
+   opened when first read: `forge_grain.deferred`); open file descriptors after the build,
+   time to the first batch and to the next 100 (which open the sources they read).
 2. A synthetic store (log-normal documents, as the other benchmarks) in `--shards` shards,
    uploaded to a local S3-compatible server (moto in server mode, as the tests use), read
    through s3fs with a cache limit of 10% of the store and the locality order, against the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -40,16 +43,25 @@ def many_sources(n: int, work: Path) -> list[str]:
         path = write_store(work / f"s{i:05d}", docs, vocab_size=1000, bos_id=0, eos_id=1)
         sources.append(dict(name=f"s{i:05d}", path=str(path), weight=1 + i % 3))
     cfg = DataConfig.from_dict(dict(sources=sources, seq_len=32, global_batch_size=64, seed=5))
+    os.environ["FORGE_GRAIN_CACHE"] = str(work / "cache")
+    records = work / "cache" / "sources"  # where the build's record goes (plans are beside the stores)
     lines = [f"{n:,} sources (8 documents each), seq_len 32, global batch 64:"]
-    for label in ("plans cold", "plans cached"):
+    for label in ("plans cold", "plans cached, no record", "from the record"):
+        if label != "from the record":
+            shutil.rmtree(records, ignore_errors=True)  # no record: every source opened in full
         t = time.perf_counter()
-        pipe = Pipeline(cfg, 0, 1)
+        pipe = Pipeline(cfg, 0, 1, num_threads=0)
         build = time.perf_counter() - t
         fds = len(os.listdir("/proc/self/fd"))
         t = time.perf_counter()
-        next(pipe.iterator())
-        lines.append(f"  build ({label}) {build:6.2f} s ({build / n * 1e3:.2f} ms a source), open descriptors {fds}, "
-                     f"first batch {time.perf_counter() - t:.3f} s")
+        pipe.batch(0)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        for step in range(1, 101):
+            pipe.batch(step)
+        rest = time.perf_counter() - t
+        lines.append(f"  {label:<24} build {build:6.2f} s ({build / n * 1e3:.2f} ms a source), open descriptors "
+                     f"{fds}, first batch {first:.3f} s, next 100 batches {rest:.2f} s")
         print(lines[-1], flush=True)
     return lines
 

@@ -7,15 +7,16 @@ and its pad id. Opening a store and its plan to learn them reads a dozen small f
 
 So after a build opens its sources, it keeps those facts in one record file per set of
 sources (`sources-<key>.json`, in the plan cache directory given to the pipeline, else
-`$FORGE_GRAIN_CACHE/sources`), with the size, modification time and inode of every file each
-store was opened from. A later build takes a source's facts from the record when all its
-files still match, and the source is opened when a batch first reads it.
+`$FORGE_GRAIN_CACHE/sources`), with the size, modification and change times and inode of
+every file each store was opened from. A later build takes a source's facts from the record
+when all its files still match, and the source is opened when a batch first reads it.
 
 The record is a hint, never trusted: the first read opens the store and its plan in full
 (every check of an ordinary open, the plan's checksum included) and compares what it finds
-with what the build used. A difference (a store rewritten in place within the same second,
-at the same size) is an error naming the source, never a batch of other data, and removes
-the record so the next build opens every source again.
+with what the build used. A difference (a record edited or copied from elsewhere; a file
+changed without its change time moving, which the kernel does not allow) is an error
+naming the source, never a batch of other data, and removes the record so the next build
+opens every source again.
 """
 
 from __future__ import annotations
@@ -54,15 +55,17 @@ def _absolute(path) -> str:
 
 
 def signature(path: str, files: list[str]) -> list:
-    """(name, size, mtime_ns, inode) of every visible entry of the store's directory (or of
-    the store's file) and of its data files: what changes when a store is rewritten."""
+    """(path, size, mtime, ctime, inode) of every visible entry of the store's directory (or
+    of the store's file) and of its data files: what changes when a store is rewritten. The
+    ctime is the kernel's (no one can set it back), so a file rewritten in place at the same
+    size with its mtime restored still shows."""
     out, others = [], list(files)
     try:
         with os.scandir(path) as entries:
             for e in entries:
                 if e.name[0] != ".":
                     st = e.stat()
-                    out.append([e.path, st.st_size, st.st_mtime_ns, st.st_ino])
+                    out.append([e.path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     except NotADirectoryError:
         others.insert(0, path)  # a file store (a raw file, an .arrow file)
     except FileNotFoundError:
@@ -71,7 +74,7 @@ def signature(path: str, files: list[str]) -> list:
     for f in others:
         if f not in seen:
             st = os.stat(f)
-            out.append([f, st.st_size, st.st_mtime_ns, st.st_ino])
+            out.append([f, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
             seen.add(f)
     out.sort()
     return out

@@ -4,6 +4,7 @@ back is an error at that read, never other data."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -54,13 +55,11 @@ def test_a_rebuilt_pipeline_defers_its_sources_and_gives_the_same_batches_and_st
         assert all(np.array_equal(joined[k], want[step][k]) for k in joined)
 
 
-def test_a_store_changed_behind_the_record_fails_at_its_first_read_and_the_rebuild_sees_it(tmp_path):
-    sources = small_stores(tmp_path, 3)
-    cfg = config(sources, seq_len=32, global_batch_size=16, seed=3)
+def test_a_store_rewritten_in_place_with_its_times_restored_is_opened_in_full(tmp_path):
+    cfg = config(small_stores(tmp_path, 3), seq_len=32, global_batch_size=16, seed=3)
     first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
-    state = first.state_at(2)
-    # other document boundaries written into the index in place, size and times kept: the
-    # record's signature still matches, so the build defers the source
+    # other document boundaries written into the index in place, its size and times kept:
+    # the kernel's change time still moves, so the build opens the source
     index = tmp_path / "s01" / "shard-00000.idx.npy"
     st = os.stat(index)
     offsets = np.load(index)
@@ -69,18 +68,33 @@ def test_a_store_changed_behind_the_record_fails_at_its_first_read_and_the_rebui
     assert not np.array_equal(moved, offsets)
     with open(index, "r+b") as f:
         f.seek(os.path.getsize(index) - moved.nbytes)
-        f.write(moved.astype(offsets.dtype).tobytes())
+        f.write(moved.tobytes())
     os.utime(index, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert [o.record is None for o in again._sources] == [False, True, False]
+    assert again.fingerprint != first.fingerprint
+    with pytest.raises(StateError, match="other data"):
+        again.iterator(first.state_at(1))
+
+
+def test_a_record_that_disagrees_with_the_store_fails_at_the_first_read_and_is_dropped(tmp_path):
+    cfg = config(small_stores(tmp_path, 3), seq_len=32, global_batch_size=16, seed=3)
+    first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    (record_file,) = (tmp_path / "cache").glob("sources-*.json")
+    data = json.loads(record_file.read_text())
+    key = next(k for k in data["records"] if "s01" in k)
+    data["records"][key]["facts"]["plan_sha256"] = "0" * 64  # a record of other data
+    record_file.write_text(json.dumps(data))
     stale = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
-    assert stale.fingerprint == first.fingerprint  # built from the record
-    with pytest.raises(StoreError, match=r"source 's01' .*changed after this pipeline was built.*plan_key"):
+    assert stale.fingerprint != first.fingerprint  # built from the record's facts
+    with pytest.raises(StoreError, match=r"source 's01' .*changed after this pipeline was built.*plan_sha256"):
         for step in range(stale.num_steps):
             stale.batch(step)
-    # the record is gone: the next build opens every source and its state is another one
-    rebuilt = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
-    assert not any(o.record for o in rebuilt._sources) and rebuilt.fingerprint != first.fingerprint
-    with pytest.raises(StateError, match="other data"):
-        rebuilt.iterator(state)
+    assert not record_file.exists()
+    rebuilt = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)  # opens every source again
+    assert not any(o.record for o in rebuilt._sources) and rebuilt.fingerprint == first.fingerprint
+    want = first.batch(1)
+    assert all(np.array_equal(rebuilt.batch(1)[k], want[k]) for k in want)
 
 
 def test_a_store_rewritten_by_its_writer_is_opened_in_full_at_build(tmp_path):
