@@ -27,7 +27,8 @@ def _prepare(a) -> None:
         list_separator=_unescape(a.join_lists), special_tokens_in_text=a.special_tokens_in_text,
         add_bos=a.bos, add_eos=a.eos, bos_token=a.bos_token, eos_token=a.eos_token, bos_id=a.bos_id,
         eos_id=a.eos_id, layout=a.layout, num_shards=a.num_shards, num_proc=a.num_proc, overwrite=a.overwrite,
-        progress=not a.quiet, piece_chars=a.piece_chars, storage_options=a.storage_options,
+        progress=not a.quiet, piece_chars=a.piece_chars, storage_options=a.storage_options, runner=a.runner,
+        beam_options=[_beam_option(o) for o in a.beam_option],
     )
     print(format_summary(TokenStore.open(out, storage_options=a.storage_options)))
 
@@ -51,6 +52,11 @@ def _inspect(a) -> None:
         from .summary import packing_report
 
         print(packing_report(store, a.seq_len, seed=a.seed))
+
+
+def _beam_option(option: str) -> str:
+    """`KEY=VALUE` (or `--KEY=VALUE`, or a bare flag `KEY`) as Beam's `--KEY=VALUE`."""
+    return option if option.startswith("--") else f"--{option}"
 
 
 def _unescape(sep: str | None) -> str | None:
@@ -103,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--piece-chars", type=int, default=1 << 20,
                     help="tokenize longer documents in pieces of about this many characters, with the same ids; "
                     "bounds memory at ~150 bytes per token of a piece (default: 1048576)")
+    pr.add_argument("--runner", default="local", choices=["local", "beam"],
+                    help="local: processes on this machine; beam: an Apache Beam job (the same bytes; needs "
+                    "forge-grain[beam]; JSON Lines and Parquet inputs)")
+    pr.add_argument("--beam-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Beam pipeline option, repeatable, e.g. --beam-option runner=DataflowRunner "
+                    "--beam-option project=P (default: Beam's local runner)")
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _storage_options(pr)
     pr.set_defaults(func=_prepare)

@@ -39,6 +39,7 @@ from .manifest import (
 )
 from .locks import exclusive_or_refuse
 from .paths import cache_root, is_url
+from .texts import NULL_TOKENS
 from .tokenizer import TextTokenizer, load_tokenizer
 
 BATCH_DOCS = 512  # documents tokenized per call: large enough for the Rust batch path
@@ -93,6 +94,8 @@ def prepare(
     progress: bool = True,
     piece_chars: int = 1 << 20,
     storage_options: dict | None = None,
+    runner: str = "local",
+    beam_options: list[str] | None = None,
 ) -> Path | str:
     """Tokenize `source` (see `forge_grain.texts.load_corpus`) into a token store at `output`.
 
@@ -112,7 +115,7 @@ def prepare(
     manifest last (see `stores.remote.upload_store`), and the staging copy is removed;
     re-running an interrupted command resumes both. Returns the URL.
     """
-    if is_url(output):
+    if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
         from .stores.remote import upload_store
 
@@ -144,49 +147,34 @@ def prepare(
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory; give a directory for the token store")
+    spec = _Spec(source, out, tok, tokens, vocab_size, bos, eos, add_bos, add_eos, text_field, token_field, split,
+                 hf_config, text_unit, data_files, list_separator, special_tokens_in_text, layout, piece_chars)
+    if runner == "beam":
+        try:
+            from .beam_prepare import prepare_beam
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("apache_beam"):
+                raise
+            raise PrepareError("--runner beam needs Apache Beam: pip install 'forge-grain[beam]'") from None
+
+        return prepare_beam(spec, num_shards, overwrite, beam_options or [], progress)
+    if runner != "local":
+        raise PrepareError(f"unknown runner {runner!r} (choose 'local' or 'beam')")
     corpus = load_corpus(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit,
                          data_files=data_files, token_field=token_field, list_separator=list_separator,
                          exclude=out)
     ds = corpus.ds
-    num_shards = num_shards or default_num_shards(ds.data.nbytes, len(ds))
+    # local files are known by their sizes and times, as the Beam runner knows them without loading
+    text_bytes = sum(f.stat().st_size for f in corpus.files) if corpus.files else ds.data.nbytes
+    num_shards = num_shards or default_num_shards(text_bytes, len(ds))
     if not 1 <= num_shards <= len(ds):
         raise PrepareError(f"num_shards must be between 1 and the {len(ds)} documents, not {num_shards}")
-
-    dtype = token_dtype(vocab_size)
-    settings = {
-        "input": _input_name(source),
-        "fingerprint": getattr(ds, "_fingerprint", None),
-        "text_field": None if tokens else text_field,
-        "token_field": token_field,
-        "vocab_size": vocab_size,
-        "split": split,
-        "hf_config": hf_config,
-        "text_unit": text_unit,
-        "data_files": data_files,
-        "list_separator": list_separator,
-        "special_tokens_in_text": special_tokens_in_text,
-        "bos": bos if add_bos else None,
-        "eos": eos if add_eos else None,
-        "declared": [bos, eos],
-        "tokenizer": tok.sha256 if tok else None,
-        "layout": layout,
-        "num_shards": num_shards,
-    }
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    job = _Job(
-        str(out), key, token_field or text_field, tokens, list_separator, layout, dtype.str, vocab_size,
-        (bos,) if add_bos else (), (eos,) if add_eos else (),
-        bos if tokens and not add_bos else None, eos if tokens and not add_eos else None, str(source), piece_chars,
-    )
-    recorded = {  # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
-        "bos_id": bos if add_bos or job.starts_with is not None else None,
-        "eos_id": eos if add_eos or job.ends_with is not None else None,
-        "tokenizer": tok.identity if tok else {"path": None, "sha256": None, "vocab_size": vocab_size},
-    }
+    identity = files_identity(corpus.files) if corpus.files else getattr(ds, "_fingerprint", None)
+    job, settings, recorded = spec.describe(identity, num_shards)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with exclusive_or_refuse(out / LOCK_NAME, str(out)):  # one writer per output directory
-            if not _already_prepared(out, key, settings, overwrite):
+            if not _already_prepared(out, job.key, settings, overwrite):
                 _clean(out, remove_all=overwrite)
                 _write_store(corpus, tok, job, settings, recorded, num_shards, num_proc, progress)
     except OSError as e:  # a full disk, a read-only or vanished directory: name the file, keep what is done
@@ -195,6 +183,76 @@ def prepare(
             "and re-running the same command (once the cause is fixed) completes it"
         ) from None
     return out
+
+
+@dataclasses.dataclass
+class _Spec:
+    """A prepare run's options, checked, before the corpus is read: what the local and the
+    Beam runners share, so both describe a store the same way."""
+
+    source: object
+    out: object
+    tok: TextTokenizer | None
+    tokens: bool
+    vocab_size: int
+    bos: int | None
+    eos: int | None
+    add_bos: bool
+    add_eos: bool
+    text_field: str
+    token_field: str | None
+    split: str | None
+    hf_config: str | None
+    text_unit: str
+    data_files: object
+    list_separator: str | None
+    special_tokens_in_text: bool
+    layout: str
+    piece_chars: int
+
+    def describe(self, fingerprint, num_shards: int) -> tuple[_Job, dict, dict]:
+        """(the shard workers' job, the settings the manifest records, what the documents carry)
+        for an input of this identity, in `num_shards` shards."""
+        tokens, bos, eos = self.tokens, self.bos, self.eos
+        settings = {
+            "input": _input_name(self.source),
+            "fingerprint": fingerprint,
+            "text_field": None if tokens else self.text_field,
+            "token_field": self.token_field,
+            "vocab_size": self.vocab_size,
+            "split": self.split,
+            "hf_config": self.hf_config,
+            "text_unit": self.text_unit,
+            "data_files": self.data_files,
+            "list_separator": self.list_separator,
+            "special_tokens_in_text": self.special_tokens_in_text,
+            "bos": bos if self.add_bos else None,
+            "eos": eos if self.add_eos else None,
+            "declared": [bos, eos],
+            "tokenizer": self.tok.sha256 if self.tok else None,
+            "layout": self.layout,
+            "num_shards": num_shards,
+        }
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+        job = _Job(
+            str(self.out), key, self.token_field or self.text_field, tokens, self.list_separator, self.layout,
+            token_dtype(self.vocab_size).str, self.vocab_size, (bos,) if self.add_bos else (),
+            (eos,) if self.add_eos else (), bos if tokens and not self.add_bos else None,
+            eos if tokens and not self.add_eos else None, str(self.source), self.piece_chars,
+        )
+        recorded = {  # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
+            "bos_id": bos if self.add_bos or job.starts_with is not None else None,
+            "eos_id": eos if self.add_eos or job.ends_with is not None else None,
+            "tokenizer": self.tok.identity if self.tok else {"path": None, "sha256": None, "vocab_size": self.vocab_size},
+        }
+        return job, settings, recorded
+
+
+def files_identity(files) -> str:
+    """The identity of local input files (path, size, modification time), as the manifest
+    records it: a re-run over changed files is another store."""
+    entries = [[os.path.abspath(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in files]
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
 def _write_store(corpus, tok, job: _Job, settings: dict, recorded: dict, num_shards: int, num_proc: int,
@@ -207,7 +265,14 @@ def _write_store(corpus, tok, job: _Job, settings: dict, recorded: dict, num_sha
     with _Progress(n, sum(b - a for i, a, b in todo), progress, out) as bar:
         for i, info in _run_shards(corpus, tok, job, todo, num_proc, bar):
             done[i] = info
-    shards = [ShardInfo(**{k: v for k, v in done[i].items() if k != "skipped"}) for i in range(num_shards)]
+    write_manifest(job, settings, recorded, [done[i] for i in range(num_shards)])
+
+
+def write_manifest(job: _Job, settings: dict, recorded: dict, infos: list[dict]) -> None:
+    """The manifest of a store whose shards are all written (`infos`, in order), then the
+    shards' done markers go: the store is complete."""
+    out, num_shards = Path(job.out), len(infos)
+    shards = [ShardInfo(**{k: v for k, v in info.items() if k != "skipped"}) for info in infos]
     num_docs = sum(s.num_documents for s in shards)
     if num_docs == 0:
         raise PrepareError(f"{job.source}: every document is empty; nothing to prepare")
@@ -218,7 +283,7 @@ def _write_store(corpus, tok, job: _Job, settings: dict, recorded: dict, num_sha
         num_documents=num_docs,
         num_tokens=sum(s.num_tokens for s in shards),
         shards=tuple(shards),
-        source={**settings, "key": job.key, "skipped_empty": sum(d["skipped"] for d in done.values())},
+        source={**settings, "key": job.key, "skipped_empty": sum(d["skipped"] for d in infos)},
         **recorded,
     ).save(out)
     for i in range(num_shards):
@@ -440,7 +505,7 @@ def _token_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np
     column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
     if column.null_count:
         j = next(j for j in range(len(column)) if not column[j].is_valid)
-        raise PrepareError(f"{corpus.where(lo + j)}: the token list is null (missing)")
+        raise PrepareError(f"{corpus.where(lo + j)}: {NULL_TOKENS}")
     lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
     values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     ends = np.cumsum(lengths)

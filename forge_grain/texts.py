@@ -94,7 +94,8 @@ def load_corpus(
             raise PrepareError(f"{source}: the corpus is empty (no documents)")
         corpus = Corpus(None, str(source), files, builder, kwargs)
         corpus.ds = _load(source, builder, None, data_files=[str(f) for f in files], split="train",
-                          streaming=streaming, files=files, field=token_field or text_field, **kwargs)
+                          streaming=streaming, files=files, field=token_field or text_field,
+                          tokens=token_field is not None, **kwargs)
         if builder == "text" and text_field != "text":
             corpus.ds = corpus.ds.rename_column("text", text_field)
     else:
@@ -124,7 +125,7 @@ def _load_from_disk(path: Path, split: str | None, streaming: bool):
     return ds.to_iterable_dataset() if streaming else ds
 
 
-def _load(source, name, hf_config, files=None, field=None, **kwargs):
+def _load(source, name, hf_config, files=None, field=None, tokens=False, **kwargs):
     """`datasets.load_dataset`, with its failures turned into errors that name the file.
 
     JSON is read with `on_mixed_types=None`: by default `datasets` JSON-encodes a field
@@ -144,10 +145,13 @@ def _load(source, name, hf_config, files=None, field=None, **kwargs):
         mixed = re.search(r"Column\(/?([^)]*)\) changed from", " | ".join(map(str, _chain(e))))
         if mixed and name == "json":
             if mixed.group(1) != field:
-                return _load(source, name, hf_config, files, field, **{**kwargs, "on_mixed_types": "use_json"})
+                return _load(source, name, hf_config, files, field, tokens, **{**kwargs, "on_mixed_types": "use_json"})
             raise PrepareError(
                 (files and mixed_json_row(files, field)) or f"{source}: field {field!r} mixes value types ({e})"
             ) from None
+        missing = name == "json" and files and field and missing_field_row(files, field, tokens)
+        if missing:
+            raise PrepareError(missing) from None
         cause = e.__cause__ or e.__context__
         detail = f"{type(e).__name__}: {e}" + (f"; caused by {type(cause).__name__}: {cause}" if cause else "")
         raise PrepareError(f"{source}: cannot load ({detail})") from None
@@ -180,6 +184,31 @@ def mixed_json_row(files: list[Path], field: str) -> str | None:
                     return None  # not JSON Lines: leave it to the generic message
                 row += 1
     return None
+
+
+def missing_field_row(files: list[Path], field: str, tokens: bool) -> str | None:
+    """'FILE, row R: ...' for the first JSON row without `field` (a file lacking the field
+    altogether makes `datasets` fail to cast it), worded as the row's own check words it."""
+    import json
+
+    for f in files:
+        row = 0
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    return None
+                if isinstance(value, dict) and value.get(field) is None:
+                    return f"{f}, row {row}: {NULL_TOKENS if tokens else NULL_TEXT}"
+                row += 1
+    return None
+
+
+NULL_TEXT = "the text is null (missing); fill it or filter such rows out before preparing"
+NULL_TOKENS = "the token list is null (missing)"
 
 
 def _caused_by(e: BaseException, kind: type) -> bool:
@@ -324,7 +353,7 @@ def document_text(value, where, list_separator: str | None = None) -> str:
         text = list_separator.join(value)
         return text if text.strip() else ""
     if value is None:
-        problem = "the text is null (missing); fill it or filter such rows out before preparing"
+        problem = NULL_TEXT
     elif isinstance(value, list):
         problem = ("holds a list of strings; pass --join-lists SEP to join it" if all(isinstance(v, str) for v in value)
                    else f"holds a list of {sorted({type(v).__name__ for v in value})}, not text")

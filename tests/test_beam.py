@@ -1,0 +1,159 @@
+"""`prepare --runner beam`: an Apache Beam job (the local runners here) writes the bytes local
+`prepare` writes, resumes after a kill, and names a bad row's file and row as local `prepare` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("apache_beam")
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from conftest import make_texts, tree_bytes  # noqa: E402
+
+from forge_grain import PrepareError, TokenStore, prepare  # noqa: E402
+from forge_grain.tokenizer import DEFAULT_TOKENIZER  # noqa: E402
+
+MULTI = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]  # two worker processes
+
+
+@pytest.fixture(scope="module")
+def jsonl_dir(tmp_path_factory):
+    """Three JSON Lines files with blank lines between some rows and a few empty documents."""
+    d = tmp_path_factory.mktemp("jsonl")
+    texts = make_texts(1500, seed=5, empty_every=60)
+    for k in range(3):
+        rows = texts[k * 500:(k + 1) * 500]
+        (d / f"part-{k}.jsonl").write_text(
+            "".join(json.dumps({"text": t, "n": i}) + "\n" + ("\n" if i % 97 == 3 else "") for i, t in enumerate(rows)))
+    return d
+
+
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory):
+    """Two Parquet files of several row groups: texts, and the same documents pre-tokenized."""
+    from tokenizers import Tokenizer
+
+    d = tmp_path_factory.mktemp("parquet")
+    tok = Tokenizer.from_file(str(DEFAULT_TOKENIZER))
+    texts = [t for t in make_texts(1200, seed=6) if t]
+    for k in range(2):
+        part = texts[k * 600:(k + 1) * 600]
+        ids = [e.ids for e in tok.encode_batch(part, add_special_tokens=False)]
+        pq.write_table(pa.table({"text": part, "ids": ids}), d / f"p{k}.parquet", row_group_size=128)
+    return d
+
+
+def same_store(a, b) -> None:
+    """Byte-identical stores: every file (temporaries would show) and the manifest."""
+    assert tree_bytes(a) == tree_bytes(b)
+    assert TokenStore.open(b, verify=True).num_tokens > 0
+
+
+def both(src, tmp_path, options=(), **kw):
+    local = prepare(src, tmp_path / "local", progress=False, **kw)
+    beam = prepare(src, tmp_path / "beam", progress=False, runner="beam", beam_options=list(options), **kw)
+    return local, beam
+
+
+def test_jsonl_files_make_the_bytes_of_local_prepare_on_two_worker_processes(jsonl_dir, tmp_path):
+    same_store(*both(jsonl_dir, tmp_path, MULTI, num_shards=5))
+
+
+@pytest.mark.parametrize("layout", ["bin", "arrayrecord"])
+def test_parquet_files_make_the_bytes_of_local_prepare_with_a_tokenizer_file(parquet_dir, tmp_path, layout):
+    tokenizer = shutil.copy(DEFAULT_TOKENIZER, tmp_path / "my-tokenizer.json")  # a local file, shipped in the job
+    same_store(*both(parquet_dir, tmp_path, num_shards=4, layout=layout, tokenizer=tokenizer))
+
+
+def test_pre_tokenized_parquet_and_the_default_shard_count_match_local_prepare(parquet_dir, tmp_path):
+    local, beam = both(parquet_dir, tmp_path, token_field="ids", vocab_size=50_000, add_eos=True, eos_id=1)
+    same_store(local, beam)
+    assert len(TokenStore.open(beam).manifest.shards) == 1  # the default: 64 MiB of input a shard
+
+
+def test_the_cli_runs_a_beam_job_with_beam_options(jsonl_dir, tmp_path):
+    local = prepare(jsonl_dir, tmp_path / "local", num_shards=3, progress=False)
+    r = subprocess.run([sys.executable, "-m", "forge_grain", "prepare", str(jsonl_dir), str(tmp_path / "beam"),
+                        "--num-shards", "3", "--runner", "beam", "--beam-option", "direct_num_workers=2",
+                        "--beam-option", "direct_running_mode=multi_processing"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "beam: 3 shard(s) written, 0 already done; 1,500 rows" in r.stdout
+    same_store(local, tmp_path / "beam")
+
+
+KILLED = textwrap.dedent("""\
+    import sys
+    from forge_grain import prepare
+    prepare(sys.argv[1], sys.argv[2], num_shards=24, runner="beam", progress=False)
+""")
+
+
+def test_a_job_killed_part_way_completes_on_a_rerun_with_the_same_bytes(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    texts = make_texts(12_000, seed=8)
+    for k in range(4):
+        (src / f"c{k}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[k * 3000:(k + 1) * 3000]))
+    out = tmp_path / "beam"
+    job = subprocess.Popen([sys.executable, "-c", KILLED, str(src), str(out)], start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while len(list(out.glob("shard-*.done.json"))) < 3 and time.time() < deadline and job.poll() is None:
+        time.sleep(0.02)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    assert not (out / "manifest.json").exists(), "the job finished before it could be killed"
+    finished = {f: f.stat().st_ino for f in out.glob("shard-*.bin")}
+    assert finished, "no shard was finished before the kill"
+    prepare(src, out, num_shards=24, runner="beam", progress=False)
+    assert {f: f.stat().st_ino for f in finished} == finished  # kept, not written again
+    same_store(prepare(src, tmp_path / "local", num_shards=24, progress=False), out)
+
+
+def bad_inputs(tmp_path):
+    cases = {}
+    d = tmp_path / "missing"
+    d.mkdir()
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(40)))
+    (d / "b.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"} if i != 7 else {"other": 1}) + "\n"
+                                       for i in range(40)))
+    cases["missing field"] = (d, {}, r"b\.jsonl, row 7: the text is null")
+    d = tmp_path / "utf8"
+    d.mkdir()
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(40)))
+    (d / "b.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    cases["not UTF-8"] = (d, {}, r"b\.jsonl, row 1: field 'text' holds bytes that are not UTF-8")
+    d = tmp_path / "ids"
+    d.mkdir()
+    pq.write_table(pa.table({"ids": [[5, 6, 7]] * 30 + [[5, 70_000]] + [[8]] * 9}), d / "t.parquet", row_group_size=8)
+    cases["id past the vocabulary"] = (d, dict(token_field="ids", vocab_size=1000),
+                                       r"t\.parquet, row 30: token id 70000 is outside the vocabulary")
+    return cases
+
+
+@pytest.mark.parametrize("case", ["missing field", "not UTF-8", "id past the vocabulary"])
+def test_a_bad_row_fails_the_job_naming_its_file_and_row_as_local_prepare_does(tmp_path, case):
+    src, kw, pattern = bad_inputs(tmp_path)[case]
+    messages = []
+    for runner in ("local", "beam"):
+        with pytest.raises(PrepareError, match=pattern) as e:
+            prepare(src, tmp_path / runner, num_shards=2, progress=False, runner=runner, **kw)
+        messages.append(str(e.value))
+        assert not (tmp_path / runner / "manifest.json").exists()
+    assert messages[0] == messages[1]
+
+
+def test_inputs_the_beam_runner_does_not_read_are_refused_by_name(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text\n")
+    with pytest.raises(PrepareError, match=r"a\.txt: --runner beam reads JSON Lines and Parquet files, not text"):
+        prepare(tmp_path / "a.txt", tmp_path / "out", runner="beam", progress=False)
