@@ -23,10 +23,13 @@ as locally); the tokenizer travels inside the job, serialized, so workers need n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,72 +39,235 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from .errors import PrepareError
 from .locks import exclusive_or_refuse
-from .manifest import write_json_atomic
+from .manifest import MANIFEST_NAME, fsync_rename, temporary
+from .paths import is_url
 from .preparation import (
     LOCK_NAME,
-    _already_prepared,
     _clean,
     _done_info,
+    _done_path,
     _Job,
     _write_shard,
+    already_prepared,
     default_num_shards,
     files_identity,
     write_manifest,
 )
+from .stores.remote import RemoteDir
 from .tokenizer import TextTokenizer
 
 METRICS = "forge_grain"  # the namespace of the job's counters
 
 
-def prepare_beam(spec, num_shards: int | None, overwrite: bool, options: list[str], progress: bool) -> Path:
+def prepare_beam(spec, num_shards: int | None, overwrite: bool, options: list[str], progress: bool,
+                 storage_options: dict | None = None) -> Path | str:
     """`prepare` with the Beam runner (see the module docstring); `spec` is local prepare's
-    checked options (`preparation._Spec`)."""
-    files, builder = _inputs(spec)
-    out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with exclusive_or_refuse(out / LOCK_NAME, str(out)):
-        identity = files_identity(files)
-        counts = _counts(files, builder, out, identity, options)
+    checked options (`preparation._Spec`); `storage_options` reach fsspec for URLs."""
+    inputs = Inputs.find(spec, storage_options)
+    out = Output(spec.out, storage_options)
+    with out.lock():
+        counts = _counts(inputs, out, options)
         rows = sum(counts)
         if rows == 0:
             raise PrepareError(f"{spec.source}: the corpus is empty (no documents)")
-        num_shards = num_shards or default_num_shards(sum(f.stat().st_size for f in files), rows)
+        num_shards = num_shards or default_num_shards(sum(inputs.sizes), rows)
         if not 1 <= num_shards <= rows:
             raise PrepareError(f"num_shards must be between 1 and the {rows} documents, not {num_shards}")
-        job, settings, recorded = spec.describe(identity, num_shards)
-        if _already_prepared(out, job.key, settings, overwrite):
-            return out
-        _clean(out, remove_all=overwrite)
-        tasks = shard_tasks([str(f) for f in files], counts, num_shards)
+        job, settings, recorded = spec.describe(inputs.identity, num_shards)
+        if out.already_prepared(job.key, settings, overwrite):
+            return out.result
+        out.clean(overwrite)
+        tasks = shard_tasks(inputs.files, counts, num_shards)
         t0 = time.perf_counter()
-        result = _run(options, lambda p: _write_pipeline(p, tasks, builder, job, settings, recorded,
+        result = _run(options, lambda p: _write_pipeline(p, tasks, inputs, out, job, settings, recorded,
                                                          _Shipped.of(spec.tok)))
-        counts_record(out, identity).unlink(missing_ok=True)  # the store is complete: a re-run stops at its manifest
+        out.remove(counts_record(inputs.identity))  # the store is complete: a re-run stops at its manifest
         if progress:
             print(summary(result, time.perf_counter() - t0))
-    return out
+    return out.result
 
 
-def _inputs(spec) -> tuple[list[Path], str]:
-    """The input files in local `prepare`'s order, and their kind ('json' or 'parquet')."""
-    from .texts import _builder, _data_files
+@dataclasses.dataclass
+class Inputs:
+    """The input files in local `prepare`'s order (paths, or URLs), their kind ('json' or
+    'parquet'), sizes and identity, and the fsspec options that reach them."""
 
-    if spec.data_files is not None or spec.hf_config is not None:
-        raise PrepareError(f"{spec.source}: --runner beam reads files (a path, directory or glob of JSON Lines or "
-                           "Parquet files); data_files and hub configurations are read by the local runner")
-    path = Path(spec.source)
-    if not (path.exists() or any(c in str(spec.source) for c in "*?[")) or (path / "state.json").exists() \
-            or (path / "dataset_dict.json").exists():
-        raise PrepareError(f"{spec.source}: --runner beam reads JSON Lines and Parquet files (a path, directory or "
-                           "glob); hub datasets and saved datasets are read by the local runner")
-    files = _data_files(spec.source, spec.split, exclude=Path(spec.out))
-    builder = _builder(files, spec.source)
-    if builder not in ("json", "parquet"):
-        raise PrepareError(f"{spec.source}: --runner beam reads JSON Lines and Parquet files, not {builder} files; "
-                           "prepare those with the local runner")
-    if all(f.stat().st_size == 0 for f in files):
-        raise PrepareError(f"{spec.source}: the corpus is empty (no documents)")
-    return files, builder
+    files: list[str]
+    builder: str
+    sizes: list[int]
+    identity: str
+    storage_options: dict | None = None
+
+    @classmethod
+    def find(cls, spec, storage_options) -> "Inputs":
+        if spec.data_files is not None or spec.hf_config is not None:
+            raise PrepareError(f"{spec.source}: --runner beam reads files (a path, directory or glob of JSON Lines "
+                               "or Parquet files); data_files and hub configurations are read by the local runner")
+        if is_url(spec.source):
+            return cls._remote(spec, storage_options)
+        from .texts import _builder, _data_files
+
+        path = Path(spec.source)
+        if not (path.exists() or any(c in str(spec.source) for c in "*?[")) or (path / "state.json").exists() \
+                or (path / "dataset_dict.json").exists():
+            raise PrepareError(f"{spec.source}: --runner beam reads JSON Lines and Parquet files (a path, directory "
+                               "or glob); hub datasets and saved datasets are read by the local runner")
+        files = _data_files(spec.source, spec.split, exclude=None if is_url(spec.out) else Path(spec.out))
+        found = cls([str(f) for f in files], _builder(files, spec.source), [f.stat().st_size for f in files],
+                    files_identity(files))
+        return found.checked(spec.source)
+
+    @classmethod
+    def _remote(cls, spec, storage_options) -> "Inputs":
+        """Files at a URL: one object, every data file under a prefix, or a glob; split files
+        are chosen by their names as locally."""
+        from pathlib import PurePosixPath
+
+        from .splits import select_split
+        from .texts import BUILDERS, _builder
+
+        remote = RemoteDir(str(spec.source), storage_options)
+        fs, root = remote.fs, remote.root
+        if any(c in root for c in "*?["):
+            found, base = remote.retry("", lambda: fs.glob(root, detail=True)), None
+        elif remote.retry("", lambda: fs.isdir(root)):
+            found, base = remote.retry("", lambda: fs.find(root, detail=True)), PurePosixPath(root)
+        else:
+            found, base = {root: remote.retry("", lambda: fs.info(root))}, None
+        infos = {PurePosixPath(name): info for name, info in sorted(found.items())
+                 if info.get("type", "file") == "file" and (base is None or PurePosixPath(name).suffix in BUILDERS)}
+        if not infos:
+            raise PrepareError(f"{spec.source}: no JSONL or Parquet files found")
+        chosen = select_split(list(infos), spec.split, spec.source, PrepareError, base=base)
+        urls = [fs.unstrip_protocol(str(f)) for f in chosen]
+        entries = [[u, int(infos[f]["size"]), str(infos[f].get("ETag") or infos[f].get("mtime")
+                                                   or infos[f].get("LastModified") or infos[f].get("updated"))]
+                   for u, f in zip(urls, chosen)]
+        identity = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+        return cls(urls, _builder(chosen, spec.source), [e[1] for e in entries], identity,
+                   storage_options).checked(spec.source)
+
+    def checked(self, source) -> "Inputs":
+        if self.builder not in ("json", "parquet"):
+            raise PrepareError(f"{source}: --runner beam reads JSON Lines and Parquet files, not {self.builder} "
+                               "files; prepare those with the local runner")
+        if not any(self.sizes):
+            raise PrepareError(f"{source}: the corpus is empty (no documents)")
+        return self
+
+    def open(self, file: str):
+        """A binary file object of one input (local or through fsspec)."""
+        if is_url(file):
+            import fsspec
+
+            return fsspec.open(file, "rb", **(self.storage_options or {})).open()
+        return open(file, "rb")
+
+
+class Output:
+    """The store being written: a local directory (written as local `prepare` writes it), or
+    a URL, where each worker writes its shard in a local temporary directory and uploads
+    it (the shard, its index, then its done marker); the manifest is uploaded last. An
+    object's upload is atomic, so a store at a URL is complete exactly when its manifest is
+    there."""
+
+    def __init__(self, out, storage_options: dict | None = None):
+        self.url = str(out).rstrip("/") if is_url(out) else None
+        self.path = None if self.url else Path(out)
+        self.remote = RemoteDir(self.url, storage_options) if self.url else None
+
+    @property
+    def result(self):
+        return self.url or self.path
+
+    def lock(self):
+        """One writer per local output; a URL has no lock (run one job per output)."""
+        if self.url:
+            return contextlib.nullcontext()
+        self.path.mkdir(parents=True, exist_ok=True)
+        return exclusive_or_refuse(self.path / LOCK_NAME, str(self.path))
+
+    def read(self, name: str) -> bytes | None:
+        if self.url:
+            return self.remote.retry(name, lambda: self.remote.fs.cat_file(self.remote.path(name)), missing_ok=True)
+        try:
+            return (self.path / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, data: bytes) -> None:
+        if self.url:
+            self.remote.retry(name, lambda: self.remote.fs.pipe_file(self.remote.path(name), data))
+        else:
+            tmp = temporary(self.path / name)
+            tmp.write_bytes(data)
+            fsync_rename(tmp, self.path / name)
+
+    def remove(self, name: str) -> None:
+        if self.url:
+            self.remote.retry(name, lambda: self.remote.fs.rm_file(self.remote.path(name)), missing_ok=True)
+        else:
+            (self.path / name).unlink(missing_ok=True)
+
+    def already_prepared(self, key: str, settings: dict, overwrite: bool) -> bool:
+        text = self.read(MANIFEST_NAME)
+        return already_prepared(self.result, None if text is None else text.decode(), key, settings, overwrite,
+                                lambda: self.remove(MANIFEST_NAME))
+
+    def clean(self, overwrite: bool) -> None:
+        if not self.url:
+            return _clean(self.path, remove_all=overwrite)
+        if overwrite:
+            fs = self.remote.fs
+            names = self.remote.retry("", lambda: fs.ls(self.remote.root, detail=False), missing_ok=True) or []
+            for name in names:
+                if name.rsplit("/", 1)[-1].startswith("shard-"):
+                    self.remote.retry(name, lambda n=name: fs.rm_file(n))
+
+    def done_info(self, i: int, key: str) -> dict | None:
+        """Shard i's info when a run with these settings finished it and it verifies."""
+        if not self.url:
+            return _done_info(self.path, i, key)
+        marker = self.read(_done_path(Path("."), i).name)
+        done = json.loads(marker) if marker else {}
+        info = done.get("info", {})
+        if done.get("key") != key or self.read_sha256(info.get("tokens")) != info.get("sha256"):
+            return None
+        return info if self.read(info["index"]) is not None else None
+
+    def read_sha256(self, name: str | None) -> str | None:
+        """sha256 of an object, streamed; None when it is missing."""
+        if not name:
+            return None
+
+        def attempt():
+            h = hashlib.sha256()
+            with self.remote.fs.open(self.remote.path(name), "rb") as f:
+                while block := f.read(1 << 24):
+                    h.update(block)
+            return h.hexdigest()
+
+        return self.remote.retry(name, attempt, missing_ok=True)
+
+    def write_shard(self, corpus, tok, job: _Job, task, report) -> dict:
+        if not self.url:
+            return _write_shard(corpus, tok, job, task, report)[1]
+        with tempfile.TemporaryDirectory(prefix="forge-grain-shard-") as tmp:
+            _, info = _write_shard(corpus, tok, dataclasses.replace(job, out=tmp), task, report)
+            for name in (info["tokens"], info["index"], _done_path(Path("."), task[0]).name):
+                self.remote.retry(name, lambda n=name: self.remote.fs.put_file(str(Path(tmp) / n),
+                                                                                self.remote.path(n)))
+        return info
+
+    def finish(self, job: _Job, settings: dict, recorded: dict, infos: list[dict]) -> None:
+        """The manifest (last), then the done markers go."""
+        if not self.url:
+            return write_manifest(job, settings, recorded, infos)
+        with tempfile.TemporaryDirectory(prefix="forge-grain-manifest-") as tmp:
+            write_manifest(dataclasses.replace(job, out=tmp), settings, recorded, infos)
+            self.write(MANIFEST_NAME, (Path(tmp) / MANIFEST_NAME).read_bytes())
+        for i in range(len(infos)):
+            self.remove(_done_path(Path("."), i).name)
 
 
 def shard_tasks(files: list[str], counts: list[int], num_shards: int) -> list[tuple]:
@@ -136,59 +302,54 @@ def _run(options: list[str], build):
         raise PrepareError(f"the Beam job failed: {type(e).__name__}: {str(e)[:2000]}") from None
 
 
-def _counts(files: list[Path], builder: str, out: Path, identity: str, options: list[str]) -> list[int]:
-    """Rows per input file, counted by a Beam job (kept beside the output, keyed by the
-    files' identity, so a re-run does not count again)."""
-
-    record = counts_record(out, identity)
-    try:
-        saved = json.loads(record.read_text())
-        if saved.get("identity") == identity:
-            return saved["counts"]
-    except (OSError, ValueError, AttributeError):
-        pass
+def _counts(inputs: Inputs, out: Output, options: list[str]) -> list[int]:
+    """Rows per input file, counted by a Beam job; kept in the output (keyed by the files'
+    identity) until the store is complete, so a re-run does not count again."""
+    name = counts_record(inputs.identity)
+    saved = out.read(name)
+    if saved is not None:
+        return json.loads(saved)["counts"]
 
     def build(p):
-        (p | "files" >> beam.Create(list(enumerate(map(str, files))))
+        (p | "files" >> beam.Create(list(enumerate(inputs.files)))
            | "spread" >> beam.Reshuffle()
-           | "count" >> beam.Map(lambda item: (item[0], count_rows(item[1], builder)))
+           | "count" >> beam.Map(lambda item: (item[0], count_rows(inputs, item[1])))
            | "gather" >> beam.combiners.ToList()
-           | "save" >> beam.Map(_save_counts, str(record), identity, len(files)))
+           | "save" >> beam.Map(_save_counts, out, name, len(inputs.files)))
 
     _run(options, build)
-    return json.loads(record.read_text())["counts"]
+    return json.loads(out.read(name))["counts"]
 
 
-def counts_record(out: Path, identity: str) -> Path:
-    return out / f".forge-grain-counts-{identity[:16]}.json"
+def counts_record(identity: str) -> str:
+    return f".forge-grain-counts-{identity[:16]}.json"
 
 
-def _save_counts(pairs, record: str, identity: str, n: int) -> None:
+def _save_counts(pairs, out: Output, name: str, n: int) -> None:
     counts = [0] * n
     for i, c in pairs:
         counts[i] = c
-    write_json_atomic(Path(record), {"identity": identity, "counts": counts})
+    out.write(name, json.dumps({"counts": counts}).encode())
 
 
-def _write_pipeline(p, tasks, builder: str, job: _Job, settings: dict, recorded: dict, tok) -> None:
-
+def _write_pipeline(p, tasks, inputs: Inputs, out: Output, job: _Job, settings: dict, recorded: dict, tok) -> None:
     (p | "shards" >> beam.Create(tasks)
        | "spread" >> beam.Reshuffle()
-       | "write" >> beam.ParDo(WriteShard(builder, job, tok))
+       | "write" >> beam.ParDo(WriteShard(inputs, out, job, tok))
        | "gather" >> beam.combiners.ToList()
-       | "manifest" >> beam.Map(_finish, job, settings, recorded))
+       | "manifest" >> beam.Map(_finish, out, job, settings, recorded))
 
 
-def _finish(results, job: _Job, settings: dict, recorded: dict) -> None:
+def _finish(results, out: Output, job: _Job, settings: dict, recorded: dict) -> None:
     infos = dict(results)
-    write_manifest(job, settings, recorded, [infos[i] for i in range(len(infos))])
+    out.finish(job, settings, recorded, [infos[i] for i in range(len(infos))])
 
 
 class WriteShard(beam.DoFn):
     """One shard task to the shard's info: written now, or found done and verified."""
 
-    def __init__(self, builder: str, job: _Job, tok):
-        self.builder, self.job, self.tok = builder, job, tok
+    def __init__(self, inputs: Inputs, out: Output, job: _Job, tok):
+        self.inputs, self.out, self.job, self.tok = inputs, out, job, tok
 
     def setup(self):
         self.documents = Metrics.counter(METRICS, "documents")
@@ -199,13 +360,13 @@ class WriteShard(beam.DoFn):
 
     def process(self, task):
         i, pieces = task
-        info = _done_info(Path(self.job.out), i, self.job.key)
+        info = self.out.done_info(i, self.job.key)
         if info is not None:
             self.skipped.inc()
             yield i, info
             return
-        corpus = ShardCorpus.read(pieces, self.builder, self.job.field)
-        _, info = _write_shard(corpus, self.tok, self.job, (i, 0, corpus.num_rows), self._report)
+        corpus = ShardCorpus.read(self.inputs, pieces, self.job.field)
+        info = self.out.write_shard(corpus, self.tok, self.job, (i, 0, corpus.num_rows), self._report)
         self.written.inc()
         self.shard_tokens.update(info["num_tokens"])
         yield i, info
@@ -233,17 +394,14 @@ def summary(result, seconds: float) -> str:
 # -- reading a shard's rows -------------------------------------------------------------------
 
 
-def count_rows(file: str, builder: str) -> int:
+def count_rows(inputs: Inputs, file: str) -> int:
     """Rows of one input file as the local loader reads them (JSON Lines skip blank lines)."""
-    if builder == "parquet":
-        import pyarrow.parquet as pq
+    with inputs.open(file) as f:
+        if inputs.builder == "parquet":
+            import pyarrow.parquet as pq
 
-        return pq.ParquetFile(file).metadata.num_rows
-    n = 0
-    with open(file, "rb") as f:
-        for line in f:
-            n += bool(line.strip())
-    return n
+            return pq.ParquetFile(f).metadata.num_rows
+        return sum(bool(line.strip()) for line in f)
 
 
 @dataclasses.dataclass
@@ -259,11 +417,11 @@ class ShardCorpus:
         return len(self.ds)
 
     @classmethod
-    def read(cls, pieces, builder: str, field: str) -> "ShardCorpus":
+    def read(cls, inputs: Inputs, pieces, field: str) -> "ShardCorpus":
         import datasets
         import pyarrow as pa
 
-        tables = [_read_rows(f, builder, a, b, field) for f, a, b in pieces]
+        tables = [_read_rows(inputs, f, a, b, field) for f, a, b in pieces]
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         return cls(datasets.Dataset(datasets.table.InMemoryTable(table)), pieces)
 
@@ -275,31 +433,32 @@ class ShardCorpus:
         return f"row {row}"
 
 
-def _read_rows(file: str, builder: str, lo: int, hi: int, field: str):
+def _read_rows(inputs: Inputs, file: str, lo: int, hi: int, field: str):
     """Rows [lo, hi) of one file, column `field` only (null where a row lacks it)."""
     import pyarrow as pa
 
-    if builder == "parquet":
-        import pyarrow.parquet as pq
+    with inputs.open(file) as f:
+        if inputs.builder == "parquet":
+            import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(file)
-        groups, at = [], 0
-        for g in range(pf.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if at < hi and at + n > lo:
-                groups.append((g, at))
-            at += n
-        columns = [field] if field in pf.schema_arrow.names else []
-        table = pf.read_row_groups([g for g, _ in groups], columns=columns)
-        table = table.slice(lo - groups[0][1], hi - lo)
-    else:
-        table = _read_json_lines(file, lo, hi, field)
+            pf = pq.ParquetFile(f)
+            groups, at = [], 0
+            for g in range(pf.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                if at < hi and at + n > lo:
+                    groups.append((g, at))
+                at += n
+            columns = [field] if field in pf.schema_arrow.names else []
+            table = pf.read_row_groups([g for g, _ in groups], columns=columns)
+            table = table.slice(lo - groups[0][1], hi - lo)
+        else:
+            table = _read_json_lines(f, file, lo, hi, field)
     if field not in table.column_names:
         table = table.append_column(field, pa.nulls(table.num_rows))
     return table.select([field])
 
 
-def _read_json_lines(file: str, lo: int, hi: int, field: str):
+def _read_json_lines(f, file: str, lo: int, hi: int, field: str):
     """Non-blank lines [lo, hi) of a JSON Lines file, parsed as the local loader parses them
     (with its messages for bytes that are not UTF-8 and for a field of mixed types)."""
     import pyarrow as pa
@@ -308,19 +467,19 @@ def _read_json_lines(file: str, lo: int, hi: int, field: str):
     from .texts import invalid_utf8, mixed_json_row
 
     chosen, n = [], 0
-    with open(file, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if lo <= n < hi:
-                chosen.append(line if line.endswith(b"\n") else line + b"\n")
-            n += 1
-            if n >= hi:
-                break
+    for line in f:
+        if not line.strip():
+            continue
+        if lo <= n < hi:
+            chosen.append(line if line.endswith(b"\n") else line + b"\n")
+        n += 1
+        if n >= hi:
+            break
     try:
         return paj.read_json(io.BytesIO(b"".join(chosen)), read_options=paj.ReadOptions(block_size=1 << 24))
     except (pa.ArrowInvalid, UnicodeDecodeError) as e:
-        message = invalid_utf8([Path(file)]) or mixed_json_row([Path(file)], field)
+        local = None if is_url(file) else [Path(file)]
+        message = local and (invalid_utf8(local) or mixed_json_row(local, field))
         raise PrepareError(message or f"{file}: cannot read rows {lo}-{hi} as JSON Lines ({e})") from None
 
 

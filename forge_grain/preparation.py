@@ -144,8 +144,8 @@ def prepare(
         if flag and tid is None:
             how = f"--{what.lower()}-id N" if tokens else f"--{what.lower()}-token"
             raise PrepareError(f"{tok.path if tok else source}: no {what} id known; name one ({how}) or disable it")
-    out = Path(output)
-    if out.exists() and not out.is_dir():
+    out = output if is_url(output) else Path(output)  # a URL: only the Beam runner gets here
+    if not is_url(out) and out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory; give a directory for the token store")
     spec = _Spec(source, out, tok, tokens, vocab_size, bos, eos, add_bos, add_eos, text_field, token_field, split,
                  hf_config, text_unit, data_files, list_separator, special_tokens_in_text, layout, piece_chars)
@@ -157,7 +157,7 @@ def prepare(
                 raise
             raise PrepareError("--runner beam needs Apache Beam: pip install 'forge-grain[beam]'") from None
 
-        return prepare_beam(spec, num_shards, overwrite, beam_options or [], progress)
+        return prepare_beam(spec, num_shards, overwrite, beam_options or [], progress, storage_options)
     if runner != "local":
         raise PrepareError(f"unknown runner {runner!r} (choose 'local' or 'beam')")
     corpus = load_corpus(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit,
@@ -341,10 +341,20 @@ def _input_name(source) -> str:
 
 
 def _already_prepared(out: Path, key: str, settings: dict, overwrite: bool) -> bool:
-    if not (out / MANIFEST_NAME).exists():
+    path = out / MANIFEST_NAME
+    text = path.read_text() if path.exists() else None
+    return already_prepared(out, text, key, settings, overwrite, path.unlink)
+
+
+def already_prepared(where, manifest_text: str | None, key: str, settings: dict, overwrite: bool, remove) -> bool:
+    """True when the manifest at `where` (its text, None when absent) was written by a run
+    with these settings; False when there is none, or `overwrite` allows replacing it
+    (then `remove()` deletes it first: the store is incomplete from there on); an error
+    naming what differs otherwise."""
+    if manifest_text is None:
         return False
     try:
-        recorded = json.loads((out / MANIFEST_NAME).read_text()).get("source", {})
+        recorded = json.loads(manifest_text).get("source", {})
     except (json.JSONDecodeError, AttributeError):
         recorded = {}
     same = recorded.get("key") == key
@@ -353,10 +363,10 @@ def _already_prepared(out: Path, key: str, settings: dict, overwrite: bool) -> b
     if not overwrite:
         differ = sorted(k for k in settings if recorded.get(k) != settings[k]) or ["(unknown: an older manifest)"]
         raise PrepareError(
-            f"{out}: already holds a token store prepared with other settings (differing: {', '.join(differ)}); "
+            f"{where}: already holds a token store prepared with other settings (differing: {', '.join(differ)}); "
             "choose another output or pass --overwrite"
         )
-    (out / MANIFEST_NAME).unlink()  # first: the store is incomplete from here on
+    remove()
     return False
 
 
