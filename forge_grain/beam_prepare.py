@@ -2,12 +2,12 @@
 
 `prepare(..., runner="beam", beam_options=[...])` (`forge-grain prepare --runner beam`) runs
 two Beam pipelines with the options given (`--runner=DataflowRunner`, `FlinkRunner`,
-`SparkRunner`; the local DirectRunner or PrismRunner by default):
+`SparkRunner`, ...; Beam's local runner when none is named):
 
 1. **Count.** Each input file's rows are counted on a worker (JSON Lines: its non-blank
    lines; Parquet: its footer), and the counts come back in one small file.
 2. **Write.** The launcher, holding only those counts, applies local `prepare`'s rule:
-   shard i of S holds the corpus's rows [n·i/S, (n·(i+1))/S) in file order, S given or by
+   shard i of S holds the corpus's rows [n·i/S, n·(i+1)/S) in file order, S given or by
    the same default (64 MiB of input a shard). The rule depends on the inputs and options
    only, never on the workers, so each shard is a task any worker can run alone: it reads
    its rows from the files they lie in and writes the shard with local `prepare`'s own
@@ -271,8 +271,8 @@ class Output:
 
 
 def shard_tasks(files: list[str], counts: list[int], num_shards: int) -> list[tuple]:
-    """Local `prepare`'s rule: (shard, [(file, first row, end row), ...] in order, rows before
-    each file) for the corpus's rows [n·i/S, n·(i+1)/S)."""
+    """Local `prepare`'s rule: shard i of S holds the corpus's rows [n·i/S, n·(i+1)/S); as
+    (i, [(file, first row, end row in that file), ...] in file order)."""
     starts, n = [0], 0
     for c in counts:
         n += c

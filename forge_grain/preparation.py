@@ -114,6 +114,10 @@ def prepare(
     is prepared in a local staging directory under `FORGE_GRAIN_CACHE`, then uploaded,
     manifest last (see `stores.remote.upload_store`), and the staging copy is removed;
     re-running an interrupted command resumes both. Returns the URL.
+
+    `runner="beam"` runs it as an Apache Beam job with `beam_options` (Beam's command-line
+    options, e.g. `["--runner=DataflowRunner", "--project=P", ...]`), writing the same
+    bytes; inputs and `output` may then be any fsspec URL (see `forge_grain.beam_prepare`).
     """
     if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}

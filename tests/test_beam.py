@@ -80,6 +80,7 @@ def test_pre_tokenized_parquet_and_the_default_shard_count_match_local_prepare(p
     assert len(TokenStore.open(beam).manifest.shards) == 1  # the default: 64 MiB of input a shard
 
 
+@pytest.mark.slow
 def test_the_cli_runs_a_beam_job_with_beam_options(jsonl_dir, tmp_path):
     local = prepare(jsonl_dir, tmp_path / "local", num_shards=3, progress=False)
     r = subprocess.run([sys.executable, "-m", "forge_grain", "prepare", str(jsonl_dir), str(tmp_path / "beam"),
