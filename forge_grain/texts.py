@@ -166,29 +166,9 @@ def _chain(e: BaseException | None) -> list[BaseException]:
     return out
 
 
-def mixed_json_row(files: list[Path], field: str) -> str | None:
-    """The message of `document_text` for the first JSON row whose `field` is not text."""
-    import json
-
-    for f in files:
-        row = 0
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    document_text(json.loads(line).get(field), lambda: f"{f}, row {row}")
-                except PrepareError as e:
-                    return str(e)
-                except (ValueError, AttributeError):
-                    return None  # not JSON Lines: leave it to the generic message
-                row += 1
-    return None
-
-
-def missing_field_row(files: list[Path], field: str, tokens: bool) -> str | None:
-    """'FILE, row R: ...' for the first JSON row without `field` (a file lacking the field
-    altogether makes `datasets` fail to cast it), worded as the row's own check words it."""
+def _json_rows(files: list[Path]):
+    """(file, row, value) of each non-blank line of JSON Lines files, rows counted as the
+    loader counts them; ends at the first line that is not JSON (leave that to the loader)."""
     import json
 
     for f in files:
@@ -200,10 +180,29 @@ def missing_field_row(files: list[Path], field: str, tokens: bool) -> str | None
                 try:
                     value = json.loads(line)
                 except ValueError:
-                    return None
-                if isinstance(value, dict) and value.get(field) is None:
-                    return f"{f}, row {row}: {NULL_TOKENS if tokens else NULL_TEXT}"
+                    return
+                yield f, row, value
                 row += 1
+
+
+def mixed_json_row(files: list[Path], field: str) -> str | None:
+    """The message of `document_text` for the first JSON row whose `field` is not text."""
+    for f, row, value in _json_rows(files):
+        if not isinstance(value, dict):
+            return None  # not JSON Lines of objects: leave it to the generic message
+        try:
+            document_text(value.get(field), lambda: f"{f}, row {row}")
+        except PrepareError as e:
+            return str(e)
+    return None
+
+
+def missing_field_row(files: list[Path], field: str, tokens: bool) -> str | None:
+    """'FILE, row R: ...' for the first JSON row without `field` (a file lacking the field
+    altogether makes `datasets` fail to cast it), worded as the row's own check words it."""
+    for f, row, value in _json_rows(files):
+        if isinstance(value, dict) and value.get(field) is None:
+            return f"{f}, row {row}: {NULL_TOKENS if tokens else NULL_TEXT}"
     return None
 
 
