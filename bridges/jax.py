@@ -20,6 +20,37 @@ import numpy as np
 from forge_grain import Pipeline
 
 ARRAY_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop", "source_id")
+# MaxText's Grain pipeline names (its loss weights are targets_segmentation != 0)
+MAXTEXT_KEYS = ("inputs", "inputs_segmentation", "inputs_position", "targets", "targets_segmentation",
+                "targets_position")
+
+
+def maxtext(batch: dict) -> dict:
+    """A batch under MaxText's keys: `inputs_segmentation`/`inputs_position` are the segment
+    ids and positions, `targets_segmentation` the segment ids where the loss applies (0
+    elsewhere: padding, the target that would cross into the next document, overlap heads)."""
+    seg = np.asarray(batch["segment_ids"])
+    return {"inputs": batch["inputs"], "inputs_segmentation": seg, "inputs_position": batch["positions"],
+            "targets": batch["targets"], "targets_segmentation": np.where(batch["loss_mask"], seg, 0).astype(seg.dtype),
+            "targets_position": batch["positions"], **({"step": batch["step"]} if "step" in batch else {})}
+
+
+def document_mask(segment_ids) -> jax.Array:
+    """[rows, 1, seq_len, seq_len] bool: causal attention within a segment (padding attends to
+    padding), for `jax.nn.dot_product_attention(..., mask=)` and other dense attention."""
+    seg = jax.numpy.asarray(segment_ids)
+    length = seg.shape[-1]
+    causal = jax.numpy.tril(jax.numpy.ones((length, length), bool))
+    return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+
+def splash_segment_ids(segment_ids):
+    """`SegmentIds(q, kv)` for splash attention on TPU (`jax.experimental.pallas.ops.tpu.
+    splash_attention`); with a causal mask it attends within documents."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    seg = jax.numpy.asarray(segment_ids, jax.numpy.int32)
+    return SegmentIds(q=seg, kv=seg)
 
 
 def to_global(local_batch: dict, sharding: jax.sharding.Sharding, keys=None) -> dict:
@@ -29,7 +60,7 @@ def to_global(local_batch: dict, sharding: jax.sharding.Sharding, keys=None) -> 
     (a `PackedDataset` batch has no `source_id`, a pipeline batch has). `sharding` applies to
     the [batch, seq_len] arrays; 1-D arrays (source_id) use its batch axis alone.
     """
-    keys = [k for k in ARRAY_KEYS if k in local_batch] if keys is None else keys
+    keys = [k for k in dict.fromkeys(ARRAY_KEYS + MAXTEXT_KEYS) if k in local_batch] if keys is None else keys
     missing = [k for k in keys if k not in local_batch]
     if missing:
         raise KeyError(f"to_global: the batch has no {missing} (its keys: {sorted(local_batch)})")
@@ -50,13 +81,19 @@ def _for_rank(sharding, ndim):
 class JaxIterator(grain.DatasetIterator):
     """Global arrays of a pipeline's batches, `prefetch` steps ahead on the devices.
 
+    `convention="maxtext"` names the arrays as MaxText's Grain pipeline does (`maxtext`).
     The state is the pipeline's (next step + fingerprint): batches already transferred
     but not consumed are not counted, so a restore repeats nothing and skips nothing.
     """
 
-    def __init__(self, pipeline: Pipeline, sharding: jax.sharding.Sharding, *, prefetch: int = 2, keys=ARRAY_KEYS):
+    def __init__(self, pipeline: Pipeline, sharding: jax.sharding.Sharding, *, prefetch: int = 2, keys=None,
+                 convention: str = "forge"):
         super().__init__()
-        self.pipeline, self.sharding, self.prefetch, self.keys = pipeline, sharding, prefetch, keys
+        if convention not in ("forge", "maxtext"):
+            raise ValueError(f"convention must be 'forge' or 'maxtext', not {convention!r}")
+        self.pipeline, self.sharding, self.prefetch = pipeline, sharding, prefetch
+        self.convention = convention
+        self.keys = keys if keys is not None else (MAXTEXT_KEYS if convention == "maxtext" else ARRAY_KEYS)
         self._host = iter(pipeline)
         self._queue: collections.deque = collections.deque()
         self._consumed = self._host.step
@@ -68,6 +105,7 @@ class JaxIterator(grain.DatasetIterator):
             except StopIteration:
                 return
             step = int(local["step"])
+            local = maxtext(local) if self.convention == "maxtext" else local
             self._queue.append((step, to_global(local, self.sharding, self.keys)))  # device_put is asynchronous
 
     def __next__(self) -> dict:

@@ -66,18 +66,23 @@ def to_torch(batch: dict, convention: str = "forge", dtype: torch.dtype = torch.
         out["loss_mask"] = torch.from_numpy(batch["loss_mask"])
         out["natural_stop"] = torch.from_numpy(batch["natural_stop"])
         return out
-    # Hugging Face: labels aligned with input_ids (the model shifts them); -100 where no loss
     inputs = batch["inputs"]
-    labels = np.full(inputs.shape, IGNORE_INDEX, np.int64)
-    labels[:, 1:] = np.where(batch["loss_mask"][:, :-1], inputs[:, 1:], IGNORE_INDEX)
     out["input_ids"] = ids(inputs)
-    out["labels"] = torch.from_numpy(labels).to(dtype)
+    out["labels"] = torch.from_numpy(hf_labels(inputs, batch["loss_mask"])).to(dtype)
     out["attention_mask"] = ids(batch["segment_ids"] > 0)
     out["position_ids"] = ids(batch["positions"])
     stop = np.zeros(inputs.shape, np.bool_)  # aligned with labels: true where the label ends its document
     stop[:, 1:] = batch["natural_stop"][:, :-1]
     out["is_natural_stop"] = torch.from_numpy(stop)
     return out
+
+
+def hf_labels(inputs: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """Hugging Face labels: aligned with the inputs (the model shifts them), -100 where the
+    loss mask is 0 (so at each document's first token, and at each row's first)."""
+    labels = np.full(inputs.shape, IGNORE_INDEX, np.int64)
+    labels[:, 1:] = np.where(loss_mask[:, :-1], inputs[:, 1:], IGNORE_INDEX)
+    return labels
 
 
 class GrainIterableDataset(IterableDataset):
