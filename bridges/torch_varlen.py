@@ -63,6 +63,20 @@ def flash_varlen_kwargs(batch: dict, max_segments: int | None = None, device=Non
             "max_seqlen_k": meta["max_seqlen"]}
 
 
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each sequence of a flattened batch: what
+    `flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, ..., causal=True)` computes,
+    in plain PyTorch (a scaled-dot-product call per sequence), for CPUs and checks. q, k, v:
+    [tokens, heads, dim]; empty sequences (the padding of `cu_seqlens`) are skipped."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for a, z in zip(bounds, bounds[1:]):
+        if z > a:
+            qs, ks, vs = (t[a:z].transpose(0, 1) for t in (q, k, v))
+            out[a:z] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+    return out
+
+
 def padding_free(batch: dict, max_segments: int | None = None, dtype: torch.dtype = torch.int64) -> dict:
     """The batch as one flattened sequence with the keyword arguments of Hugging Face's
     padding-free path (what `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`

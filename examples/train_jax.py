@@ -5,9 +5,10 @@ iterator together with Orbax, get killed, resume, and check the loss curve match
 
 Data: forge-grain's pipeline through `bridges.jax.JaxIterator` (global jax.Arrays, device
 prefetch); its state goes into the same Orbax checkpoint as the parameters
-(`forge_grain.checkpoint.Save`). Document masking: attention is causal within a
-segment only (query i sees key j iff `segment_ids` match and j <= i), position
-embeddings use `positions`, and the loss is averaged over `loss_mask`.
+(`forge_grain.checkpoint.Save`). Document masking: `jax.nn.dot_product_attention` with
+the batch's segment-id mask (`bridges.jax.document_mask`: query i sees key j iff
+`segment_ids` match and j <= i; on TPU, `splash_segment_ids` gives splash attention the
+same), position embeddings use `positions`, and the loss is averaged over `loss_mask`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bridges.jax import JaxIterator
+from bridges.jax import JaxIterator, document_mask
 from common import demo_config, example_main
 from forge_grain import Pipeline, checkpoint
 
@@ -46,15 +47,13 @@ def norm(x, g):
 
 def forward(params, inputs, positions, segment_ids):
     B, T = inputs.shape
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    mask = (causal & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]  # [B, 1, T, T]
+    mask = document_mask(segment_ids)  # [B, 1, T, T]; padding (segment 0) attends to padding only
     x = params["tok"][inputs] + params["pos"][positions]
     for p in params["layers"]:
         q, k, v = jnp.split(norm(x, p["ln1"]) @ p["qkv"], 3, axis=-1)
-        heads = lambda t: t.reshape(B, T, HEADS, D // HEADS).transpose(0, 2, 1, 3)  # noqa: E731
-        scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(D // HEADS)
-        attn = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1) @ heads(v)
-        x = x + attn.transpose(0, 2, 1, 3).reshape(B, T, D) @ p["proj"]
+        heads = lambda t: t.reshape(B, T, HEADS, D // HEADS)  # noqa: E731  [B, T, N, H]
+        attn = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), mask=mask)
+        x = x + attn.reshape(B, T, D) @ p["proj"]
         x = x + jax.nn.gelu(norm(x, p["ln2"]) @ p["up"]) @ p["down"]
     return norm(x, params["ln"]) @ params["head"]
 

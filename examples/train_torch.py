@@ -5,10 +5,15 @@ that the loss curve after the resume matches an uninterrupted run.
 
 Data: forge-grain's pipeline through `bridges.torch.GrainIterableDataset` and torchdata's
 `StatefulDataLoader`, whose `state_dict()` goes into the same checkpoint as the model and
-optimizer. Document masking: attention is causal *within* a segment only (a boolean mask
-from `segment_ids`: query i sees key j iff same segment and j <= i), position embeddings
-use `positions` (restarting at each document), and the loss is averaged over `loss_mask`
-(no target that crosses into another document, none on padding).
+optimizer. Document masking: on CUDA, attention is FlexAttention (compiled) with the
+batch's document block mask (`bridges.torch_varlen.document_block_mask`: query i sees key j
+iff same segment and j <= i; blocks with no such pair are skipped). torch 2.13's
+FlexAttention has no backward pass on CPU ("FlexAttention does not support backward on
+CPU"), so on CPU the same attention runs over the batch's varlen metadata instead: the rows
+flattened and each document attended on its own (`varlen_attention` over `cu_seqlens`, what
+flash-attn's varlen kernel computes). Position embeddings use `positions` (restarting at
+each document), and the loss is averaged over `loss_mask` (no target that crosses into
+another document, none on padding).
 """
 
 from __future__ import annotations
@@ -18,10 +23,15 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bridges.torch import GrainIterableDataset
+from bridges.torch_varlen import document_block_mask, flash_varlen_kwargs, varlen_attention
 from common import demo_config, example_main
+
+FLEX = torch.cuda.is_available()  # FlexAttention trains on GPUs only (no backward on CPU)
+attention = torch.compile(flex_attention) if FLEX else None
 
 
 class Block(nn.Module):
@@ -35,7 +45,11 @@ class Block(nn.Module):
     def forward(self, x, mask):
         B, T, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if FLEX:
+            a = attention(q, k, v, block_mask=mask)
+        else:  # [B, H, T, d] -> [B·T, H, d], attended per document, and back
+            flat = [t.transpose(1, 2).reshape(B * T, self.heads, -1) for t in (q, k, v)]
+            a = varlen_attention(*flat, mask).view(B, T, self.heads, -1).transpose(1, 2)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
         return x + self.mlp(self.ln2(x))
 
@@ -48,10 +62,8 @@ class TinyGPT(nn.Module):
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
     def forward(self, inputs, positions, segment_ids):
-        T = inputs.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = (causal & same_doc)[:, None]  # [B, 1, T, T]; padding (segment 0) attends to itself only
+        # padding (segment 0) attends to padding only
+        mask = document_block_mask(segment_ids) if FLEX else flash_varlen_kwargs({"segment_ids": segment_ids})["cu_seqlens_q"]
         x = self.tok(inputs) + self.pos(positions)
         for block in self.blocks:
             x = block(x, mask)

@@ -167,21 +167,21 @@ def test_inputs_and_output_in_object_storage_make_the_local_shards(jsonl_dir, tm
     s3 = S3Server()
     try:
         fs = s3.fs()
-        fs.mkdir("bucket")
-        fs.put(str(jsonl_dir), "bucket/in", recursive=True)
+        fs.mkdir("beam-test")  # moto keeps one state per process: a bucket of its own
+        fs.put(str(jsonl_dir), "beam-test/in", recursive=True)
         local = prepare(jsonl_dir, tmp_path / "local", num_shards=4, progress=False)
-        url = prepare("s3://bucket/in", "s3://bucket/out", num_shards=4, runner="beam", progress=False,
+        url = prepare("s3://beam-test/in", "s3://beam-test/out", num_shards=4, runner="beam", progress=False,
                       storage_options=s3.options())
-        assert url == "s3://bucket/out"
+        assert url == "s3://beam-test/out"
         names = [s for f in json.loads((local / "manifest.json").read_text())["shards"] for s in (f["tokens"], f["index"])]
-        assert all(fs.cat_file(f"bucket/out/{n}") == (local / n).read_bytes() for n in names)
-        remote = json.loads(fs.cat_file("bucket/out/manifest.json"))
+        assert all(fs.cat_file(f"beam-test/out/{n}") == (local / n).read_bytes() for n in names)
+        remote = json.loads(fs.cat_file("beam-test/out/manifest.json"))
         mine = json.loads((local / "manifest.json").read_text())
         assert {k: v for k, v in remote.items() if k != "source"} == {k: v for k, v in mine.items() if k != "source"}
-        assert sorted(fs.ls("bucket/out", detail=False)) == sorted(f"bucket/out/{n}" for n in names + ["manifest.json"])
+        assert sorted(fs.ls("beam-test/out", detail=False)) == sorted(f"beam-test/out/{n}" for n in names + ["manifest.json"])
         store = TokenStore.open(url, storage_options=s3.options(), object_cache=str(tmp_path / "cache"), verify=True)
         assert len(store) == len(TokenStore.open(local))
-        again = prepare("s3://bucket/in", "s3://bucket/out", num_shards=4, runner="beam", progress=False,
+        again = prepare("s3://beam-test/in", "s3://beam-test/out", num_shards=4, runner="beam", progress=False,
                         storage_options=s3.options())  # complete: stops at the manifest
         assert again == url
     finally:

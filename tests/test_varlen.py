@@ -82,19 +82,14 @@ def test_flex_attention_with_the_document_block_mask_equals_the_explicit_mask(st
 
 
 def test_varlen_attention_over_cu_seqlens_equals_the_explicit_mask(store):
-    from bridges.torch_varlen import flash_varlen_kwargs
+    from bridges.torch_varlen import flash_varlen_kwargs, varlen_attention
 
     for name, b in batches(store, seed=2):
         q, k, v = qkv(2)
         kw = flash_varlen_kwargs(b)
+        assert int(kw["cu_seqlens_q"].diff().max()) == kw["max_seqlen_q"]
         flat = [t.transpose(1, 2).reshape(ROWS * SEQ_LEN, HEADS, DIM) for t in (q, k, v)]  # [tokens, heads, dim]
-        out = torch.zeros_like(flat[0])
-        cu = kw["cu_seqlens_q"].tolist()
-        for a, z in zip(cu, cu[1:]):  # what flash_attn_varlen_func(causal=True) computes
-            if z > a:
-                assert z - a <= kw["max_seqlen_q"]
-                qs, ks, vs = (t[a:z].transpose(0, 1) for t in flat)
-                out[a:z] = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
+        out = varlen_attention(*flat, kw["cu_seqlens_q"])
         want = reference(q, k, v, b["segment_ids"]).transpose(1, 2).reshape(ROWS * SEQ_LEN, HEADS, DIM)
         torch.testing.assert_close(out, want, msg=name)
 
