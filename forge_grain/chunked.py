@@ -44,7 +44,7 @@ def chunk_bounds(num_docs: int, chunk_docs: int) -> np.ndarray:
 
 def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Path, *, seed: int = 0,
                  stride: int | None = None, chunk_docs: int = CHUNK_DOCS, workers: int | None = None,
-                 name: str = "documents", progress: bool = True) -> PackingPlan:
+                 name: str = "documents", progress: bool = True, max_segments: int | None = None) -> PackingPlan:
     """Plan `offsets` chunk by chunk in `workers` processes (default: one per core, at most
     one per chunk), and save the store's plan to `directory` (atomically); returns it,
     memory-mapped. Chunks finished by an earlier, interrupted run are reused."""
@@ -54,7 +54,7 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
     parts = directory.with_name(directory.name + ".chunks")
     parts.mkdir(parents=True, exist_ok=True)
     jobs = [(k, int(bounds[k]), int(bounds[k + 1])) for k in range(len(bounds) - 1)]
-    job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name)
+    job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name, max_segments=max_segments)
     dirs = [_chunk_dir(parts, offsets, a, b, k, job) for k, a, b in jobs]
     todo = [(k, a, b, str(d)) for (k, a, b), d in zip(jobs, dirs) if _load_chunk(d) is None]
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
@@ -81,6 +81,7 @@ def _chunk_dir(parts: Path, offsets: np.ndarray, a: int, b: int, k: int, job: di
     and the planning parameters, so a directory reused with other ones re-plans."""
     h = hashlib.sha256(np.ascontiguousarray(offsets[a : b + 1] - offsets[a]).view(np.uint8))
     params = [job[key] for key in ("seq_len", "strategy", "seed", "stride")]
+    params += [job["max_segments"]] if job.get("max_segments") else []  # (keys of uncapped plans unchanged)
     h.update(json.dumps([PLAN_VERSION, a, b, k, *params]).encode())
     return parts / f"chunk-{k:05d}-{h.hexdigest()[:16]}"
 
@@ -119,14 +120,15 @@ def _run_workers(offsets: np.ndarray, todo: list, workers: int, job: dict, parts
             p.wait()
 
 
-def _plan_chunk(offsets, k, directory: Path, *, seq_len, strategy, seed, stride, name) -> None:
+def _plan_chunk(offsets, k, directory: Path, *, seq_len, strategy, seed, stride, name, max_segments=None) -> None:
     """Plan one chunk (its documents in token positions of the store) and save it."""
     base = int(offsets[0])
     if offsets[-1] == base:  # a chunk of empty documents: no rows
         p = PackingPlan(strategy, seq_len, np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32),
                         np.zeros(0, np.int32), np.zeros(0, np.uint8), {"tokens": 0, "rows": 0})
     else:
-        p = plan_offsets(offsets - base, seq_len, strategy, seed=seed, stride=stride, name=name, chunk=k)
+        p = plan_offsets(offsets - base, seq_len, strategy, seed=seed, stride=stride, name=name, chunk=k,
+                         max_segments=max_segments)
         p.seg_start = p.seg_start + base
     p.save(directory)
 

@@ -51,7 +51,7 @@ def _inspect(a) -> None:
     if a.seq_len:
         from .summary import packing_report
 
-        print(packing_report(store, a.seq_len, seed=a.seed))
+        print(packing_report(store, a.seq_len, seed=a.seed, max_segments=a.max_segments))
 
 
 def _beam_option(option: str) -> str:
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="foreign files: hash every byte for the fingerprint (default: sampled blocks)")
     ins.add_argument("--seq-len", type=int, help="also report how each packing strategy fills rows of this length")
     ins.add_argument("--seed", type=int, default=0, help="document shuffle seed for the packing report")
+    ins.add_argument("--max-segments", type=int, metavar="K",
+                     help="with --seq-len: also plan with at most K documents (segments) a row, and show the fill "
+                     "it costs (DataConfig.max_segments_per_row)")
     _storage_options(ins)
     ins.set_defaults(func=_inspect)
 

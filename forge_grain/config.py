@@ -98,6 +98,10 @@ class DataConfig:
     weights w into w^(1/T), renormalized (1.0: as given; larger: more uniform).
     `plan_chunk_docs`: a store of more documents is planned a chunk of this many at a time
     (default about 4 M; see `forge_grain.chunked`); it changes the plan, so it is data.
+    `max_segments_per_row`: at most this many segments (documents or parts of one) in a
+    row, for attention kernels that need a bound (MaxText, TransformerEngine); every planner
+    honours it, rows that reach it are padded (`inspect --seq-len N --max-segments K` shows
+    the fill it costs); it is data too.
     """
 
     sources: list[SourceConfig]
@@ -111,6 +115,7 @@ class DataConfig:
     anneal_weights: dict[str, float] | None = None
     max_steps: int | None = None
     plan_chunk_docs: int | None = None
+    max_segments_per_row: int | None = None
     loader: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -217,6 +222,8 @@ class DataConfig:
             _positive_int("max_steps", self.max_steps)
         if self.plan_chunk_docs is not None:
             _positive_int("plan_chunk_docs", self.plan_chunk_docs)
+        if self.max_segments_per_row is not None:
+            _positive_int("max_segments_per_row", self.max_segments_per_row)
         unknown = sorted(set(self.loader) - set(LOADER_KEYS))
         if unknown:
             raise ConfigError(f"loader: unknown key(s) {unknown} (known: {sorted(LOADER_KEYS)})")

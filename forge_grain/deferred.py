@@ -38,14 +38,15 @@ FACTS = ("data_id", "vocab_size", "tokenizer_sha256", "pad_id", "seq_len", "num_
          "plan_sha256")
 
 
-def source_key(src, seq_len: int, seed: int, chunk_docs: int | None) -> str | None:
+def source_key(src, seq_len: int, seed: int, chunk_docs: int | None, max_segments: int | None = None) -> str | None:
     """What a stored source's facts depend on besides its files; None for a source that is
     never deferred (Hugging Face datasets, object storage: their files are not stat-able here)."""
     if src.hf_dataset is not None or src.path is None or is_url(src.path):
         return None
     path = _absolute(src.path)
     options = sorted((k, str(v)) for k, v in src.store_options().items())
-    return json.dumps([path, options, src.strategy, src.stride, seq_len, seed, chunk_docs])
+    return json.dumps([path, options, src.strategy, src.stride, seq_len, seed, chunk_docs]
+                      + ([{"max_segments": max_segments}] if max_segments else []))
 
 
 def _absolute(path) -> str:

@@ -119,8 +119,8 @@ class StreamingSource:
     """One streaming Hugging Face source as seen by one shard (see the module docstring)."""
 
     def __init__(self, src: SourceConfig, seq_len: int, seed: int, shard_index: int, shard_count: int,
-                 cache_dir: str | Path | None = None):
-        self.src, self.seq_len, self.seed = src, seq_len, seed
+                 cache_dir: str | Path | None = None, max_segments: int | None = None):
+        self.src, self.seq_len, self.seed, self.max_segments = src, seq_len, seed, max_segments
         self.shard_index, self.shard_count = shard_index, shard_count
         self.cache_dir = cache_dir
         self.tok = load_tokenizer(src.tokenizer)
@@ -162,7 +162,7 @@ class StreamingSource:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         try:
             return plan_offsets(offsets, self.seq_len, self.src.strategy, seed=self.window_seed(epoch, window, shard),
-                                stride=self.src.stride, name=self.path)
+                                stride=self.src.stride, name=self.path, max_segments=self.max_segments)
         except PackingError:
             return None  # too few tokens in this window for a row: the window's tail loss
 

@@ -78,8 +78,9 @@ def _tree_find_ge(tree, size, leaf):
 
 
 @nb.njit(cache=CACHE)
-def best_fit(item_len, cap):
+def best_fit(item_len, cap, max_items=0):
     """Best-fit of items, in the given order, into bins of capacity `cap`: O(n log cap).
+    With `max_items > 0` a bin closes once it holds that many items.
 
     Returns each item's bin and each bin's fill.
     """
@@ -91,6 +92,7 @@ def best_fit(item_len, cap):
     head = np.full(cap + 1, -1, np.int64)  # open bins by remaining capacity: linked stacks
     nxt = np.full(max(n, 1), -1, np.int64)
     fill = np.zeros(max(n, 1), np.int64)
+    count = np.zeros(max(n, 1), np.int64)
     item_bin = np.empty(n, np.int64)
     nbins = 0
     for k in range(n):
@@ -105,8 +107,9 @@ def best_fit(item_len, cap):
             _tree_add(tree, size, c, -1)
         item_bin[k] = b
         fill[b] += length
+        count[b] += 1
         rem = cap - fill[b]
-        if rem > 0:
+        if rem > 0 and (max_items <= 0 or count[b] < max_items):
             nxt[b] = head[rem]
             head[rem] = b
             _tree_add(tree, size, rem, 1)
@@ -207,9 +210,88 @@ def plan_concat(offsets, order, seq_len):
 
 
 @nb.njit(cache=CACHE)
-def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
-    """Fill every bin's gap with slices of the pool, in order. Returns the pieces and
-    each piece's bin; pool tokens left over are the cropped ones."""
+def plan_concat_capped(offsets, order, seq_len, max_segments):
+    """`plan_concat` with at most `max_segments` segments a row: a row that reaches the cap
+    before it is full ends at its last document's end (the rest is padding) and the next
+    row starts at the next document; a full row overlaps the next by one token as in
+    `plan_concat`. Rows are made while the tokens left can fill one or reach the cap."""
+    n = len(order)
+    lengths = np.empty(n, np.int64)
+    total = 0
+    for i in range(n):
+        lengths[i] = offsets[order[i] + 1] - offsets[order[i]]
+        total += lengths[i]
+    rows_max = n + total // max(seq_len, 1) + 2  # a capped row ends a document, a full one takes seq_len
+    cap = n + 2 * rows_max + 1
+    start = np.empty(cap, np.int64)
+    slen = np.empty(cap, np.int64)
+    flags = np.zeros(cap, np.uint8)
+    row_ptr = np.zeros(rows_max + 1, np.int64)
+    k, used, nseg, rows = 0, 0, 0, 0  # document in view, its tokens already consumed, segments, rows
+    pos, T1 = 0, seq_len + 1  # stream position of the row's first token
+    shared = 0  # 1 after a full row: its last token (a target) is the next row's first
+    while k < n:
+        # the row: from (k, used), up to T1 tokens or max_segments segments
+        j, u, taken, segs, capped = k, used, 0, 0, False
+        while j < n and taken < T1:
+            avail = lengths[j] - u
+            if avail <= 0:
+                j += 1
+                u = 0
+                continue
+            if segs == max_segments:
+                capped = True
+                break
+            segs += 1
+            take = min(avail, T1 - taken)
+            taken += take
+            u += take
+            if u == lengths[j]:
+                j += 1
+                u = 0
+        if taken < T1 and not capped:
+            break  # the tail cannot fill a row: lost, as in plan_concat
+        j, u, left = k, used, taken
+        while left > 0:
+            avail = lengths[j] - u
+            if avail <= 0:
+                j += 1
+                u = 0
+                continue
+            take = min(avail, left)
+            start[nseg] = offsets[order[j]] + u
+            slen[nseg] = take
+            flags[nseg] = NATURAL_END if u + take == lengths[j] else 0
+            nseg += 1
+            left -= take
+            u += take
+            if u == lengths[j]:
+                j += 1
+                u = 0
+        rows += 1
+        row_ptr[rows] = nseg
+        step = taken if capped else seq_len  # a full row: the next starts at its last token
+        shared = 0 if capped else 1
+        pos += step
+        # advance (k, used) by `step` tokens
+        while step > 0:
+            avail = lengths[k] - used
+            take = min(avail, step)
+            used += take
+            step -= take
+            if used == lengths[k]:
+                k += 1
+                used = 0
+        while k < n and lengths[k] == 0:
+            k += 1
+    return row_ptr[: rows + 1], start[:nseg], slen[:nseg], np.zeros(nseg, np.int32), flags[:nseg], total - pos - shared
+
+
+@nb.njit(cache=CACHE)
+def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end, bin_room):
+    """Fill every bin's gap with slices of the pool, in order, at most `bin_room[b]` pieces
+    into bin b (what a cap on segments per row leaves; a gap past it stays padding).
+    Returns the pieces and each piece's bin; pool tokens left over are the cropped ones."""
     n_pieces_max = len(pool_start) + len(bin_fill)
     p_start = np.empty(n_pieces_max, np.int64)
     p_len = np.empty(n_pieces_max, np.int64)
@@ -219,7 +301,8 @@ def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
     n = 0
     for b in range(len(bin_fill)):
         gap = cap - bin_fill[b]
-        while gap > 0:
+        room = bin_room[b]
+        while gap > 0 and room > 0 and q < len(pool_len):
             avail = pool_len[q] - used
             take = min(gap, avail)
             p_start[n] = pool_start[q] + used
@@ -227,6 +310,7 @@ def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end):
             p_flags[n] = NATURAL_END if (take == avail and pool_natural_end[q]) else 0
             p_bin[n] = b
             n += 1
+            room -= 1
             gap -= take
             used += take
             if used == pool_len[q]:

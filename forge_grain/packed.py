@@ -54,6 +54,7 @@ def pack(
     cache_dir: str | Path | None = None,
     chunk_docs: int | None = None,
     plan_workers: int | None = None,
+    max_segments: int | None = None,
 ) -> "PackedDataset":
     """Pack a token store into rows of `seq_len`; the plan is cached on disk and reused.
 
@@ -69,30 +70,34 @@ def pack(
     A store of more than `chunk_docs` documents (default `chunked.CHUNK_DOCS`, about 4 M)
     is planned a chunk at a time in `plan_workers` processes (default: one per core); see
     `forge_grain.chunked` for what that changes (nothing a trainer sees but the plan's
-    memory and time).
+    memory and time). `max_segments`: at most this many segments (documents or parts of
+    one) a row, for attention kernels that need a bound; rows that reach it are padded.
     """
     store = store if isinstance(store, TokenStore) else TokenStore.open(store)
     chunk_docs = chunk_docs or CHUNK_DOCS
     chunked = len(store) > chunk_docs
     cache = plan_cache_dir(store, cache_dir)
-    key = plan_key(store, seq_len, strategy, seed, stride, chunk_docs if chunked else None)
+    key = plan_key(store, seq_len, strategy, seed, stride, chunk_docs if chunked else None, max_segments)
     directory = cache / key if cache is not None else None
     p = _load_valid(directory, store, seq_len, strategy)
     if p is None and chunked:
-        p = _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, plan_workers)
+        p = _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, plan_workers,
+                          max_segments)
     elif p is None:
-        p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id)
+        p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id, max_segments=max_segments)
         directory = _save(p, directory, store, seq_len, strategy)
         p = _load_valid(directory, store, seq_len, strategy) or p  # memory-mapped when saved
     return PackedDataset(store, p, seed=seed, shuffle=shuffle, shuffle_window=shuffle_window, num_epochs=num_epochs,
                          pad_id=pad_id, plan_dir=directory)
 
 
-def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, workers) -> PackingPlan:
+def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, workers,
+                  max_segments=None) -> PackingPlan:
     """`chunked.plan_chunked` into the plan cache; without one, into a temporary directory
     and then memory (the plan must not depend on whether a cache could be written)."""
     require_bos(store, strategy, bos_id)
-    args = dict(seed=seed, stride=stride, chunk_docs=chunk_docs, workers=workers, name=str(store.path))
+    args = dict(seed=seed, stride=stride, chunk_docs=chunk_docs, workers=workers, name=str(store.path),
+                max_segments=max_segments)
     if directory is not None:
         return plan_chunked(store.offsets, seq_len, strategy, directory, **args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,11 +106,12 @@ def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chu
 
 
 def plan_key(store: TokenStore, seq_len: int, strategy: str, seed: int, stride: int | None,
-             chunk_docs: int | None = None) -> str:
+             chunk_docs: int | None = None, max_segments: int | None = None) -> str:
     """Fingerprint of everything a plan depends on: document lengths and the parameters
-    (and the chunk size of a store planned in chunks)."""
+    (and the chunk size of a store planned in chunks, and a cap on segments per row)."""
     h = hashlib.sha256(np.ascontiguousarray(store.offsets).view(np.uint8))
     params = [PLAN_VERSION, seq_len, strategy, seed, stride] + ([chunk_docs] if chunk_docs is not None else [])
+    params += [{"max_segments": max_segments}] if max_segments else []
     h.update(json.dumps(params).encode())
     return f"{strategy}-{seq_len}-{h.hexdigest()[:20]}"
 

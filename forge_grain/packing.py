@@ -126,10 +126,12 @@ def plan(
     seed: int = 0,
     stride: int | None = None,
     bos_id: int | None = None,
+    max_segments: int | None = None,
 ) -> PackingPlan:
     """Plan rows from the store's document lengths (never its tokens)."""
     require_bos(store, strategy, bos_id)
-    return plan_offsets(store.offsets, seq_len, strategy, seed=seed, stride=stride, name=str(store.path))
+    return plan_offsets(store.offsets, seq_len, strategy, seed=seed, stride=stride, name=str(store.path),
+                        max_segments=max_segments)
 
 
 def require_bos(store: TokenStore, strategy: str, bos_id: int | None) -> None:
@@ -149,31 +151,40 @@ def plan_offsets(
     stride: int | None = None,
     name: str = "documents",
     chunk: int | None = None,
+    max_segments: int | None = None,
 ) -> PackingPlan:
     """Plan rows for documents [offsets[i], offsets[i + 1]) of a token space.
 
     Deterministic in (offsets, arguments): document order is a permutation seeded by `seed`
     (and `chunk`, the index of a chunk planned on its own: see `forge_grain.chunked`).
+    `max_segments`: at most this many segments (documents or parts of one) a row, for
+    kernels that need a bound (MaxText, TransformerEngine); rows that reach it are padded.
     """
     offsets = np.asarray(offsets, np.int64)
     _check_args(offsets, seq_len, strategy, stride, name)
+    if max_segments is not None and (not isinstance(max_segments, (int, np.integer)) or max_segments < 1):
+        raise PackingError(f"max_segments_per_row must be a positive integer, not {max_segments!r}")
+    k = int(max_segments or 0)
     t0 = time.perf_counter()
     key = stream_key("document-order", seed) if chunk is None else stream_key("document-order", seed, chunk)
     order = kernels.permutation(len(offsets) - 1, key)
-    if strategy == "concat":
+    if strategy == "concat" and k:
+        row_ptr, start, length, skip, flags, lost = kernels.plan_concat_capped(offsets, order, seq_len, k)
+        cropped = 0
+    elif strategy == "concat":
         row_ptr, start, length, skip, flags, lost = kernels.plan_concat(offsets, order, seq_len)
         cropped = 0
     elif strategy == "bestfit":
         start, length, skip, flags = kernels.split_items(offsets, order, seq_len, stride or default_stride(seq_len))
-        row_ptr, (start, length, skip, flags), _ = _best_fit_rows(seq_len, start, length, skip, flags)
+        row_ptr, (start, length, skip, flags), _ = _best_fit_rows(seq_len, start, length, skip, flags, k)
         lost = cropped = 0
     else:
-        row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1)
+        row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1, k)
         lost = cropped
     total = int(offsets[-1] - offsets[0])
     if len(row_ptr) < 2 and chunk is None:  # a chunk may be too small for a row: the store's plan may not
         raise PackingError(f"{name}: {total} tokens cannot fill one row of {seq_len} + 1 tokens")
-    stats = _stats(total, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost))
+    stats = _stats(total, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost), k)
     stats["planning_seconds"] = round(time.perf_counter() - t0, 4)
     return PackingPlan(strategy, seq_len, row_ptr, start, length.astype(np.int32), skip.astype(np.int32), flags, stats)
 
@@ -207,19 +218,22 @@ def _check_args(offsets, seq_len, strategy, stride, name) -> None:
         raise PackingError(f"stride applies to 'bestfit' only and must be in [1, seq_len], not {stride!r}")
 
 
-def _best_fit_rows(cap, start, length, skip, flags):
-    """Best-fit decreasing: items sorted by length (stable, so the seeded order breaks ties).
+def _best_fit_rows(cap, start, length, skip, flags, max_items=0):
+    """Best-fit decreasing: items sorted by length (stable, so the seeded order breaks ties),
+    at most `max_items` a row when positive.
 
     Returns row_ptr, the items reordered by row, and each row's fill."""
     by_len = np.argsort(-length, kind="stable")
-    item_bin, fill = kernels.best_fit(length[by_len], cap)
+    item_bin, fill = kernels.best_fit(length[by_len], cap, max_items)
     order, row_ptr = kernels.group_by_bin(item_bin, len(fill))
     pick = by_len[order]
     return row_ptr, (start[pick], length[pick], skip[pick], flags[pick]), fill
 
 
-def _plan_bos_bestfit(offsets, order, cap):
-    """Rows of exactly `cap` = seq_len + 1 tokens, each starting at a document start.
+def _plan_bos_bestfit(offsets, order, cap, max_items=0):
+    """Rows of exactly `cap` = seq_len + 1 tokens, each starting at a document start (with
+    `max_items`, at most that many segments a row: a row that reaches it keeps its gap as
+    padding).
 
     Documents longer than a row give their first `cap` tokens a row of their own; the
     rest is best-fit decreasing. The gaps best-fit leaves are filled with slices of the
@@ -237,10 +251,11 @@ def _plan_bos_bestfit(offsets, order, cap):
     tail_start, tail_len = starts[has_tail] + cap, lengths[has_tail] - cap
     whole_start, whole_len = starts[~long], lengths[~long]
     row_ptr, (w_start, w_len, _, _), fill = _best_fit_rows(
-        cap, whole_start, whole_len, np.zeros(len(whole_len), np.int32), np.ones(len(whole_len), np.uint8)
+        cap, whole_start, whole_len, np.zeros(len(whole_len), np.int32), np.ones(len(whole_len), np.uint8), max_items
     )
     pool = tail_len.sum()
-    gaps = cap - fill
+    room = max_items - np.diff(row_ptr) if max_items else np.full(len(fill), len(tail_len) + len(whole_len) + 1)
+    gaps = np.where(room > 0, cap - fill, 0)  # a row at the cap cannot take filler
     keep_rows = np.ones(len(fill), bool)
     if pool < gaps.sum():  # dissolve the emptiest rows into filler until the gaps can be filled
         need, acc = gaps.sum() - pool, 0
@@ -255,7 +270,8 @@ def _plan_bos_bestfit(offsets, order, cap):
     filler_len = np.concatenate([tail_len, w_len[~in_kept]])
     filler_natural = np.ones(len(filler_len), np.uint8)
     kept_fill = fill[keep_rows]
-    p_start, p_len, p_flags, p_bin = kernels.fill_gaps(kept_fill, cap, filler_start, filler_len, filler_natural)
+    p_start, p_len, p_flags, p_bin = kernels.fill_gaps(kept_fill, cap, filler_start, filler_len, filler_natural,
+                                                       room[keep_rows].astype(np.int64))
     cropped = int(filler_len.sum() - p_len.sum())
     # rows: the long documents' heads, then the kept best-fit rows with their filler pieces
     n_heads = len(head_start)
@@ -270,14 +286,18 @@ def _plan_bos_bestfit(offsets, order, cap):
     return row_ptr, seg_start[by_row], seg_len[by_row], np.zeros(len(by_row), np.int32), seg_flags[by_row], cropped
 
 
-def _stats(total, seq_len, strategy, row_ptr, length, skip, cropped, lost) -> dict:
+def _stats(total, seq_len, strategy, row_ptr, length, skip, cropped, lost, max_segments=0) -> dict:
     rows = len(row_ptr) - 1
     slots = rows * seq_len
     if strategy == "bestfit":
         real = int(length.sum())
+    elif max_segments and rows:  # rows at the cap hold fewer tokens: count each row's inputs
+        per_row = np.add.reduceat(np.append(length, 0), row_ptr[:-1]) * (np.diff(row_ptr) > 0)
+        real = int(np.minimum(per_row, seq_len).sum())
     else:  # rows hold seq_len + 1 tokens; the last is a target only
         real = slots
-    return {
+    extra = {"max_segments_per_row": int(max_segments)} if max_segments else {}
+    return {**extra, 
         "strategy": strategy,
         "seq_len": seq_len,
         "rows": rows,

@@ -151,10 +151,11 @@ class Pipeline:
         deferred (opened when first read; see `forge_grain.deferred`)."""
         c = self.config
         seeds = [_source_seed(c.seed, s.name) for s in c.sources]
-        keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs) for s, seed in zip(c.sources, seeds)]
+        keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs, c.max_segments_per_row)
+                for s, seed in zip(c.sources, seeds)]
         records = SourceRecords(keys, self.cache_dir) if any(k is not None for k in keys) else None
         opened = [open_source(s, c.seq_len, seed, self.shard_index, self.shard_count, self.cache_dir,
-                              c.plan_chunk_docs, plan_workers, records, key)
+                              c.plan_chunk_docs, plan_workers, records, key, c.max_segments_per_row)
                   for s, seed, key in zip(c.sources, seeds, keys)]
         if records is not None:
             records.save()
@@ -247,6 +248,7 @@ class Pipeline:
             "num_epochs": c.num_epochs,
             "mix_temperature": c.mix_temperature,
             "schedule": c.schedule(),
+            **({"max_segments_per_row": c.max_segments_per_row} if c.max_segments_per_row else {}),
             "sources": [
                 {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
                  "plan": d.plan_key, "plan_sha256": d.plan_sha256 if isinstance(d, PackedDataset) else None,

@@ -52,15 +52,15 @@ class OpenedSource:
 def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, shard_count: int,
                 cache_dir: str | Path | None = None, chunk_docs: int | None = None,
                 plan_workers: int | None = None, records: SourceRecords | None = None,
-                key: str | None = None) -> OpenedSource:
+                key: str | None = None, max_segments: int | None = None) -> OpenedSource:
     """The packed rows of one source; `seed` is the source's own (see `Pipeline`);
-    `chunk_docs` and `plan_workers` go to `pack`. With `records` and the source's `key`
+    `chunk_docs`, `plan_workers` and `max_segments` go to `pack`. With `records` and the source's `key`
     there (`deferred.source_key`), a stored source whose files match its record is
     deferred, and one opened in full is recorded."""
     if src.hf_dataset is not None and src.hf_streaming:
         from .hf import StreamCursor, StreamingSource
 
-        source = StreamingSource(src, seq_len, seed, shard_index, shard_count, cache_dir)
+        source = StreamingSource(src, seq_len, seed, shard_index, shard_count, cache_dir, max_segments)
         cursor = StreamCursor(source, rows_per_epoch=shard_count * min(source.rows_per_shard()))
         return OpenedSource(cursor, cursor, source)
 
@@ -73,7 +73,7 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
             store = TokenStore.open(src.path, **src.store_options())
         return store, pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None,
                            cache_dir=cache_dir, chunk_docs=chunk_docs, plan_workers=plan_workers,
-                           shuffle_window=src.shuffle_window)
+                           shuffle_window=src.shuffle_window, max_segments=max_segments)
 
     record = records.find(key, src.path) if records is not None and key is not None else None
     if record is not None:

@@ -80,22 +80,28 @@ def plot_lengths(store: TokenStore, png: str | Path) -> Path:
     return Path(png)
 
 
-def packing_report(store: TokenStore, seq_len: int, seed: int = 0) -> str:
-    """Plan every strategy and tabulate rows, fill, cropped and lost shares, documents per row."""
+def packing_report(store: TokenStore, seq_len: int, seed: int = 0, max_segments: int | None = None) -> str:
+    """Plan every strategy and tabulate rows, fill, cropped and lost shares, documents per row;
+    with `max_segments`, also each strategy under that cap and the fill it costs."""
     from .packing import STRATEGIES, PackingError, min_crop_share, plan
 
     lines = [
         f"packing at seq_len {seq_len} (crop floor for BOS-aligned rows: {min_crop_share(store.lengths, seq_len):.2%})",
-        f"  {'strategy':<12}{'rows':>12}{'fill':>9}{'cropped':>9}{'lost':>9}{'docs/row':>10}{'plan s':>9}",
+        f"  {'strategy':<22}{'rows':>12}{'fill':>9}{'cropped':>9}{'lost':>9}{'docs/row':>10}{'plan s':>9}",
     ]
     for strategy in STRATEGIES:
-        try:
-            s = plan(store, seq_len, strategy, seed=seed).stats
-        except PackingError as e:
-            lines.append(f"  {strategy:<12}  {e}")
-            continue
-        lines.append(
-            f"  {strategy:<12}{s['rows']:>12,}{s['fill']:>9.2%}{s['cropped_share']:>9.2%}"
-            f"{s['lost_share']:>9.2%}{s['docs_per_row']:>10.2f}{s['planning_seconds']:>9.3f}"
-        )
+        fills = {}
+        for cap in (None, max_segments) if max_segments else (None,):
+            label = strategy if cap is None else f"{strategy}, <= {cap}/row"
+            try:
+                s = plan(store, seq_len, strategy, seed=seed, max_segments=cap).stats
+            except PackingError as e:
+                lines.append(f"  {label:<22}  {e}")
+                continue
+            fills[cap] = s["fill"]
+            cost = f"  (fill {100 * (s['fill'] - fills[None]):+.2f} points)" if cap and None in fills else ""
+            lines.append(
+                f"  {label:<22}{s['rows']:>12,}{s['fill']:>9.2%}{s['cropped_share']:>9.2%}"
+                f"{s['lost_share']:>9.2%}{s['docs_per_row']:>10.2f}{s['planning_seconds']:>9.3f}{cost}"
+            )
     return "\n".join(lines)

@@ -165,6 +165,33 @@ def test_bos_bestfit_rows_start_at_bos_fill_fully_and_crop_near_the_minimum(tmp_
     assert cropped <= max(min_crop_share(store.lengths, seq_len) * store.num_tokens + 1e-6, seq_len)
 
 
+@slow_settings
+@given(lengths=lengths_strategy, seq_len=st.integers(1, 64), seed=st.integers(0, 3), k=st.integers(1, 4),
+       strategy=st.sampled_from(["bestfit", "bos_bestfit", "concat"]))
+def test_every_planner_honours_max_segments_per_row(tmp_path_factory, lengths, seq_len, seed, k, strategy):
+    store = make_store(tmp_path_factory.mktemp("s"), lengths)
+    try:
+        ds = pack(store, seq_len, strategy, seed=seed, max_segments=k, cache_dir=tmp_path_factory.mktemp("c"))
+    except PackingError:
+        assert strategy != "bestfit" and store.num_tokens <= seq_len + 1  # too few tokens for one row
+        return
+    check_rows(ds, store)
+    rows = all_rows(ds)
+    assert (np.diff(ds.plan.row_ptr) <= k).all() and (rows["segment_ids"].max(1) <= k).all()
+    assert ds.stats["fill"] == pytest.approx((rows["segment_ids"] > 0).mean())  # the fill it reports is the real one
+    if strategy == "bestfit":
+        assert (coverage(ds, store, inputs_only=True) >= 1).all()  # still no token lost
+    elif strategy == "bos_bestfit":
+        assert (rows["inputs"][:, 0] == BOS).all() and coverage(ds, store, inputs_only=False).max() == 1
+    else:
+        cov = coverage(ds, store, inputs_only=True)
+        assert cov.max() == 1  # every token an input at most once, in stream order
+        uncovered = store.num_tokens - int(cov.sum())
+        assert round(ds.stats["lost_share"] * store.num_tokens) in (uncovered, uncovered - 1)
+    if strategy != "bestfit" and store.num_tokens > seq_len + 1:  # (else only capped rows, padded, exist)
+        assert ds.stats["fill"] <= pack(store, seq_len, strategy, seed=seed).stats["fill"] + 1e-12
+
+
 def test_plans_are_deterministic_across_processes_and_differ_by_seed(tmp_path):
     store = make_store(tmp_path / "s", np.random.default_rng(0).integers(1, 300, 500))
 

@@ -135,3 +135,34 @@ def test_jax_document_mask_splash_segment_ids_and_the_maxtext_keys(store):
         assert set(MAXTEXT_KEYS) <= set(m)
         assert ((m["targets_segmentation"] != 0) == b["loss_mask"]).all()
         assert (m["inputs_segmentation"] == b["segment_ids"]).all() and (m["targets_position"] == b["positions"]).all()
+
+
+def test_a_pipeline_with_max_segments_per_row_caps_every_row_and_resumes(store, tmp_path):
+    from forge_grain import DataConfig, Pipeline
+
+    def config(cap):
+        return DataConfig.from_dict(dict(
+            sources=[dict(name=s, path=str(store), strategy=s, weight=1.0) for s in ("bestfit", "bos_bestfit", "concat")],
+            seq_len=SEQ_LEN, global_batch_size=8, seed=2, max_segments_per_row=cap))
+
+    capped = Pipeline(config(2), 0, 1, num_threads=0, cache_dir=tmp_path)
+    batches = [capped.batch(s) for s in range(6)]
+    assert all((b["segment_ids"].max(1) <= 2).all() for b in batches)
+    assert all(varlen(b, max_segments=3)["doc_lens"].shape == (8, 3) for b in batches)  # 2 documents + padding
+    assert capped.fingerprint != Pipeline(config(None), 0, 1, num_threads=0, cache_dir=tmp_path).fingerprint
+    again = Pipeline(config(2), 0, 1, num_threads=0, cache_dir=tmp_path).iterator(capped.state_at(3))
+    for want in batches[3:]:
+        got = next(again)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_inspect_reports_the_fill_a_cap_on_documents_per_row_costs(store):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "forge_grain", "inspect", str(store), "--seq-len", "32",
+                        "--max-segments", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for strategy in ("bestfit", "bos_bestfit", "concat"):
+        assert f"{strategy}, <= 2/row" in r.stdout
+    assert "points)" in r.stdout
