@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from forge_grain import Pipeline
+from forge_grain.varlen import doc_lens
 
 ARRAY_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop", "source_id")
 # MaxText's Grain pipeline names (its loss weights are targets_segmentation != 0)
@@ -81,19 +82,22 @@ def _for_rank(sharding, ndim):
 class JaxIterator(grain.DatasetIterator):
     """Global arrays of a pipeline's batches, `prefetch` steps ahead on the devices.
 
-    `convention="maxtext"` names the arrays as MaxText's Grain pipeline does (`maxtext`).
+    `convention="maxtext"` names the arrays as MaxText's Grain pipeline does (`maxtext`);
+    `varlen=True` adds `doc_lens` [rows, segments] (`forge_grain.varlen`; its rows are
+    sharded as the batch's, so keep the sequence axis of `sharding` unsharded).
     The state is the pipeline's (next step + fingerprint): batches already transferred
     but not consumed are not counted, so a restore repeats nothing and skips nothing.
     """
 
     def __init__(self, pipeline: Pipeline, sharding: jax.sharding.Sharding, *, prefetch: int = 2, keys=None,
-                 convention: str = "forge"):
+                 convention: str = "forge", varlen: bool = False):
         super().__init__()
         if convention not in ("forge", "maxtext"):
             raise ValueError(f"convention must be 'forge' or 'maxtext', not {convention!r}")
         self.pipeline, self.sharding, self.prefetch = pipeline, sharding, prefetch
-        self.convention = convention
+        self.convention, self.varlen = convention, varlen
         self.keys = keys if keys is not None else (MAXTEXT_KEYS if convention == "maxtext" else ARRAY_KEYS)
+        self.keys = tuple(self.keys) + (("doc_lens",) if varlen else ())
         self._host = iter(pipeline)
         self._queue: collections.deque = collections.deque()
         self._consumed = self._host.step
@@ -105,7 +109,11 @@ class JaxIterator(grain.DatasetIterator):
             except StopIteration:
                 return
             step = int(local["step"])
-            local = maxtext(local) if self.convention == "maxtext" else local
+            if self.varlen:
+                cap = self.pipeline.config.max_segments_per_row
+                local = {**local, "doc_lens": doc_lens(local["segment_ids"], cap + 1 if cap else None)}
+            local = {**maxtext(local), **({"doc_lens": local["doc_lens"]} if self.varlen else {})} \
+                if self.convention == "maxtext" else local
             self._queue.append((step, to_global(local, self.sharding, self.keys)))  # device_put is asynchronous
 
     def __next__(self) -> dict:

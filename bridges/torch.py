@@ -42,6 +42,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from forge_grain import DataConfig, Pipeline, StateError
 from forge_grain.locks import file_lock
 from forge_grain.pipeline import STATE_VERSION
+from forge_grain.varlen import varlen
 
 CONVENTIONS = ("forge", "hf")
 IGNORE_INDEX = -100
@@ -90,14 +91,16 @@ class GrainIterableDataset(IterableDataset):
 
     convention: "forge" (inputs, targets, segment_ids, positions, loss_mask) or "hf"
     (input_ids, labels with -100 where the loss mask is 0, attention_mask, position_ids);
-    both add source_id and step. dtype: of ids and positions (int64 suits embedding
+    both add source_id and step. `varlen=True` adds `cu_seqlens`, `max_seqlen` and
+    `doc_lens` (`forge_grain.varlen`; padded to `max_segments_per_row + 1` segments a row
+    when the config caps them, else `seq_len`). dtype: of ids and positions (int64 suits embedding
     lookups; int32 on request). A full pass covers the pipeline's steps; a new pass
     (a new DataLoader epoch) starts again at step 0, so for several shuffled passes set
     `num_epochs` in the config.
     """
 
     def __init__(self, source: Pipeline | DataConfig, *, rank: int | None = None, world_size: int | None = None,
-                 convention: str = "forge", dtype: torch.dtype = torch.int64, cache_dir=None):
+                 convention: str = "forge", dtype: torch.dtype = torch.int64, cache_dir=None, varlen: bool = False):
         if convention not in CONVENTIONS:
             raise ValueError(f"convention must be one of {CONVENTIONS}, not {convention!r}")
         if isinstance(source, Pipeline):
@@ -109,7 +112,7 @@ class GrainIterableDataset(IterableDataset):
             np_dtype = torch.empty(0, dtype=dtype).numpy().dtype  # batches come out in it: no conversion pass
             self.pipeline = Pipeline(source, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
                                      dtype=np_dtype)
-        self.convention, self.dtype = convention, dtype
+        self.convention, self.dtype, self.varlen = convention, dtype, varlen
         self._resume: dict | None = None  # a per-worker state: applies to the next pass of this process only
         self._channel = ResumeChannel()  # a global (tracker) state: applies to the next pass, wherever it runs
         self._next_step: int | None = None  # next step this process will produce
@@ -198,10 +201,19 @@ class GrainIterableDataset(IterableDataset):
         end = self._pass_end(step - w)
         self._next_step = step
         while step < end:
-            batch = to_torch(self.pipeline.batch(step), self.convention, self.dtype)
+            batch = self._tensors(self.pipeline.batch(step))
             step += W
             self._next_step = step
             yield batch
+
+    def _tensors(self, batch: dict) -> dict:
+        out = to_torch(batch, self.convention, self.dtype)
+        if self.varlen:
+            cap = self.pipeline.config.max_segments_per_row
+            meta = varlen(batch, cap + 1 if cap else None)  # K documents and a padding run
+            out.update(cu_seqlens=torch.from_numpy(meta["cu_seqlens"]), max_seqlen=meta["max_seqlen"],
+                       doc_lens=torch.from_numpy(meta["doc_lens"]))
+        return out
 
     # -- path 1: StatefulDataLoader (per worker, same worker count) --------------------------
 

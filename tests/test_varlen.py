@@ -166,3 +166,27 @@ def test_inspect_reports_the_fill_a_cap_on_documents_per_row_costs(store):
     for strategy in ("bestfit", "bos_bestfit", "concat"):
         assert f"{strategy}, <= 2/row" in r.stdout
     assert "points)" in r.stdout
+
+
+def test_the_bridges_add_varlen_metadata_on_request(store, tmp_path):
+    from forge_grain import DataConfig, Pipeline
+
+    cfg = DataConfig.from_dict(dict(sources=[dict(name="web", path=str(store), strategy="bestfit")], seq_len=SEQ_LEN,
+                                    global_batch_size=4, seed=1, max_segments_per_row=3))
+    reference = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path)
+    from bridges.torch import GrainIterableDataset
+
+    batch = next(iter(GrainIterableDataset(cfg, rank=0, world_size=1, varlen=True, cache_dir=tmp_path)))
+    want = varlen(reference.batch(0), max_segments=4)
+    assert batch["cu_seqlens"].tolist() == want["cu_seqlens"].tolist() and batch["max_seqlen"] == want["max_seqlen"]
+    assert batch["doc_lens"].shape == (4, 4) and (batch["doc_lens"].sum(1) == SEQ_LEN).all()
+    jax = pytest.importorskip("jax")
+    from bridges.jax import JaxIterator
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    it = JaxIterator(Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path), sharding, varlen=True,
+                     convention="maxtext")
+    got = next(it)
+    assert np.array_equal(np.asarray(got["doc_lens"]), want["doc_lens"]) and "inputs_segmentation" in got
+    it.close()
