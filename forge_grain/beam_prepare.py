@@ -39,21 +39,21 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from .errors import PrepareError
 from .locks import exclusive_or_refuse
-from .manifest import MANIFEST_NAME, fsync_rename, temporary
+from .manifest import MANIFEST_NAME, fsync_rename, sha256_file, temporary
 from .paths import is_url
 from .preparation import (
     LOCK_NAME,
     _clean,
     _done_info,
-    _done_path,
     _Job,
     _write_shard,
     already_prepared,
     default_num_shards,
+    done_name,
     files_identity,
     write_manifest,
 )
-from .stores.remote import RemoteDir
+from .stores.remote import RemoteDir, read_or_none
 from .tokenizer import TextTokenizer
 
 METRICS = "forge_grain"  # the namespace of the job's counters
@@ -189,7 +189,7 @@ class Output:
 
     def read(self, name: str) -> bytes | None:
         if self.url:
-            return self.remote.retry(name, lambda: self.remote.fs.cat_file(self.remote.path(name)), missing_ok=True)
+            return read_or_none(self.remote, name)
         try:
             return (self.path / name).read_bytes()
         except FileNotFoundError:
@@ -228,7 +228,7 @@ class Output:
         """Shard i's info when a run with these settings finished it and it verifies."""
         if not self.url:
             return _done_info(self.path, i, key)
-        marker = self.read(_done_path(Path("."), i).name)
+        marker = self.read(done_name(i))
         done = json.loads(marker) if marker else {}
         info = done.get("info", {})
         if done.get("key") != key or self.read_sha256(info.get("tokens")) != info.get("sha256"):
@@ -239,22 +239,15 @@ class Output:
         """sha256 of an object, streamed; None when it is missing."""
         if not name:
             return None
-
-        def attempt():
-            h = hashlib.sha256()
-            with self.remote.fs.open(self.remote.path(name), "rb") as f:
-                while block := f.read(1 << 24):
-                    h.update(block)
-            return h.hexdigest()
-
-        return self.remote.retry(name, attempt, missing_ok=True)
+        return self.remote.retry(name, lambda: sha256_file(self.remote.path(name), opener=self.remote.fs.open),
+                                 missing_ok=True)
 
     def write_shard(self, corpus, tok, job: _Job, task, report) -> dict:
         if not self.url:
             return _write_shard(corpus, tok, job, task, report)[1]
         with tempfile.TemporaryDirectory(prefix="forge-grain-shard-") as tmp:
             _, info = _write_shard(corpus, tok, dataclasses.replace(job, out=tmp), task, report)
-            for name in (info["tokens"], info["index"], _done_path(Path("."), task[0]).name):
+            for name in (info["tokens"], info["index"], done_name(task[0])):
                 self.remote.retry(name, lambda n=name: self.remote.fs.put_file(str(Path(tmp) / n),
                                                                                 self.remote.path(n)))
         return info
@@ -267,7 +260,7 @@ class Output:
             write_manifest(dataclasses.replace(job, out=tmp), settings, recorded, infos)
             self.write(MANIFEST_NAME, (Path(tmp) / MANIFEST_NAME).read_bytes())
         for i in range(len(infos)):
-            self.remove(_done_path(Path("."), i).name)
+            self.remove(done_name(i))
 
 
 def shard_tasks(files: list[str], counts: list[int], num_shards: int) -> list[tuple]:

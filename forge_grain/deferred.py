@@ -31,6 +31,7 @@ from pathlib import Path
 from .errors import StoreError
 from .manifest import write_json_atomic
 from .paths import cache_root, is_url
+from .stores import TokenStore
 
 log = logging.getLogger(__name__)
 RECORD_VERSION = 1
@@ -100,7 +101,6 @@ class SourceRecords:
     """The record file of one set of sources (their keys, in config order)."""
 
     def __init__(self, keys: list[str | None], cache_dir: str | Path | None):
-        self.keys = keys
         digest = hashlib.sha256(json.dumps([RECORD_VERSION] + keys).encode()).hexdigest()[:20]
         directory = Path(cache_dir) if cache_dir is not None else cache_root() / "sources"
         self.file = directory / f"sources-{digest}.json"
@@ -161,12 +161,17 @@ class SourceRecords:
             pass
 
 
+def identity_of(store) -> dict:
+    """What a build checks and fingerprints of a source: `data_id` (a store's content
+    fingerprint, or a streaming source's key), `vocab_size`, `tokenizer_sha256`."""
+    return {"data_id": store.fingerprint if isinstance(store, TokenStore) else store.key, "vocab_size": store.vocab_size,
+            "tokenizer_sha256": (store.tokenizer or {}).get("sha256")}
+
+
 def facts_of(store, dataset) -> dict:
     """The facts of a source opened in full, as a record keeps them."""
     return {
-        "data_id": store.fingerprint,
-        "vocab_size": store.vocab_size,
-        "tokenizer_sha256": (store.tokenizer or {}).get("sha256"),
+        **identity_of(store),
         "pad_id": int(dataset.pad_id),
         "seq_len": dataset.seq_len,
         "num_rows": dataset.num_rows,

@@ -39,9 +39,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 24, opener=open) -> str:
+    """sha256 of a file, read a block at a time (`opener`: e.g. an fsspec filesystem's `open`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with opener(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

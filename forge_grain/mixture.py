@@ -12,7 +12,6 @@ i is row r of its (infinitely repeating, reshuffled per epoch) packed dataset.
 from __future__ import annotations
 
 import collections
-
 import math
 import sys
 from fractions import Fraction

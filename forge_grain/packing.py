@@ -297,7 +297,7 @@ def _stats(total, seq_len, strategy, row_ptr, length, skip, cropped, lost, max_s
     else:  # rows hold seq_len + 1 tokens; the last is a target only
         real = slots
     extra = {"max_segments_per_row": int(max_segments)} if max_segments else {}
-    return {**extra, 
+    return {**extra,
         "strategy": strategy,
         "seq_len": seq_len,
         "rows": rows,

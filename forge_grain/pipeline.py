@@ -111,6 +111,7 @@ class Pipeline:
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
         self._sources = self._open_sources(plan_workers)
         self.datasets = [o.dataset for o in self._sources]
+        self._fetching = [i for i, o in enumerate(self._sources) if o.fetches]  # sources in object storage
         self.streams = [o.stream for o in self._sources if o.stream is not None]
         self._check_tokenizers()
         if self.streams:
@@ -292,12 +293,11 @@ class Pipeline:
     def _fetch_ahead(self, step: int) -> None:
         """Tell sources in object storage which shards this step and the next `fetch_ahead`
         read: they download them in the background and keep them from eviction."""
-        fetching = [i for i, o in enumerate(self._sources) if o.fetches]
-        if not fetching or not self.fetch_ahead:
+        if not self._fetching or not self.fetch_ahead:
             return
         last = min(step + 1 + self.fetch_ahead, self.step_limit)
         src, rank = self.mixture.locate(np.concatenate([self.shard_rows(s) for s in range(step, last)]))
-        for i in fetching:
+        for i in self._fetching:
             self.datasets[i].prefetch(rank[src == i])
 
     def seek(self, step: int, streams: list | None = None) -> None:

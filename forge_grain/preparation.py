@@ -151,7 +151,7 @@ def prepare(
     out = output if is_url(output) else Path(output)  # a URL: only the Beam runner gets here
     if not is_url(out) and out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory; give a directory for the token store")
-    spec = _Spec(source, out, tok, tokens, vocab_size, bos, eos, add_bos, add_eos, text_field, token_field, split,
+    spec = _Spec(source, out, tok, vocab_size, bos, eos, add_bos, add_eos, text_field, token_field, split,
                  hf_config, text_unit, data_files, list_separator, special_tokens_in_text, layout, piece_chars)
     if runner == "beam":
         try:
@@ -197,7 +197,6 @@ class _Spec:
     source: object
     out: object
     tok: TextTokenizer | None
-    tokens: bool
     vocab_size: int
     bos: int | None
     eos: int | None
@@ -213,6 +212,11 @@ class _Spec:
     special_tokens_in_text: bool
     layout: str
     piece_chars: int
+
+    @property
+    def tokens(self) -> bool:
+        """Pre-tokenized input (a token field), written without tokenizing."""
+        return self.token_field is not None
 
     def describe(self, fingerprint, num_shards: int) -> tuple[_Job, dict, dict]:
         """(the shard workers' job, the settings the manifest records, what the documents carry)
@@ -334,8 +338,13 @@ def shard_name(i: int, layout: str) -> str:
     return f"shard-{i:05d}." + ("bin" if layout == "bin" else "array_record")
 
 
+def done_name(i: int) -> str:
+    """Shard i's done marker: written once the shard is complete, removed with the manifest."""
+    return f"shard-{i:05d}.done.json"
+
+
 def _done_path(out: Path, i: int) -> Path:
-    return out / f"shard-{i:05d}.done.json"
+    return out / done_name(i)
 
 
 def _input_name(source) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from .config import SourceConfig
-from .deferred import SourceRecords, checked_opener
+from .deferred import SourceRecords, checked_opener, identity_of
 from .packed import PackedDataset, pack
 from .stores import TokenStore
 
@@ -37,11 +37,7 @@ class OpenedSource:
     @property
     def identity(self) -> dict:
         """What the build checks and fingerprints: `data_id`, `vocab_size`, `tokenizer_sha256`."""
-        if self.record is not None:
-            return self.record.facts
-        st = self.opened
-        return {"data_id": st.fingerprint if isinstance(st, TokenStore) else st.key, "vocab_size": st.vocab_size,
-                "tokenizer_sha256": (st.tokenizer or {}).get("sha256")}
+        return self.record.facts if self.record is not None else identity_of(self.opened)
 
     @property
     def fetches(self) -> bool:
@@ -75,7 +71,7 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
                            cache_dir=cache_dir, chunk_docs=chunk_docs, plan_workers=plan_workers,
                            shuffle_window=src.shuffle_window, max_segments=max_segments)
 
-    record = records.find(key, src.path) if records is not None and key is not None else None
+    record = records.find(key, src.path) if records is not None else None
     if record is not None:
         f = record.facts
         opener = checked_opener(src.name, src.path, record, records, open_full)
@@ -85,6 +81,6 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
             shuffle_window=src.shuffle_window, num_epochs=None)
         return OpenedSource(dataset, record=record)
     store, dataset = open_full()
-    if records is not None and key is not None:
+    if records is not None:
         records.add(key, store, dataset)
     return OpenedSource(dataset, opened=store)

@@ -335,7 +335,7 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
     remote = RemoteDir(url, storage_options)
     manifest = (local / MANIFEST_NAME).read_bytes()
     digest = hashlib.sha256(manifest).hexdigest()
-    current = _read_or_none(remote, MANIFEST_NAME)
+    current = read_or_none(remote, MANIFEST_NAME)
     if current == manifest:
         return  # uploaded already
     if current is not None:
@@ -343,7 +343,7 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
             raise StoreError(f"{remote.url}: already holds another token store; choose another output or pass "
                              "--overwrite")
         remote.retry(MANIFEST_NAME, lambda: remote.fs.rm_file(remote.path(MANIFEST_NAME)))  # incomplete from here
-    resuming = _read_or_none(remote, UPLOAD_MARKER) == digest.encode()
+    resuming = read_or_none(remote, UPLOAD_MARKER) == digest.encode()
     if not resuming:
         remote.retry(UPLOAD_MARKER, lambda: remote.fs.pipe_file(remote.path(UPLOAD_MARKER), digest.encode()))
     files = [name for s in Manifest.load(local).shards for name in (s.tokens, s.index)]
@@ -361,7 +361,7 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
     remote.retry(UPLOAD_MARKER, lambda: remote.fs.rm_file(remote.path(UPLOAD_MARKER)))
 
 
-def _read_or_none(remote: RemoteDir, name: str) -> bytes | None:
+def read_or_none(remote: RemoteDir, name: str) -> bytes | None:
     return remote.retry(name, lambda: remote.fs.cat_file(remote.path(name)), missing_ok=True)
 
 
