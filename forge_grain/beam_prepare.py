@@ -358,7 +358,7 @@ class WriteShard(beam.DoFn):
             self.skipped.inc()
             yield i, info
             return
-        corpus = ShardCorpus.read(self.inputs, pieces, self.job.field)
+        corpus = ShardCorpus.read(self.inputs, pieces, self.job)
         info = self.out.write_shard(corpus, self.tok, self.job, (i, 0, corpus.num_rows), self._report)
         self.written.inc()
         self.shard_tokens.update(info["num_tokens"])
@@ -391,10 +391,19 @@ def count_rows(inputs: Inputs, file: str) -> int:
     """Rows of one input file as the local loader reads them (JSON Lines skip blank lines)."""
     with inputs.open(file) as f:
         if inputs.builder == "parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(f).metadata.num_rows
+            return _parquet(f, file).metadata.num_rows
         return sum(bool(line.strip()) for line in f)
+
+
+def _parquet(f, file: str):
+    """A Parquet file's reader; a file that is not one (truncated, another format) is named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(f)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise PrepareError(f"{file}: not a readable Parquet file ({e}); it is truncated or not Parquet") from None
 
 
 @dataclasses.dataclass
@@ -410,11 +419,21 @@ class ShardCorpus:
         return len(self.ds)
 
     @classmethod
-    def read(cls, inputs: Inputs, pieces, field: str) -> "ShardCorpus":
+    def read(cls, inputs: Inputs, pieces, job: _Job) -> "ShardCorpus":
+        """The rows of `pieces`, each file's column checked as local `prepare` checks a
+        corpus's (text, or lists of integer ids), so no value is read by guess."""
         import datasets
         import pyarrow as pa
 
-        tables = [_read_rows(inputs, f, a, b, field) for f, a, b in pieces]
+        from .texts import _check
+
+        tables = []
+        for f, a, b in pieces:
+            t = _read_rows(inputs, f, a, b, job.field)
+            if not pa.types.is_null(t.schema.field(job.field).type):  # all missing: each row's check names it
+                _check(datasets.Dataset(datasets.table.InMemoryTable(t)), f, job.field, tokens=job.tokens,
+                       joined=job.list_separator)
+            tables.append(t)
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         return cls(datasets.Dataset(datasets.table.InMemoryTable(table)), pieces)
 
@@ -432,9 +451,7 @@ def _read_rows(inputs: Inputs, file: str, lo: int, hi: int, field: str):
 
     with inputs.open(file) as f:
         if inputs.builder == "parquet":
-            import pyarrow.parquet as pq
-
-            pf = pq.ParquetFile(f)
+            pf = _parquet(f, file)
             groups, at = [], 0
             for g in range(pf.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows

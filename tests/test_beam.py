@@ -186,3 +186,35 @@ def test_inputs_and_output_in_object_storage_make_the_local_shards(jsonl_dir, tm
         assert again == url
     finally:
         s3.stop()
+
+
+def broken_inputs(tmp_path) -> dict:
+    cases = {}
+    d = tmp_path / "float-ids"
+    d.mkdir()
+    pq.write_table(pa.table({"ids": [[1.5, 2.0]] * 20}), d / "f.parquet")
+    cases["float token ids"] = (d / "f.parquet", dict(token_field="ids", vocab_size=100),
+                                r"f\.parquet: --token-field 'ids' must hold lists of integer ids, not .*float64")
+    d = tmp_path / "int-text"
+    d.mkdir()
+    pq.write_table(pa.table({"text": list(range(20))}), d / "n.parquet")
+    cases["numbers as text"] = (d / "n.parquet", {}, r"n\.parquet: field 'text' must hold text \(strings\)")
+    d = tmp_path / "cut-parquet"
+    d.mkdir()
+    pq.write_table(pa.table({"text": ["hello world"] * 500}), d / "c.parquet")
+    data = (d / "c.parquet").read_bytes()
+    (d / "c.parquet").write_bytes(data[: len(data) // 2])
+    cases["truncated Parquet"] = (d / "c.parquet", {}, r"c\.parquet: not a readable Parquet file .*truncated")
+    d = tmp_path / "cut-jsonl"
+    d.mkdir()
+    (d / "c.jsonl").write_text('{"text": "a"}\n{"text": "b')
+    cases["truncated JSON Lines"] = (d / "c.jsonl", {}, r"c\.jsonl: cannot read rows 0-2 as JSON Lines")
+    return cases
+
+
+@pytest.mark.parametrize("case", ["float token ids", "numbers as text", "truncated Parquet", "truncated JSON Lines"])
+def test_a_wrong_dtype_type_or_truncated_file_is_refused_naming_the_file(tmp_path, case):
+    src, kw, pattern = broken_inputs(tmp_path)[case]
+    with pytest.raises(PrepareError, match=pattern):
+        prepare(src.parent, tmp_path / "out", num_shards=1, progress=False, runner="beam", **kw)
+    assert not (tmp_path / "out" / "manifest.json").exists()
