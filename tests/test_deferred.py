@@ -107,3 +107,16 @@ def test_a_store_rewritten_by_its_writer_is_opened_in_full_at_build(tmp_path):
     assert again.fingerprint != first.fingerprint
     third = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)  # recorded again
     assert all(o.record for o in third._sources) and third.fingerprint == again.fingerprint
+
+
+def test_a_truncated_record_file_is_ignored_and_every_source_opened(tmp_path, caplog):
+    cfg = config(small_stores(tmp_path, 3), seq_len=32, global_batch_size=16, seed=3)
+    first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    (record_file,) = (tmp_path / "cache").glob("sources-*.json")
+    text = record_file.read_text()
+    record_file.write_text(text[: len(text) // 2])  # cut short: not JSON
+    with caplog.at_level("WARNING"):
+        again = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert "ignoring the unreadable source record" in caplog.text and str(record_file) in caplog.text
+    assert not any(o.record for o in again._sources) and again.fingerprint == first.fingerprint
+    assert json.loads(record_file.read_text())["version"] == 1  # written again, whole
