@@ -39,9 +39,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from forge_grain import DataConfig, Pipeline, StateError
+from forge_grain import DataConfig, Pipeline, StateError, merge_states
 from forge_grain.locks import file_lock
 from forge_grain.pipeline import STATE_VERSION
+from forge_grain.streaming import START
 from forge_grain.varlen import varlen
 
 CONVENTIONS = ("forge", "hf")
@@ -174,8 +175,8 @@ class GrainIterableDataset(IterableDataset):
 
     def _first_step(self, w: int, W: int) -> int:
         state, self._resume = self._resume, None
-        if self.pipeline.streams and W > 1:
-            raise StateError("streaming sources are read in order by one process: use num_workers 0 or 1")
+        if self.pipeline.streams:
+            self.pipeline.own_streams(w, W)  # its steps' canonical streams only
         posted = self._channel.take(W)
         state = state if posted is None else posted
         if state is None:
@@ -202,6 +203,8 @@ class GrainIterableDataset(IterableDataset):
         self._next_step = step
         while step < end:
             batch = self._tensors(self.pipeline.batch(step))
+            if self.pipeline.streams:  # where this worker's streams are now, for the tracker
+                batch["stream_states"] = json.dumps(self.pipeline.state_at(step + W)["streams"])
             step += W
             self._next_step = step
             yield batch
@@ -221,6 +224,8 @@ class GrainIterableDataset(IterableDataset):
         if self._next_step is None and self._resume is not None:
             return dict(self._resume)
         w, W = self._worker()
+        if self._next_step is None and self.pipeline.streams:
+            self.pipeline.own_streams(w, W)  # not started: its streams at their start
         next_step = self._next_step if self._next_step is not None else self._pass_start() + w
         state = {"kind": "worker", "next_step": next_step, "num_workers": W, "fingerprint": self.pipeline.fingerprint}
         if self.pipeline.streams:  # their positions, which only this process knows
@@ -231,6 +236,9 @@ class GrainIterableDataset(IterableDataset):
         if state.get("kind") == "worker":  # StatefulDataLoader hands each worker its own
             if state.get("fingerprint") != self.pipeline.fingerprint:
                 raise StateError("this state was saved by a pipeline with another config or other data")
+            w, W = self._worker()
+            if self.pipeline.streams and state.get("num_workers") == W:
+                self.pipeline.own_streams(w, W)  # the streams its state holds
             inner = state.get("pipeline") or {"version": STATE_VERSION, "fingerprint": state["fingerprint"]}
             self.pipeline.check_state({**inner, "step": state.get("next_step")})  # types, range, streams
             self._resume = dict(state)
@@ -302,24 +310,48 @@ class StepTracker:
 
     A `torch.distributed.checkpoint.stateful.Stateful`: `state_dict()` is
     {"step": next global step, "fingerprint": ..., ...}, identical on every rank.
+    With streaming sources it also holds their canonical streams' positions: each batch
+    carries those of the streams its worker read (`stream_states`), and `state_dict()`
+    joins the ranks' (`all_gather_object`, when torch.distributed is initialized), so the
+    state resumes on any world size dividing `canonical_streams` and any worker count
+    dividing `canonical_workers`.
     """
 
     def __init__(self, dataset: GrainIterableDataset):
         self.dataset = dataset
         self.next_step = 0
+        p = dataset.pipeline
+        owned = p.layout.owned(p.shard_index, p.shard_count) if p.streams else []
+        self._streams = [{str(c): dict(START) for c in owned} for _ in p.streams]
 
     def update(self, batch: dict) -> None:
         """Record that the training loop consumed `batch`."""
         self.next_step = int(batch["step"]) + 1
+        if "stream_states" in batch:
+            for mine, seen in zip(self._streams, json.loads(batch["stream_states"])):
+                mine.update(seen)
 
     def state_dict(self) -> dict:
-        return self.dataset.pipeline.state_at(self.next_step)
+        p = self.dataset.pipeline
+        if not p.streams:
+            return p.state_at(self.next_step)
+        state = p.make_state(self.next_step, [dict(s) for s in self._streams])
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, state)
+            state = merge_states(states)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next pass of the dataset starts at `state['step']`, whatever the worker
         count, and also when the loader's workers are persistent and already running; the pass
         after it starts where `set_epoch` puts it."""
-        self.next_step = self.dataset.pipeline.check_state(state)
+        p = self.dataset.pipeline
+        self.next_step = p.check_state(state)
+        if p.streams:
+            owned = {str(c) for c in p.layout.owned(p.shard_index, p.shard_count)}
+            self._streams = [{c: st for c, st in per.items() if c in owned} for per in state["streams"]]
         self.dataset.load_state_dict(state)
 
 
@@ -340,7 +372,7 @@ class DeviceLoader:
     def __iter__(self):
         if self.device.type != "cuda":
             for batch in self.loader:
-                yield {k: v.to(self.device) for k, v in batch.items()}
+                yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             return
         yield from self._cuda()
 
@@ -349,12 +381,14 @@ class DeviceLoader:
         buffers: list[dict] = []
         pending = None  # (buffers, event, host batch kept alive until its copy is done)
         for i, host in enumerate(self.loader):
+            tensors = {k: v for k, v in host.items() if torch.is_tensor(v)}
             if len(buffers) < 2:
-                buffers.append({k: torch.empty_like(v, device=self.device) for k, v in host.items()})
+                buffers.append({k: torch.empty_like(v, device=self.device) for k, v in tensors.items()})
             buf = buffers[i % 2]
+            buf.update({k: v for k, v in host.items() if k not in tensors})  # e.g. stream_states: as they are
             stream.wait_stream(torch.cuda.current_stream(self.device))  # compute on buf is done
             with torch.cuda.stream(stream):
-                for k, v in host.items():
+                for k, v in tensors.items():
                     buf[k].copy_(v, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)

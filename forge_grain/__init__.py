@@ -31,7 +31,8 @@ _LAZY = {
     "SourceConfig": "config",
     "Pipeline": "pipeline",
     "PipelineIterator": "pipeline",
-    "StateError": "pipeline",
+    "StateError": "errors",
+    "merge_states": "pipeline",
 }
 
 __all__ = ["ForgeGrainError", "PrepareError", "StoreError", "__version__", *_LAZY]

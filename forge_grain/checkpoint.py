@@ -13,8 +13,9 @@ the data state is an item like any other. The state of stored sources is global 
 step and a fingerprint): it is written once, by shard 0, as `state.json`, and every host of
 any later cluster size reads that one file. (Grain's own handler writes
 `process_i-of-n.json` and cannot restore on another host count.) Streaming sources have a
-position per shard: each shard also writes its own `stream-k-of-n.json`, and a restore reads
-the file of its shard (streaming sources resume on the shard count that saved them).
+position per canonical stream, and each shard knows its own: each shard also writes
+`stream-k-of-n.json`, and a restore joins them all (`merge_states`), so it resumes on any
+shard count dividing the `canonical_streams` they were saved with.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from .pipeline import StateError
+from .pipeline import StateError, merge_states
 
 STATE_FILE = "state.json"
 
@@ -52,17 +53,8 @@ class PipelineCheckpointHandler(ocp.CheckpointHandler):
         it = item if item is not None else (args.iterator if args is not None else None)
         state = _read(directory / STATE_FILE)
         if "streams" in state:
-            if it is None:
-                raise StateError(f"{directory}: streaming states are per shard: pass the iterator to Restore(it)")
-            p = it.pipeline
-            own = directory / _stream_file(p.shard_index, p.shard_count)
-            if not own.exists():
-                saved = state.get("shard", [None, "?"])[1]
-                raise StateError(
-                    f"{own}: no state for shard {p.shard_index} of {p.shard_count}; this checkpoint was saved by "
-                    f"{saved} shards, and streaming sources resume on the shard count that saved them"
-                )
-            state = _read(own)
+            files = sorted(directory.glob("stream-*-of-*.json"))
+            state = merge_states([state, *(_read(f) for f in files)])
         if it is not None:
             it.set_state(state)
         return state

@@ -102,6 +102,13 @@ class DataConfig:
     row, for attention kernels that need a bound (MaxText, TransformerEngine); every planner
     honours it, rows that reach it are padded (`inspect --seq-len N --max-segments K` shows
     the fill it costs); it is data too.
+
+    Streaming sources (`hf_streaming=True`) deal their documents to `canonical_streams` x
+    `canonical_workers` canonical streams (see `forge_grain.streaming`): a state restores
+    exactly on any shard count dividing `canonical_streams` (default: the shard count of
+    the first run, recorded in its states) and, in the torch bridge, any number of
+    DataLoader workers dividing `canonical_workers` (default 1) reads them in parallel.
+    Both decide which documents go where, so they are data.
     """
 
     sources: list[SourceConfig]
@@ -116,6 +123,8 @@ class DataConfig:
     max_steps: int | None = None
     plan_chunk_docs: int | None = None
     max_segments_per_row: int | None = None
+    canonical_streams: int | None = None
+    canonical_workers: int = 1
     loader: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,7 +202,7 @@ class DataConfig:
                 raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
             if s.hf_dataset is not None:
                 wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "format", "token_field",
-                                     "storage_options", "cache_limit", "object_cache") if getattr(s, k) is not None]
+                                     "cache_limit", "object_cache") if getattr(s, k) is not None]
                 if wrong:
                     raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
             if s.shuffle_window is not None:
@@ -224,6 +233,9 @@ class DataConfig:
             _positive_int("plan_chunk_docs", self.plan_chunk_docs)
         if self.max_segments_per_row is not None:
             _positive_int("max_segments_per_row", self.max_segments_per_row)
+        if self.canonical_streams is not None:
+            _positive_int("canonical_streams", self.canonical_streams)
+        _positive_int("canonical_workers", self.canonical_workers)
         unknown = sorted(set(self.loader) - set(LOADER_KEYS))
         if unknown:
             raise ConfigError(f"loader: unknown key(s) {unknown} (known: {sorted(LOADER_KEYS)})")

@@ -11,3 +11,7 @@ class StoreError(ForgeGrainError):
 
 class PrepareError(ForgeGrainError):
     """A text corpus or tokenizer cannot be turned into a token store."""
+
+
+class StateError(ForgeGrainError):
+    """An iterator state that does not belong to this pipeline (or this process)."""

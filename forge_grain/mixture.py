@@ -117,9 +117,14 @@ class Mixture(grain.MapDataset):
     def get_batch(self, indices, out: dict | None = None, id_dtype=np.int32) -> dict:
         src, rank = self.locate(indices)
         out = out if out is not None else empty_rows(len(src), self.seq_len, id_dtype, self._pool)
+        idx = np.asarray(indices, np.int64).reshape(-1)
         for i in np.unique(src):
             sel = np.flatnonzero(src == i)
-            self.datasets[i].get_batch(rank[sel], out=out, dest=sel)
+            d = self.datasets[i]
+            if getattr(d, "sequential", False):  # a streaming source: its rows' place in the batch decides their stream
+                d.get_batch(rank[sel], out=out, dest=sel, rows=idx[sel])
+            else:
+                d.get_batch(rank[sel], out=out, dest=sel)
         out["source_id"] = src.astype(np.int32)
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 
 from . import history
 from .config import ConfigError, DataConfig
-from .errors import ForgeGrainError
+from .errors import StateError
 from .mixture import MAX_ROWS, Mixture
 from .packed import PackedDataset
 from .deferred import SourceRecords, source_key
@@ -31,10 +32,6 @@ STATE_VERSION = 1
 # 2: exact small-epoch shuffles, own document permutation; 3: mixture weights used exactly.
 STREAM_VERSION = 3
 STREAM_STATE_KEYS = {"epoch", "window", "stream", "row_index", "emitted"}
-
-
-class StateError(ForgeGrainError):
-    """An iterator state that does not belong to this pipeline."""
 
 
 def default_shard() -> tuple[int, int]:
@@ -75,7 +72,8 @@ class Pipeline:
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
     core), nor `fetch_ahead` (steps whose shards sources in object storage download
-    ahead). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
+    ahead), nor `tokenize_threads` (threads tokenizing streaming sources; default one per
+    core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     """
 
     def __init__(
@@ -89,6 +87,7 @@ class Pipeline:
         worker_count: int = 0,
         plan_workers: int | None = None,
         fetch_ahead: int = 8,
+        tokenize_threads: int | None = None,
         cache_dir: str | Path | None = None,
         dtype=np.int32,
         resume_from: dict | None = None,
@@ -109,6 +108,8 @@ class Pipeline:
         self.cache_dir = cache_dir
         self.fetch_ahead = fetch_ahead
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
+        self.tokenize_threads = tokenize_threads
+        self.layout = self._stream_layout(resume_from)
         self._sources = self._open_sources(plan_workers)
         self.datasets = [o.dataset for o in self._sources]
         self._fetching = [i for i, o in enumerate(self._sources) if o.fetches]  # sources in object storage
@@ -118,8 +119,8 @@ class Pipeline:
             if worker_count:
                 raise ConfigError("streaming sources are read in order in this process: worker_count must be 0")
             self.num_threads = min(num_threads, 1)  # one thread keeps the steps in order
-            self._stream_step = 0
-            self._stream_states = {0: [c.state() for c in self.streams]}
+            self._stream_step, self._stream_stride = 0, 1
+            self._stream_states = {0: [r.states() for r in self.streams]}
         schedule = config.schedule()
         self.rows_per_epoch = sum(d.num_rows for d in self.datasets)
         self.num_steps = None if config.num_epochs is None else int(config.num_epochs * self.rows_per_epoch) // B
@@ -156,11 +157,48 @@ class Pipeline:
                 for s, seed in zip(c.sources, seeds)]
         records = SourceRecords(keys, self.cache_dir) if any(k is not None for k in keys) else None
         opened = [open_source(s, c.seq_len, seed, self.shard_index, self.shard_count, self.cache_dir,
-                              c.plan_chunk_docs, plan_workers, records, key, c.max_segments_per_row)
+                              c.plan_chunk_docs, plan_workers, records, key, c.max_segments_per_row, self.layout,
+                              self.tokenize_threads)
                   for s, seed, key in zip(c.sources, seeds, keys)]
         if records is not None:
             records.save()
         return opened
+
+    def _stream_layout(self, resume_from: dict | None):
+        """How streaming sources deal documents (None without them): `canonical_streams` of the
+        config, else of the state resumed from, else the shard count."""
+        c = self.config
+        if not any(s.hf_dataset is not None and s.hf_streaming for s in c.sources):
+            return None
+        from .streaming import StreamLayout
+
+        saved = resume_from.get("canonical") if isinstance(resume_from, dict) else None
+        groups = c.canonical_streams or (saved[0] if isinstance(saved, list) and saved else None) or self.shard_count
+        if groups % self.shard_count or c.global_batch_size % groups:
+            raise ConfigError(
+                f"canonical_streams {groups}: streaming sources need the shard count ({self.shard_count}) to divide "
+                f"it and it to divide global_batch_size ({c.global_batch_size}). A state resumes on any shard count "
+                "dividing the canonical_streams it was saved with; set canonical_streams in the config (or pass "
+                "resume_from=state) to choose it"
+            )
+        return StreamLayout(groups, c.canonical_workers, c.global_batch_size)
+
+    def own_streams(self, worker: int, workers: int) -> None:
+        """Read only the streaming sources' streams of worker `worker` of `workers` (a DataLoader
+        worker making steps worker, worker + workers, ...), each from its start."""
+        if not self.streams:
+            return
+        P = self.layout.classes
+        if P % workers:
+            raise StateError(
+                f"{workers} DataLoader workers cannot share streaming sources dealt for canonical_workers={P}: the "
+                f"worker count must divide it. Set canonical_workers to a multiple of {workers} in the config "
+                "(it is data: a new run), or use a worker count that divides it"
+            )
+        for rows in self.streams:
+            rows.own(self.layout.owned(self.shard_index, self.shard_count, worker, workers))
+        self._stream_step, self._stream_stride = worker, workers
+        self._stream_states = {worker: [r.states() for r in self.streams]}
 
     @property
     def stores(self) -> list:
@@ -250,6 +288,7 @@ class Pipeline:
             "mix_temperature": c.mix_temperature,
             "schedule": c.schedule(),
             **({"max_segments_per_row": c.max_segments_per_row} if c.max_segments_per_row else {}),
+            **({"canonical": [self.layout.groups, self.layout.classes]} if self.layout else {}),
             "sources": [
                 {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
                  "plan": d.plan_key, "plan_sha256": d.plan_sha256 if isinstance(d, PackedDataset) else None,
@@ -285,9 +324,10 @@ class Pipeline:
         out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         if self.streams:
-            self._stream_step = step + 1
-            self._stream_states[step + 1] = [c.state() for c in self.streams]
-            self._stream_states.pop(step - 64, None)  # keep what unconsumed prefetched steps may need
+            # the next step this process makes: the next of its class when it owns one class in `stride`
+            self._stream_step = step + self._stream_stride
+            self._stream_states[self._stream_step] = [r.states() for r in self.streams]
+            self._stream_states.pop(step - 64 * self._stream_stride, None)  # what unconsumed prefetched steps may need
         return out
 
     def _fetch_ahead(self, step: int) -> None:
@@ -301,16 +341,17 @@ class Pipeline:
             self.datasets[i].prefetch(rank[src == i])
 
     def seek(self, step: int, streams: list | None = None) -> None:
-        """Position streaming sources for `step` (states from `state_at`); no-op without streams."""
+        """Position streaming sources for `step` (the positions of a state's `streams`, else those
+        recorded as batches were made); no-op without streams."""
         if not self.streams:
             return
         streams = streams if streams is not None else self._stream_states.get(step)
         if streams is None:
             raise StateError(f"no stream state recorded for step {step}; restore a saved state instead")
-        for cursor, st in zip(self.streams, streams):
-            cursor.set_state(st)
+        for rows, st in zip(self.streams, streams):
+            rows.set_states(st)
         self._stream_step = step
-        self._stream_states = {0: self._stream_states[0], step: streams}
+        self._stream_states = {step: [r.states() for r in self.streams]}
 
     def global_batch(self, step: int) -> dict:
         """All of global batch `step` (what every shard's parts concatenate to)."""
@@ -344,15 +385,23 @@ class Pipeline:
     def state_at(self, step: int) -> dict:
         """The iterator state whose next batch is global batch `step`.
 
-        With streaming sources it also holds their per-shard positions (recorded as
-        batches are made), and restores only on the same shard.
+        With streaming sources it also holds the positions of this process's canonical
+        streams (recorded as batches are made); `merge_states` joins the states of all shards.
         """
-        state = {"version": STATE_VERSION, "step": int(step), "fingerprint": self.fingerprint, "config": self._summary}
+        streams = None
         if self.streams:
             if step not in self._stream_states:
                 raise StateError(f"no stream state recorded for step {step}")
             streams = self._stream_states[step]
-            state.update(streams=streams, shard=[self.shard_index, self.shard_count], streams_sha256=history.digest(streams))
+        return self.make_state(step, streams)
+
+    def make_state(self, step: int, streams: list | None = None) -> dict:
+        """The state at `step`, with streaming sources' positions `streams` (one dict of
+        canonical stream states per streaming source)."""
+        state = {"version": STATE_VERSION, "step": int(step), "fingerprint": self.fingerprint, "config": self._summary}
+        if self.streams:
+            state.update(streams=streams, canonical=[self.layout.groups, self.layout.classes],
+                         streams_sha256=history.digest(streams))
         return state
 
     def check_state(self, state: dict) -> int:
@@ -365,7 +414,10 @@ class Pipeline:
             return int(state["step"])  # the state this pipeline changed the mixture of
         if state["fingerprint"] != self.fingerprint:
             saved = state.get("config") if isinstance(state.get("config"), dict) else {}
-            diff = sorted(k for k in set(saved) | set(self._summary) if saved.get(k) != self._summary.get(k))
+            saved, ours = (json.loads(json.dumps(x, default=str)) for x in (saved, self._summary))  # tuples as lists
+            diff = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
+            if diff == ["canonical"]:
+                self._check_canonical(state)
             raise StateError(
                 "this state was saved by a pipeline with another config or other data; differing: "
                 f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "
@@ -383,36 +435,81 @@ class Pipeline:
             self._check_stream_state(state)
         return step
 
-    def _check_stream_state(self, state: dict) -> None:
-        if state.get("shard") != [self.shard_index, self.shard_count]:
+    def _check_canonical(self, state: dict) -> None:
+        canonical = [self.layout.groups, self.layout.classes] if self.layout else None
+        if state.get("canonical") != canonical:
             raise StateError(
-                f"streaming sources resume exactly only on the shard that saved the state (saved on shard "
-                f"{state.get('shard')}, this is shard [{self.shard_index}, {self.shard_count}]): documents are "
-                "dealt to shards by their count. Stored sources resume on any shard count."
+                f"this state's streaming sources were dealt by [canonical_streams, canonical_workers] = "
+                f"{state.get('canonical')}, this pipeline's by {canonical}: build it with those values in the config, "
+                "or with Pipeline(config, resume_from=state), which adopts canonical_streams from the state"
             )
+
+    def _check_stream_state(self, state: dict) -> None:
+        self._check_canonical(state)
         streams = state.get("streams")
         if not isinstance(streams, list) or len(streams) != len(self.streams):
             raise StateError(f"state 'streams' must list {len(self.streams)} stream state(s), got {str(streams)[:200]}")
         if state.get("streams_sha256") != history.digest(streams):
             raise StateError("state 'streams' does not match its checksum: the state was changed after it was saved")
-        for i, st in enumerate(streams):
-            if not isinstance(st, dict) or set(st) != STREAM_STATE_KEYS:
-                raise StateError(f"state streams[{i}] must have the keys {sorted(STREAM_STATE_KEYS)}, got {str(st)[:200]}")
-            bad = [k for k in STREAM_STATE_KEYS - {"stream"} if isinstance(st[k], bool) or not isinstance(st[k], int)
-                   or st[k] < 0]
-            if bad or not isinstance(st["stream"], str):
-                raise StateError(f"state streams[{i}]: {sorted(bad) or ['stream']} have the wrong type or sign")
+        count = self.layout.count
+        for i, per in enumerate(streams):
+            if not isinstance(per, dict) or any(not k.isdigit() or int(k) >= count for k in per):
+                raise StateError(f"state streams[{i}] must map canonical stream numbers below {count} to states, "
+                                 f"got {str(per)[:200]}")
+            for c, st in per.items():
+                if not isinstance(st, dict) or set(st) != STREAM_STATE_KEYS:
+                    raise StateError(f"state streams[{i}][{c}] must have the keys {sorted(STREAM_STATE_KEYS)}, "
+                                     f"got {str(st)[:200]}")
+                bad = [k for k in STREAM_STATE_KEYS - {"stream"} if isinstance(st[k], bool) or not isinstance(st[k], int)
+                       or st[k] < 0]
+                if bad or not isinstance(st["stream"], str):
+                    raise StateError(f"state streams[{i}][{c}]: {sorted(bad) or ['stream']} have the wrong type or sign")
+            missing = [c for c in self.streams[i].owned if str(c) not in per]
+            if missing:
+                raise StateError(
+                    f"state streams[{i}] has no position for canonical stream(s) {missing}, which this shard "
+                    f"({self.shard_index} of {self.shard_count}) reads; it holds {sorted(map(int, per))}. A shard's "
+                    "state holds its own streams: join all shards' states with forge_grain.merge_states (the Orbax "
+                    "handler does) to resume on another shard count"
+                )
 
     def __reduce__(self):
         # worker processes rebuild it from the config (plans come from the on-disk cache) and,
         # after a mixture change, from the state it resumed
         return (_rebuild, (self.config, self.shard_index, self.shard_count, self.cache_dir, self.dtype,
-                           *self._resume_args))
+                           self.tokenize_threads, *self._resume_args))
 
 
-def _rebuild(config, shard_index, shard_count, cache_dir, dtype, resume_from=None, allow_mixture_change=False):
+def _rebuild(config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
+             allow_mixture_change=False):
     return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
-                    resume_from=resume_from, allow_mixture_change=allow_mixture_change)
+                    tokenize_threads=tokenize_threads, resume_from=resume_from,
+                    allow_mixture_change=allow_mixture_change)
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One state from the states all shards saved at one step: the same step and data, the
+    streaming sources' positions of every shard joined, so that it restores on any shard
+    count dividing `canonical_streams`. States without streaming sources are all alike:
+    the first is returned."""
+    if not states:
+        raise StateError("merge_states: no states given")
+    first = states[0]
+    for s in states[1:]:
+        if (s.get("step"), s.get("fingerprint")) != (first.get("step"), first.get("fingerprint")):
+            raise StateError(f"merge_states: states of different steps or pipelines (step {first.get('step')} and "
+                             f"{s.get('step')}); give the states all shards saved at one step")
+    if "streams" not in first:
+        return dict(first)
+    joined = [dict() for _ in first["streams"]]
+    for s in states:
+        if s.get("streams_sha256") != history.digest(s.get("streams")):
+            raise StateError("merge_states: a state's 'streams' does not match its checksum")
+        for mine, theirs in zip(joined, s["streams"]):
+            for c, st in theirs.items():
+                if mine.setdefault(c, st) != st:
+                    raise StateError(f"merge_states: two states give canonical stream {c} different positions")
+    return {**first, "streams": joined, "streams_sha256": history.digest(joined)}
 
 
 def _where(src) -> str:

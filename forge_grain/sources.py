@@ -48,17 +48,19 @@ class OpenedSource:
 def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, shard_count: int,
                 cache_dir: str | Path | None = None, chunk_docs: int | None = None,
                 plan_workers: int | None = None, records: SourceRecords | None = None,
-                key: str | None = None, max_segments: int | None = None) -> OpenedSource:
+                key: str | None = None, max_segments: int | None = None, layout=None,
+                tokenize_threads: int | None = None) -> OpenedSource:
     """The packed rows of one source; `seed` is the source's own (see `Pipeline`);
     `chunk_docs`, `plan_workers` and `max_segments` go to `pack`. With `records` and the source's `key`
     there (`deferred.source_key`), a stored source whose files match its record is
-    deferred, and one opened in full is recorded."""
+    deferred, and one opened in full is recorded. A streaming source deals its documents by
+    `layout` (a `streaming.StreamLayout`) and tokenizes on `tokenize_threads` threads."""
     if src.hf_dataset is not None and src.hf_streaming:
-        from .hf import StreamCursor, StreamingSource
+        from .streaming import StreamingSource, StreamRows, rows_per_epoch
 
-        source = StreamingSource(src, seq_len, seed, shard_index, shard_count, cache_dir, max_segments)
-        cursor = StreamCursor(source, rows_per_epoch=shard_count * min(source.rows_per_shard()))
-        return OpenedSource(cursor, cursor, source)
+        source = StreamingSource(src, seq_len, seed, cache_dir, max_segments, tokenize_threads)
+        rows = StreamRows(source, layout, rows_per_epoch(source, layout), layout.owned(shard_index, shard_count))
+        return OpenedSource(rows, rows, source)
 
     def open_full():
         if src.hf_dataset is not None:

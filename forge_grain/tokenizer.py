@@ -55,8 +55,11 @@ class TextTokenizer:
         return {"path": self.path, "sha256": self.sha256, "vocab_size": self.vocab_size}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids without the tokenizer's own special tokens (the store adds BOS/EOS)."""
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        """Token ids without the tokenizer's own special tokens (the store adds BOS/EOS).
+        `encode_batch_fast` (tokenizers >= 0.21) skips character offsets: the same ids, ~1.8x
+        faster here."""
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def encode_long(self, text: str, piece_chars: int, prefix=(), suffix=()) -> np.ndarray:
         """`prefix` + the ids of one long text + `suffix` as uint32, encoded in pieces of about

@@ -19,7 +19,8 @@ from forge_grain import (
     TokenStore,
 )
 from forge_grain.config import SourceConfig
-from forge_grain.hf import StreamCursor, StreamingSource, eager_store
+from forge_grain.hf import eager_store
+from forge_grain.streaming import StreamCursor, StreamingSource
 from forge_grain.packed import empty_rows
 
 
@@ -41,8 +42,8 @@ def hf_config(jsonl, strategy="bestfit", batch=4, **kw):
 
 def test_eager_and_streaming_give_the_same_documents(tmp_path, jsonl):
     store = TokenStore.open(eager_store(source(jsonl), tmp_path, progress=False))
-    stream = StreamingSource(source(jsonl, hf_streaming=True), 48, 0, 0, 1, tmp_path)
-    texts = [row["text"] for row in stream.open()]
+    stream = StreamingSource(source(jsonl, hf_streaming=True), 48, 0, tmp_path)
+    texts = [t for batch in stream._batches(100) for t in batch]
     streamed = [d.tolist() for d in stream.tokenize(texts) if len(d)]
     assert streamed == [store[i].tolist() for i in range(len(store))]
     assert (stream.lengths(progress=False)[stream.lengths(progress=False) > 0] == store.lengths).all()
@@ -83,12 +84,12 @@ def test_counted_steps_equal_the_batches_produced(tmp_path, jsonl, strategy, ran
         produced.append(sum(1 for _ in iter(p)))
         assert produced[-1] == p.num_steps
     # the count is of rows a real pass produces: read each shard's stream to its end
-    src = StreamingSource(cfg.sources[0], cfg.seq_len, 0, 0, ranks, tmp_path)
-    for k, counted in enumerate(src.rows_per_shard(progress=False)):
-        cursor = StreamCursor(StreamingSource(cfg.sources[0], cfg.seq_len, 0, k, ranks, tmp_path), 0)
+    src = StreamingSource(cfg.sources[0], cfg.seq_len, 0, tmp_path)
+    for k, counted in enumerate(src.rows_per_stream(ranks, progress=False)):
+        cursor = StreamCursor(src, k, ranks)
         out, rows = empty_rows(1, cfg.seq_len), 0
         while cursor.epoch == 0:
-            cursor.get_batch([0], out, [0])
+            cursor.emit(out, 0)
             rows += 1
         assert rows == counted
 
@@ -105,8 +106,10 @@ def test_streaming_resume_mid_epoch_is_exact(tmp_path, jsonl):
         for e in expected:
             g = next(again)
             assert int(g["step"]) == int(e["step"]) and np.array_equal(g["inputs"], e["inputs"])
-        with pytest.raises(StateError, match="only on the shard that saved"):
-            Pipeline(cfg, 0, 1, cache_dir=tmp_path).iterator(state)
+        with pytest.raises(StateError, match=r"canonical_streams, canonical_workers\] = \[2, 1\]"):
+            Pipeline(cfg, 0, 1, cache_dir=tmp_path).iterator(state)  # dealt for 2 shards by default
+        with pytest.raises(StateError, match=rf"no position for canonical stream\(s\) \[{1 - k}\]"):
+            Pipeline(cfg, 0, 1, cache_dir=tmp_path, resume_from=state).iterator(state)  # the other shard's is needed
 
 
 def test_streaming_and_stored_sources_mix(tmp_path, jsonl, bin_store):
@@ -127,9 +130,9 @@ def test_bad_hugging_face_sources(tmp_path, jsonl):
                      0, 1, cache_dir=tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(PrepareError, match="empty|cannot load"):
-        StreamingSource(source(tmp_path / "empty.jsonl", hf_streaming=True), 8, 0, 0, 1, tmp_path)
+        StreamingSource(source(tmp_path / "empty.jsonl", hf_streaming=True), 8, 0, tmp_path)
     with pytest.raises(PrepareError, match="no-such/dataset"):
-        StreamingSource(SourceConfig(name="x", hf_dataset="no-such/dataset", hf_streaming=True), 8, 0, 0, 1, tmp_path)
+        StreamingSource(SourceConfig(name="x", hf_dataset="no-such/dataset", hf_streaming=True), 8, 0, tmp_path)
     with pytest.raises(ConfigError, match="exactly one of 'path'"):
         DataConfig(sources=[dict(name="x", path="p", hf_dataset="json")], seq_len=8, global_batch_size=1)
 
@@ -156,7 +159,7 @@ def test_streaming_through_the_torch_bridge_resumes_exactly(tmp_path, jsonl):
     rest = [b["inputs"].numpy().copy() for b in second]
     assert len(head) + len(rest) == len(full)
     assert all(np.array_equal(a, b) for a, b in zip(head + rest, full))
-    with pytest.raises(StateError, match="num_workers 0 or 1"):
+    with pytest.raises(StateError, match="canonical_workers=1: the worker count must divide it"):
         list(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path), batch_size=None,
                         num_workers=2))
 
@@ -164,9 +167,9 @@ def test_streaming_through_the_torch_bridge_resumes_exactly(tmp_path, jsonl):
 def test_streaming_rows_are_a_checkpointable_grain_iter_dataset(tmp_path, jsonl):
     import grain
 
-    from forge_grain.hf import StreamingRows
+    from forge_grain.streaming import StreamingRows
 
-    rows = StreamingRows(StreamingSource(source(jsonl, hf_streaming=True, window=40), 48, 0, 0, 1, tmp_path))
+    rows = StreamingRows(StreamingSource(source(jsonl, hf_streaming=True, window=40), 48, 0, tmp_path))
     grain.experimental.assert_equal_output_after_checkpoint(grain.experimental.LimitIterDataset(rows, count=60))
 
 
@@ -190,7 +193,7 @@ def test_single_host_streaming_state_through_orbax(tmp_path, jsonl):
 
 
 def test_streaming_states_of_several_hosts_go_through_the_same_orbax_handler(tmp_path, jsonl):
-    """Each host writes its own shard's stream file beside the global state; each restores its own."""
+    """Each host writes its own shard's stream file beside the global state; a restore joins them."""
     from forge_grain import checkpoint
 
     cfg = hf_config(jsonl, "concat", batch=4)
@@ -208,5 +211,11 @@ def test_streaming_states_of_several_hosts_go_through_the_same_orbax_handler(tmp
         again = iter(Pipeline(cfg, k, 2, cache_dir=tmp_path))
         handler.restore(item, args=checkpoint.Restore(again))
         assert all(np.array_equal(next(again)["inputs"], e) for e in want)
-    with pytest.raises(StateError, match="saved by 2 shards"):
+    with pytest.raises(StateError, match=r"canonical_streams, canonical_workers\] = \[2, 1\]"):
         handler.restore(item, args=checkpoint.Restore(iter(Pipeline(cfg, 0, 1, cache_dir=tmp_path))))
+    # one host of a cluster of one reads both hosts' files: it continues with the whole global batch
+    state = handler.restore(item)
+    one = iter(Pipeline(cfg, 0, 1, cache_dir=tmp_path, resume_from=state))
+    handler.restore(item, args=checkpoint.Restore(one))
+    for k in range(4):
+        assert np.array_equal(next(one)["inputs"], np.concatenate([expected[0][k], expected[1][k]]))

@@ -1,0 +1,362 @@
+"""Streaming sources: documents tokenized as they are read, packed a window at a time,
+dealt to canonical streams so that batches and states do not depend on the cluster.
+
+Canonical streams. Row r of the underlying stream (a `datasets` streaming dataset, or
+JSON Lines/Parquet files at URLs: `forge_grain.text_streams`) belongs to canonical stream
+r mod C, C = G·P (`canonical_streams` G, `canonical_workers` P in the config). A
+canonical stream reads its own rows in order, tokenizes them on a thread pool (results in
+order: `forge_grain.tokenize_pool`) and packs them `window` at a time with the planners of
+stored sources; a window's rows are shuffled by a seed of (seed, stream, epoch, window).
+
+Global batch s takes its streaming rows from the G streams of class s mod P: position j of
+its B rows from stream (s mod P)·G + j·G/B, each stream yielding its rows in order. Shard k
+of N holds positions [k·B/N, (k+1)·B/N), so it reads streams of groups [k·G/N, (k+1)·G/N)
+only, for any N dividing G: the global batch does not depend on N. Likewise a DataLoader
+worker w of W makes steps w, w+W, ..., of classes w mod W, so it reads only those classes'
+streams, for any W dividing P. With G = N and P = 1 (the defaults) this is the dealing of
+rows to shards of earlier versions, and gives the same batches.
+
+State. A canonical stream's state is its position at the start of its current window (the
+reader's marker and the row index there) and the rows already emitted from the window:
+restoring re-reads and re-plans that one window. A pipeline state holds its shard's
+streams; `pipeline.merge_states` joins all shards' states into one that restores on any
+shard count dividing G. Each stream reads the whole underlying stream, parsing only its own
+rows where the format allows: reading is cheap next to tokenizing, and it keeps every
+stream's position independent of which streams a process owns.
+
+Exact step count: a counting pass tokenizes the stream once (on the same pool) keeping only
+document lengths (cached on disk, never tokens), then plans every canonical stream's
+windows from lengths alone. Row counts do not depend on the window shuffle (every planner's
+row count is a function of the multiset of lengths), so one pass serves every epoch,
+canonical layout and packing setting.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+
+import grain
+import numpy as np
+
+from . import kernels
+from .config import SourceConfig
+from .errors import StateError
+from .hf import _digest, cache_root, path_name
+from .locks import file_lock
+from .manifest import save_npy_atomic, token_dtype, write_json_atomic
+from .packed import empty_rows
+from .packing import ROW_KEYS, PackingError, plan_offsets, stream_key
+from .text_streams import texts_reader
+from .texts import document_text
+from .tokenize_pool import TokenizePool
+from .tokenizer import load_tokenizer
+
+COUNT_BATCH = 256  # texts per counting-pass task
+AHEAD = 2  # windows a canonical stream reads and tokenizes ahead of the one it emits
+START = {"epoch": 0, "window": 0, "stream": "null", "row_index": 0, "emitted": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLayout:
+    """Which canonical stream each row of the global batch sequence comes from."""
+
+    groups: int  # G: position groups of a batch (shard counts dividing it resume exactly)
+    classes: int  # P: sets of streams steps take turns over (DataLoader worker counts dividing it)
+    batch: int  # B: the global batch size
+
+    @property
+    def count(self) -> int:
+        return self.groups * self.classes
+
+    def stream_of(self, rows: np.ndarray) -> np.ndarray:
+        """The canonical stream of global rows (step s = row // B, position j = row % B)."""
+        rows = np.asarray(rows, np.int64)
+        return (rows // self.batch % self.classes) * self.groups + rows % self.batch // (self.batch // self.groups)
+
+    def owned(self, shard: int, shards: int, worker: int = 0, workers: int = 1) -> list[int]:
+        """The streams shard `shard` of `shards` reads; of those, worker `worker` of `workers`'s."""
+        per = self.groups // shards
+        return [p * self.groups + g for p in range(self.classes) if p % workers == worker
+                for g in range(shard * per, (shard + 1) * per)]
+
+
+class StreamingSource:
+    """A streaming source's documents, tokenizer and packing, shared by its canonical streams."""
+
+    def __init__(self, src: SourceConfig, seq_len: int, seed: int, cache_dir: str | Path | None = None,
+                 max_segments: int | None = None, tokenize_threads: int | None = None):
+        self.src, self.seq_len, self.seed, self.max_segments = src, seq_len, seed, max_segments
+        self.cache_dir = cache_dir
+        self.tok = load_tokenizer(src.tokenizer)
+        self.bos = [self.tok.bos_id] if src.add_bos and self.tok.bos_id is not None else []
+        self.eos = [self.tok.eos_id] if src.add_eos and self.tok.eos_id is not None else []
+        self.vocab_size, self.bos_id, self.eos_id = self.tok.vocab_size, self.tok.bos_id, self.tok.eos_id
+        self.tokenizer = self.tok.identity
+        self.dtype = token_dtype(self.vocab_size)
+        self.reader = texts_reader(src)  # checks it can be read: a clear error now, not at the first batch
+        self.path = self.reader.name
+        self.key = _digest([*self.reader.identity, self.tok.sha256, src.add_bos, src.add_eos, "special-tokens-as-text"])
+        self.tokenize_threads = tokenize_threads
+
+    @functools.cached_property
+    def pool(self) -> TokenizePool:
+        return TokenizePool(self.tokenize, self.tokenize_threads)
+
+    def tokenize(self, texts: list) -> list[np.ndarray]:
+        """Token arrays of texts (empty texts give empty arrays), BOS/EOS as configured."""
+        texts = [document_text(t, lambda: f"{self.path}: a row's field {self.src.text_field!r}") for t in texts]
+        keep = [t for t in texts if t]
+        ids = iter(self.tok.encode_batch(keep)) if keep else iter(())
+        return [np.asarray(self.bos + next(ids) + self.eos, np.int64) if t else np.zeros(0, np.int64) for t in texts]
+
+    def window_seed(self, epoch: int, window: int, stream: int) -> int:
+        return int(_digest([self.seed, stream, epoch, window]), 16) & 0x7FFFFFFF
+
+    def plan_window(self, lengths: np.ndarray, epoch: int, window: int, stream: int):
+        """The packing plan of one window of documents (None when it makes no row)."""
+        lengths = lengths[lengths > 0]
+        if len(lengths) == 0:
+            return None
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        try:
+            return plan_offsets(offsets, self.seq_len, self.src.strategy, seed=self.window_seed(epoch, window, stream),
+                                stride=self.src.stride, name=self.path, max_segments=self.max_segments)
+        except PackingError:
+            return None  # too few tokens in this window for a row: the window's tail loss
+
+    # -- the counting pass ------------------------------------------------------------------
+
+    def _lengths_files(self) -> tuple[Path, Path, Path]:
+        root = cache_root(self.cache_dir)
+        stem = f"{path_name(self.src.name)}-{self.key}"
+        return root / f"{stem}.lengths.npy", root / f"{stem}.lengths.json", root / f".{stem}.lengths.lock"
+
+    def lengths(self, progress: bool = True) -> np.ndarray:
+        """Token length of every row of the stream (0 for empty texts): cached, never tokens."""
+        path, meta, lock = self._lengths_files()
+        with file_lock(lock):
+            if not meta.exists():
+                from tqdm.auto import tqdm
+
+                t0 = time.perf_counter()
+                lengths = []
+                with tqdm(desc=f"count {self.src.name}", unit="doc", disable=not progress) as bar:
+                    for docs in self.pool.map(self._batches(COUNT_BATCH)):
+                        lengths += [len(d) for d in docs]
+                        bar.update(len(docs))
+                save_npy_atomic(path, np.asarray(lengths, np.int64))
+                write_json_atomic(meta, {"documents": len(lengths), "seconds": time.perf_counter() - t0})
+        return np.load(path)
+
+    def _batches(self, n: int):
+        it, batch = self.reader.open(), []
+        while True:
+            try:
+                batch.append(it.next())
+            except StopIteration:
+                break
+            if len(batch) == n:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def counting_seconds(self) -> float:
+        return json.loads(self._lengths_files()[1].read_text())["seconds"]
+
+    def rows_per_stream(self, count: int, progress: bool = True) -> list[int]:
+        """Rows each of `count` canonical streams yields in one epoch, planned from the cached lengths."""
+        lengths = self.lengths(progress)
+        rows = []
+        for c in range(count):
+            own = lengths[c::count]
+            n = 0
+            for w in range(0, len(own), self.src.window):
+                p = self.plan_window(own[w : w + self.src.window], 0, w // self.src.window, c)
+                n += p.num_rows if p is not None else 0
+            rows.append(n)
+        return rows
+
+
+class StreamCursor:
+    """Canonical stream `index` of `count`: its packed rows in order, with an exact state."""
+
+    def __init__(self, source: StreamingSource, index: int, count: int, state: dict | None = None):
+        self.source, self.index, self.count = source, index, count
+        self.seq_len = source.seq_len
+        self.pad_id = source.eos_id if source.eos_id is not None else 0
+        self.set_state(state or START)
+
+    def state(self) -> dict:
+        # the reader's marker as JSON text: its structure changes as it runs, a string's does not
+        return {"epoch": self.epoch, "window": self.window, "stream": json.dumps(self._marker),
+                "row_index": self._row_index, "emitted": self.emitted}
+
+    def set_state(self, state: dict) -> None:
+        """Position at `state`; the windows are read and tokenized ahead, in the background."""
+        self.epoch, self.window, self.emitted = state["epoch"], state["window"], state["emitted"]
+        marker = json.loads(state["stream"]) if isinstance(state["stream"], str) else state["stream"]
+        self._marker, self._row_index = marker, state["row_index"]
+        self._windows = self._read_windows(self.epoch, self.window, marker, self._row_index)
+        self._pending: collections.deque = collections.deque()
+        self._plan = None
+        self._fill()
+
+    def _read_windows(self, epoch: int, window: int, marker, row_index: int):
+        """(epoch, window, marker, row index, texts) of each of this stream's windows from the
+        given one on; past the end of the stream, the next epoch's from its start."""
+        n, k, count = self.source.src.window, self.index, self.count
+        while True:
+            it = self.source.reader.open(marker)
+            ended = False
+            while not ended:
+                start, start_row, texts = it.marker(), row_index, []
+                while len(texts) < n:
+                    try:
+                        text = it.next(row_index % count == k)
+                    except StopIteration:
+                        ended = True
+                        break
+                    if row_index % count == k:
+                        texts.append(text)
+                    row_index += 1
+                yield epoch, window, start, start_row, texts
+                window += 1
+            epoch, window, marker, row_index = epoch + 1, 0, None, 0
+
+    def _fill(self) -> None:
+        while len(self._pending) < AHEAD:
+            epoch, window, marker, row, texts = next(self._windows)
+            self._pending.append((epoch, window, marker, row, self.source.pool.submit(texts)))
+
+    def _load_window(self) -> None:
+        """Make the next window with rows current (the restored one first)."""
+        epochs = set()
+        while True:
+            epoch, window, marker, row, encoded = self._pending.popleft()
+            self._fill()  # keep the pool busy while this window is planned
+            epochs.add(epoch)
+            if len(epochs) > 2:
+                raise PackingError(f"{self.source.path}: canonical stream {self.index} of {self.count} yields no row of "
+                                   f"{self.seq_len} tokens in a whole epoch")
+            docs = encoded.result()
+            self.epoch, self.window, self._marker, self._row_index = epoch, window, marker, row
+            plan = self.source.plan_window(np.array([len(d) for d in docs], np.int64), epoch, window, self.index)
+            if plan is not None and self.emitted < plan.num_rows:
+                self._plan = plan
+                self._pieces = kernels.one_piece(np.concatenate([d for d in docs if len(d)]).astype(self.source.dtype))
+                key = stream_key("window-rows", self.source.window_seed(epoch, window, self.index))
+                self._order = kernels.permutation(plan.num_rows, key)
+                return
+            self.emitted = 0
+
+    def emit(self, out: dict, dest: int) -> None:
+        """Write this stream's next row into row `dest` of `out`."""
+        if self._plan is None:
+            self._load_window()
+        p = self._plan
+        kernels.fill_rows(self._order[self.emitted : self.emitted + 1], np.array([dest], np.int64), p.row_ptr,
+                          p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, *self._pieces, self.seq_len, self.pad_id,
+                          *(out[k] for k in ROW_KEYS))
+        self.emitted += 1
+        if self.emitted == p.num_rows:
+            self.emitted, self._plan = 0, None
+            self._load_window()
+
+
+class StreamRows:
+    """A streaming source's rows as the mixture draws them: global row h comes from canonical
+    stream `layout.stream_of(h)` (the mixture passes each row's global index: `sequential`).
+    Only the streams this process owns are read; a cursor opens when first needed."""
+
+    sequential = True
+
+    def __init__(self, source: StreamingSource, layout: StreamLayout, rows_per_epoch: int, owned: list[int]):
+        self.source, self.layout = source, layout
+        self.seq_len, self.num_rows = source.seq_len, rows_per_epoch  # rows the mixture may count on per epoch
+        self.plan_key = f"stream-{source.key}"
+        self.pad_id = source.eos_id if source.eos_id is not None else 0
+        self.own(owned)
+
+    def own(self, owned: list[int]) -> None:
+        """Read only streams `owned`, each from its start."""
+        self.owned = list(owned)
+        self._states = {c: dict(START) for c in self.owned}
+        self._cursors: dict[int, StreamCursor] = {}
+
+    def states(self) -> dict[str, dict]:
+        """Each owned stream's state, by stream index (as text: JSON object keys)."""
+        return {str(c): self._cursors[c].state() if c in self._cursors else self._states[c] for c in self.owned}
+
+    def set_states(self, states: dict) -> None:
+        missing = [c for c in self.owned if str(c) not in states]
+        if missing:
+            raise StateError(
+                f"{self.source.path}: the state has no position for canonical stream(s) {missing} of "
+                f"{self.layout.count}, which this process reads; it holds {sorted(map(int, states))}. A state "
+                "saved by one shard holds that shard's streams: join every shard's state with "
+                "forge_grain.merge_states (the Orbax handler does) to resume on another shard count"
+            )
+        self._states = {c: dict(states[str(c)]) for c in self.owned}
+        self._cursors = {}
+
+    def _cursor(self, c: int) -> StreamCursor:
+        if c not in self._cursors:
+            if c not in self._states:
+                raise StateError(f"{self.source.path}: canonical stream {c} is not read by this process "
+                                       f"(it reads {self.owned})")
+            self._cursors[c] = StreamCursor(self.source, c, self.layout.count, self._states[c])
+        return self._cursors[c]
+
+    def get_batch(self, ranks, out: dict, dest, id_dtype=np.int32, rows=None) -> dict:
+        """Write the next rows of the streams of global rows `rows` into rows `dest` of `out`."""
+        streams = self.layout.stream_of(rows)
+        for c in np.unique(streams):  # open them all first: their windows tokenize in parallel
+            self._cursor(int(c))
+        for c, d in zip(streams.tolist(), np.asarray(dest).tolist()):
+            self._cursors[c].emit(out, d)
+        return out
+
+
+def rows_per_epoch(source: StreamingSource, layout: StreamLayout) -> int:
+    """Rows of one epoch the mixture may count on: B times the steps made before any stream
+    would start its second epoch (a stream of class p gives B/G rows to each step s = p mod
+    P). With one source, `num_epochs=1` is exactly those steps."""
+    share = layout.batch // layout.groups
+    rows = np.array(source.rows_per_stream(layout.count)).reshape(layout.classes, layout.groups)
+    steps = min(layout.classes * int(rows[p].min() // share) + p for p in range(layout.classes))
+    return steps * layout.batch
+
+
+class StreamingRows(grain.IterDataset):
+    """One canonical stream's packed rows (default: all of the source's, as one stream), one
+    row per element, as a Grain `IterDataset` whose iterator state is the stream's."""
+
+    def __init__(self, source: StreamingSource, index: int = 0, count: int = 1):
+        super().__init__()
+        self.source, self.index, self.count = source, index, count
+
+    def __iter__(self) -> "StreamingRowsIterator":
+        return StreamingRowsIterator(StreamCursor(self.source, self.index, self.count))
+
+
+class StreamingRowsIterator(grain.DatasetIterator):
+    def __init__(self, cursor: StreamCursor):
+        super().__init__()
+        self.cursor = cursor
+
+    def __next__(self) -> dict:
+        out = empty_rows(1, self.cursor.seq_len)
+        self.cursor.emit(out, 0)
+        return {k: v[0] for k, v in out.items()}
+
+    def get_state(self) -> dict:
+        return self.cursor.state()
+
+    def set_state(self, state: dict) -> None:
+        self.cursor.set_state(state)

@@ -1,0 +1,263 @@
+"""Streaming at scale: a parallel tokenizer that keeps the stream exact, canonical streams
+that make batches and states independent of the shard and worker counts, streaming files
+from object storage, and DataLoader workers over a streaming pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import make_texts, write_jsonl
+
+from forge_grain import ConfigError, DataConfig, Pipeline, PrepareError, StateError, merge_states
+
+KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "source_id")
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """Two JSON Lines files of 1,500 documents (some empty), and the same rows as Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path_factory.mktemp("streaming")
+    texts = make_texts(1500, seed=7, empty_every=41)
+    jsonl = [write_jsonl(d / "part-0.jsonl", texts[:800]), write_jsonl(d / "part-1.jsonl", texts[800:])]
+    parquet = []
+    for k, chunk in enumerate((texts[:800], texts[800:])):
+        parquet.append(d / f"part-{k}.parquet")
+        pq.write_table(pa.table({"text": chunk, "n": list(range(len(chunk)))}), parquet[-1], row_group_size=300)
+    return {"json": [str(p) for p in jsonl], "parquet": [str(p) for p in parquet]}
+
+
+def config(files, kind="json", canonical=4, workers=1, batch=8, strategy="bestfit", num_epochs=1, **kw) -> DataConfig:
+    src = dict(name="web", hf_dataset=kind, hf_data_files=files, hf_streaming=True, window=60, strategy=strategy, **kw)
+    return DataConfig(sources=[src], seq_len=48, global_batch_size=batch, seed=5, num_epochs=num_epochs,
+                      canonical_streams=canonical, canonical_workers=workers)
+
+
+def run(pipeline, steps=None, state=None) -> list[dict]:
+    it = pipeline.iterator(state)
+    out = []
+    for b in it:
+        out.append(copy(b))
+        if steps is not None and len(out) == steps:
+            break
+    return out
+
+
+def copy(batch: dict) -> dict:
+    return {k: batch[k].copy() for k in KEYS}
+
+
+def joined(per_shard: list[list[dict]]) -> list[dict]:
+    """Global batches from the shards' parts."""
+    return [{k: np.concatenate([p[s][k] for p in per_shard]) for k in KEYS} for s in range(len(per_shard[0]))]
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in KEYS)
+
+
+def test_batches_do_not_depend_on_the_tokenizer_pool_size(tmp_path, parts):
+    runs = {n: run(Pipeline(config(parts["json"]), 0, 1, cache_dir=tmp_path / f"c{n}", tokenize_threads=n))
+            for n in (0, 1, 2, 4)}
+    assert len(runs[1]) > 20
+    assert all(same(runs[n], runs[0]) for n in (1, 2, 4))
+
+
+def test_global_batches_do_not_depend_on_the_shard_count(tmp_path, parts):
+    cfg = config(parts["json"], canonical=4)
+    one = run(Pipeline(cfg, 0, 1, cache_dir=tmp_path))
+    for n in (2, 4):
+        shards = [Pipeline(cfg, k, n, cache_dir=tmp_path) for k in range(n)]
+        assert {p.num_steps for p in shards} == {len(one)}
+        assert same(joined([run(p) for p in shards]), one)
+
+
+@pytest.mark.parametrize("strategy", ["bestfit", "bos_bestfit", "concat"])
+def test_a_state_saved_on_two_shards_resumes_on_one_and_on_four(tmp_path, parts, strategy):
+    cfg = config(parts["json"], canonical=4, strategy=strategy)
+    whole = run(Pipeline(cfg, 0, 1, cache_dir=tmp_path))
+    two = [Pipeline(cfg, k, 2, cache_dir=tmp_path) for k in range(2)]
+    iters = [p.iterator() for p in two]
+    head = [[copy(next(it)) for _ in range(11)] for it in iters]  # crosses windows
+    state = merge_states([it.get_state() for it in iters])
+    assert same(joined(head), whole[:11])
+    for n in (1, 4):
+        rest = joined([run(Pipeline(cfg, k, n, cache_dir=tmp_path), state=state) for k in range(n)])
+        assert same(rest, whole[11:])
+    # a shard's own state holds only its streams: alone it cannot resume another layout of shards
+    with pytest.raises(StateError, match=r"no position for canonical stream\(s\) \[2, 3\]"):
+        Pipeline(cfg, 0, 1, cache_dir=tmp_path).iterator(iters[0].get_state())
+    # but it does resume its own shard
+    own = iters[1].get_state()
+    assert same(run(Pipeline(cfg, 1, 2, cache_dir=tmp_path), state=own), [copy(b) for b in iters[1]])
+
+
+def test_shard_counts_that_do_not_divide_the_canonical_streams_are_refused(tmp_path, parts):
+    with pytest.raises(ConfigError, match=r"canonical_streams 4: .*shard count \(3\) to divide it"):
+        Pipeline(config(parts["json"], canonical=4, batch=24), 0, 3, cache_dir=tmp_path)
+    cfg = config(parts["json"], canonical=4)
+    it = Pipeline(cfg, 0, 2, cache_dir=tmp_path).iterator()
+    next(it)
+    with pytest.raises(StateError, match=r"\[canonical_streams, canonical_workers\] = \[4, 1\]"):
+        Pipeline(config(parts["json"], canonical=2), 0, 2, cache_dir=tmp_path).iterator(it.get_state())
+    # by default the first run's shard count is the canonical count, and a resumed run adopts the saved one
+    first = Pipeline(config(parts["json"], canonical=None), 0, 2, cache_dir=tmp_path)
+    assert first.layout.groups == 2
+    state = merge_states([Pipeline(config(parts["json"], canonical=None), k, 2, cache_dir=tmp_path).state_at(0)
+                          for k in range(2)])
+    assert Pipeline(config(parts["json"], canonical=None), 0, 1, cache_dir=tmp_path, resume_from=state).layout.groups == 2
+
+
+@pytest.mark.parametrize("canonical,workers,shards", [(4, 1, 2), (2, 2, 1), (2, 2, 2)])
+def test_counted_steps_are_every_step_before_a_stream_wraps(tmp_path, parts, canonical, workers, shards):
+    cfg = config(parts["json"], canonical=canonical, workers=workers)
+    for k in range(shards):
+        p = Pipeline(cfg, k, shards, cache_dir=tmp_path, num_threads=0)
+        produced = sum(1 for _ in p.iterator())
+        assert produced == p.num_steps > 0
+        for rows in p.streams:  # no stream has emitted a row of its second epoch
+            assert all(s["epoch"] == 0 or (s["window"], s["emitted"]) == (0, 0) for s in rows.states().values())
+    # the count is tight: with unlimited epochs, the next step reads some stream's next epoch
+    more = Pipeline(config(parts["json"], canonical=canonical, workers=workers, num_epochs=None), 0, 1,
+                    cache_dir=tmp_path, num_threads=0)
+    it = more.iterator()
+    for _ in range(p.num_steps + 1):
+        next(it)
+    assert any(s["epoch"] == 1 and (s["window"], s["emitted"]) != (0, 0) for s in more.streams[0].states().values())
+
+
+def test_parquet_streams_as_its_json_lines_twin(tmp_path, parts):
+    assert same(run(Pipeline(config(parts["parquet"], "parquet"), 0, 1, cache_dir=tmp_path)),
+                run(Pipeline(config(parts["json"]), 0, 1, cache_dir=tmp_path)))
+
+
+# -- object storage ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3(parts):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from s3server import S3Server
+
+    server = S3Server()
+    fs = server.fs()
+    fs.mkdir("texts")  # its own bucket: moto keeps one state per process
+    for kind, files in parts.items():
+        for f in files:
+            fs.put(f, f"texts/{kind}/{f.rsplit('/', 1)[1]}")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("kind", ["json", "parquet"])
+def test_streaming_from_object_storage_equals_streaming_local_files(tmp_path, parts, s3, kind):
+    suffix = "jsonl" if kind == "json" else "parquet"
+    remote = config([f"s3://texts/{kind}/*.{suffix}"], kind, storage_options=s3.options())
+    local = run(Pipeline(config(parts[kind], kind), 0, 1, cache_dir=tmp_path / "local"))
+    p = Pipeline(remote, 0, 1, cache_dir=tmp_path / "remote")
+    assert p.stores[0].path == f"s3://texts/{kind}/*.{suffix} (2 files)"
+    assert same(run(p), local)
+    # and resumes mid-file: the state holds a file, a row and a byte offset
+    it = Pipeline(remote, 0, 1, cache_dir=tmp_path / "remote").iterator()
+    for _ in range(9):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert same(run(Pipeline(remote, 0, 1, cache_dir=tmp_path / "remote"), state=state), local[9:])
+
+
+def test_streaming_from_object_storage_survives_faults(tmp_path, parts, s3):
+    local = run(Pipeline(config(parts["json"]), 0, 1, cache_dir=tmp_path / "local"))
+    remote = config(["s3://texts/json/*.jsonl"], storage_options=s3.options(via_proxy=True))
+    s3.proxy.clear()
+    for kind in ("drop", "500", "truncate"):
+        s3.proxy.fail("json/part-1.jsonl", kind, times=2)
+    assert same(run(Pipeline(remote, 0, 1, cache_dir=tmp_path / "remote")), local)
+    assert all(f[2] == 0 for f in s3.proxy.faults)  # the faults happened
+    s3.proxy.clear()
+
+
+def test_bad_files_in_object_storage_are_named(tmp_path, s3):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs = s3.fs()
+    good = b"".join(json.dumps({"text": f"document {i}"}).encode() + b"\n" for i in range(50))
+    fs.pipe({"texts/bad/not-utf8.jsonl": good + b'{"text": "caf\xe9"}\n',
+             "texts/bad/truncated.jsonl": good + b'{"text": "cut he',
+             "texts/bad/number.jsonl": good + b'{"text": 17}\n',
+             "texts/bad/no-field.jsonl": good + b'{"body": "x"}\n',
+             "texts/bad/notes.txt": b"plain text\n",
+             "texts/bad/truncated.parquet": b"PAR1" + b"\0" * 100})
+    ids = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"text": [[1, 2, 3]] * 10}), ids)
+    fs.put(str(ids), "texts/bad/ids.parquet")
+    cases = {"not-utf8.jsonl": "row 50: bytes that are not UTF-8", "truncated.jsonl": "row 50: not JSON",
+             "number.jsonl": "row|int", "no-field.jsonl": "row 50: no text field 'text'",
+             "notes.txt": "not a JSON Lines", "truncated.parquet": "not a readable Parquet file",
+             "ids.parquet": "column 'text' holds list<element: int64>, not text"}
+    for name, message in cases.items():
+        kind = "parquet" if name.endswith(".parquet") else "json"
+        with pytest.raises(PrepareError, match=message) as e:
+            Pipeline(config([f"s3://texts/bad/{name}"], kind, storage_options=s3.options()), 0, 1,
+                     cache_dir=tmp_path)
+        assert f"texts/bad/{name}" in str(e.value)
+    with pytest.raises(PrepareError, match="no file matches"):
+        Pipeline(config(["s3://texts/bad/*.missing"], storage_options=s3.options()), 0, 1, cache_dir=tmp_path)
+
+
+# -- DataLoader workers ------------------------------------------------------------------------
+
+
+def torch_batches(loader, n=None) -> list[dict]:
+    out = []
+    for b in loader:
+        out.append({k: b[k].numpy().copy() for k in ("inputs", "targets", "segment_ids", "loss_mask")})
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def same_torch(a, b) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def test_dataloader_workers_over_a_streaming_pipeline_equal_no_workers(tmp_path, parts):
+    from torch.utils.data import DataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from bridges.torch import GrainIterableDataset
+
+    cfg = config(parts["json"], canonical=2, workers=2)
+
+    def dataset():
+        return GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path)
+
+    alone = torch_batches(DataLoader(dataset(), batch_size=None, num_workers=0))
+    assert len(alone) > 20
+    assert same_torch(torch_batches(DataLoader(dataset(), batch_size=None, num_workers=2)), alone)
+
+    # the tracker's state, taken under 2 workers, resumes under 0 and under 1
+    ds = dataset()
+    tracker = ds.tracker()
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    for b in loader:
+        tracker.update(b)
+        if int(b["step"]) == 12:
+            break
+    state = json.loads(json.dumps(tracker.state_dict()))
+    for workers in (0, 1):
+        again = dataset()
+        again.tracker().load_state_dict(state)
+        assert same_torch(torch_batches(DataLoader(again, batch_size=None, num_workers=workers)), alone[13:])
+
+    # the per-worker state of StatefulDataLoader resumes the same worker count
+    first = StatefulDataLoader(dataset(), batch_size=None, num_workers=2)
+    head = torch_batches(first, 7)
+    second = StatefulDataLoader(dataset(), batch_size=None, num_workers=2)
+    second.load_state_dict(first.state_dict())
+    assert same_torch(head + torch_batches(second), alone)
