@@ -1,30 +1,76 @@
-"""Hugging Face sources: streaming against eager on the same corpus, and the counting pass.
+"""Hugging Face sources: streaming (one thread, tokenizer pools of 1 and 2) against eager,
+the tokenizer's own one-thread rate, threads against processes, and the counting pass.
 
-    python benchmarks/bench_hf.py [--max-files 800] [--seq-len 1024] [--batch 16]
+    python benchmarks/bench_hf.py [--max-files 800] [--seq-len 1024] [--batch 16] [--pools 1 2]
 
-Corpus: the demo corpus (this Python's standard library source) as JSONL, read through
-`datasets.load_dataset("json", ...)`. Measured in one run, each with a fresh cache:
+Corpus: the demo corpus (this Python's standard library source) as JSON Lines, read through
+`datasets.load_dataset("json", ..., streaming=True)`. Measured in one run:
+  - the tokenizer alone on one thread (the unit of the target: streaming at >= 0.8 x cores x it);
+  - the tokenizer alone on a pool of threads and on a pool of processes (why threads);
   - eager: tokenize once into a token store (first use), then one epoch of the pipeline;
-  - streaming: one epoch of the pipeline tokenizing and packing on the fly;
-  - the counting pass (document lengths only) as a fraction of one streaming epoch.
+  - streaming: one epoch tokenizing and packing on the fly, tokenizing in the consumer's
+    thread ("one thread") and on pools of 1 and 2 threads; the batches of all are compared;
+  - the counting pass (document lengths only) on one thread and on the pool, as a fraction
+    of one streaming epoch.
+The tokenizer's internal parallelism is off throughout (TOKENIZERS_PARALLELISM=false), so
+"one thread" is one thread.
 """
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-import time
-from pathlib import Path
+import os
 
-from forge_grain import DataConfig, Pipeline
-from forge_grain.demo import write_demo_corpus
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from report import publish  # noqa: E402
+
+from forge_grain import DataConfig, Pipeline  # noqa: E402
+from forge_grain.demo import write_demo_corpus  # noqa: E402
+from forge_grain.tokenize_pool import BATCH, default_size  # noqa: E402
+from forge_grain.tokenizer import load_tokenizer  # noqa: E402
+
+_TOK = None
 
 
-def epoch(cfg, cache):
-    p = Pipeline(cfg, 0, 1, cache_dir=cache)
+def _encode_lengths(texts: list[str]) -> int:
+    global _TOK
+    if _TOK is None:  # once per process
+        _TOK = load_tokenizer(None)
+    return sum(len(ids) for ids in _TOK.encode_batch(texts))
+
+
+def tokenizer_rate(texts: list[str], pool: str, size: int) -> float:
+    """Tokens/s of the tokenizer alone over `texts` in batches of the stream's pool."""
+    batches = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
+    _encode_lengths(batches[0])  # load it
     t0 = time.perf_counter()
-    n = sum(1 for _ in iter(p))
-    return n, time.perf_counter() - t0, p
+    if pool == "inline":
+        n = sum(_encode_lengths(b) for b in batches)
+    else:
+        kind = concurrent.futures.ThreadPoolExecutor if pool == "threads" else concurrent.futures.ProcessPoolExecutor
+        with kind(size) as ex:
+            if pool == "processes":
+                list(ex.map(_encode_lengths, batches[:size]))  # start the workers and load their tokenizers
+                t0 = time.perf_counter()
+            n = sum(ex.map(_encode_lengths, batches))
+    return n / (time.perf_counter() - t0)
+
+
+def epoch(cfg, cache, threads) -> tuple[float, float, list]:
+    """(seconds building the pipeline, seconds of one epoch, the epoch's inputs)."""
+    t0 = time.perf_counter()
+    p = Pipeline(cfg, 0, 1, cache_dir=cache, tokenize_threads=threads)
+    built = time.perf_counter()
+    inputs = [b["inputs"].copy() for b in p]
+    return built - t0, time.perf_counter() - built, inputs
 
 
 def main():
@@ -32,31 +78,56 @@ def main():
     ap.add_argument("--max-files", type=int, default=800)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--pools", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
+    cores = default_size()
     with tempfile.TemporaryDirectory() as tmp:
         corpus = write_demo_corpus(Path(tmp) / "corpus", args.max_files)["code"]
+        texts = [json.loads(line)["text"] for line in corpus.open()]
+        one = tokenizer_rate(texts, "inline", 1)
+        pools = {(kind, n): tokenizer_rate(texts, kind, n) for kind in ("threads", "processes") for n in (1, cores)}
         src = dict(name="code", hf_dataset="json", hf_data_files=str(corpus), strategy="bestfit")
-        rows = {}
-        for mode in ("eager", "streaming"):
-            cfg = DataConfig(sources=[{**src, "hf_streaming": mode == "streaming"}], seq_len=args.seq_len,
-                             global_batch_size=args.batch, seed=0)
-            cache = Path(tmp) / f"cache-{mode}"
-            t0 = time.perf_counter()
-            p = Pipeline(cfg, 0, 1, cache_dir=cache)  # eager: tokenizes; streaming: the counting pass
-            setup = time.perf_counter() - t0
-            steps, dt, p = epoch(cfg, cache)
-            rows[mode] = (setup, steps, dt, p)
-        print(f"\ncorpus: {corpus.stat().st_size / 1e6:.1f} MB of JSONL; seq_len {args.seq_len}, batch {args.batch}")
-        print(f"{'':<12}{'first use s':>13}{'epoch steps':>13}{'epoch s':>10}{'M tok/s (epoch)':>17}")
-        for mode, (setup, steps, dt, _) in rows.items():
-            label = "tokenize once" if mode == "eager" else "counting pass"
-            print(f"{mode:<12}{setup:>13.2f}{steps:>13}{dt:>10.2f}"
-                  f"{steps * args.batch * args.seq_len / dt / 1e6:>17.2f}   (first use: {label})")
-        stream_setup, _, stream_epoch, p = rows["streaming"]
-        counting = p.stores[0].counting_seconds()
-        print(f"streaming epoch / eager epoch: {stream_epoch / rows['eager'][2]:.1f}x the time; "
-              f"counting pass {counting:.2f} s = {counting / stream_epoch:.0%} of one streaming epoch "
-              f"(cached: later runs and epochs pay nothing)")
+
+        def config(streaming):
+            return DataConfig(sources=[{**src, "hf_streaming": streaming}], seq_len=args.seq_len,
+                              global_batch_size=args.batch, seed=0)
+
+        rows, batches = {}, {}
+        setup, dt, batches["eager"] = epoch(config(False), Path(tmp) / "cache-eager", None)
+        rows["eager"] = (setup, dt, "tokenize once")
+        for threads in [0, *args.pools]:
+            name = "one thread" if threads == 0 else f"pool of {threads}"
+            setup, dt, batches[name] = epoch(config(True), Path(tmp) / f"cache-{threads}", threads)
+            rows[name] = (setup, dt, "counting pass")
+        steps = len(batches["eager"])
+        tokens = steps * args.batch * args.seq_len
+        same = all(len(b) == steps and all(np.array_equal(x, y) for x, y in zip(b, batches["one thread"]))
+                   for name, b in batches.items() if name != "eager")
+
+    lines = [f"corpus: {corpus.stat().st_size / 1e6:.1f} MB of JSON Lines, {len(texts)} documents; seq_len "
+             f"{args.seq_len}, batch {args.batch}; {cores} cores; TOKENIZERS_PARALLELISM=false",
+             "",
+             "the tokenizer alone (M tokens/s):",
+             f"  one thread            {one / 1e6:6.2f}   (the unit: target streaming >= 0.8 x {cores} cores x this "
+             f"= {0.8 * cores * one / 1e6:.2f})"]
+    for (kind, n), rate in pools.items():
+        lines.append(f"  {n} {kind:<19}{rate / 1e6:6.2f}   ({rate / one:.2f}x one thread)")
+    lines += ["", f"{'':<14}{'first use s':>12}{'epoch s':>9}{'M tok/s':>9}{'per core':>10}{'vs one thread':>15}"
+              f"{'vs eager':>10}   first use"]
+    base, eager = rows["one thread"][1], rows["eager"][1]
+    for name, (setup, dt, label) in rows.items():
+        lines.append(f"{name:<14}{setup:>12.2f}{dt:>9.2f}{tokens / dt / 1e6:>9.2f}{tokens / dt / 1e6 / cores:>10.2f}"
+                     f"{base / dt:>14.2f}x{eager / dt:>9.3f}x   {label}")
+    best = min(args.pools, key=lambda n: rows[f"pool of {n}"][1])
+    rate = tokens / rows[f"pool of {best}"][1]
+    lines += ["", f"streaming on a pool of {best}: {rate / 1e6:.2f} M tok/s = {rate / (cores * one):.2f} x ({cores} cores "
+              f"x the tokenizer's one-thread rate); target 0.80 ({'met' if rate >= 0.8 * cores * one else 'missed'})",
+              f"counting pass: {rows['one thread'][0]:.2f} s on one thread, "
+              + ", ".join(f"{rows[f'pool of {n}'][0]:.2f} s on a pool of {n}" for n in args.pools)
+              + f" (first use only; {rows[f'pool of {best}'][0] / rows[f'pool of {best}'][1]:.0%} of one streaming "
+              "epoch on the pool; cached: later runs and epochs pay nothing)",
+              f"batches identical across one thread and pools {args.pools}: {same}"]
+    publish("hf", lines)
 
 
 if __name__ == "__main__":

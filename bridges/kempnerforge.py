@@ -144,7 +144,7 @@ class StreamingHuggingFaceDataset(IterableDataset):
 
     def state_dict(self) -> dict:
         state = self.pipeline.state_at(self._step)
-        cursor = state["streams"][0]
+        (cursor,) = state["streams"][0].values()  # one canonical stream per rank (canonical_streams = world size)
         return {"epoch": cursor["epoch"], "rank_docs_consumed": cursor["row_index"] // self.world_size,
                 "forge_grain": state}
 

@@ -41,15 +41,23 @@ class TokenizePool:
         self.size = default_size() if size is None else size
         if self.size < 0:
             raise ValueError(f"tokenize pool size must be >= 0, got {self.size}")
-        self._executor = None
+        self._executor, self._pid = None, None
         if self.size:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        """This process's threads: a forked child (a DataLoader worker) inherits the parent's
+        executor without its threads, and work submitted there would wait forever."""
+        if self._pid != os.getpid():
             self._executor = concurrent.futures.ThreadPoolExecutor(self.size, thread_name_prefix="forge-grain-tok")
+            self._pid = os.getpid()
+        return self._executor
 
     def submit(self, texts: list) -> "Encoded":
-        if self._executor is None:
+        if not self.size:
             return Encoded([], lambda: self.encode(texts))
-        return Encoded([self._executor.submit(self.encode, texts[i : i + BATCH]) for i in range(0, len(texts), BATCH)])
+        pool = self._threads()
+        return Encoded([pool.submit(self.encode, texts[i : i + BATCH]) for i in range(0, len(texts), BATCH)])
 
     def map(self, batches, ahead: int = 4):
         """`encode` of each batch of an iterable, in order, up to `ahead` batches in flight."""
@@ -62,9 +70,9 @@ class TokenizePool:
             yield p.result()
 
     def close(self) -> None:
-        if self._executor is not None:
+        if self._executor is not None and self._pid == os.getpid():
             self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        self._executor, self._pid = None, None
 
     def __getstate__(self):  # a copy in another process makes its own threads
         return {"encode": self.encode, "size": self.size}

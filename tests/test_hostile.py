@@ -168,10 +168,11 @@ def streaming_pipeline(tmp_path):
 
 
 @pytest.mark.parametrize("tamper", [
-    lambda st: st["streams"][0].update(emitted=st["streams"][0]["emitted"] + 1),
-    lambda st: st["streams"][0].pop("window"),
+    lambda st: st["streams"][0]["0"].update(emitted=st["streams"][0]["0"]["emitted"] + 1),
+    lambda st: st["streams"][0]["0"].pop("window"),
     lambda st: st.update(streams=[]),
-    lambda st: st["streams"][0].update(row_index=-5),
+    lambda st: st["streams"][0]["0"].update(row_index=-5),
+    lambda st: st["streams"][0].update({"7": st["streams"][0]["0"]}),  # a stream the layout does not have
 ])
 def test_a_tampered_streaming_state_is_refused(streaming_pipeline, tamper):
     it = streaming_pipeline.iterator()

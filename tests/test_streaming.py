@@ -261,3 +261,50 @@ def test_dataloader_workers_over_a_streaming_pipeline_equal_no_workers(tmp_path,
     second = StatefulDataLoader(dataset(), batch_size=None, num_workers=2)
     second.load_state_dict(first.state_dict())
     assert same_torch(head + torch_batches(second), alone)
+
+
+def test_dataloader_workers_forked_after_the_counting_pass_still_tokenize(tmp_path, parts):
+    """The counting pass runs on this process's tokenizer threads; forked workers must make
+    their own (a fork has the executor but not its threads: they would wait forever)."""
+    from torch.utils.data import DataLoader
+
+    from bridges.torch import GrainIterableDataset
+
+    ds = GrainIterableDataset(config(parts["json"], canonical=2, workers=2), rank=0, world_size=1, cache_dir=tmp_path)
+    got = torch_batches(DataLoader(ds, batch_size=None, num_workers=2, timeout=120))
+    assert same_torch(got, torch_batches(DataLoader(ds, batch_size=None, num_workers=0)))
+
+
+def test_two_gloo_ranks_with_two_workers_each_save_one_state_that_resumes_on_one(tmp_path, parts):
+    """torchrun, 2 ranks x 2 DataLoader workers over 2 x 2 canonical streams: the ranks' parts
+    are the global batches, both ranks' tracker states are the same (gathered), and it
+    resumes on one process with no workers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader
+
+    from bridges.torch import GrainIterableDataset
+    from multiproc import free_port
+
+    cfg = config(parts["json"], canonical=2, workers=2)
+    cfg_path = tmp_path / "data.json"
+    cfg_path.write_text(json.dumps(cfg.to_dict()))
+    script = Path(__file__).parent / "scripts" / "torch_streaming.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(script), str(cfg_path), str(tmp_path / "cache"), "9",
+                        str(tmp_path / "rank")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    whole = [b["inputs"].numpy() for b in DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1,
+                                                                         cache_dir=tmp_path / "cache"),
+                                                     batch_size=None)]
+    parts_ = [np.load(tmp_path / f"rank{k}.npz") for k in range(2)]
+    for s in range(9):
+        assert np.array_equal(np.concatenate([p[f"arr_{s}"] for p in parts_]), whole[s])
+    states = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    assert states[0] == states[1] and sorted(states[0]["streams"][0]) == ["0", "1", "2", "3"]
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path / "cache")
+    ds.tracker().load_state_dict(states[0])
+    rest = [b["inputs"].numpy() for b in DataLoader(ds, batch_size=None)]
+    assert len(rest) == len(whole) - 9 and all(np.array_equal(a, b) for a, b in zip(rest, whole[9:]))
