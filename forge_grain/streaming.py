@@ -204,12 +204,13 @@ class StreamCursor:
         self._marker, self._row_index = marker, state["row_index"]
         self._windows = self._read_windows(self.epoch, self.window, marker, self._row_index)
         self._pending: collections.deque = collections.deque()
-        self._plan = None
+        self._plan, self._last = None, False
         self._fill()
 
     def _read_windows(self, epoch: int, window: int, marker, row_index: int):
-        """(epoch, window, marker, row index, texts) of each of this stream's windows from the
-        given one on; past the end of the stream, the next epoch's from its start."""
+        """(epoch, window, marker, row index, texts, last of its epoch) of each of this
+        stream's windows from the given one on; past the end of the stream, the next epoch's
+        from its start."""
         n, k, count = self.source.src.window, self.index, self.count
         while True:
             it = self.source.reader.open(marker)
@@ -225,20 +226,27 @@ class StreamCursor:
                     if row_index % count == k:
                         texts.append(text)
                     row_index += 1
-                yield epoch, window, start, start_row, texts
+                yield epoch, window, start, start_row, texts, ended
                 window += 1
             epoch, window, marker, row_index = epoch + 1, 0, None, 0
 
-    def _fill(self) -> None:
+    def _fill(self, cross: bool = False) -> None:
+        """Read and submit windows up to `AHEAD` ahead, but not into the next epoch unless
+        `cross`: a run that ends with the epoch would tokenize them for nothing."""
         while len(self._pending) < AHEAD:
-            epoch, window, marker, row, texts = next(self._windows)
-            self._pending.append((epoch, window, marker, row, self.source.pool.submit(texts)))
+            last = self._pending[-1][5] if self._pending else self._last
+            if last and not cross:
+                return
+            cross = False
+            epoch, window, marker, row, texts, last = next(self._windows)
+            self._pending.append((epoch, window, marker, row, self.source.pool.submit(texts), last))
 
     def _load_window(self) -> None:
         """Make the next window with rows current (the restored one first)."""
         epochs = set()
         while True:
-            epoch, window, marker, row, encoded = self._pending.popleft()
+            self._fill(cross=not self._pending)
+            epoch, window, marker, row, encoded, self._last = self._pending.popleft()
             self._fill()  # keep the pool busy while this window is planned
             epochs.add(epoch)
             if len(epochs) > 2:
