@@ -54,6 +54,7 @@ from .preparation import (
     write_manifest,
 )
 from .stores.remote import RemoteDir, read_or_none
+from .texts import open_parquet
 from .tokenizer import TextTokenizer
 
 METRICS = "forge_grain"  # the namespace of the job's counters
@@ -391,19 +392,8 @@ def count_rows(inputs: Inputs, file: str) -> int:
     """Rows of one input file as the local loader reads them (JSON Lines skip blank lines)."""
     with inputs.open(file) as f:
         if inputs.builder == "parquet":
-            return _parquet(f, file).metadata.num_rows
+            return open_parquet(f, file).metadata.num_rows
         return sum(bool(line.strip()) for line in f)
-
-
-def _parquet(f, file: str):
-    """A Parquet file's reader; a file that is not one (truncated, another format) is named."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.ParquetFile(f)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise PrepareError(f"{file}: not a readable Parquet file ({e}); it is truncated or not Parquet") from None
 
 
 @dataclasses.dataclass
@@ -451,7 +441,7 @@ def _read_rows(inputs: Inputs, file: str, lo: int, hi: int, field: str):
 
     with inputs.open(file) as f:
         if inputs.builder == "parquet":
-            pf = _parquet(f, file)
+            pf = open_parquet(f, file)
             groups, at = [], 0
             for g in range(pf.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows

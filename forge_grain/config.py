@@ -28,7 +28,8 @@ class SourceConfig:
     or a builder such as "json" with `hf_data_files`), tokenized with `tokenizer` (a local
     path; default: the shipped one). `hf_streaming=False` tokenizes it once into a cached
     token store; `True` streams it, tokenizing on the fly and packing `window` documents
-    at a time.
+    at a time; its `hf_data_files` may then be JSON Lines or Parquet files at fsspec URLs
+    (`s3://...`, globs allowed), read directly with `storage_options`.
 
     A `path` is opened as by `TokenStore.open`, in any format it reads in place (a
     forge-grain store, raw `.bin`/`.npy` files, Megatron, Hugging Face Arrow, LitData,
@@ -205,6 +206,9 @@ class DataConfig:
                                      "cache_limit", "object_cache") if getattr(s, k) is not None]
                 if wrong:
                     raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
+                if s.storage_options is not None and not (s.hf_streaming and "://" in str(s.hf_data_files)):
+                    raise ConfigError(f"sources[{i}].storage_options: only for streaming hf_data_files at URLs "
+                                      "(s3://...); this source has none")
             if s.shuffle_window is not None:
                 _positive_int(f"sources[{i}].shuffle_window", s.shuffle_window)
             for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):

@@ -173,10 +173,10 @@ class _FilesIter:
     def _parquet(self):
         import pyarrow as pa
 
-        from .beam_prepare import _parquet
+        from .texts import open_parquet
 
         url, field = self.files.files[self.file], self.files.field
-        pf = _parquet(self.files.reader(self.file), url)
+        pf = open_parquet(self.files.reader(self.file), url)
         if field not in pf.schema_arrow.names:
             raise PrepareError(f"{url}: no text field {field!r}; the columns are {pf.schema_arrow.names}")
         kind = pf.schema_arrow.field(field).type

@@ -166,6 +166,17 @@ def _chain(e: BaseException | None) -> list[BaseException]:
     return out
 
 
+def open_parquet(f, file: str):
+    """A Parquet file's reader; a file that is not one (truncated, another format) is named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(f)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise PrepareError(f"{file}: not a readable Parquet file ({e}); it is truncated or not Parquet") from None
+
+
 def _json_rows(files: list[Path]):
     """(file, row, value) of each non-blank line of JSON Lines files, rows counted as the
     loader counts them; ends at the first line that is not JSON (leave that to the loader)."""

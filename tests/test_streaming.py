@@ -308,3 +308,8 @@ def test_two_gloo_ranks_with_two_workers_each_save_one_state_that_resumes_on_one
     ds.tracker().load_state_dict(states[0])
     rest = [b["inputs"].numpy() for b in DataLoader(ds, batch_size=None)]
     assert len(rest) == len(whole) - 9 and all(np.array_equal(a, b) for a, b in zip(rest, whole[9:]))
+
+
+def test_storage_options_without_urls_are_refused(parts):
+    with pytest.raises(ConfigError, match="storage_options: only for streaming hf_data_files at URLs"):
+        config(parts["json"], storage_options={"anon": True})
