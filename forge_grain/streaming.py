@@ -20,9 +20,10 @@ State. A canonical stream's state is its position at the start of its current wi
 reader's marker and the row index there) and the rows already emitted from the window:
 restoring re-reads and re-plans that one window. A pipeline state holds its shard's
 streams; `pipeline.merge_states` joins all shards' states into one that restores on any
-shard count dividing G. Each stream reads the whole underlying stream, parsing only its own
-rows where the format allows: reading is cheap next to tokenizing, and it keeps every
-stream's position independent of which streams a process owns.
+shard count dividing G. A process reads the underlying stream once per epoch for all the
+streams it owns (`Dealer`), each row going to its stream's next window; a stream's windows
+and positions are those it would see reading alone, so its state does not depend on which
+streams a process owns.
 
 Exact step count: a counting pass tokenizes the stream once (on the same pool) keeping only
 document lengths (cached on disk, never tokens), then plans every canonical stream's
@@ -183,13 +184,96 @@ class StreamingSource:
         return rows
 
 
-class StreamCursor:
-    """Canonical stream `index` of `count`: its packed rows in order, with an exact state."""
+class Dealer:
+    """One reading of a streaming source per epoch for all the canonical streams a process
+    reads: each row read goes to its stream's next window, so a process reading k streams
+    reads the source once, not k times. Windows of streams that are behind wait in memory
+    (a few: the streams of a process advance together). A stream's windows, markers and row
+    indices are exactly those it would see reading alone, so states do not depend on which
+    streams a process reads."""
 
-    def __init__(self, source: StreamingSource, index: int, count: int, state: dict | None = None):
+    def __init__(self, source: "StreamingSource", count: int):
+        self.source, self.count = source, count
+        self._starts: dict[int, tuple] = {}
+        self._passes: dict[int, _Pass] = {}
+
+    def position(self, starts: dict[int, tuple]) -> None:
+        """The streams and where each starts, (epoch, marker, row), at a window's start."""
+        self._starts, self._passes = dict(starts), {}
+
+    def window(self, stream: int, epoch: int) -> tuple:
+        """(marker, row index, texts, ended) of `stream`'s next window in `epoch`."""
+        p = self._passes.get(epoch)
+        if p is None:  # every stream reads this epoch some time: from its start, or a restored place in it
+            members = {c: (m, r) if e == epoch else (None, 0) for c, (e, m, r) in self._starts.items() if e <= epoch}
+            p = self._passes[epoch] = _Pass(self.source, self.count, members)
+        w = p.window(stream)
+        if w[3]:  # the stream's epoch ended
+            del p.members[stream]
+            if not p.members:
+                del self._passes[epoch]
+        return w
+
+
+class _Member:
+    """A stream's share of a pass: its window being filled and its finished windows."""
+
+    def __init__(self, marker, row: int):
+        self.marker, self.start, self.texts = marker, row, []
+        self.wants_marker = marker is None  # captured when the pass reaches its start
+        self.ready: collections.deque = collections.deque()
+
+
+class _Pass:
+    """One epoch's reading of the source, from the earliest start of its streams."""
+
+    def __init__(self, source: "StreamingSource", count: int, members: dict[int, tuple]):
+        self.count, self.n = count, source.src.window
+        self.members = {c: _Member(m, r) for c, (m, r) in members.items()}
+        first = min(members.values(), key=lambda mr: mr[1])
+        self.it, self.row = source.reader.open(first[0]), first[1]
+
+    def window(self, stream: int) -> tuple:
+        m = self.members[stream]
+        while not m.ready:
+            self._read_row()
+        return m.ready.popleft()
+
+    def _read_row(self) -> None:
+        waiting = [m for m in self.members.values() if m.wants_marker and m.start == self.row]
+        if waiting:
+            marker = self.it.marker()
+            for m in waiting:
+                m.marker, m.wants_marker = marker, False
+        m = self.members.get(self.row % self.count)
+        keep = m is not None and self.row >= m.start
+        try:
+            text = self.it.next(keep)
+        except StopIteration:  # every stream's last window (possibly empty) ends the epoch
+            for m in self.members.values():
+                m.ready.append((m.marker, m.start, m.texts, True))
+                m.texts = []
+            return
+        self.row += 1
+        if keep:
+            m.texts.append(text)
+            if len(m.texts) == self.n:
+                m.ready.append((m.marker, m.start, m.texts, False))
+                m.texts, m.start, m.wants_marker = [], self.row, True
+
+
+class StreamCursor:
+    """Canonical stream `index` of `count`: its packed rows in order, with an exact state.
+    Its windows come from `dealer` (shared by the streams a process reads), else from a
+    dealer of its own."""
+
+    def __init__(self, source: StreamingSource, index: int, count: int, state: dict | None = None,
+                 dealer: Dealer | None = None):
         self.source, self.index, self.count = source, index, count
         self.seq_len = source.seq_len
         self.pad_id = source.eos_id if source.eos_id is not None else 0
+        self._own_dealer = dealer is None
+        self.dealer = dealer or Dealer(source, count)
         self.set_state(state or START)
 
     def state(self) -> dict:
@@ -202,33 +286,19 @@ class StreamCursor:
         self.epoch, self.window, self.emitted = state["epoch"], state["window"], state["emitted"]
         marker = json.loads(state["stream"]) if isinstance(state["stream"], str) else state["stream"]
         self._marker, self._row_index = marker, state["row_index"]
-        self._windows = self._read_windows(self.epoch, self.window, marker, self._row_index)
+        if self._own_dealer:
+            self.dealer.position({self.index: (self.epoch, marker, self._row_index)})
+        self._reading = (self.epoch, self.window)  # the next window to read
         self._pending: collections.deque = collections.deque()
         self._plan, self._last = None, False
         self._fill()
 
-    def _read_windows(self, epoch: int, window: int, marker, row_index: int):
-        """(epoch, window, marker, row index, texts, last of its epoch) of each of this
-        stream's windows from the given one on; past the end of the stream, the next epoch's
-        from its start."""
-        n, k, count = self.source.src.window, self.index, self.count
-        while True:
-            it = self.source.reader.open(marker)
-            ended = False
-            while not ended:
-                start, start_row, texts = it.marker(), row_index, []
-                while len(texts) < n:
-                    try:
-                        text = it.next(row_index % count == k)
-                    except StopIteration:
-                        ended = True
-                        break
-                    if row_index % count == k:
-                        texts.append(text)
-                    row_index += 1
-                yield epoch, window, start, start_row, texts, ended
-                window += 1
-            epoch, window, marker, row_index = epoch + 1, 0, None, 0
+    def _next_window(self) -> tuple:
+        """(epoch, window, marker, row index, texts, last of its epoch) of the next window."""
+        epoch, window = self._reading
+        marker, row, texts, ended = self.dealer.window(self.index, epoch)
+        self._reading = (epoch + 1, 0) if ended else (epoch, window + 1)
+        return epoch, window, marker, row, texts, ended
 
     def _fill(self, cross: bool = False) -> None:
         """Read and submit windows up to `AHEAD` ahead, but not into the next epoch unless
@@ -238,7 +308,7 @@ class StreamCursor:
             if last and not cross:
                 return
             cross = False
-            epoch, window, marker, row, texts, last = next(self._windows)
+            epoch, window, marker, row, texts, last = self._next_window()
             self._pending.append((epoch, window, marker, row, self.source.pool.submit(texts), last))
 
     def _load_window(self) -> None:
@@ -274,7 +344,10 @@ class StreamCursor:
         self.emitted += 1
         if self.emitted == p.num_rows:
             self.emitted, self._plan = 0, None
-            self._load_window()
+            if self._last:  # the next window starts the next epoch: read it only when a row is wanted
+                self.epoch, self.window, self._marker, self._row_index = self.epoch + 1, 0, None, 0
+            else:
+                self._load_window()  # so that the state is the next window's
 
 
 class StreamRows:
@@ -294,8 +367,13 @@ class StreamRows:
     def own(self, owned: list[int]) -> None:
         """Read only streams `owned`, each from its start."""
         self.owned = list(owned)
-        self._states = {c: dict(START) for c in self.owned}
-        self._cursors: dict[int, StreamCursor] = {}
+        self._position({c: dict(START) for c in self.owned})
+
+    def _position(self, states: dict[int, dict]) -> None:
+        self._states, self._cursors = states, {}
+        self._dealer = Dealer(self.source, self.layout.count)  # one reading for all of them
+        self._dealer.position({c: (st["epoch"], json.loads(st["stream"]) if isinstance(st["stream"], str) else st["stream"],
+                                   st["row_index"]) for c, st in states.items()})
 
     def states(self) -> dict[str, dict]:
         """Each owned stream's state, by stream index (as text: JSON object keys)."""
@@ -310,15 +388,14 @@ class StreamRows:
                 "saved by one shard holds that shard's streams: join every shard's state with "
                 "forge_grain.merge_states (the Orbax handler does) to resume on another shard count"
             )
-        self._states = {c: dict(states[str(c)]) for c in self.owned}
-        self._cursors = {}
+        self._position({c: dict(states[str(c)]) for c in self.owned})
 
     def _cursor(self, c: int) -> StreamCursor:
         if c not in self._cursors:
             if c not in self._states:
                 raise StateError(f"{self.source.path}: canonical stream {c} is not read by this process "
                                        f"(it reads {self.owned})")
-            self._cursors[c] = StreamCursor(self.source, c, self.layout.count, self._states[c])
+            self._cursors[c] = StreamCursor(self.source, c, self.layout.count, self._states[c], self._dealer)
         return self._cursors[c]
 
     def get_batch(self, ranks, out: dict, dest, id_dtype=np.int32, rows=None) -> dict:

@@ -96,6 +96,36 @@ def test_a_state_saved_on_two_shards_resumes_on_one_and_on_four(tmp_path, parts,
     assert same(run(Pipeline(cfg, 1, 2, cache_dir=tmp_path), state=own), [copy(b) for b in iters[1]])
 
 
+def test_a_state_taken_while_streams_straddle_an_epoch_end_resumes_exactly(tmp_path, parts):
+    """Streams wrap at different steps; a state where some have and some have not resumes on
+    other shard counts (each process reads each epoch once for all its streams)."""
+    cfg = config(parts["json"], canonical=4, num_epochs=None)
+    epoch = Pipeline(config(parts["json"], canonical=4), 0, 1, cache_dir=tmp_path).num_steps
+    whole = run(Pipeline(cfg, 0, 1, cache_dir=tmp_path), steps=epoch + 40)
+    it = Pipeline(cfg, 0, 1, cache_dir=tmp_path, num_threads=0).iterator()
+    for _ in range(epoch + 4):
+        next(it)
+    state = it.get_state()
+    epochs = {st["epoch"] for st in state["streams"][0].values()}
+    assert epochs == {0, 1}, epochs  # the point of the test: streams on both sides of the end
+    for n in (1, 2, 4):
+        rest = [run(Pipeline(cfg, k, n, cache_dir=tmp_path), steps=36, state=state) for k in range(n)]
+        assert same(joined(rest), whole[epoch + 4:])
+
+
+def test_reading_several_streams_costs_the_requests_of_one(tmp_path, parts, s3):
+    """A process reads the source once for all the canonical streams it reads."""
+    gets = {}
+    for canonical in (1, 4):
+        cfg = config(["s3://texts/json/*.jsonl"], canonical=canonical, batch=8,
+                     storage_options=s3.options(via_proxy=True))
+        p = Pipeline(cfg, 0, 1, cache_dir=tmp_path / str(canonical))  # the counting pass reads it too
+        s3.proxy.clear()
+        run(p)
+        gets[canonical] = sum(n for path, n in s3.proxy.gets.items() if "json/part-" in path)
+    assert gets[4] == gets[1] > 0, gets
+
+
 def test_shard_counts_that_do_not_divide_the_canonical_streams_are_refused(tmp_path, parts):
     with pytest.raises(ConfigError, match=r"canonical_streams 4: .*shard count \(3\) to divide it"):
         Pipeline(config(parts["json"], canonical=4, batch=24), 0, 3, cache_dir=tmp_path)
