@@ -220,7 +220,6 @@ class _Member:
 
     def __init__(self, marker, row: int):
         self.marker, self.start, self.texts = marker, row, []
-        self.wants_marker = marker is None  # captured when the pass reaches its start
         self.ready: collections.deque = collections.deque()
 
 
@@ -230,6 +229,10 @@ class _Pass:
     def __init__(self, source: "StreamingSource", count: int, members: dict[int, tuple]):
         self.count, self.n = count, source.src.window
         self.members = {c: _Member(m, r) for c, (m, r) in members.items()}
+        self._marking = collections.defaultdict(list)  # row -> members whose window starts there, marker unknown
+        for m in self.members.values():
+            if m.marker is None:
+                self._marking[m.start].append(m)
         first = min(members.values(), key=lambda mr: mr[1])
         self.it, self.row = source.reader.open(first[0]), first[1]
 
@@ -240,11 +243,11 @@ class _Pass:
         return m.ready.popleft()
 
     def _read_row(self) -> None:
-        waiting = [m for m in self.members.values() if m.wants_marker and m.start == self.row]
+        waiting = self._marking.pop(self.row, None)
         if waiting:
             marker = self.it.marker()
             for m in waiting:
-                m.marker, m.wants_marker = marker, False
+                m.marker = marker
         m = self.members.get(self.row % self.count)
         keep = m is not None and self.row >= m.start
         try:
@@ -259,7 +262,8 @@ class _Pass:
             m.texts.append(text)
             if len(m.texts) == self.n:
                 m.ready.append((m.marker, m.start, m.texts, False))
-                m.texts, m.start, m.wants_marker = [], self.row, True
+                m.texts, m.start = [], self.row
+                self._marking[self.row].append(m)
 
 
 class StreamCursor:
