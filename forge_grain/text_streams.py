@@ -204,7 +204,10 @@ def _json_text(line: bytes, url: str, row: int, field: str):
         raise PrepareError(f"{url}, row {row}: a JSON {type(value).__name__}, not an object with field {field!r}")
     if field not in value:
         raise PrepareError(f"{url}, row {row}: no text field {field!r}; the row has {sorted(value)[:10]}")
-    return value[field]
+    text = value[field]
+    if text is not None and not isinstance(text, str):
+        raise PrepareError(f"{url}, row {row}: field {field!r} holds {type(text).__name__} {str(text)[:40]}, not text")
+    return text
 
 
 class _RangedFile(io.RawIOBase):
