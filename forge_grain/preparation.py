@@ -183,10 +183,19 @@ def prepare(
                 _write_store(corpus, tok, job, settings, recorded, num_shards, num_proc, progress)
     except OSError as e:  # a full disk, a read-only or vanished directory: name the file, keep what is done
         raise PrepareError(
-            f"{e.filename or out}: {e.strerror or e} while writing the store; the shards already finished are kept, "
+            f"{e.filename or out}: {_cause(e)} while writing the store; the shards already finished are kept, "
             "and re-running the same command (once the cause is fixed) completes it"
         ) from None
     return out
+
+
+def _cause(e: OSError) -> str:
+    """What went wrong, in words: numpy reports a write cut short by a full disk as "N requested
+    and M written", without the system's error."""
+    text = str(e)
+    if not e.strerror and "requested and" in text and "written" in text:
+        return f"No space left on device (or over quota): a write was cut short, {text}"
+    return e.strerror or text
 
 
 @dataclasses.dataclass

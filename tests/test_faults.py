@@ -218,3 +218,14 @@ def test_a_read_only_store_home_and_package_still_work(tmp_path, stores):
     assert "kept in memory" in r.stderr or "no writable plan cache" in r.stderr
     assert "cannot cache function" not in r.stderr
     assert not list(store.glob(".plans")) and not any(home.iterdir())
+
+
+def test_a_write_numpy_cut_short_is_reported_as_a_full_disk():
+    """numpy reports a short write on a full disk as "N requested and M written", errno lost;
+    the slow full-disk test met it once, and the message must still say what to fix."""
+    import errno
+
+    from forge_grain.preparation import _cause
+
+    assert _cause(OSError("3001 requested and 2544 written")).startswith("No space left on device")
+    assert _cause(OSError(errno.EROFS, "Read-only file system")) == "Read-only file system"
