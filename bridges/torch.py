@@ -5,7 +5,10 @@
 
 Each element is one whole per-rank batch (hence `batch_size=None`). With `num_workers=W`,
 worker w produces steps w, w + W, ..., so the DataLoader's round-robin over workers yields
-the steps in order: no batch missing or repeated, whatever W.
+the steps in order: no batch missing or repeated, whatever W. Streaming sources allow any W
+dividing the config's `canonical_workers`: worker w reads only the canonical streams of its
+steps (see `forge_grain.streaming`), and each batch carries their positions
+(`stream_states`) for the tracker.
 
 Resuming:
 
@@ -204,7 +207,7 @@ class GrainIterableDataset(IterableDataset):
         while step < end:
             batch = self._tensors(self.pipeline.batch(step))
             if self.pipeline.streams:  # where this worker's streams are now, for the tracker
-                batch["stream_states"] = json.dumps(self.pipeline.state_at(step + W)["streams"])
+                batch["stream_states"] = _encode(self.pipeline.state_at(step + W)["streams"])
             step += W
             self._next_step = step
             yield batch
@@ -251,6 +254,15 @@ class GrainIterableDataset(IterableDataset):
 
     def tracker(self) -> "StepTracker":
         return StepTracker(self)
+
+
+def _encode(obj) -> torch.Tensor:
+    """JSON as a uint8 tensor: every value of a batch stays a tensor (`.to(device)` works)."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def _decode(t: torch.Tensor):
+    return json.loads(t.cpu().numpy().tobytes().decode())
 
 
 class ResumeChannel:
@@ -311,7 +323,7 @@ class StepTracker:
     A `torch.distributed.checkpoint.stateful.Stateful`: `state_dict()` is
     {"step": next global step, "fingerprint": ..., ...}, identical on every rank.
     With streaming sources it also holds their canonical streams' positions: each batch
-    carries those of the streams its worker read (`stream_states`), and `state_dict()`
+    carries those of the streams its worker read (`stream_states`, JSON as a uint8 tensor), and `state_dict()`
     joins the ranks' (`all_gather_object`, when torch.distributed is initialized), so the
     state resumes on any world size dividing `canonical_streams` and any worker count
     dividing `canonical_workers`.
@@ -328,7 +340,7 @@ class StepTracker:
         """Record that the training loop consumed `batch`."""
         self.next_step = int(batch["step"]) + 1
         if "stream_states" in batch:
-            for mine, seen in zip(self._streams, json.loads(batch["stream_states"])):
+            for mine, seen in zip(self._streams, _decode(batch["stream_states"])):
                 mine.update(seen)
 
     def state_dict(self) -> dict:

@@ -257,6 +257,7 @@ def same_torch(a, b) -> bool:
 
 
 def test_dataloader_workers_over_a_streaming_pipeline_equal_no_workers(tmp_path, parts):
+    import torch
     from torch.utils.data import DataLoader
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -269,6 +270,8 @@ def test_dataloader_workers_over_a_streaming_pipeline_equal_no_workers(tmp_path,
 
     alone = torch_batches(DataLoader(dataset(), batch_size=None, num_workers=0))
     assert len(alone) > 20
+    first = next(iter(DataLoader(dataset(), batch_size=None, num_workers=2)))
+    assert all(isinstance(v, torch.Tensor) for v in first.values())  # a loop's `.to(device)` works on all of it
     assert same_torch(torch_batches(DataLoader(dataset(), batch_size=None, num_workers=2)), alone)
 
     # the tracker's state, taken under 2 workers, resumes under 0 and under 1
