@@ -207,7 +207,7 @@ class GrainIterableDataset(IterableDataset):
         while step < end:
             batch = self._tensors(self.pipeline.batch(step))
             if self.pipeline.streams:  # where this worker's streams are now, for the tracker
-                batch["stream_states"] = _encode(self.pipeline.state_at(step + W)["streams"])
+                batch["stream_states"] = _encode(self.pipeline.stream_positions(step + W))
             step += W
             self._next_step = step
             yield batch

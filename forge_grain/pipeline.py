@@ -388,12 +388,14 @@ class Pipeline:
         With streaming sources it also holds the positions of this process's canonical
         streams (recorded as batches are made); `merge_states` joins the states of all shards.
         """
-        streams = None
-        if self.streams:
-            if step not in self._stream_states:
-                raise StateError(f"no stream state recorded for step {step}")
-            streams = self._stream_states[step]
-        return self.make_state(step, streams)
+        return self.make_state(step, self.stream_positions(step) if self.streams else None)
+
+    def stream_positions(self, step: int) -> list[dict]:
+        """The streaming sources' positions before `step` (one dict of canonical stream states
+        per source), as recorded when the batches before it were made."""
+        if step not in self._stream_states:
+            raise StateError(f"no stream state recorded for step {step}")
+        return self._stream_states[step]
 
     def make_state(self, step: int, streams: list | None = None) -> dict:
         """The state at `step`, with streaming sources' positions `streams` (one dict of

@@ -21,6 +21,7 @@ import json
 
 from .errors import PrepareError
 from .paths import is_url
+from .texts import document_text
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 READ_BLOCK = 1 << 23  # bytes per ranged read of a remote file
@@ -204,10 +205,7 @@ def _json_text(line: bytes, url: str, row: int, field: str):
         raise PrepareError(f"{url}, row {row}: a JSON {type(value).__name__}, not an object with field {field!r}")
     if field not in value:
         raise PrepareError(f"{url}, row {row}: no text field {field!r}; the row has {sorted(value)[:10]}")
-    text = value[field]
-    if text is not None and not isinstance(text, str):
-        raise PrepareError(f"{url}, row {row}: field {field!r} holds {type(text).__name__} {str(text)[:40]}, not text")
-    return text
+    return document_text(value[field], lambda: f"{url}, row {row}, field {field!r}")
 
 
 class _RangedFile(io.RawIOBase):

@@ -227,7 +227,7 @@ def test_bad_files_in_object_storage_are_named(tmp_path, s3):
     pq.write_table(pa.table({"text": [[1, 2, 3]] * 10}), ids)
     fs.put(str(ids), "texts/bad/ids.parquet")
     cases = {"not-utf8.jsonl": "row 50: bytes that are not UTF-8", "truncated.jsonl": "row 50: not JSON",
-             "number.jsonl": "row 50: field 'text' holds int 17, not text", "no-field.jsonl": "row 50: no text field 'text'",
+             "number.jsonl": "row 50, field 'text': holds the int value '17', not text", "no-field.jsonl": "row 50: no text field 'text'",
              "notes.txt": "not a JSON Lines", "truncated.parquet": "not a readable Parquet file",
              "ids.parquet": "column 'text' holds list<element: int64>, not text"}
     for name, message in cases.items():
