@@ -6,8 +6,10 @@ under a config whose weights, phases or sources differ, when the user asks for i
 they were: the old schedule, recorded as a history segment ending at S. From S on, the new
 config's schedule applies (the entry in force at S starts there). Mixing is a closed form of
 the weights alone, so each continuing source's row count at S follows from the old
-schedule and it continues from exactly its next unseen row; a new source starts at its row
-0; a removed source gets weight 0. The history travels in every later state, so further
+schedule, mixed over the sources of the old config in their old order (each segment of the
+history records that tree), and it continues from exactly its next unseen row whatever the
+edit (sources reweighted, added or removed anywhere, reordered, re-added); a new source
+starts at its row 0; a removed source gets no rows. The history travels in every later state, so further
 resumes, elastic or with yet other weights, stay exact.
 """
 
@@ -53,28 +55,50 @@ def extend(state: dict, current: dict) -> list[dict]:
     history = list(saved.get("history", []))
     if history and step < history[-1]["until_step"]:
         raise HistoryError(f"the state's step {step} is before its own last mixture change")
-    return history + [{"until_step": step, "sources": [s["name"] for s in saved["sources"]],
-                       "schedule": saved["schedule"]}]
+    names = [s["name"] for s in saved["sources"]]
+    tree = names
+    if _legacy(history):  # saved by a version that built one tree over every source it had known
+        tree = _union(names, history)
+        history = [{**seg, "tree": tree} for seg in history]
+    return history + [{"until_step": step, "sources": names, "schedule": saved["schedule"], "tree": tree}]
+
+
+def _union(names: list[str], history: list[dict]) -> list[str]:
+    """The config's source names, then those only the history has, each once."""
+    return list(dict.fromkeys([*names, *(n for seg in history for n in seg["sources"])]))
+
+
+def _legacy(history: list[dict]) -> bool:
+    """A history written before segments recorded their trees (`tree`): its pipelines mixed
+    every segment with one tree over all the sources they knew."""
+    return any("tree" not in seg for seg in history)
 
 
 def mixing_schedule(history: list[dict], names: list[str], schedule: list) -> tuple[list[str], list]:
-    """(all source names: the config's, then removed ones; [(start_step, weights over them)])
-    for a history and the config's own schedule [(start_step, weights by config source)]."""
-    union = list(dict.fromkeys([*names, *(n for seg in history for n in seg["sources"])]))
+    """(all source names: the config's, then removed ones; [(start_step, leaves, weights)]) for
+    a history and the config's own schedule [(start_step, weights by config source)].
+
+    `leaves` are the indices (into the names) of the sources the entry's mixing tree is
+    built over, in the order that run built it, and `weights` are theirs: each history
+    segment is mixed exactly as it was trained, so every source's row count at a change is
+    the count of rows it really gave, whatever the new config adds, removes or reorders."""
+    union = _union(names, history)
+    legacy = _legacy(history)
     segments, start = [], 0
     for seg in history:
-        segments.append((start, seg["until_step"], seg["sources"], seg["schedule"]))
+        segments.append((start, seg["until_step"], seg["sources"], seg["schedule"], union if legacy else seg["tree"]))
         start = seg["until_step"]
-    segments.append((start, None, names, schedule))
+    segments.append((start, None, names, schedule, union if legacy else names))
     out = []
-    for lo, hi, seg_names, seg_schedule in segments:
+    for lo, hi, seg_names, seg_schedule, tree in segments:
         if hi is not None and hi <= lo:
             continue  # a segment with no steps (two changes at one step)
+        leaves = [union.index(n) for n in tree]
         in_force = [k for k, (s, _) in enumerate(seg_schedule) if s <= lo][-1]
         for s, weights in seg_schedule[in_force:]:
             s = max(int(s), lo)
             if hi is not None and s >= hi:
                 break
             by_name = dict(zip(seg_names, weights))
-            out.append((s, [float(by_name.get(n, 0.0)) for n in union]))
+            out.append((s, leaves, [float(by_name.get(n, 0.0)) for n in tree]))
     return union, out

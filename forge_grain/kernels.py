@@ -534,10 +534,11 @@ def _muldivmod(a, b, c):
 
 
 @nb.njit(cache=CACHE, nogil=True)
-def mix_locate(rows, phase_rows, left, right, leaf_source, node_weight, base):
+def mix_locate(rows, phase_rows, phase_root, left, right, leaf_source, node_weight, base):
     """Source and rank-within-source of each global mixture row: O(log m) per row.
 
-    Sources are leaves of a balanced binary tree; a node splits the rows that reach it
+    Sources are leaves of a balanced binary tree (phase p's rooted at node `phase_root[p]`:
+    several trees may share the node arrays, one per set of sources); a node splits the rows that reach it
     between its children in proportion to their integer weights, Bresenham style: the
     h-th row at a node goes left iff floor((h+1)·wL/w) > floor(h·wL/w), that is iff
     (h·wL mod w) + wL >= w. Every count is a closed form (exact in 128-bit arithmetic),
@@ -549,7 +550,7 @@ def mix_locate(rows, phase_rows, left, right, leaf_source, node_weight, base):
     for i in range(len(rows)):
         p = np.searchsorted(phase_rows, rows[i], side="right") - 1
         h = rows[i] - phase_rows[p]
-        k = 0
+        k = phase_root[p]
         while left[k] >= 0:
             w = node_weight[p, k]
             wl = node_weight[p, left[k]]
@@ -566,13 +567,13 @@ def mix_locate(rows, phase_rows, left, right, leaf_source, node_weight, base):
 
 
 @nb.njit(cache=CACHE)
-def mix_counts(total, left, right, leaf_source, node_weight_p, num_sources):
-    """Rows each source receives among the first `total` rows of one phase."""
-    n = len(left)
-    count = np.zeros(n, np.int64)
-    count[0] = total
+def mix_counts(total, root, end, left, right, leaf_source, node_weight_p, num_sources):
+    """Rows each source receives among the first `total` rows of one phase, whose tree
+    holds the nodes [root, end)."""
+    count = np.zeros(len(left), np.int64)
+    count[root] = total
     out = np.zeros(num_sources, np.int64)
-    for k in range(n):  # parents come before children in the node order
+    for k in range(root, end):  # parents come before children in the node order
         if left[k] >= 0:
             w = node_weight_p[k]
             c = _muldivmod(count[k], node_weight_p[left[k]], w)[0] if w > 0 else 0

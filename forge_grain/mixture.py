@@ -43,6 +43,22 @@ def _tree(m: int):
     return np.array(left, np.int64), np.array(right, np.int64), np.array(leaf, np.int64)
 
 
+def _forest(leaves: list[list[int]]):
+    """One `_tree` per distinct list of sources in `leaves`, in shared node arrays (a leaf
+    holds its source's index); returns (left, right, leaf, [(root, end) per entry])."""
+    trees: dict[tuple, tuple[int, int]] = {}
+    left, right, leaf = [], [], []
+    for ls in map(tuple, leaves):
+        if ls not in trees:
+            lo = sum(len(x) for x in left)
+            l, r, f = _tree(len(ls))
+            left.append(np.where(l >= 0, l + lo, -1))
+            right.append(np.where(r >= 0, r + lo, -1))
+            leaf.append(np.where(f >= 0, np.array(ls, np.int64)[np.maximum(f, 0)], -1))
+            trees[ls] = (lo, lo + len(l))
+    return np.concatenate(left), np.concatenate(right), np.concatenate(leaf), [trees[tuple(ls)] for ls in leaves]
+
+
 def integer_weights(weights) -> np.ndarray:
     """Integers in exactly the ratios of the weights as given: a float is a dyadic rational,
     so one power of two scales them all to integers (divided by their gcd). Weights whose
@@ -64,9 +80,16 @@ def integer_weights(weights) -> np.ndarray:
 
 
 class Mixture(grain.MapDataset):
-    """Rows from several `PackedDataset`s, each carrying a scalar `source_id`."""
+    """Rows from several `PackedDataset`s, each carrying a scalar `source_id`.
 
-    def __init__(self, datasets, weights, *, phases=(), length: int | None = None):
+    `leaves` (one list of source indices per schedule entry: the base weights, then each
+    phase) says over which sources an entry's tree is built, its weights being theirs in
+    that order; by default every entry uses all sources in order. A pipeline resumed with a
+    mixture change passes the trees each segment of its history was trained with, so the
+    counts at each change are those of the rows that were really trained.
+    """
+
+    def __init__(self, datasets, weights, *, phases=(), length: int | None = None, leaves=None):
         super().__init__()
         self.datasets = list(datasets)
         m = len(self.datasets)
@@ -75,29 +98,41 @@ class Mixture(grain.MapDataset):
             raise ValueError(f"mixed datasets must share seq_len, got {sorted(seq)}")
         self.seq_len = seq.pop()
         schedule = [(0, weights)] + [(int(s), w) for s, w in phases]
-        for start, w in schedule:
-            if len(w) != m or min(w) < 0 or sum(w) <= 0:
-                raise ValueError(f"weights at row {start} must be {m} non-negative numbers, not all zero: {w}")
+        leaves = [list(range(m))] * len(schedule) if leaves is None else [list(x) for x in leaves]
+        if len(leaves) != len(schedule):
+            raise ValueError(f"leaves must give one list of sources per schedule entry ({len(schedule)})")
+        for (start, w), ls in zip(schedule, leaves):
+            if len(w) != len(ls) or min(w) < 0 or sum(w) <= 0:
+                raise ValueError(f"weights at row {start} must be {len(ls)} non-negative numbers, not all zero: {w}")
+            if not ls or min(ls) < 0 or max(ls) >= m or len(set(ls)) != len(ls):
+                raise ValueError(f"the sources of the entry at row {start} must be distinct indices below {m}: {ls}")
         self.phase_rows = np.array([s for s, _ in schedule], np.int64)
         if np.any(np.diff(self.phase_rows) <= 0):
             raise ValueError(f"phase start rows must increase: {self.phase_rows.tolist()}")
         self.weights = [list(map(float, w)) for _, w in schedule]
-        self._left, self._right, self._leaf = _tree(m)
-        self._node_weight = np.stack([self._subtree_weights(integer_weights(w)) for _, w in schedule])
+        self._left, self._right, self._leaf, spans = _forest(leaves)
+        self._root = np.array([lo for lo, _ in spans], np.int64)
+        self._end = np.array([hi for _, hi in spans], np.int64)
+        self._node_weight = np.stack([self._subtree_weights(integer_weights(w), ls, lo, hi)
+                                      for (_, w), ls, (lo, hi) in zip(schedule, leaves, spans)])
         self._base = np.zeros((len(schedule), m), np.int64)
         for p in range(1, len(schedule)):
-            span = self.phase_rows[p] - self.phase_rows[p - 1]
-            self._base[p] = self._base[p - 1] + kernels.mix_counts(
-                span, self._left, self._right, self._leaf, self._node_weight[p - 1], m
-            )
+            self._base[p] = self._base[p - 1] + self._phase_counts(p - 1, self.phase_rows[p] - self.phase_rows[p - 1])
         self._length = length
         self._pool = BufferPool()
 
-    def _subtree_weights(self, u: np.ndarray) -> np.ndarray:
+    def _subtree_weights(self, u: np.ndarray, sources: list[int], lo: int, hi: int) -> np.ndarray:
+        """Node weights of the tree [lo, hi) whose leaves are `sources`, weighted `u`."""
+        by_source = np.zeros(len(self.datasets), np.int64)
+        by_source[sources] = u
         w = np.zeros(len(self._left), np.int64)
-        for k in range(len(self._left) - 1, -1, -1):  # children come after parents
-            w[k] = u[self._leaf[k]] if self._left[k] < 0 else w[self._left[k]] + w[self._right[k]]
+        for k in range(hi - 1, lo - 1, -1):  # children come after parents
+            w[k] = by_source[self._leaf[k]] if self._left[k] < 0 else w[self._left[k]] + w[self._right[k]]
         return w
+
+    def _phase_counts(self, p: int, num_rows: int) -> np.ndarray:
+        return kernels.mix_counts(num_rows, self._root[p], self._end[p], self._left, self._right, self._leaf,
+                                  self._node_weight[p], len(self.datasets))
 
     def __len__(self) -> int:
         return sys.maxsize if self._length is None else self._length
@@ -105,14 +140,13 @@ class Mixture(grain.MapDataset):
     def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """(source, row within that source) of mixture rows `indices`."""
         idx = np.asarray(indices, np.int64).reshape(-1)
-        return kernels.mix_locate(idx, self.phase_rows, self._left, self._right, self._leaf, self._node_weight, self._base)
+        return kernels.mix_locate(idx, self.phase_rows, self._root, self._left, self._right, self._leaf,
+                                  self._node_weight, self._base)
 
     def counts(self, num_rows: int) -> np.ndarray:
         """Rows each source contributes to the first `num_rows` rows of the mixture."""
         p = int(np.searchsorted(self.phase_rows, num_rows, side="right") - 1)
-        return self._base[p] + kernels.mix_counts(
-            num_rows - self.phase_rows[p], self._left, self._right, self._leaf, self._node_weight[p], len(self.datasets)
-        )
+        return self._base[p] + self._phase_counts(p, num_rows - self.phase_rows[p])
 
     def get_batch(self, indices, out: dict | None = None, id_dtype=np.int32) -> dict:
         src, rank = self.locate(indices)

@@ -141,9 +141,10 @@ class Pipeline:
         removed = [_RemovedSource(n, config.seq_len) for n in self.source_names[len(config.sources):]]
         self.mixture = Mixture(
             self.datasets + removed,
-            phases[0][1],
-            phases=[(step * B, w) for step, w in phases[1:]],
+            phases[0][2],
+            phases=[(step * B, w) for step, _, w in phases[1:]],
             length=None if self.num_steps is None else self.num_steps * B,
+            leaves=[leaves for _, leaves, _ in phases],
         )
         self.fingerprint, self._summary = self._fingerprint()
         self._warn_unreachable_phases()
