@@ -40,7 +40,7 @@ def _inspect(a) -> None:
     store = TokenStore.open(
         a.path, verify=a.verify, dtype=a.dtype, eos_id=a.eos_id, bos_id=a.bos_id, vocab_size=a.vocab_size,
         tokenizer=a.tokenizer, split=a.split, file_pattern=a.file_pattern, format=a.format,
-        token_field=a.token_field, fingerprint="full" if a.full_fingerprint else "sampled",
+        token_field=a.token_field, **({"whole_documents": False} if a.partial_documents else {}), fingerprint="full" if a.full_fingerprint else "sampled",
         storage_options=a.storage_options,
     )
     print(format_summary(store))
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--tokenizer", help="foreign files: the tokenizer that made them (gives the vocabulary size)")
     ins.add_argument("--split", help="foreign files: the split to read in a directory of several (train, validation, test)")
     ins.add_argument("--file-pattern", help="foreign files: a glob of the files to read within the directory")
+    ins.add_argument("--partial-documents", action="store_true",
+                     help="raw files may begin or end inside a document (not checked against --bos-id/--eos-id)")
     ins.add_argument("--full-fingerprint", action="store_true",
                      help="foreign files: hash every byte for the fingerprint (default: sampled blocks)")
     ins.add_argument("--seq-len", type=int, help="also report how each packing strategy fills rows of this length")

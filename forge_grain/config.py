@@ -35,7 +35,8 @@ class SourceConfig:
     forge-grain store, raw `.bin`/`.npy` files, Megatron, Hugging Face Arrow, LitData,
     MDS; `format` names it when detection should not decide), described by the options
     the files do not record: `dtype` (or `vocab_size`, or `tokenizer`, to decide it),
-    `eos_id`/`bos_id` (to find documents in raw files), `file_pattern` to filter a
+    `eos_id`/`bos_id` (to find documents in raw files; each file must then start with the
+    BOS and end with the EOS, unless `whole_documents=False`), `file_pattern` to filter a
     directory, `split` to pick one split's files, `token_field` for the column of an
     Arrow or MDS dataset. A `path` that is a URL (`s3://bucket/store`, any fsspec URL)
     is a forge-grain store in object storage, read through a local cache:
@@ -65,6 +66,7 @@ class SourceConfig:
     bos_id: int | None = None
     vocab_size: int | None = None
     file_pattern: str | None = None
+    whole_documents: bool | None = None
     format: str | None = None
     token_field: str | None = None
     storage_options: dict | None = None
@@ -74,8 +76,8 @@ class SourceConfig:
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
-        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "split", "tokenizer", "format",
-                "token_field", "storage_options", "cache_limit", "object_cache")
+        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents", "split", "tokenizer",
+                "format", "token_field", "storage_options", "cache_limit", "object_cache")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
@@ -202,8 +204,8 @@ class DataConfig:
             if (s.path is None) == (s.hf_dataset is None):
                 raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
             if s.hf_dataset is not None:
-                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "format", "token_field",
-                                     "cache_limit", "object_cache") if getattr(s, k) is not None]
+                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents",
+                                     "format", "token_field", "cache_limit", "object_cache") if getattr(s, k) is not None]
                 if wrong:
                     raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
                 if s.storage_options is not None and not (s.hf_streaming and "://" in str(s.hf_data_files)):
@@ -211,6 +213,8 @@ class DataConfig:
                                       "(s3://...); this source has none")
             if s.shuffle_window is not None:
                 _positive_int(f"sources[{i}].shuffle_window", s.shuffle_window)
+            if s.whole_documents is not None and not isinstance(s.whole_documents, bool):
+                raise ConfigError(f"sources[{i}].whole_documents: must be true or false, not {s.whole_documents!r}")
             for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
                 v = getattr(s, key)
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

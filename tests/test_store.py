@@ -116,7 +116,10 @@ def test_foreign_bos_scanning_and_plain_stream(tmp_path):
     rng = np.random.default_rng(1)
     docs = [np.concatenate([[0], rng.integers(2, 100, rng.integers(1, 20))]) for _ in range(20)]
     np.concatenate([[5, 6]] + docs).astype(np.uint16).tofile(tmp_path / "t.bin")  # a head before the first BOS
-    store = TokenStore.open(tmp_path / "t.bin", bos_id=0, dtype="uint16")
+    with pytest.raises(StoreError, match=r"t\.bin: bos_id=0 was declared, but document 0 does not start with it.*"
+                                         r"whole_documents=False"):
+        TokenStore.open(tmp_path / "t.bin", bos_id=0, dtype="uint16")
+    store = TokenStore.open(tmp_path / "t.bin", bos_id=0, dtype="uint16", whole_documents=False)
     assert docs_of(store) == [[5, 6]] + [d.tolist() for d in docs]
     stream = TokenStore.open(tmp_path / "t.bin", dtype="uint16")
     assert len(stream) == 1 and stream.num_tokens == 2 + sum(map(len, docs))

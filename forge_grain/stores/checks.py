@@ -119,17 +119,84 @@ def sampled_tokens(tokens: np.ndarray) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, tokens.dtype)
 
 
-def check_width(path: Path, sample: np.ndarray) -> None:
-    """Refuse 16-bit data that is really 32-bit ids (every other 16-bit value zero), judged
-    on the file's `sampled_tokens`."""
-    if sample.dtype.itemsize != 2:
-        return
-    sample = sample[: len(sample) // 2 * 2]
-    if len(sample) >= 512 and not np.any(sample[1::2]) and np.any(sample[0::2]):
-        raise StoreError(
-            f"{path}: read as {sample.dtype}, every other token is 0, the signature of 32-bit ids read as 16-bit; "
-            "declare dtype='int32' or 'uint32' (or dtype='uint16' explicitly if this really is 16-bit data)"
-        )
+WIDTH_SURE = 40  # lower-lane values above every upper-lane value: beyond this, wider ids (odds < 2^-40 by chance)
+WIDTH_DISTINCT = 8  # ... and of at least this many distinct ids (data repeating with the lanes' period proves nothing)
+WIDTH_UNSURE = 12  # from here (or with every upper lane zero) a derived dtype cannot be trusted either way
+LARGEST_VOCAB = 1 << 20  # no tokenizer in use has more ids; 32-bit values past it without a vocab_size are suspect
+
+
+def aligned_sample(tokens: np.ndarray) -> np.ndarray:
+    """The bytes of the fingerprint's sampled blocks, each moved to start at a multiple of 8
+    bytes from the data's start and cut to a multiple of 8 bytes, so that every view of the
+    sample (as 16-, 32- or 64-bit items) puts each item of the true width in the same lane."""
+    item = tokens.dtype.itemsize
+    parts = []
+    for off in sample_offsets(len(tokens) * item):
+        lo = off // 8 * 8
+        hi = min(lo + SAMPLE_BLOCK_BYTES, len(tokens) * item) // 8 * 8
+        if hi > lo:
+            parts.append(np.ascontiguousarray(tokens[lo // item : hi // item]).view(np.uint8))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def _lanes(raw: np.ndarray, item: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sample as little-endian `item`-byte values in groups of `group` bytes: (the lowest
+    value of each group, the other values)."""
+    values = raw[: len(raw) // group * group].view(f"<u{item}").reshape(-1, group // item)
+    return values[:, 0], values[:, 1:]
+
+
+def _exceeding(low: np.ndarray, high: np.ndarray) -> tuple[int, int]:
+    """How many lower-lane values exceed every upper-lane value, and how many distinct ones.
+    For items of the width read, the lanes are alike (a position's parity says nothing of its
+    token), so a few at most; for wider ids read narrow, the upper lanes hold the ids' high
+    halves (zero, or tiny) and the lower lanes the ids."""
+    if not high.size:
+        return 0, 0
+    above = low[low > high.max()]
+    return len(above), len(np.unique(above))
+
+
+def check_width(path: Path, tokens: np.ndarray, *, declared: bool, vocab_size: int | None = None) -> None:
+    """Refuse a file whose bytes say its ids are wider or narrower than the dtype it is read
+    with, judged on the whole `aligned_sample`. A dtype the user declared is refused only
+    when the evidence is beyond doubt; a derived one (from a vocabulary or a tokenizer) also
+    when the sample cannot tell, asking for `dtype=` rather than guessing."""
+    raw = aligned_sample(tokens)
+    item = tokens.dtype.itemsize
+    for wide in (8, 4):
+        if wide <= item:
+            continue
+        low, high = _lanes(raw, item, wide)
+        k, distinct = _exceeding(low, high)
+        top = int(high.max()) if high.size else 0
+        bits, read, name = wide * 8, f"{tokens.dtype}", "int64" if wide == 8 else "int32"
+        # beyond doubt: many values, of many ids, above upper parts small enough to be ids' high halves
+        if k >= WIDTH_SURE and distinct >= WIDTH_DISTINCT and top <= (LARGEST_VOCAB - 1) >> (8 * item):
+            which = "every other token" if wide // item == 2 else f"{wide // item - 1} of every {wide // item} tokens"
+            value = "0" if not top else f"at most {top} where the others reach {int(low.max())}"
+            raise StoreError(
+                f"{path}: read as {read}, {which} is {value} (in all {len(low)} sampled groups): the signature of "
+                f"{bits}-bit ids read as {item * 8}-bit. Declare dtype='{name}' (or 'uint{bits}'), whichever "
+                "wrote the file"
+            )
+        if not declared and k and (k >= WIDTH_UNSURE or not top):
+            raise StoreError(
+                f"{path}: read as {read} (derived from the vocabulary), the sample cannot tell it from {bits}-bit ids "
+                f"read as {item * 8}-bit ({k} of its {len(low)} {bits}-bit groups fit either). Declare the dtype the "
+                f"file was written with: dtype='{read}' or '{name}'"
+            )
+    signed_negative = tokens.dtype.kind == "i" and len(raw) >= item and raw[: len(raw) // item * item].view(
+        tokens.dtype).min() < 0  # negative ids: `check_ids` names them
+    # 16-bit ids read as 32-bit: the halves look alike (wider reads give ids past int32, which `check_ids` names)
+    if item == 4 and vocab_size is None and not signed_negative:
+        low, high = _lanes(raw, item // 2, item)
+        if high.size and int(high.max()) >= LARGEST_VOCAB >> (4 * item) and _exceeding(low, high)[0] < WIDTH_UNSURE:
+            raise StoreError(
+                f"{path}: read as {tokens.dtype}, the sample's values have upper halves like their lower halves (ids "
+                f"past {LARGEST_VOCAB:,}, more than any tokenizer has): the signature of 16-bit ids read as 32-bit. "
+                "Declare dtype='uint16', or give vocab_size= if the vocabulary really is that large"
+            )
 
 
 def check_ids(path: Path, lo: int, hi: int, vocab_size: int | None) -> None:
@@ -149,7 +216,8 @@ def spread(values: np.ndarray, limit: int = CHECK_ALL_BOUNDARIES) -> np.ndarray:
     return values[np.linspace(0, len(values) - 1, limit).astype(np.int64)]
 
 
-def check_special_ends(path: Path, tokens_at, offsets: np.ndarray, eos_id, bos_id) -> None:
+def check_special_ends(path: Path, tokens_at, offsets: np.ndarray, eos_id, bos_id,
+                       remedy: str = "check the id, or leave it out") -> None:
     """Documents found by the format's own index must end with a declared EOS id and start
     with a declared BOS id (all documents, or an evenly spaced sample of a million);
     `tokens_at(positions)` reads the tokens at positions of the store."""
@@ -165,7 +233,7 @@ def check_special_ends(path: Path, tokens_at, offsets: np.ndarray, eos_id, bos_i
             doc = int(picked[bad[0]])
             raise StoreError(
                 f"{path}: {name}={special} was declared, but document {doc} "
-                f"does not {what} it (it has {int(values[bad[0]])}); check the id, or leave it out"
+                f"does not {what} it (it has {int(values[bad[0]])}); {remedy}"
             )
 
 

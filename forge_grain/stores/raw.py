@@ -89,14 +89,18 @@ def raw_dtype(path: Path, dtype, vocab_size: int | None) -> np.dtype:
     )
 
 
+def _has_npy_header(path: Path) -> bool:
+    """A `.npy` with its header records its dtype; a header-less one (OLMo's memmaps) does not."""
+    with open(path, "rb") as f:
+        return f.read(len(identify.NPY_MAGIC)) == identify.NPY_MAGIC
+
+
 def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndarray:
     """Memory-map one foreign file as a 1-D array of integer tokens."""
     found = identify.describe(path)
     if found:
         raise StoreError(found)
-    with open(path, "rb") as f:
-        has_header = f.read(len(identify.NPY_MAGIC)) == identify.NPY_MAGIC
-    if has_header:
+    if _has_npy_header(path):
         try:
             arr = mapping.map_npy(path)
         except ValueError as e:
@@ -209,6 +213,33 @@ def _scan(tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None) -> tupl
     return offsets, (0 if lo_id is None else lo_id), hi_id
 
 
+SHORT_DOCUMENT = 2  # tokens: documents this short are rare; most of them means the wrong delimiter
+
+
+def _check_delimiters(path: Path, tokens: np.ndarray, offsets: np.ndarray, eos_id, bos_id, whole: bool) -> None:
+    """A declared EOS (BOS) must really delimit the documents: every document of a file of
+    whole documents ends with it (starts with it), the last (first) one included, and the
+    documents it cuts must not be mostly 1-2 tokens long (the mark of a common token taken
+    for the delimiter). `whole=False` exempts a file's first and last documents, for files
+    cut inside a document."""
+    if eos_id is None and bos_id is None or not len(tokens):
+        return
+    inner = offsets if whole else offsets[1:-1]  # not whole: the first and last documents are exempt
+    remedy = "check the id" + (", or pass whole_documents=False if the file begins or ends inside a document"
+                               if whole else "")
+    checks.check_special_ends(path, lambda at: tokens[at], inner, eos_id, bos_id, remedy=remedy)
+    docs = checks.spread(np.arange(len(offsets) - 1))
+    lengths = offsets[docs + 1] - offsets[docs]
+    short = int(np.count_nonzero(lengths <= SHORT_DOCUMENT))
+    if len(docs) >= 16 and short * 2 > len(docs):
+        name, value = ("eos_id", eos_id) if eos_id is not None else ("bos_id", bos_id)
+        raise StoreError(
+            f"{path}: with {name}={value}, {short:,} of {len(docs):,} documents{' sampled' if len(docs) < len(offsets) - 1 else ''} "
+            f"are 1-{SHORT_DOCUMENT} tokens long (median {int(np.median(lengths))}): id {value} is not what delimits "
+            f"these documents. Check {name} (the id every document {'ends' if name == 'eos_id' else 'starts'} with)"
+        )
+
+
 class RawStore(TokenStore):
     """nanoGPT `.bin`, OLMo/Dolma header-less `.npy` memmaps, KempnerForge `.npy` shards, or
     any 1-D token arrays: the dtype is declared (or decided by the vocabulary, or a `.npy`
@@ -216,21 +247,23 @@ class RawStore(TokenStore):
 
     format = "raw"
     description = "raw token files"
-    OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer", "split", "file_pattern"})
+    OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer", "split", "file_pattern",
+                         "whole_documents"})
 
-    def _open(self, dtype=None, split=None, file_pattern=None) -> None:
+    def _open(self, dtype=None, split=None, file_pattern=None, whole_documents=True) -> None:
         vocab_size, eos_id, bos_id = self.vocab_size, self.eos_id, self.bos_id
+        self._declared_dtype = dtype is not None
         self._files = find_token_files(self.path, split=split, file_pattern=file_pattern)
         self._arrays = [map_tokens(f, dtype, vocab_size) for f in self._files]
         self.dtype = self._one_dtype({a.dtype for a in self._arrays}, "token files")
         offsets = []
         for f, a in zip(self._files, self._arrays):
-            sample = checks.sampled_tokens(a)  # read once: the width check and the cache check use it
-            if dtype is None:  # decided by the vocabulary or a .npy header: check it is plausible
-                checks.check_width(f, sample)
+            sample = checks.sampled_tokens(a)  # read once for the cache check
+            checks.check_width(f, a, declared=dtype is not None or _has_npy_header(f), vocab_size=vocab_size)
             content = checks.content_fingerprint(f, full=self._full)
             off, lo, hi = document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content, sample=sample)
             checks.check_ids(f, lo, hi, vocab_size)
+            _check_delimiters(f, a, off, eos_id, bos_id, whole_documents)
             offsets.append(off)
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
@@ -238,4 +271,4 @@ class RawStore(TokenStore):
 
     def _verify_files(self) -> None:
         for f, a in zip(self._files, self._arrays):
-            checks.check_width(f, checks.sampled_tokens(a))
+            checks.check_width(f, a, declared=self._declared_dtype or _has_npy_header(f), vocab_size=self.vocab_size)
