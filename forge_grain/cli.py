@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .errors import ForgeGrainError
 
@@ -37,6 +38,9 @@ def _inspect(a) -> None:
     from .stores import TokenStore
     from .summary import format_summary, plot_lengths
 
+    if str(a.path).endswith(".toml") and Path(a.path).is_file():
+        return _inspect_config(Path(a.path))
+
     store = TokenStore.open(
         a.path, verify=a.verify, dtype=a.dtype, eos_id=a.eos_id, bos_id=a.bos_id, vocab_size=a.vocab_size,
         tokenizer=a.tokenizer, split=a.split, file_pattern=a.file_pattern, format=a.format,
@@ -52,6 +56,26 @@ def _inspect(a) -> None:
         from .summary import packing_report
 
         print(packing_report(store, a.seq_len, seed=a.seed, max_segments=a.max_segments))
+
+
+def _inspect_config(path: Path) -> None:
+    """A config file (forge-grain's or a KempnerForge job file): its geometry, then each
+    source's weight and, for stored sources, the summary of its store."""
+    from .config import DataConfig
+    from .stores import TokenStore
+    from .summary import format_summary
+
+    c = DataConfig.from_toml(path)
+    print(f"{path}: a data config, {len(c.sources)} source(s), seq_len {c.seq_len}, global batch "
+          f"{c.global_batch_size}, {len(c.all_phases())} phase(s)")
+    schedule = c.schedule()
+    for k, s in enumerate(c.sources):
+        weights = " -> ".join(f"{w[k]:.3g}" for _, w in schedule)
+        print(f"\nsource '{s.name}': weight {weights} (by phase), {s.strategy}")
+        if s.path is not None:
+            print(format_summary(TokenStore.open(s.path, **s.store_options())))
+        else:
+            print(f"  Hugging Face dataset {s.hf_dataset!r}{' (streaming)' if s.hf_streaming else ''}")
 
 
 def _beam_option(option: str) -> str:
@@ -119,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_options(pr)
     pr.set_defaults(func=_prepare)
 
-    ins = sub.add_parser("inspect", help="summarize a token store")
+    ins = sub.add_parser("inspect", help="summarize a token store (or the sources of a config file)")
     ins.add_argument("path", help="a token store in any format read in place: a forge-grain store, raw .npy/.bin "
                      "file(s), a Megatron prefix, a save_to_disk dataset, a LitData or MDS directory")
     ins.add_argument("--format", choices=["native", "raw", "megatron", "arrow", "litdata", "mds"],

@@ -24,7 +24,7 @@ from queue import Empty
 
 import numpy as np
 
-from .errors import PrepareError
+from .errors import PrepareError, StoreError
 from .manifest import (
     LAYOUTS,
     MANIFEST_NAME,
@@ -119,6 +119,13 @@ def prepare(
     options, e.g. `["--runner=DataflowRunner", "--project=P", ...]`), writing the same
     bytes; inputs and `output` may then be any fsspec URL (see `forge_grain.beam_prepare`).
     """
+    if is_url(output):
+        from .stores.remote import check_writable
+
+        try:
+            check_writable(str(output), storage_options)  # before any work: a missing bucket is found at once
+        except StoreError as e:
+            raise PrepareError(f"{e}; nothing was tokenized") from None
     if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
         from .stores.remote import upload_store
@@ -555,7 +562,7 @@ def _token_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np
         doc = values[a:b]
         for want, at, what in ((job.starts_with, 0, "start with BOS"), (job.ends_with, -1, "end with EOS")):
             if want is not None and doc[at] != want:
-                flag = "--add-bos" if at == 0 else "--add-eos"
+                flag = "--bos (add_bos=True)" if at == 0 else "--eos (add_eos=True)"
                 raise PrepareError(
                     f"{corpus.where(lo + j)}: does not {what} id {want}, which was declared; pass {flag} to add "
                     "it, or leave the declaration out if the documents carry none"

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import glob as globlib
+import json
 import os
 import re
 import socket
 from pathlib import Path
 
 from .errors import PrepareError
+from .manifest import FORMAT, MANIFEST_NAME
 from .splits import DEFAULT_SPLIT, select_split, split_of
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text", ".py": "text"}
@@ -53,6 +55,22 @@ def load_texts(source, **kwargs):
     return load_corpus(source, **kwargs).ds
 
 
+def _refuse_token_store(path: Path) -> None:
+    """A forge-grain token store given as input is already prepared: say so (its manifest
+    would otherwise be read as a JSON corpus and fail with an Arrow cast error)."""
+    manifest = path / MANIFEST_NAME
+    if path.is_dir() and manifest.is_file():
+        try:
+            is_store = json.loads(manifest.read_text()).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            is_store = False
+        if is_store:
+            raise PrepareError(
+                f"{path}: is already a forge-grain token store (its {MANIFEST_NAME} says so), not text to prepare; "
+                "use it as it is: TokenStore.open(path), or `path` of a source in the config"
+            )
+
+
 def load_corpus(
     source: str | Path,
     *,
@@ -81,6 +99,7 @@ def load_corpus(
     datasets.disable_progress_bars()  # forge-grain shows its own progress
     path = Path(source)
     corpus = Corpus(None, str(source))
+    _refuse_token_store(path)
     if data_files is not None:
         corpus.ds = _load(source, source, hf_config, data_files=data_files, split=split or DEFAULT_SPLIT,
                           streaming=streaming)

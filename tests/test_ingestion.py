@@ -179,7 +179,7 @@ def test_pretokenized_ids_are_validated_and_written_deterministically(tmp_path):
         prepare(src, tmp_path / "a", token_field="input_ids", progress=False)
     with pytest.raises(PrepareError, match=r"in\.jsonl, row \d+: token id \d+ is outside the vocabulary \[0, 100\)"):
         prepare(src, tmp_path / "b", token_field="input_ids", vocab_size=100, progress=False)
-    with pytest.raises(PrepareError, match=r"row 0: does not start with BOS id 7.*--add-bos"):
+    with pytest.raises(PrepareError, match=r"row 0: does not start with BOS id 7.*--bos \(add_bos=True\)"):
         prepare(src, tmp_path / "c", token_field="input_ids", vocab_size=500, bos_id=7, progress=False)
     added = TokenStore.open(prepare(src, tmp_path / "d", token_field="input_ids", vocab_size=500, eos_id=499,
                                     add_eos=True, progress=False))

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
-from forge_grain import DataConfig, Pipeline, StoreError, TokenStore, prepare  # noqa: E402
+from forge_grain import DataConfig, Pipeline, PrepareError, StoreError, TokenStore, prepare  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 
@@ -205,3 +205,18 @@ def test_prepare_to_object_storage_writes_the_local_store_and_an_interrupted_upl
     assert not s3.proxy.puts  # complete already: nothing uploaded
     with pytest.raises(StoreError, match="already holds another token store"):
         prepare(docs, "s3://bucket/up", storage_options=s3.options(), **{**args, "num_shards": 20})
+
+
+def test_prepare_to_a_bucket_that_does_not_exist_fails_before_tokenizing(tmp_path, s3, local_stores, monkeypatch):
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    docs = local_stores["bin"].parent / "docs.jsonl"
+    from forge_grain import preparation
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("the corpus was read before the output was checked")
+
+    monkeypatch.setattr(preparation, "_write_store", no_tokenizing)
+    with pytest.raises(PrepareError, match=r"s3://no-such-bucket/web: cannot write there .*check that the bucket "
+                                           r"exists.*nothing was tokenized"):
+        prepare(docs, "s3://no-such-bucket/web", storage_options=s3.options(), token_field="ids", vocab_size=1000,
+                progress=False)

@@ -189,13 +189,15 @@ def check_width(path: Path, tokens: np.ndarray, *, declared: bool, vocab_size: i
     signed_negative = tokens.dtype.kind == "i" and len(raw) >= item and raw[: len(raw) // item * item].view(
         tokens.dtype).min() < 0  # negative ids: `check_ids` names them
     # 16-bit ids read as 32-bit: the halves look alike (wider reads give ids past int32, which `check_ids` names)
-    if item == 4 and vocab_size is None and not signed_negative:
-        low, high = _lanes(raw, item // 2, item)
-        if high.size and int(high.max()) >= LARGEST_VOCAB >> (4 * item) and _exceeding(low, high)[0] < WIDTH_UNSURE:
+    limit = vocab_size or LARGEST_VOCAB
+    if item == 4 and not signed_negative:
+        low, high = _lanes(raw, 2, 4)
+        if high.size and int(high.max()) > (limit - 1) >> 16 and _exceeding(low, high)[0] < WIDTH_UNSURE:
+            past = f"vocab_size {vocab_size:,}" if vocab_size else f"{LARGEST_VOCAB:,}, more than any tokenizer has"
             raise StoreError(
                 f"{path}: read as {tokens.dtype}, the sample's values have upper halves like their lower halves (ids "
-                f"past {LARGEST_VOCAB:,}, more than any tokenizer has): the signature of 16-bit ids read as 32-bit. "
-                "Declare dtype='uint16', or give vocab_size= if the vocabulary really is that large"
+                f"past {past}): the signature of 16-bit ids read as 32-bit. Declare dtype='uint16'"
+                + ("" if vocab_size else ", or give vocab_size= if the vocabulary really is that large")
             )
 
 

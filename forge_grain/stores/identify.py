@@ -48,6 +48,8 @@ ADVICE = {
     "mds": "MosaicML MDS shards carry their own headers: open the directory with its index.json in place with "
            "`TokenStore.open(DIR)` (format='mds', token_field=COLUMN)",
     "text": "tokenize it with `forge-grain prepare FILE OUT`",
+    "config": "`forge-grain inspect CONFIG.toml` summarises the sources of a config (or a KempnerForge job file), "
+              "and `DataConfig.from_toml` loads it; open the stores its sources name",
 }
 
 
@@ -74,6 +76,8 @@ def identify(path: Path) -> tuple[str, str] | None:
         return "a MosaicML Streaming (MDS) shard", "mds"
     if _has_sample_table(path, head):
         return "a chunk of samples with an offset table (LitData or MosaicML MDS layout)", "litdata"
+    if path.suffix == ".toml" and _looks_like_text(head):
+        return "a TOML file (a data config or a job file?)", "config"
     if _looks_like_text(head):
         return ("JSON text" if head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] in (b"{", b"[") else "text"), "text"
     return None
@@ -96,7 +100,8 @@ def describe_directory(path: Path) -> str | None:
     kind = index_kind(read_index(path / "index.json"))
     if kind:
         return f"{path}: a {'LitData' if kind == 'litdata' else 'MosaicML MDS'} dataset; {ADVICE[kind]}"
-    suffixes = {f.suffix for f in path.iterdir() if f.is_file()} if path.is_dir() else set()
+    # hidden files are never data: forge-grain's own caches (document indices, plans) are hidden
+    suffixes = {f.suffix for f in path.iterdir() if f.is_file() and not f.name.startswith(".")} if path.is_dir() else set()
     data = sorted(suffixes & {".jsonl", ".json", ".parquet", ".txt", ".arrow", ".idx", ".mds"})
     if data:
         return f"{path}: holds {', '.join(data)} files, not token arrays; {ADVICE['prepare']}"

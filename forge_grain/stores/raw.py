@@ -63,6 +63,11 @@ def find_token_files(path: str | Path, *, split: str | None = None, file_pattern
     else:
         files = sorted(Path(f) for f in globlib.glob(str(path)) if _is_token_file(Path(f)))
         base = None
+    if not files and file_pattern and p.is_dir():
+        others = sorted({f.suffix for f in p.iterdir() if _is_token_file(f)})
+        if others:
+            raise StoreError(f"{p}: no file matches file_pattern={file_pattern!r}, but the directory holds "
+                             f"{', '.join(others)} token files: set file_pattern to match them (e.g. '*{others[0]}')")
     if not files:
         hint = identify.describe_directory(p) if p.is_dir() else None
         raise StoreError(hint or f"{path}: no manifest.json and no .npy/.bin token files found"

@@ -361,6 +361,21 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
     remote.retry(UPLOAD_MARKER, lambda: remote.fs.rm_file(remote.path(UPLOAD_MARKER)))
 
 
+def check_writable(url: str, storage_options: dict | None = None) -> None:
+    """Write and remove a small object under `url`, so that a missing bucket or a read-only
+    credential is reported before any work is done, not after hours of tokenizing."""
+    remote = RemoteDir(url, storage_options)
+    if read_or_none(remote, MANIFEST_NAME) is not None:
+        return  # a store is there: the bucket exists (whether it may be replaced is decided on upload)
+    name = f".forge-grain-write-check-{os.getpid()}"
+    try:
+        remote.fs.pipe_file(remote.path(name), b"")
+        remote.fs.rm_file(remote.path(name))
+    except Exception as e:  # a missing bucket, no permission, no such host: all say the same to the user
+        raise StoreError(f"{remote.url}: cannot write there ({e.__class__.__name__}: {e}); check that the bucket "
+                         "exists and the credentials may write to it (storage_options)") from None
+
+
 def read_or_none(remote: RemoteDir, name: str) -> bytes | None:
     return remote.retry(name, lambda: remote.fs.cat_file(remote.path(name)), missing_ok=True)
 
