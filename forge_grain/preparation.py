@@ -147,8 +147,11 @@ def prepare(
     if not isinstance(piece_chars, int) or piece_chars < 1024:
         raise PrepareError(f"piece_chars must be an integer of at least 1024, not {piece_chars!r}")
     tokens = token_field is not None
-    tok, vocab_size, bos, eos = _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id,
-                                             special_tokens_in_text)
+    try:
+        tok, vocab_size, bos, eos = _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id,
+                                                 special_tokens_in_text)
+    except PrepareError as e:  # the declarations do not fit together: say which input they were for
+        raise PrepareError(str(e) if str(e).startswith(str(source)) else f"{source}: {e}") from None
     add_bos = (not tokens) if add_bos is None else add_bos
     add_eos = (not tokens) if add_eos is None else add_eos
     for flag, tid, what in ((add_bos, bos, "BOS"), (add_eos, eos, "EOS")):

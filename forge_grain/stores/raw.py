@@ -53,7 +53,7 @@ def find_token_files(path: str | Path, *, split: str | None = None, file_pattern
     if p.is_file():
         if file_pattern:
             raise StoreError(f"{p}: file_pattern={file_pattern!r} applies to a directory, and this is a file")
-        return [p]
+        return select_split([p], split, p, StoreError, default=None)  # a split asked of one file must be its own
     if p.is_dir():
         if list(p.glob("shard-*.idx.npy")):
             raise StoreError(f"{p}: a forge-grain store without manifest.json is incomplete (re-run `forge-grain prepare`)")
