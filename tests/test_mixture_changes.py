@@ -142,3 +142,31 @@ def test_reordering_a_hundred_sources_repeats_and_skips_nothing(tmp_path):
             name = b.source_names[i]
             assert r == nxt[name], (step, name)
             nxt[name] += 1
+
+
+def test_a_state_saved_before_trees_were_recorded_continues_as_it_was_mixed(six_stores):
+    """Such a history (no `tree` in its segments) was mixed with one tree over every source
+    the pipeline knew; a plain resume keeps doing exactly that, and a new change continues
+    from the counts that mixing gave."""
+    from forge_grain import history
+    from forge_grain.mixture import Mixture
+
+    a = Pipeline(make_config(six_stores, [("s0", 1.0), ("s1", 2.0), ("s2", 3.0)]), 0, 1, num_threads=0)
+    new = make_config(six_stores, [("s2", 1.0), ("s0", 2.0), ("s3", 1.0)])
+    b = Pipeline(new, 0, 1, num_threads=0, resume_from=a.state_at(5), allow_mixture_change=True)
+    state = b.state_at(9)
+    config = {**state["config"], "history": [{k: v for k, v in seg.items() if k != "tree"}
+                                             for seg in state["config"]["history"]]}
+    legacy = {**state, "config": config, "fingerprint": history.digest(config)}
+    resumed = Pipeline(new, 0, 1, num_threads=0, resume_from=legacy)
+    assert resumed.source_names == ["s2", "s0", "s3", "s1"]
+    union = resumed.source_names  # the earlier version's one tree: all four sources, weights 0 where unnamed
+    old_way = Mixture(resumed.mixture.datasets, [3, 1, 0, 2], phases=[(5 * B, [1, 2, 1, 0])])
+    for step in range(0, 20):
+        rows = resumed.global_rows(step)
+        assert [x.tolist() for x in resumed.mixture.locate(rows)] == [x.tolist() for x in old_way.locate(rows)], step
+    changed = Pipeline(make_config(six_stores, [("s1", 1.0), ("s3", 1.0)]), 0, 1, num_threads=0, resume_from=
+                       resumed.state_at(12), allow_mixture_change=True)
+    assert {n: c["rows"] for n, c in changed.consumed(12).items()} == \
+        {n: c["rows"] for n, c in resumed.consumed(12).items()}
+    assert all(seg["tree"] == union for seg in changed.history)
