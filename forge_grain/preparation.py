@@ -120,12 +120,7 @@ def prepare(
     bytes; inputs and `output` may then be any fsspec URL (see `forge_grain.beam_prepare`).
     """
     if is_url(output):
-        from .stores.remote import check_writable
-
-        try:
-            check_writable(str(output), storage_options)  # before any work: a missing bucket is found at once
-        except StoreError as e:
-            raise PrepareError(f"{e}; nothing was tokenized") from None
+        _check_writable(output, storage_options)  # before any work: a missing bucket is found at once
     if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
         from .stores.remote import upload_store
@@ -197,6 +192,15 @@ def prepare(
             "and re-running the same command (once the cause is fixed) completes it"
         ) from None
     return out
+
+
+def _check_writable(url, storage_options) -> None:
+    from .stores.remote import check_writable
+
+    try:
+        check_writable(str(url), storage_options)
+    except StoreError as e:
+        raise PrepareError(f"{e}; nothing was tokenized") from None
 
 
 def _cause(e: OSError) -> str:
