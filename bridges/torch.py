@@ -76,6 +76,7 @@ def to_torch(batch: dict, convention: str = "forge", dtype: torch.dtype = torch.
     out["labels"] = torch.from_numpy(hf_labels(inputs, batch["loss_mask"])).to(dtype)
     out["attention_mask"] = ids(batch["segment_ids"] > 0)
     out["position_ids"] = ids(batch["positions"])
+    out["segment_ids"] = ids(batch["segment_ids"])  # documents within rows, for the attention helpers
     stop = np.zeros(inputs.shape, np.bool_)  # aligned with labels: true where the label ends its document
     stop[:, 1:] = batch["natural_stop"][:, :-1]
     out["is_natural_stop"] = torch.from_numpy(stop)
@@ -94,8 +95,8 @@ class GrainIterableDataset(IterableDataset):
     """Per-rank batches of a forge-grain `Pipeline` (or `DataConfig`) as dicts of tensors.
 
     convention: "forge" (inputs, targets, segment_ids, positions, loss_mask) or "hf"
-    (input_ids, labels with -100 where the loss mask is 0, attention_mask, position_ids);
-    both add source_id and step. `varlen=True` adds `cu_seqlens`, `max_seqlen` and
+    (input_ids, labels with -100 where the loss mask is 0, attention_mask, position_ids,
+    segment_ids); both add source_id and step. `varlen=True` adds `cu_seqlens`, `max_seqlen` and
     `doc_lens` (`forge_grain.varlen`; padded to `max_segments_per_row + 1` segments a row
     when the config caps them, else `seq_len`). dtype: of ids and positions (int64 suits embedding
     lookups; int32 on request). A full pass covers the pipeline's steps; a new pass
@@ -120,8 +121,8 @@ class GrainIterableDataset(IterableDataset):
         self._resume: dict | None = None  # a per-worker state: applies to the next pass of this process only
         self._channel = ResumeChannel()  # a global (tracker) state: applies to the next pass, wherever it runs
         self._next_step: int | None = None  # next step this process will produce
+        self._end = 0  # the end of the pass it is making
         self._num_workers = 1
-        self._epoch = 0
 
     @property
     def num_steps(self) -> int | None:
@@ -129,14 +130,16 @@ class GrainIterableDataset(IterableDataset):
 
     @property
     def steps_per_pass(self) -> int:
-        """Steps of one DataLoader pass: all of the pipeline's when its config has one epoch (or
-        only `max_steps`), else one epoch of its data (rows per epoch // global batch)."""
+        """Steps of one DataLoader pass: one epoch of the pipeline (`steps_per_epoch`), or all of
+        its steps when it has less than an epoch or only `max_steps`. With `num_epochs = E`
+        the pipeline has exactly E · steps_per_epoch steps, so E passes tile it: a trainer
+        configured for E epochs sees every step (a fractional E leaves a shorter last pass)."""
         p, epochs = self.pipeline, self.pipeline.config.num_epochs
-        if epochs is None and p.num_steps is not None or epochs == 1:
-            return p.num_steps
         if epochs is None:
-            raise TypeError("an unlimited pipeline has no length: set num_epochs or max_steps")
-        return min(p.rows_per_epoch // p.config.global_batch_size, p.num_steps)
+            if p.num_steps is None:
+                raise TypeError("an unlimited pipeline has no length: set num_epochs or max_steps")
+            return p.num_steps
+        return min(p.steps_per_epoch, p.num_steps)
 
     def __len__(self) -> int:
         """This rank's exact number of batches in one pass (what a trainer's schedule needs)."""
@@ -145,22 +148,23 @@ class GrainIterableDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass cover pipeline steps [epoch·n, (epoch+1)·n), n = `len(self)`, so
         trainers that call `set_epoch` (Hugging Face `Trainer`, Lightning) see the pipeline's
-        next epoch instead of a replay. Without it every pass starts at step 0. With
-        `persistent_workers=True` worker copies do not see it: use workers that restart."""
+        next epoch instead of a replay. Without it every pass starts at step 0. DataLoader
+        workers see it too, persistent ones included (it travels through the resume channel)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
-        self._epoch = epoch
+        self._channel.set_epoch(epoch)
 
     def _pass_start(self) -> int:
         """The first step of the pass `set_epoch` chose."""
+        epoch = self._channel.epoch()
         if self.pipeline.num_steps is None:  # unlimited: one endless pass
-            if self._epoch:
+            if epoch:
                 raise StateError("an unlimited pipeline has one endless pass; set_epoch needs num_epochs or max_steps")
             return 0
-        start = self._epoch * self.steps_per_pass
+        start = epoch * self.steps_per_pass
         if start >= self.pipeline.num_steps:
             raise StateError(
-                f"epoch {self._epoch} starts at step {start}, past the pipeline's {self.pipeline.num_steps} steps; "
+                f"epoch {epoch} starts at step {start}, past the pipeline's {self.pipeline.num_steps} steps; "
                 "raise num_epochs (or max_steps) in the config"
             )
         return start
@@ -176,34 +180,39 @@ class GrainIterableDataset(IterableDataset):
         info = get_worker_info()
         return (info.id, info.num_workers) if info is not None else (0, 1)
 
-    def _first_step(self, w: int, W: int) -> int:
+    def _first_step(self, w: int, W: int) -> tuple[int, int]:
+        """(the first step this process makes in this pass, the pass's end), its streams positioned
+        for it: from a loaded state, else the pass start `set_epoch` chose."""
         state, self._resume = self._resume, None
-        if self.pipeline.streams:
-            self.pipeline.own_streams(w, W)  # its steps' canonical streams only
         posted = self._channel.take(W)
         state = state if posted is None else posted
+        streams = None
         if state is None:
-            first = self._pass_start() + w
-            self.pipeline.seek(first)  # streaming sources back to the start of the pass
-            return first
-        if state.get("kind") == "worker":
+            start = self._pass_start()
+            first, end = start + w, self._pass_end(start)
+            if self.pipeline.streams:  # at the pass start: handed over by the last pass's processes, or known here
+                streams = self._channel.handed_over(start) or self.pipeline.known_streams(start)
+        elif state.get("kind") == "worker":
             if state["num_workers"] != W:
                 raise StateError(
                     f"a per-worker state saved with {state['num_workers']} workers cannot resume {W}; "
                     "use the tracker's global state to change the worker count"
                 )
-            state = {**state.get("pipeline", {}), "step": int(state["next_step"])}
+            first, streams = int(state["next_step"]), state.get("pipeline", {}).get("streams")
+            # the pass it was saved in (a worker whose next step is past it has finished that pass)
+            end = int(state["pass_end"]) if "pass_end" in state else self._pass_end(first - w)
         else:
-            state = {**state, "step": int(state["step"]) + w}
-        self.pipeline.seek(state["step"], state.get("streams"))
-        return state["step"]
+            first, streams = int(state["step"]) + w, state.get("streams")
+            end = self._pass_end(int(state["step"]))
+        if self.pipeline.streams:
+            self.pipeline.start_streams(first, W, streams)  # its steps' canonical streams only
+        return first, end
 
     def __iter__(self):
         w, W = self._worker()
         self._num_workers = W
-        step = self._first_step(w, W)
-        end = self._pass_end(step - w)
-        self._next_step = step
+        step, end = self._first_step(w, W)
+        self._next_step, self._end = step, end
         while step < end:
             batch = self._tensors(self.pipeline.batch(step))
             if self.pipeline.streams:  # where this worker's streams are now, for the tracker
@@ -211,6 +220,9 @@ class GrainIterableDataset(IterableDataset):
             step += W
             self._next_step = step
             yield batch
+        if self.pipeline.streams and end < self.pipeline.step_limit:
+            # the pass is done here: hand this process's streams to whichever processes start the next
+            self._channel.hand_over(end, self.pipeline.stream_positions(step))
 
     def _tensors(self, batch: dict) -> dict:
         out = to_torch(batch, self.convention, self.dtype)
@@ -227,10 +239,16 @@ class GrainIterableDataset(IterableDataset):
         if self._next_step is None and self._resume is not None:
             return dict(self._resume)
         w, W = self._worker()
-        if self._next_step is None and self.pipeline.streams:
-            self.pipeline.own_streams(w, W)  # not started: its streams at their start
-        next_step = self._next_step if self._next_step is not None else self._pass_start() + w
-        state = {"kind": "worker", "next_step": next_step, "num_workers": W, "fingerprint": self.pipeline.fingerprint}
+        if self._next_step is None:  # not started: at the start of the pass set_epoch chose
+            start = self._pass_start()
+            next_step, end = start + w, self._pass_end(start)
+            if self.pipeline.streams:
+                self.pipeline.start_streams(next_step, W, self._channel.handed_over(start) or
+                                            self.pipeline.known_streams(start))
+        else:
+            next_step, end = self._next_step, self._end
+        state = {"kind": "worker", "next_step": next_step, "pass_end": end, "num_workers": W,
+                 "fingerprint": self.pipeline.fingerprint}
         if self.pipeline.streams:  # their positions, which only this process knows
             state["pipeline"] = self.pipeline.state_at(next_step)
         return state
@@ -240,10 +258,13 @@ class GrainIterableDataset(IterableDataset):
             if state.get("fingerprint") != self.pipeline.fingerprint:
                 raise StateError("this state was saved by a pipeline with another config or other data")
             w, W = self._worker()
-            if self.pipeline.streams and state.get("num_workers") == W:
-                self.pipeline.own_streams(w, W)  # the streams its state holds
+            step = state.get("next_step")
+            if self.pipeline.streams and state.get("num_workers") == W and isinstance(step, int):
+                self.pipeline.start_streams(step, W, state.get("pipeline", {}).get("streams"))  # the streams it holds
             inner = state.get("pipeline") or {"version": STATE_VERSION, "fingerprint": state["fingerprint"]}
-            self.pipeline.check_state({**inner, "step": state.get("next_step")})  # types, range, streams
+            if isinstance(step, int) and not isinstance(step, bool):  # a worker past the end has finished
+                step = min(step, self.pipeline.step_limit)
+            self.pipeline.check_state({**inner, "step": step})  # types, range, streams
             self._resume = dict(state)
         else:
             self.pipeline.check_state(state)
@@ -283,6 +304,27 @@ class ResumeChannel:
     def post(self, state: dict | None) -> None:
         with file_lock(self.dir / "lock"):
             self._write("posted.json", {"state": state, "at": self._read("calls.json", 0)})
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch `set_epoch` chose, for every process that starts a pass from now on."""
+        with file_lock(self.dir / "lock"):
+            self._write("epoch.json", epoch)
+
+    def epoch(self) -> int:
+        return self._read("epoch.json", 0)
+
+    def hand_over(self, step: int, streams: list[dict]) -> None:
+        """Record where this process's canonical streams stand at `step` (the end of its pass), for
+        the processes that start the next pass: each process adds the streams it read."""
+        with file_lock(self.dir / "lock"):
+            name = f"streams-{step}.json"
+            known = self._read(name, [{} for _ in streams])
+            self._write(name, [{**k, **mine} for k, mine in zip(known, streams)])
+
+    def handed_over(self, step: int) -> list[dict] | None:
+        """The streams' positions at `step` handed over by the processes of the pass before, if any."""
+        with file_lock(self.dir / "lock"):
+            return self._read(f"streams-{step}.json", None)
 
     def take(self, num_workers: int) -> dict | None:
         """Count one pass start; the posted state if this start belongs to the pass after it."""

@@ -5,8 +5,8 @@ Hugging Face's padding-free path.
     kwargs = flash_varlen_kwargs(batch)                              # flash_attn_varlen_func(q, k, v, **kwargs, causal=True)
     model(**padding_free(batch))                                     # transformers, no collator
 
-`batch` is a pipeline batch (numpy) or the bridge's tensors in the "forge" convention
-(`to_torch`). Segments and the padding of `cu_seqlens` are `forge_grain.varlen`'s: a row's
+`batch` is a pipeline batch (numpy) or the bridge's tensors in either convention
+(`to_torch`: "forge" or "hf"). Segments and the padding of `cu_seqlens` are `forge_grain.varlen`'s: a row's
 boundaries always cut, and padding at a row's end is a sequence of its own.
 """
 
@@ -25,7 +25,8 @@ def _numpy(x) -> np.ndarray:
 
 def _segments(batch: dict) -> np.ndarray:
     if "segment_ids" not in batch:
-        raise KeyError("the batch has no segment_ids: use the 'forge' convention (or a pipeline batch)")
+        raise KeyError("the batch has no segment_ids: give a batch of the bridge (either convention) or of the "
+                       "pipeline")
     return _numpy(batch["segment_ids"])
 
 
@@ -85,8 +86,10 @@ def padding_free(batch: dict, max_segments: int | None = None, dtype: torch.dtyp
     `cu_seq_lens_q/k`, `max_length_q/k`, and `use_cache=False`. With flash-attention the
     model reads the cumulative lengths; with sdpa, eager or flex attention it finds the same
     documents from the positions, which transformers does only without a KV cache."""
-    inputs, positions = _numpy(batch["inputs"]), _numpy(batch["positions"])
-    labels = hf_labels(inputs, _numpy(batch["loss_mask"]))
+    hf = "input_ids" in batch  # the bridge's "hf" convention: its labels are already made
+    inputs = _numpy(batch["input_ids" if hf else "inputs"])
+    positions = _numpy(batch["position_ids" if hf else "positions"])
+    labels = _numpy(batch["labels"]) if hf else hf_labels(inputs, _numpy(batch["loss_mask"]))
     meta = varlen({"segment_ids": _segments(batch)}, max_segments)
     flat = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(1, -1)).to(dtype)  # noqa: E731
     cu = torch.from_numpy(meta["cu_seqlens"])

@@ -95,8 +95,9 @@ class Phase:
 class DataConfig:
     """What the data pipeline produces: every batch is a pure function of this and the step.
 
-    `num_epochs` counts passes over all sources' rows together: the pipeline yields
-    `floor(num_epochs * total rows / global_batch_size)` steps (None: unlimited). A source
+    `num_epochs` counts passes over all sources' rows together: an epoch is
+    `total rows // global_batch_size` steps and the pipeline yields `floor(num_epochs * that)`
+    steps (None: unlimited), so whole epochs tile the steps exactly. A source
     that runs out before then repeats with a fresh shuffle (`inf` in TOML is None). `mix_temperature` T turns
     weights w into w^(1/T), renormalized (1.0: as given; larger: more uniform).
     `plan_chunk_docs`: a store of more documents is planned a chunk of this many at a time

@@ -11,8 +11,10 @@ import collections
 import concurrent.futures
 import hashlib
 import json
+import math
 import sys
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
 import grain
@@ -22,9 +24,10 @@ from . import history
 from .config import ConfigError, DataConfig
 from .errors import StateError
 from .mixture import MAX_ROWS, Mixture
-from .packed import PackedDataset
+from .packed import PackedDataset, empty_rows
 from .deferred import SourceRecords, source_key
 from .sources import open_source
+from .streaming import START
 
 STATE_VERSION = 1
 # Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
@@ -123,7 +126,11 @@ class Pipeline:
             self._stream_states = {0: [r.states() for r in self.streams]}
         schedule = config.schedule()
         self.rows_per_epoch = sum(d.num_rows for d in self.datasets)
-        self.num_steps = None if config.num_epochs is None else int(config.num_epochs * self.rows_per_epoch) // B
+        # whole steps of one epoch: num_epochs of them, so that whole epochs tile the steps (a trainer's
+        # len() x epochs is every step); the epochs as written (0.29 is 29/100, not the float below it)
+        self.steps_per_epoch = self.rows_per_epoch // B
+        self.num_steps = (None if config.num_epochs is None
+                          else math.floor(Fraction(str(float(config.num_epochs))) * self.steps_per_epoch))
         if config.max_steps is not None:
             self.num_steps = config.max_steps if self.num_steps is None else min(self.num_steps, config.max_steps)
         # the last step the mixing arithmetic can reach (unlimited epochs end there)
@@ -187,6 +194,14 @@ class Pipeline:
     def own_streams(self, worker: int, workers: int) -> None:
         """Read only the streaming sources' streams of worker `worker` of `workers` (a DataLoader
         worker making steps worker, worker + workers, ...), each from its start."""
+        if self.streams:
+            self.start_streams(worker, workers, self._stream_starts(0))
+
+    def start_streams(self, step: int, workers: int = 1, streams: list | None = None) -> None:
+        """Make this process read steps `step`, `step + workers`, ...: it reads only the canonical
+        streams of their step class, positioned by `streams` (a state's, or those another
+        process handed over), else by the positions recorded as this process made the steps
+        before, else at an epoch's start (step 0, or a pass start of an epoch-aligned source)."""
         if not self.streams:
             return
         P = self.layout.classes
@@ -196,10 +211,76 @@ class Pipeline:
                 f"worker count must divide it. Set canonical_workers to a multiple of {workers} in the config "
                 "(it is data: a new run), or use a worker count that divides it"
             )
+        owned = self.layout.owned(self.shard_index, self.shard_count, step % workers, workers)
         for rows in self.streams:
-            rows.own(self.layout.owned(self.shard_index, self.shard_count, worker, workers))
-        self._stream_step, self._stream_stride = worker, workers
-        self._stream_states = {worker: [r.states() for r in self.streams]}
+            rows.own(owned)
+        self._stream_stride = workers
+        streams = streams if streams is not None else self.known_streams(step)
+        if streams is not None:
+            self.seek(step, streams)
+            return
+        base = max(s for s in [*self._stream_states, step // self.steps_per_epoch * self.steps_per_epoch
+                               if self.epoch_aligned else 0, 0]
+                   if s <= step and self._covers(self.known_streams(s), owned))
+        warnings.warn(
+            f"no saved position of the streaming sources for step {step}: reading their rows of steps "
+            f"[{base}, {step}) to reach it. Restore a saved state (the tracker's, StatefulDataLoader's, a "
+            "checkpoint's) to start there at once", stacklevel=2)
+        self.seek(base, self.known_streams(base))
+        self._read_streams_to(step)
+
+    @staticmethod
+    def _covers(streams: list | None, owned: list[int]) -> bool:
+        return streams is not None and all(str(c) in per for per in streams for c in owned)
+
+    def _read_streams_to(self, step: int) -> None:
+        """Read this process's streams through the steps before `step` without making batches (a
+        stream's place is known only by reading up to it)."""
+        scratch = empty_rows(self.local_batch_size, self.config.seq_len, self.dtype)
+        which = {id(d): i for i, d in enumerate(self.mixture.datasets)}
+        for t in range(self._stream_step, step):
+            rows = self.shard_rows(t)
+            src, _ = self.mixture.locate(rows)
+            for stream in self.streams:
+                mine = rows[src == which[id(stream)]]
+                mine = mine[np.isin(self.layout.stream_of(mine), stream.owned)]
+                if len(mine):
+                    stream.get_batch(None, out=scratch, dest=np.arange(len(mine)), rows=mine)
+        self._stream_step = step
+        self._stream_states = {step: [r.states() for r in self.streams]}
+
+    def known_streams(self, step: int) -> list | None:
+        """The streaming sources' positions at `step` where this process knows them without
+        reading: recorded as it made the step before, or an epoch's start; else None."""
+        return self._stream_states.get(step) or self._stream_starts(step)
+
+    def _stream_starts(self, step: int) -> list | None:
+        """Every canonical stream at the start of an epoch, where `step` starts one: step 0, or
+        with an epoch-aligned source every multiple of `steps_per_epoch`."""
+        if step and not (self.epoch_aligned and step % self.steps_per_epoch == 0):
+            return None
+        epoch = step // self.steps_per_epoch if step else 0
+        return [{str(c): {**START, "epoch": epoch} for c in range(self.layout.count)} for _ in self.streams]
+
+    @property
+    def epoch_aligned(self) -> bool:
+        """A pipeline whose one source is streaming makes epochs of exactly `steps_per_epoch`
+        steps: every canonical stream starts its epoch e at step e · steps_per_epoch (the rows
+        a stream has left of epoch e - 1, fewer than a step's share, are not read), so a pass
+        starts without reading the passes before it."""
+        return bool(self.streams) and len(self.config.sources) == 1 and self.steps_per_epoch > 0
+
+    def _align_streams(self, step: int) -> None:
+        """Move the streams still in an earlier epoch to the start of `step`'s epoch."""
+        epoch = step // self.steps_per_epoch
+        current = self._stream_states.get(step) or [r.states() for r in self.streams]
+        if all(st["epoch"] >= epoch for per in current for st in per.values()):
+            return
+        moved = [{c: st if st["epoch"] >= epoch else {**START, "epoch": epoch} for c, st in per.items()}
+                 for per in current]
+        for rows, st in zip(self.streams, moved):
+            rows.set_states(st)
+        self._stream_states[step] = moved
 
     @property
     def stores(self) -> list:
@@ -290,6 +371,7 @@ class Pipeline:
             "schedule": c.schedule(),
             **({"max_segments_per_row": c.max_segments_per_row} if c.max_segments_per_row else {}),
             **({"canonical": [self.layout.groups, self.layout.classes]} if self.layout else {}),
+            **({"epochs": "aligned"} if self.epoch_aligned else {}),
             "sources": [
                 {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
                  "plan": d.plan_key, "plan_sha256": d.plan_sha256 if isinstance(d, PackedDataset) else None,
@@ -321,6 +403,8 @@ class Pipeline:
             raise IndexError(f"step {step} is outside [0, {self.step_limit})")
         if self.streams and step != self._stream_step:
             raise StateError(f"streaming sources are read in order: the next step is {self._stream_step}, not {step}")
+        if self.streams and self.epoch_aligned:
+            self._align_streams(step)
         self._fetch_ahead(step)
         out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)

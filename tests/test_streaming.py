@@ -97,20 +97,44 @@ def test_a_state_saved_on_two_shards_resumes_on_one_and_on_four(tmp_path, parts,
 
 
 def test_a_state_taken_while_streams_straddle_an_epoch_end_resumes_exactly(tmp_path, parts):
-    """Streams wrap at different steps; a state where some have and some have not resumes on
-    other shard counts (each process reads each epoch once for all its streams)."""
-    cfg = config(parts["json"], canonical=4, num_epochs=None)
-    epoch = Pipeline(config(parts["json"], canonical=4), 0, 1, cache_dir=tmp_path).num_steps
-    whole = run(Pipeline(cfg, 0, 1, cache_dir=tmp_path), steps=epoch + 40)
+    """In a mixture, streams wrap at different steps; a state where some have and some have not
+    resumes on other shard counts (each process reads each epoch once for all its streams)."""
+    one = config(parts["json"], canonical=4, num_epochs=None)
+    src = dict(one.sources[0].__dict__)
+    cfg = DataConfig(sources=[src, {**src, "name": "twin", "hf_data_files": parts["parquet"], "hf_dataset": "parquet",
+                                     "weight": 0.5}],
+                     seq_len=48, global_batch_size=8, seed=5, num_epochs=None, canonical_streams=4)
     it = Pipeline(cfg, 0, 1, cache_dir=tmp_path, num_threads=0).iterator()
-    for _ in range(epoch + 4):
+    made = 0
+    while {st["epoch"] for st in it.get_state()["streams"][0].values()} != {0, 1}:  # the point of the test
         next(it)
+        made += 1
     state = it.get_state()
-    epochs = {st["epoch"] for st in state["streams"][0].values()}
-    assert epochs == {0, 1}, epochs  # the point of the test: streams on both sides of the end
+    whole = run(Pipeline(cfg, 0, 1, cache_dir=tmp_path), steps=made + 36)
     for n in (1, 2, 4):
         rest = [run(Pipeline(cfg, k, n, cache_dir=tmp_path), steps=36, state=state) for k in range(n)]
-        assert same(joined(rest), whole[epoch + 4:])
+        assert same(joined(rest), whole[made:])
+
+
+def test_one_streaming_source_makes_epochs_of_exactly_the_counted_steps(tmp_path, parts):
+    """Epoch e starts every canonical stream at its epoch e, at step e * steps_per_epoch, so a
+    pass starts without reading the ones before it, and num_epochs passes are every step."""
+    cfg = config(parts["json"], canonical=4, num_epochs=3)
+    p = Pipeline(cfg, 0, 1, cache_dir=tmp_path, num_threads=0)
+    n = p.steps_per_epoch
+    assert p.epoch_aligned and p.num_steps == 3 * n
+    whole = run(p)
+    assert len(whole) == 3 * n
+    it = Pipeline(cfg, 0, 1, cache_dir=tmp_path, num_threads=0).iterator()
+    for _ in range(n):
+        next(it)
+    at = it.get_state()
+    assert {st["epoch"] for st in at["streams"][0].values()} <= {0, 1}  # before the step: some may be behind
+    nxt = next(it)  # ... which step n moves to the start of epoch 1
+    assert same([copy(nxt)], whole[n : n + 1])
+    fresh = Pipeline(cfg, 0, 1, cache_dir=tmp_path, num_threads=0)
+    fresh.start_streams(2 * n)  # no state, no reading: epoch 2 starts there
+    assert same([copy(fresh.batch(s)) for s in range(2 * n, 2 * n + 5)], whole[2 * n : 2 * n + 5])
 
 
 def test_reading_several_streams_costs_the_requests_of_one(tmp_path, parts, s3):

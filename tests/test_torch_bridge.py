@@ -67,7 +67,9 @@ def test_stateful_dataloader_resumes_exactly_across_an_epoch_boundary(stores, wo
 def test_hf_convention_follows_the_loss_mask(stores):
     forge = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1)))
     hf = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1, convention="hf", dtype=torch.int32)))
-    assert set(hf) == {"input_ids", "labels", "attention_mask", "position_ids", "is_natural_stop", "source_id", "step"}
+    assert set(hf) == {"input_ids", "labels", "attention_mask", "position_ids", "is_natural_stop", "segment_ids",
+                       "source_id", "step"}
+    assert torch.equal(hf["segment_ids"].long(), forge["segment_ids"])  # for the attention helpers
     assert hf["input_ids"].dtype == torch.int32 and forge["inputs"].dtype == torch.int64
     assert torch.equal(hf["input_ids"].long(), forge["inputs"])
     # the model shifts labels: labels[j + 1] is the target of position j

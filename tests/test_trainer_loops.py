@@ -1,0 +1,156 @@
+"""Every trainer loop gives the uninterrupted run's batches: stored, streaming and mixed
+sources; 0, 1 or 2 DataLoader workers, persistent or not; `set_epoch` at every pass; a state
+taken from the tracker, from `StatefulDataLoader` or through DCP, mid-pass, at a pass's last
+batch or at training's last; resumed on the same or another world size.
+
+One parametrized test over that grid: a seeded subset by default, all of it with
+FORGE_GRAIN_SLOW=1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import SLOW, make_texts, write_jsonl
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from bridges.torch import GrainIterableDataset
+from forge_grain import DataConfig, Pipeline, prepare
+
+EPOCHS = 4  # passes, so set_epoch runs at 0, 1, 2 and 3
+SOURCES = ["stored", "streaming", "mixture"]
+WORKERS = [(0, False), (1, False), (2, False), (1, True), (2, True)]
+STATES = ["tracker", "stateful", "dcp"]
+WHEN = ["mid", "pass_end", "training_end"]
+WORLD = [1, 2]  # the world size resumed on (the run that saves has one rank)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    base = tmp_path_factory.mktemp("loops")
+    texts = make_texts(160, seed=3, empty_every=31)
+    files = [str(write_jsonl(base / "s0.jsonl", texts[:80])), str(write_jsonl(base / "s1.jsonl", texts[80:]))]
+    stores = {name: prepare(write_jsonl(base / f"{name}.jsonl", make_texts(n, seed=seed)), base / name, progress=False)
+              for name, n, seed in (("web", 120, 1), ("code", 80, 2))}  # the streaming source's tokenizer
+    return {**stores, "files": files, "cache": base / "cache"}
+
+
+def make_config(data, kind: str) -> DataConfig:
+    stored = [dict(name="web", path=str(data["web"]), weight=0.6, strategy="bos_bestfit"),
+              dict(name="code", path=str(data["code"]), weight=0.4)]
+    streaming = [dict(name="stream", hf_dataset="json", hf_data_files=data["files"], hf_streaming=True, window=20,
+                      weight=0.5)]
+    sources = {"stored": stored, "streaming": streaming, "mixture": stored[:1] + streaming}[kind]
+    return DataConfig(sources=sources, seq_len=32, global_batch_size=8, seed=4, num_epochs=EPOCHS,
+                      canonical_streams=4, canonical_workers=2)
+
+
+def dataset(data, kind, rank=0, world=1) -> GrainIterableDataset:
+    return GrainIterableDataset(make_config(data, kind), rank=rank, world_size=world, cache_dir=data["cache"])
+
+
+def loader(ds, workers, persistent, stateful=False):
+    cls = StatefulDataLoader if stateful else DataLoader
+    return cls(ds, batch_size=None, num_workers=workers, persistent_workers=persistent and workers > 0)
+
+
+_REFERENCE: dict = {}
+
+
+def reference(data, kind) -> list[np.ndarray]:
+    """Every global batch of the uninterrupted run, made in order by one pipeline."""
+    if kind not in _REFERENCE:
+        p = Pipeline(make_config(data, kind), 0, 1, num_threads=0, cache_dir=data["cache"])
+        _REFERENCE[kind] = [p.batch(s)["inputs"].copy() for s in range(p.num_steps)]
+    return _REFERENCE[kind]
+
+
+def run_until(data, kind, workers, persistent, how, k):
+    """Train with set_epoch at each pass until k steps are consumed; the state then, and the
+    (step, inputs) seen."""
+    ds = dataset(data, kind)
+    n, seen = len(ds), []
+    tracker = ds.tracker()
+    dl = loader(ds, workers, persistent, stateful=how == "stateful")
+    state = None
+    for epoch in range(EPOCHS):
+        if len(seen) == k:
+            break
+        ds.set_epoch(epoch)
+        for batch in dl:
+            tracker.update(batch)
+            seen.append((int(batch["step"]), batch["inputs"].numpy().copy()))
+            if len(seen) == k:
+                state = dl.state_dict() if how == "stateful" else tracker.state_dict()
+                break
+    if state is None:  # k == 0
+        state = dl.state_dict() if how == "stateful" else tracker.state_dict()
+    assert [s for s, _ in seen] == list(range(k)) and n * EPOCHS == ds.num_steps
+    return state, seen
+
+
+def resume(data, kind, workers, persistent, how, state, world, tmp_path, k):
+    """A new job of `world` ranks loads the state taken after k steps and trains on to the end,
+    as a loop does: from the pass of the state (a tracker's: the pass its next step is in; a
+    StatefulDataLoader's: the pass it was taken in, whose rest it yields first). The global
+    batches."""
+    rank_sets = [dataset(data, kind, r, world) for r in range(world)]
+    if how == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        saver = dataset(data, kind).tracker()
+        saver.load_state_dict(state)
+        dcp.save({"data": saver}, checkpoint_id=tmp_path / "dcp")
+        # DCP loads into the structure of the target's state_dict(): on a real job of several ranks that
+        # is the tracker's gathered state (all_gather_object), holding every stream, as one rank's does here
+        target = dataset(data, kind).tracker()
+        dcp.load({"data": target}, checkpoint_id=tmp_path / "dcp")
+        for ds in rank_sets:
+            ds.tracker().load_state_dict(target.state_dict())
+    loaders = [loader(ds, workers, persistent, stateful=how == "stateful") for ds in rank_sets]
+    for ds, dl in zip(rank_sets, loaders):
+        if how == "stateful":
+            dl.load_state_dict(state)
+        elif how == "tracker":
+            ds.tracker().load_state_dict(state)
+    n = len(rank_sets[0])
+    if how == "stateful":
+        first_epoch = 0 if k == 0 else (k - 1) // n + bool(state.get("_iterator_finished"))
+    else:
+        first_epoch = k // n
+    got = []
+    for epoch in range(first_epoch, EPOCHS):
+        for ds in rank_sets:
+            ds.set_epoch(epoch)
+        for parts in zip(*loaders):
+            steps = {int(p["step"]) for p in parts}
+            assert len(steps) == 1, steps
+            got.append((steps.pop(), torch.cat([p["inputs"] for p in parts]).numpy()))
+    return got
+
+
+GRID = [c for c in itertools.product(SOURCES, WORKERS, STATES, WHEN, WORLD)
+        if not (c[2] == "stateful" and c[4] != 1)]  # StatefulDataLoader resumes its own worker count and world
+DEFAULT = random.Random(25).sample(GRID, 14)
+
+
+@pytest.mark.parametrize("kind, workers, how, when, world", GRID if SLOW else DEFAULT)
+def test_every_loop_resumes_to_the_uninterrupted_batches(data, tmp_path, kind, workers, how, when, world):
+    W, persistent = workers
+    want = reference(data, kind)
+    n = len(want) // EPOCHS
+    k = {"mid": n + 3 + (W == 2), "pass_end": 2 * n, "training_end": len(want)}[when]  # an odd step too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state, seen = run_until(data, kind, W, persistent, how, k)
+        got = resume(data, kind, W, persistent, how, state, world, tmp_path, k)
+    everything = seen + got
+    assert [s for s, _ in everything] == list(range(len(want)))
+    for s, inputs in everything:
+        assert np.array_equal(inputs, want[s]), s
