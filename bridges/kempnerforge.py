@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from bridges.torch import IGNORE_INDEX
 from forge_grain import DataConfig, Pipeline, SourceConfig, TokenStore, pack
@@ -119,7 +119,9 @@ class StreamingHuggingFaceDataset(IterableDataset):
 
     `state_dict()` has KempnerForge's keys (`epoch`, `rank_docs_consumed`: documents dealt to
     this rank before the current window) and `forge_grain`, the exact position; restoring
-    from it continues with the very next sample.
+    from it continues with the very next sample. Under DataLoader workers the rank's samples
+    come from worker 0 alone (the others yield nothing), so none is repeated; its tokenizer
+    runs on threads (`forge_grain.tokenize_pool`).
     """
 
     def __init__(self, dataset_name: str, split: str, text_field: str, seq_len: int, tokenizer_path: str,
@@ -135,6 +137,9 @@ class StreamingHuggingFaceDataset(IterableDataset):
         self._step, self._resume = 0, None
 
     def __iter__(self):
+        info = get_worker_info()
+        if info is not None and info.id > 0:
+            return  # the rank's stream is one sequence, made in worker 0: other workers would repeat it
         it = self.pipeline.iterator(self._resume)
         self._resume = None
         self._step = it.step

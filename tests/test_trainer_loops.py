@@ -154,3 +154,88 @@ def test_every_loop_resumes_to_the_uninterrupted_batches(data, tmp_path, kind, w
     assert [s for s, _ in everything] == list(range(len(want)))
     for s, inputs in everything:
         assert np.array_equal(inputs, want[s]), s
+
+
+# -- the audit's six cases, one test each --------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_set_epoch_on_a_streaming_source_starts_that_epoch(data, workers):
+    """What Trainer does at every epoch: set_epoch(1) on a fresh dataset (no pass 0 run here)."""
+    ds = dataset(data, "streaming")
+    n = len(ds)
+    ds.set_epoch(1)
+    got = [(int(b["step"]), b["inputs"].numpy()) for b in DataLoader(ds, batch_size=None, num_workers=workers)]
+    assert [s for s, _ in got] == list(range(n, 2 * n))
+    assert all(np.array_equal(x, reference(data, "streaming")[s]) for s, x in got)
+
+
+def test_a_stateful_dataloader_state_after_the_last_batch_loads(data):
+    """The state a job saves after its last step (a one-epoch config: the pass is all of it),
+    taken in the loop, before the loader has seen the end: a worker's next step is past it."""
+    import dataclasses
+
+    cfg = dataclasses.replace(make_config(data, "stored"), num_epochs=1)
+    make = lambda: GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=data["cache"])  # noqa: E731
+    ds = make()
+    dl = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    for i, _ in enumerate(dl):
+        if i == ds.num_steps - 1:
+            state = dl.state_dict()
+            break
+    again = StatefulDataLoader(make(), batch_size=None, num_workers=2)
+    again.load_state_dict(state)
+    assert list(again) == []  # nothing is left of the run
+    assert [int(b["step"]) for b in again] == list(range(ds.num_steps))  # and a new pass is whole
+
+
+def test_a_streaming_tracker_state_at_an_odd_step_resumes_under_two_workers(data):
+    ds = dataset(data, "streaming")
+    tracker = ds.tracker()
+    for batch in DataLoader(ds, batch_size=None, num_workers=2):
+        tracker.update(batch)
+        if int(batch["step"]) == 6:
+            break
+    state = tracker.state_dict()
+    assert state["step"] == 7
+    again = dataset(data, "streaming")
+    again.tracker().load_state_dict(state)
+    got = [(int(b["step"]), b["inputs"].numpy()) for b in DataLoader(again, batch_size=None, num_workers=2)]
+    assert [s for s, _ in got] == list(range(7, len(again)))
+    assert all(np.array_equal(x, reference(data, "streaming")[s]) for s, x in got)
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_len_times_epochs_is_every_step(data, kind):
+    ds = dataset(data, kind)
+    assert len(ds) * EPOCHS == ds.num_steps == len(reference(data, kind))
+
+
+def test_the_kempnerforge_streaming_drop_in_repeats_no_sample_under_workers(data):
+    from bridges.kempnerforge import StreamingHuggingFaceDataset
+    from forge_grain.tokenizer import DEFAULT_TOKENIZER
+
+    def samples(workers):
+        ds = StreamingHuggingFaceDataset(data["files"][0], "train", "text", 32, str(DEFAULT_TOKENIZER),
+                                         shuffle_buffer_size=20, cache_dir=data["cache"])
+        out = []
+        for s in DataLoader(ds, batch_size=None, num_workers=workers):
+            out.append(s["input_ids"].numpy().tobytes())
+            if len(out) == 60:
+                break
+        return out
+
+    alone, two = samples(0), samples(2)
+    assert two == alone and len(set(two)) == len(two)
+
+
+def test_padding_free_takes_either_convention(data):
+    from bridges.torch_varlen import padding_free
+
+    forge = next(iter(DataLoader(dataset(data, "stored"), batch_size=None)))
+    hf_ds = GrainIterableDataset(make_config(data, "stored"), rank=0, world_size=1, convention="hf",
+                                 cache_dir=data["cache"])
+    hf = next(iter(DataLoader(hf_ds, batch_size=None)))
+    a, b = padding_free(forge), padding_free(hf)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
