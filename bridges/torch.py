@@ -98,16 +98,23 @@ class GrainIterableDataset(IterableDataset):
     (input_ids, labels with -100 where the loss mask is 0, attention_mask, position_ids,
     segment_ids); both add source_id and step. `varlen=True` adds `cu_seqlens`, `max_seqlen` and
     `doc_lens` (`forge_grain.varlen`; padded to `max_segments_per_row + 1` segments a row
-    when the config caps them, else `seq_len`). dtype: of ids and positions (int64 suits embedding
+    when the config caps them, else `seq_len`). `rows=True` yields the rows of each batch one
+    at a time, for trainers that batch themselves (Hugging Face `Trainer` with
+    `per_device_train_batch_size` = the per-rank batch, `global_batch_size / world_size`:
+    every DataLoader batch is then one pipeline step, with any worker count); `len()` then
+    counts rows. dtype: of ids and positions (int64 suits embedding
     lookups; int32 on request). A full pass covers the pipeline's steps; a new pass
     (a new DataLoader epoch) starts again at step 0, so for several shuffled passes set
     `num_epochs` in the config.
     """
 
     def __init__(self, source: Pipeline | DataConfig, *, rank: int | None = None, world_size: int | None = None,
-                 convention: str = "forge", dtype: torch.dtype = torch.int64, cache_dir=None, varlen: bool = False):
+                 convention: str = "forge", dtype: torch.dtype = torch.int64, cache_dir=None, varlen: bool = False,
+                 rows: bool = False):
         if convention not in CONVENTIONS:
             raise ValueError(f"convention must be one of {CONVENTIONS}, not {convention!r}")
+        if rows and varlen:
+            raise ValueError("varlen metadata describes whole batches: use rows=False with varlen=True")
         if isinstance(source, Pipeline):
             if rank is not None and (rank, world_size) != (source.shard_index, source.shard_count):
                 raise ValueError("the pipeline was built for another rank or world size")
@@ -117,7 +124,7 @@ class GrainIterableDataset(IterableDataset):
             np_dtype = torch.empty(0, dtype=dtype).numpy().dtype  # batches come out in it: no conversion pass
             self.pipeline = Pipeline(source, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
                                      dtype=np_dtype)
-        self.convention, self.dtype, self.varlen = convention, dtype, varlen
+        self.convention, self.dtype, self.varlen, self.rows = convention, dtype, varlen, rows
         self._resume: dict | None = None  # a per-worker state: applies to the next pass of this process only
         self._channel = ResumeChannel()  # a global (tracker) state: applies to the next pass, wherever it runs
         self._next_step: int | None = None  # next step this process will produce
@@ -142,8 +149,9 @@ class GrainIterableDataset(IterableDataset):
         return min(p.steps_per_epoch, p.num_steps)
 
     def __len__(self) -> int:
-        """This rank's exact number of batches in one pass (what a trainer's schedule needs)."""
-        return self.steps_per_pass
+        """This rank's exact number of batches in one pass (what a trainer's schedule needs); of
+        rows with `rows=True`."""
+        return self.steps_per_pass * (self.pipeline.local_batch_size if self.rows else 1)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass cover pipeline steps [epoch·n, (epoch+1)·n), n = `len(self)`, so
@@ -219,7 +227,11 @@ class GrainIterableDataset(IterableDataset):
                 batch["stream_states"] = _encode(self.pipeline.stream_positions(step + W))
             step += W
             self._next_step = step
-            yield batch
+            if self.rows:  # one row at a time, for trainers that batch (the step's rows, in order)
+                yield from ({k: v if v.dim() == 0 else v[i] for k, v in batch.items() if k != "stream_states"}
+                            for i in range(self.pipeline.local_batch_size))
+            else:
+                yield batch
         if self.pipeline.streams and end < self.pipeline.step_limit:
             # the pass is done here: hand this process's streams to whichever processes start the next
             self._channel.hand_over(end, self.pipeline.stream_positions(step))
