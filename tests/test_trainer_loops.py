@@ -239,3 +239,71 @@ def test_padding_free_takes_either_convention(data):
     a, b = padding_free(forge), padding_free(hf)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+# -- Lightning's Trainer ---------------------------------------------------------------------------
+
+
+class _Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["stored", "streaming"])
+def test_lightning_trainer_resumes_mid_epoch_from_its_checkpoint(data, tmp_path, kind):
+    """The recipe: set_epoch in on_train_epoch_start, a StatefulDataLoader (Lightning saves its
+    state in the checkpoint), 3 epochs, 2 workers; a crash mid-epoch 2 and fit(ckpt_path=...)."""
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Tiny(L.LightningModule):
+        def __init__(self, seen):
+            super().__init__()
+            self.ds, self.seen = dataset(data, kind), seen
+            self.emb = torch.nn.Embedding(8192, 16)
+            self.out = torch.nn.Linear(16, 8192)
+
+        def train_dataloader(self):
+            return StatefulDataLoader(self.ds, batch_size=None, num_workers=2)
+
+        def on_train_epoch_start(self):
+            self.ds.set_epoch(self.current_epoch)  # Lightning sets samplers' epochs, not an iterable dataset's
+
+        def training_step(self, batch, _):
+            self.seen.append((int(batch["step"]), batch["inputs"].numpy().copy()))
+            logits = self.out(self.emb(batch["inputs"]))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(),
+                                                     reduction="none")
+            return (loss * batch["loss_mask"].flatten()).sum() / batch["loss_mask"].sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class CrashAfter(L.Callback):
+        def __init__(self, step):
+            self.step = step
+
+        def on_train_batch_start(self, trainer, *_):
+            if trainer.global_step == self.step:
+                raise _Crash
+
+    epochs = 3
+    n = len(dataset(data, kind))
+    k = n + n // 2  # the middle of epoch 2
+    trainer = lambda run, *callbacks: L.Trainer(  # noqa: E731
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path / run,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / run, every_n_train_steps=k, save_top_k=-1), *callbacks])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full: list = []
+        trainer("full").fit(Tiny(full))
+        before: list = []
+        with pytest.raises(_Crash):
+            trainer("crashed", CrashAfter(k)).fit(Tiny(before))
+        (ckpt,) = (tmp_path / "crashed").glob(f"*step={k}.ckpt")
+        after: list = []
+        trainer("resumed").fit(Tiny(after), ckpt_path=ckpt)
+    want = reference(data, kind)
+    assert [s for s, _ in full] == list(range(epochs * n))  # 3 epochs of 4 passes' steps
+    assert [s for s, _ in before + after] == list(range(epochs * n))
+    assert all(np.array_equal(x, want[s]) for s, x in full + before + after)
