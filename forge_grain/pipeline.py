@@ -219,8 +219,8 @@ class Pipeline:
         if streams is not None:
             self.seek(step, streams)
             return
-        base = max(s for s in [*self._stream_states, step // self.steps_per_epoch * self.steps_per_epoch
-                               if self.epoch_aligned else 0, 0]
+        epoch_start = step // self.steps_per_epoch * self.steps_per_epoch if self.epoch_aligned else 0
+        base = max(s for s in [*self._stream_states, epoch_start]  # the latest place known (0 always is)
                    if s <= step and self._covers(self.known_streams(s), owned))
         warnings.warn(
             f"no saved position of the streaming sources for step {step}: reading their rows of steps "
