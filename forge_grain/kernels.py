@@ -10,6 +10,7 @@ store's concatenated token space, with a loss-masked head of `skip` positions an
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -27,7 +28,9 @@ def _numba_cache() -> bool:
     read-only deployment (package and home both read-only) neither works and every
     `cache=True` kernel would fail at first use. Then the cache goes to
     `$NUMBA_CACHE_DIR` if set, else `$FORGE_GRAIN_CACHE/numba`, else a temporary directory;
-    with none writable, kernels compile on each start without caching.
+    with none writable, kernels compile on each start without caching. A cache holds code
+    numba loads and runs (pickled), so a directory another user could have made or can
+    write is never used (see `private_directory`).
     """
     if nb.config.CACHE_DIR:
         return True
@@ -37,14 +40,23 @@ def _numba_cache() -> bool:
     from .paths import cache_root
 
     for candidate in (cache_root() / "numba", Path(tempfile.gettempdir()) / f"forge_grain-numba-{os.getuid()}"):
-        try:
-            candidate.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(candidate, os.W_OK):
+        if private_directory(candidate):
             nb.config.CACHE_DIR = str(candidate)
             return True
     return False
+
+
+def private_directory(path: Path) -> bool:
+    """Whether `path` is (or is now made, mode 0700) a real directory of this user that no one
+    else can write: owned by us, not a link, no group or other write permission. In a shared
+    place such as /tmp another user can create the directory first and plant files in it."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+            and os.access(path, os.W_OK))
 
 
 CACHE = _numba_cache()

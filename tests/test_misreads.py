@@ -218,3 +218,28 @@ def test_our_own_caches_are_never_taken_for_data(tmp_path):
     (tmp_path / "d" / "part-0.bin").unlink()
     with pytest.raises(StoreError, match=r"holds \.jsonl files, not token arrays"):  # the caches' .json not named
         TokenStore.open(tmp_path / "d", dtype="uint16", eos_id=1)
+
+
+# -- a kernel cache is code: only a private directory is used --------------------------------------
+
+
+def test_the_kernel_cache_directory_must_be_private(tmp_path):
+    """numba loads pickled code from its cache: a directory another user made first (in /tmp),
+    or one others can write, or a link, is refused; a new one is made 0700."""
+    import os
+
+    from forge_grain.kernels import private_directory
+
+    fresh = tmp_path / "fresh" / "numba"
+    assert private_directory(fresh) and (fresh.stat().st_mode & 0o777) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert not private_directory(shared)
+    (tmp_path / "link").symlink_to(fresh)
+    assert not private_directory(tmp_path / "link")
+    if os.getuid() == 0:  # as root the test can play the other user who planted the directory
+        planted = tmp_path / "planted"
+        planted.mkdir(mode=0o700)
+        os.chown(planted, 12345, 12345)
+        assert not private_directory(planted)
