@@ -36,7 +36,8 @@ class SourceConfig:
     MDS; `format` names it when detection should not decide), described by the options
     the files do not record: `dtype` (or `vocab_size`, or `tokenizer`, to decide it),
     `eos_id`/`bos_id` (to find documents in raw files; each file must then start with the
-    BOS and end with the EOS, unless `whole_documents=False`), `file_pattern` to filter a
+    BOS and end with the EOS, unless `whole_documents=False`), `fingerprint="full"` to hash
+    every byte of foreign files into the state (not only sampled blocks), `file_pattern` to filter a
     directory, `split` to pick one split's files, `token_field` for the column of an
     Arrow or MDS dataset. A `path` that is a URL (`s3://bucket/store`, any fsspec URL)
     is a forge-grain store in object storage, read through a local cache:
@@ -67,6 +68,7 @@ class SourceConfig:
     vocab_size: int | None = None
     file_pattern: str | None = None
     whole_documents: bool | None = None
+    fingerprint: str | None = None
     format: str | None = None
     token_field: str | None = None
     storage_options: dict | None = None
@@ -76,8 +78,8 @@ class SourceConfig:
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
-        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents", "split", "tokenizer",
-                "format", "token_field", "storage_options", "cache_limit", "object_cache")
+        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents", "fingerprint", "split",
+                "tokenizer", "format", "token_field", "storage_options", "cache_limit", "object_cache")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
@@ -206,7 +208,8 @@ class DataConfig:
                 raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
             if s.hf_dataset is not None:
                 wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents",
-                                     "format", "token_field", "cache_limit", "object_cache") if getattr(s, k) is not None]
+                                     "fingerprint", "format", "token_field", "cache_limit", "object_cache")
+                         if getattr(s, k) is not None]
                 if wrong:
                     raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
                 if s.storage_options is not None and not (s.hf_streaming and "://" in str(s.hf_data_files)):
@@ -216,6 +219,8 @@ class DataConfig:
                 _positive_int(f"sources[{i}].shuffle_window", s.shuffle_window)
             if s.whole_documents is not None and not isinstance(s.whole_documents, bool):
                 raise ConfigError(f"sources[{i}].whole_documents: must be true or false, not {s.whole_documents!r}")
+            if s.fingerprint not in (None, "sampled", "full"):
+                raise ConfigError(f"sources[{i}].fingerprint: must be 'sampled' or 'full', not {s.fingerprint!r}")
             for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
                 v = getattr(s, key)
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

@@ -243,3 +243,24 @@ def test_the_kernel_cache_directory_must_be_private(tmp_path):
         planted.mkdir(mode=0o700)
         os.chown(planted, 12345, 12345)
         assert not private_directory(planted)
+
+
+def test_a_full_fingerprint_is_a_source_key(tmp_path):
+    """The README's remedy for a foreign file rewritten between sampled blocks: the state
+    refuses the changed data when the source hashes every byte."""
+    from forge_grain import ConfigError, StateError
+
+    tokens = np.tile(np.array([5, 6, 7, 1], np.uint16), 200_000)
+    tokens.tofile(tmp_path / "t.bin")
+    cfg = lambda fp: DataConfig.from_dict(dict(  # noqa: E731
+        sources=[dict(name="t", path=str(tmp_path / "t.bin"), dtype="uint16", eos_id=1, vocab_size=10,
+                      **({"fingerprint": fp} if fp else {}))], seq_len=16, global_batch_size=2))
+    state = Pipeline(cfg("full"), 0, 1, num_threads=0).state_at(3)
+    sampled = Pipeline(cfg(None), 0, 1, num_threads=0).state_at(3)
+    tokens[300_001] = 9  # between sampled blocks, EOS positions unchanged
+    tokens.tofile(tmp_path / "t.bin")
+    with pytest.raises(StateError, match="other data"):
+        Pipeline(cfg("full"), 0, 1, num_threads=0).iterator(state)
+    Pipeline(cfg(None), 0, 1, num_threads=0).iterator(sampled)  # the documented limit of sampling
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.fingerprint: must be 'sampled' or 'full'"):
+        cfg("every byte")
