@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,7 +127,7 @@ def main() -> None:
             str(args.workers), "--workdir", str(args.workdir), "--kill-at", str(kill_at)]
     for phase in ("full", "until-kill", "resume"):
         if phase != "resume":
-            subprocess.run(["rm", "-rf", str(args.workdir / "checkpoints")], check=True)
+            shutil.rmtree(args.workdir / "checkpoints", ignore_errors=True)
         r = subprocess.run(base + ["--phase", phase])
         if r.returncode != 0:
             raise SystemExit(f"phase {phase} failed")
