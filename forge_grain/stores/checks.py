@@ -121,7 +121,7 @@ def sampled_tokens(tokens: np.ndarray) -> np.ndarray:
 
 WIDTH_SURE = 40  # lower-lane values above every upper-lane value: beyond this, wider ids (odds < 2^-40 by chance)
 WIDTH_DISTINCT = 8  # ... and of at least this many distinct ids (data repeating with the lanes' period proves nothing)
-WIDTH_UNSURE = 12  # from here (or with every upper lane zero) a derived dtype cannot be trusted either way
+WIDTH_UNSURE = 20  # from here (or with every upper lane zero) a derived dtype cannot be trusted either way
 LARGEST_VOCAB = 1 << 20  # no tokenizer in use has more ids; 32-bit values past it without a vocab_size are suspect
 
 
@@ -163,42 +163,52 @@ def check_width(path: Path, tokens: np.ndarray, *, declared: bool, vocab_size: i
     when the evidence is beyond doubt; a derived one (from a vocabulary or a tokenizer) also
     when the sample cannot tell, asking for `dtype=` rather than guessing."""
     raw = aligned_sample(tokens)
-    item = tokens.dtype.itemsize
     for wide in (8, 4):
-        if wide <= item:
-            continue
-        low, high = _lanes(raw, item, wide)
-        k, distinct = _exceeding(low, high)
-        top = int(high.max()) if high.size else 0
-        bits, read, name = wide * 8, f"{tokens.dtype}", "int64" if wide == 8 else "int32"
-        # beyond doubt: many values, of many ids, above upper parts small enough to be ids' high halves
-        if k >= WIDTH_SURE and distinct >= WIDTH_DISTINCT and top <= (LARGEST_VOCAB - 1) >> (8 * item):
-            which = "every other token" if wide // item == 2 else f"{wide // item - 1} of every {wide // item} tokens"
-            value = "0" if not top else f"at most {top} where the others reach {int(low.max())}"
-            raise StoreError(
-                f"{path}: read as {read}, {which} is {value} (in all {len(low)} sampled groups): the signature of "
-                f"{bits}-bit ids read as {item * 8}-bit. Declare dtype='{name}' (or 'uint{bits}'), whichever "
-                "wrote the file"
-            )
-        if not declared and k and (k >= WIDTH_UNSURE or not top):
-            raise StoreError(
-                f"{path}: read as {read} (derived from the vocabulary), the sample cannot tell it from {bits}-bit ids "
-                f"read as {item * 8}-bit ({k} of its {len(low)} {bits}-bit groups fit either). Declare the dtype the "
-                f"file was written with: dtype='{read}' or '{name}'"
-            )
-    signed_negative = tokens.dtype.kind == "i" and len(raw) >= item and raw[: len(raw) // item * item].view(
-        tokens.dtype).min() < 0  # negative ids: `check_ids` names them
-    # 16-bit ids read as 32-bit: the halves look alike (wider reads give ids past int32, which `check_ids` names)
+        if wide > tokens.dtype.itemsize:
+            _check_not_wider(path, raw, tokens.dtype, wide, declared)
+    if tokens.dtype.itemsize == 4:
+        _check_not_narrower(path, raw, tokens.dtype, vocab_size)
+
+
+def _check_not_wider(path: Path, raw: np.ndarray, dtype: np.dtype, wide: int, declared: bool) -> None:
+    """`wide`-byte ids read as `dtype`: every group's upper values are the ids' high halves."""
+    item = dtype.itemsize
+    low, high = _lanes(raw, item, wide)
+    k, distinct = _exceeding(low, high)
+    top = int(high.max()) if high.size else 0
+    bits, name = wide * 8, "int64" if wide == 8 else "int32"
+    # beyond doubt: many values, of many ids, above upper parts small enough to be ids' high halves
+    if k >= WIDTH_SURE and distinct >= WIDTH_DISTINCT and top <= (LARGEST_VOCAB - 1) >> (8 * item):
+        which = "every other token" if wide // item == 2 else f"{wide // item - 1} of every {wide // item} tokens"
+        value = "0" if not top else f"at most {top} where the others reach {int(low.max())}"
+        raise StoreError(
+            f"{path}: read as {dtype}, {which} is {value} (in all {len(low)} sampled groups): the signature of "
+            f"{bits}-bit ids read as {item * 8}-bit. Declare dtype='{name}' (or 'uint{bits}'), whichever wrote the file"
+        )
+    if not declared and k and (k >= WIDTH_UNSURE or not top):
+        raise StoreError(
+            f"{path}: read as {dtype} (derived from the vocabulary), the sample cannot tell it from {bits}-bit ids "
+            f"read as {item * 8}-bit ({k} of its {len(low)} {bits}-bit groups fit either). Declare the dtype the "
+            f"file was written with: dtype='{dtype}' or '{name}'"
+        )
+
+
+def _check_not_narrower(path: Path, raw: np.ndarray, dtype: np.dtype, vocab_size: int | None) -> None:
+    """16-bit ids read as 32-bit: a value's two halves look alike, giving ids past the
+    vocabulary (wider misreads give ids past int32, which `check_ids` names, as it names
+    negative ids)."""
+    values = raw[: len(raw) // 4 * 4].view(dtype)
+    if not len(values) or values.min() < 0:
+        return
+    low, high = _lanes(raw, 2, 4)
     limit = vocab_size or LARGEST_VOCAB
-    if item == 4 and not signed_negative:
-        low, high = _lanes(raw, 2, 4)
-        if high.size and int(high.max()) > (limit - 1) >> 16 and _exceeding(low, high)[0] < WIDTH_UNSURE:
-            past = f"vocab_size {vocab_size:,}" if vocab_size else f"{LARGEST_VOCAB:,}, more than any tokenizer has"
-            raise StoreError(
-                f"{path}: read as {tokens.dtype}, the sample's values have upper halves like their lower halves (ids "
-                f"past {past}): the signature of 16-bit ids read as 32-bit. Declare dtype='uint16'"
-                + ("" if vocab_size else ", or give vocab_size= if the vocabulary really is that large")
-            )
+    if int(high.max()) > (limit - 1) >> 16 and _exceeding(low, high)[0] < WIDTH_UNSURE:
+        past = f"vocab_size {vocab_size:,}" if vocab_size else f"{LARGEST_VOCAB:,}, more than any tokenizer has"
+        raise StoreError(
+            f"{path}: read as {dtype}, the sample's values have upper halves like their lower halves (ids past "
+            f"{past}): the signature of 16-bit ids read as 32-bit. Declare dtype='uint16'"
+            + ("" if vocab_size else ", or give vocab_size= if the vocabulary really is that large")
+        )
 
 
 def check_ids(path: Path, lo: int, hi: int, vocab_size: int | None) -> None:
