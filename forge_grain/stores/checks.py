@@ -111,14 +111,6 @@ def fingerprint_mode(path: Path, fingerprint: str) -> bool:
     return fingerprint == "full"
 
 
-def sampled_tokens(tokens: np.ndarray) -> np.ndarray:
-    """The tokens inside the fingerprint's sampled blocks (for cheap plausibility checks)."""
-    item = tokens.dtype.itemsize
-    parts = [np.asarray(tokens[off // item : (off + SAMPLE_BLOCK_BYTES) // item])
-             for off in sample_offsets(len(tokens) * item)]
-    return np.concatenate(parts) if parts else np.zeros(0, tokens.dtype)
-
-
 WIDTH_SURE = 40  # lower-lane values above every upper-lane value: beyond this, wider ids (odds < 2^-40 by chance)
 WIDTH_DISTINCT = 8  # ... and of at least this many distinct ids (data repeating with the lanes' period proves nothing)
 WIDTH_UNSURE = 20  # from here (or with every upper lane zero) a derived dtype cannot be trusted either way
@@ -157,17 +149,16 @@ def _exceeding(low: np.ndarray, high: np.ndarray) -> tuple[int, int]:
     return len(above), len(np.unique(above))
 
 
-def check_width(path: Path, tokens: np.ndarray, *, declared: bool, vocab_size: int | None = None) -> None:
-    """Refuse a file whose bytes say its ids are wider or narrower than the dtype it is read
-    with, judged on the whole `aligned_sample`. A dtype the user declared is refused only
-    when the evidence is beyond doubt; a derived one (from a vocabulary or a tokenizer) also
-    when the sample cannot tell, asking for `dtype=` rather than guessing."""
-    raw = aligned_sample(tokens)
+def check_width(path: Path, raw: np.ndarray, dtype: np.dtype, *, declared: bool, vocab_size: int | None = None) -> None:
+    """Refuse a file whose bytes say its ids are wider or narrower than the `dtype` it is read
+    with, judged on the whole of its `aligned_sample` (`raw`). A dtype the user declared is
+    refused only when the evidence is beyond doubt; a derived one (from a vocabulary or a
+    tokenizer) also when the sample cannot tell, asking for `dtype=` rather than guessing."""
     for wide in (8, 4):
-        if wide > tokens.dtype.itemsize:
-            _check_not_wider(path, raw, tokens.dtype, wide, declared)
-    if tokens.dtype.itemsize == 4:
-        _check_not_narrower(path, raw, tokens.dtype, vocab_size)
+        if wide > dtype.itemsize:
+            _check_not_wider(path, raw, dtype, wide, declared)
+    if dtype.itemsize == 4:
+        _check_not_narrower(path, raw, dtype, vocab_size)
 
 
 def _check_not_wider(path: Path, raw: np.ndarray, dtype: np.dtype, wide: int, declared: bool) -> None:

@@ -145,7 +145,7 @@ def document_offsets(
 
     Cached beside the data: a cache is used only when it was made from content with the
     same fingerprint, its offsets are consistent, the boundaries fall on EOS/BOS ids, and its
-    id range covers `sample` (the file's `sampled_tokens`); otherwise the file is scanned
+    id range covers `sample` (the file's `checks.aligned_sample`); otherwise the file is scanned
     again and the cache rewritten.
     """
     key = hashlib.sha256(json.dumps([CACHE_VERSION, str(tokens.dtype), eos_id, bos_id]).encode()).hexdigest()[:16]
@@ -263,8 +263,9 @@ class RawStore(TokenStore):
         self.dtype = self._one_dtype({a.dtype for a in self._arrays}, "token files")
         offsets = []
         for f, a in zip(self._files, self._arrays):
-            sample = checks.sampled_tokens(a)  # read once for the cache check
-            checks.check_width(f, a, declared=dtype is not None or _has_npy_header(f), vocab_size=vocab_size)
+            raw = checks.aligned_sample(a)  # read once: the width check and the cache check use it
+            checks.check_width(f, raw, a.dtype, declared=dtype is not None or _has_npy_header(f), vocab_size=vocab_size)
+            sample = raw.view(a.dtype)
             content = checks.content_fingerprint(f, full=self._full)
             off, lo, hi = document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content, sample=sample)
             checks.check_ids(f, lo, hi, vocab_size)
@@ -276,4 +277,5 @@ class RawStore(TokenStore):
 
     def _verify_files(self) -> None:
         for f, a in zip(self._files, self._arrays):
-            checks.check_width(f, a, declared=self._declared_dtype or _has_npy_header(f), vocab_size=self.vocab_size)
+            checks.check_width(f, checks.aligned_sample(a), a.dtype, declared=self._declared_dtype or _has_npy_header(f),
+                               vocab_size=self.vocab_size)
