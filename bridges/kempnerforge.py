@@ -75,7 +75,7 @@ class MemoryMappedDataset(_PackedRows):
         if pack_sequences and eos_token_id is None:
             raise ValueError("pack_sequences=True needs eos_token_id: the id that ends each document")
         store = TokenStore.open(data_dir, file_pattern=file_pattern, dtype=dtype, vocab_size=vocab_size,
-                                eos_id=eos_token_id if pack_sequences else None)
+                                **({"eos_id": eos_token_id, "whole_documents": False} if pack_sequences else {}))
         super().__init__(store, seq_len - 1, pack_sequences, seed)
 
     def state_dict(self) -> dict:

@@ -168,8 +168,12 @@ def _path_source(e: dict, data: dict, where: str) -> SourceConfig:
         eos_id = load_tokenizer(tokenizer).eos_id
         if eos_id is None:
             raise ConfigError(f"{where}: the tokenizer {tokenizer} has no EOS token; give eos_id for pack_sequences")
+    # KempnerForge's prepare_data.py cuts shards at a token count, inside documents, and writes no EOS:
+    # its files need not begin or end a document
+    packed = bool(data.get("pack_sequences"))
     return SourceConfig(**common, file_pattern=data.get("file_pattern", "*.npy"), tokenizer=tokenizer,
-                        dtype=data.get("dtype"), eos_id=eos_id if data.get("pack_sequences") else None)
+                        dtype=data.get("dtype"), eos_id=eos_id if packed else None,
+                        whole_documents=False if packed else None)
 
 
 def _hf_source(e: dict, data: dict) -> SourceConfig:

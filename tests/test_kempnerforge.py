@@ -266,3 +266,22 @@ def test_streaming_dataset_resumes_exactly_from_its_state(kf_data, tmp_path):
     assert all(torch.equal(a[k], b[k]) for a, b in zip(tail, resumed) for k in a)
     with pytest.raises(ValueError, match="saved by KempnerForge itself"):
         make().load_state_dict({"epoch": 0, "rank_docs_consumed": 12})
+
+
+def test_shards_cut_inside_documents_as_kempnerforge_prepares_them_open(tmp_path, monkeypatch):
+    """KempnerForge's prepare_data.py writes uint16 .npy shards of a fixed token count, cut inside
+    documents and without EOS; a job with pack_sequences must still open them (forge-grain's
+    whole-document check is for files declared to hold whole documents)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").mkdir()
+    flat = np.concatenate(docs(5, n=80)).astype(np.uint16)
+    for k, lo in enumerate(range(0, len(flat), 1000)):
+        np.save(tmp_path / "tok" / f"train_{k:04d}.npy", flat[lo : lo + 1000])  # cut at a token count
+    cfg = job(tmp_path, f'dataset_path = "tok"\nfile_pattern = "train_*.npy"\ntokenizer_path = "{DEFAULT_TOKENIZER}"\n'
+                        "pack_sequences = true")
+    store = Pipeline(cfg, 0, 1, num_threads=0).stores[0]
+    assert store.num_tokens == len(flat)
+    from bridges.kempnerforge import MemoryMappedDataset
+
+    assert len(MemoryMappedDataset("tok", seq_len=33, file_pattern="train_*.npy", pack_sequences=True,
+                                   eos_token_id=1)) > 0
