@@ -42,6 +42,9 @@ def _sample(row: dict, pack_sequences: bool) -> dict[str, torch.Tensor]:
                                     IGNORE_INDEX)
         out["segment_ids"] = torch.from_numpy(row["segment_ids"].astype(np.int64))
         out["position_ids"] = torch.from_numpy(row["positions"].astype(np.int64))
+        # KempnerForge's key for its document attention mask (train.py reads batch["doc_ids"]): each input
+        # token's document, counted from 0 in the sample
+        out["doc_ids"] = out["segment_ids"] - out["segment_ids"][0]
     return out
 
 
@@ -60,6 +63,10 @@ class _PackedRows(Dataset):
         if not 0 <= idx < len(self):
             raise IndexError(f"Index {idx} out of range [0, {len(self)})")
         return _sample(self._rows[int(idx)], self.pack_sequences)
+
+    def close(self) -> None:
+        """Release the store's memory maps (KempnerForge's way to end a dataset; not read after)."""
+        self.store.close()
 
 
 class MemoryMappedDataset(_PackedRows):
@@ -162,33 +169,49 @@ class StreamingHuggingFaceDataset(IterableDataset):
 
 
 class MixtureDataset(Dataset):
-    """Map-style concatenation of datasets (KempnerForge's signature); each sample carries
-    `dataset_idx`. Weighted sampling is the sampler's job, as in KempnerForge; for a
-    closed-form, exactly resumable weighted mixture use a forge-grain `DataConfig`."""
+    """Map-style concatenation of datasets (KempnerForge's signature and attributes): each
+    sample carries `dataset_idx`; `cumulative_sizes` is [0, len(ds0), len(ds0) + len(ds1), ...]
+    and `dataset_names` the names, which KempnerForge's `MixtureSampler` and `train.py` read;
+    `state_dict()` keys are `dataset_{i}`. Weighted sampling is the sampler's job, as in
+    KempnerForge; for a closed-form, exactly resumable weighted mixture use a forge-grain
+    `DataConfig`."""
 
     def __init__(self, datasets: list[Dataset], names: list[str] | None = None):
         if not datasets:
             raise ValueError("MixtureDataset needs at least one dataset")
         self.datasets = list(datasets)
-        self.names = list(names) if names is not None else [f"dataset_{i}" for i in range(len(datasets))]
-        if len(self.names) != len(self.datasets):
-            raise ValueError(f"{len(self.names)} names for {len(self.datasets)} datasets")
-        self.cumulative_sizes = np.cumsum([len(d) for d in self.datasets]).tolist()
+        self._names = list(names) if names is not None else [f"dataset_{i}" for i in range(len(datasets))]
+        if len(self._names) != len(self.datasets):
+            raise ValueError(f"{len(self._names)} names for {len(self.datasets)} datasets")
+        self._cumulative = [0, *np.cumsum([len(d) for d in self.datasets]).tolist()]
+
+    @property
+    def cumulative_sizes(self) -> list[int]:
+        return list(self._cumulative)
+
+    @property
+    def dataset_names(self) -> list[str]:
+        return list(self._names)
 
     def __len__(self) -> int:
-        return self.cumulative_sizes[-1]
+        return self._cumulative[-1]
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"Index {idx} out of range [0, {len(self)})")
-        k = int(np.searchsorted(self.cumulative_sizes, idx, side="right"))
-        local = idx - (self.cumulative_sizes[k - 1] if k else 0)
-        return {**self.datasets[k][local], "dataset_idx": torch.tensor(k, dtype=torch.int64)}
+        k = int(np.searchsorted(self._cumulative, idx, side="right")) - 1
+        return {**self.datasets[k][idx - self._cumulative[k]], "dataset_idx": k}
 
     def state_dict(self) -> dict:
-        return {name: d.state_dict() for name, d in zip(self.names, self.datasets) if hasattr(d, "state_dict")}
+        return {f"dataset_{i}": d.state_dict() for i, d in enumerate(self.datasets) if hasattr(d, "state_dict")}
 
     def load_state_dict(self, state: dict) -> None:
-        for name, d in zip(self.names, self.datasets):
-            if name in state and hasattr(d, "load_state_dict"):
-                d.load_state_dict(state[name])
+        for i, d in enumerate(self.datasets):
+            if f"dataset_{i}" in state and hasattr(d, "load_state_dict"):
+                d.load_state_dict(state[f"dataset_{i}"])
+
+    def close(self) -> None:
+        """Release the datasets' memory maps."""
+        for d in self.datasets:
+            if hasattr(d, "close"):
+                d.close()

@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_texts, write_jsonl
 
 from forge_grain import ConfigError, DataConfig, Pipeline
@@ -232,7 +233,7 @@ def test_a_kempnerforge_loop_on_two_gloo_ranks_resumes_exactly(kind, kf_data, tm
     reports = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for rep in reports:
         assert rep["resumed_equal"]
-        extra = {"mm": ["position_ids", "segment_ids"], "hf": [], "mixture": ["dataset_idx"]}[kind]  # mm packs documents
+        extra = {"mm": ["doc_ids", "position_ids", "segment_ids"], "hf": [], "mixture": ["dataset_idx"]}[kind]  # mm packs
         want = ["input_ids", "labels"] + extra
         assert rep["keys"] == sorted(want)
         assert rep["dtypes"]["input_ids"] == rep["dtypes"]["labels"] == "torch.int64"
@@ -240,7 +241,7 @@ def test_a_kempnerforge_loop_on_two_gloo_ranks_resumes_exactly(kind, kf_data, tm
         assert rep["shapes"]["input_ids"] == rep["shapes"]["labels"] == [4, seq]
     assert reports[0]["first_ids"] != reports[1]["first_ids"]  # the sampler gives each rank its own rows
     expected_state = {"mm": ["epoch", "total_samples"], "hf": ["epoch", "sample_idx", "total_sequences"],
-                      "mixture": ["books", "web"]}[kind]
+                      "mixture": ["dataset_0", "dataset_1"]}[kind]
     assert reports[0]["ds_state"] == expected_state
 
 
@@ -285,3 +286,39 @@ def test_shards_cut_inside_documents_as_kempnerforge_prepares_them_open(tmp_path
 
     assert len(MemoryMappedDataset("tok", seq_len=33, file_pattern="train_*.npy", pack_sequences=True,
                                    eos_token_id=1)) > 0
+
+
+def test_packed_samples_carry_kempnerforge_doc_ids(kf_data):
+    """KempnerForge's train.py masks attention by batch["doc_ids"] when present: each input token's
+    document, from 0, the next one starting after each EOS."""
+    from bridges.kempnerforge import MemoryMappedDataset
+
+    ds = MemoryMappedDataset(kf_data["npy"], seq_len=33, pack_sequences=True, eos_token_id=1)
+    for i in range(0, len(ds), 7):
+        s = ds[i]
+        ids, doc = s["input_ids"], s["doc_ids"]
+        assert doc.dtype == torch.int64 and doc[0] == 0
+        assert torch.equal(doc[1:], doc[:-1] + (ids[:-1] == 1).long()), i
+
+
+def test_mixture_dataset_as_kempnerforge_train_py_wires_it(kf_data):
+    """train.py hands `cumulative_sizes` to its MixtureSampler (sizes are their differences, offsets
+    their heads), logs by `dataset_names`, and saves `state_dict()` under dataset_i keys."""
+    from bridges.kempnerforge import MemoryMappedDataset, MixtureDataset
+
+    a = MemoryMappedDataset(kf_data["npy"], seq_len=33)
+    b = MemoryMappedDataset(kf_data["npy"], seq_len=65)
+    mix = MixtureDataset([a, b], names=["web", "books"])
+    c = mix.cumulative_sizes
+    assert c == [0, len(a), len(a) + len(b)] and mix.dataset_names == ["web", "books"]
+    sizes, offsets = [c[i + 1] - c[i] for i in range(len(c) - 1)], c[:-1]
+    assert sizes == [len(a), len(b)] and len(mix) == c[-1]
+    for k, (size, offset) in enumerate(zip(sizes, offsets)):
+        for local in (0, size - 1):
+            s = mix[offset + local]
+            assert s["dataset_idx"] == k and torch.equal(s["input_ids"], [a, b][k][local]["input_ids"])
+    assert sorted(mix.state_dict()) == ["dataset_0", "dataset_1"]
+    mix.load_state_dict({"dataset_1": {"epoch": 3}})
+    assert b.state_dict()["epoch"] == 3 and a.state_dict()["epoch"] == 0
+    mix.close()  # KempnerForge's way to release the maps
+    assert a.store._arrays == [] and b.store._arrays == []
