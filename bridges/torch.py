@@ -198,8 +198,8 @@ class GrainIterableDataset(IterableDataset):
         if state is None:
             start = self._pass_start()
             first, end = start + w, self._pass_end(start)
-            if self.pipeline.streams:  # at the pass start: handed over by the last pass's processes, or known here
-                streams = self._channel.handed_over(start) or self.pipeline.known_streams(start)
+            if self.pipeline.streams:
+                streams = self._streams_at(start)
         elif state.get("kind") == "worker":
             if state["num_workers"] != W:
                 raise StateError(
@@ -215,6 +215,11 @@ class GrainIterableDataset(IterableDataset):
         if self.pipeline.streams:
             self.pipeline.start_streams(first, W, streams)  # its steps' canonical streams only
         return first, end
+
+    def _streams_at(self, start: int) -> list | None:
+        """The streams' positions at pass start `start`: handed over by the last pass's processes,
+        or known in this one (None: reached by reading)."""
+        return self._channel.handed_over(start) or self.pipeline.known_streams(start)
 
     def __iter__(self):
         w, W = self._worker()
@@ -255,8 +260,7 @@ class GrainIterableDataset(IterableDataset):
             start = self._pass_start()
             next_step, end = start + w, self._pass_end(start)
             if self.pipeline.streams:
-                self.pipeline.start_streams(next_step, W, self._channel.handed_over(start) or
-                                            self.pipeline.known_streams(start))
+                self.pipeline.start_streams(next_step, W, self._streams_at(start))
         else:
             next_step, end = self._next_step, self._end
         state = {"kind": "worker", "next_step": next_step, "pass_end": end, "num_workers": W,

@@ -191,12 +191,6 @@ class Pipeline:
             )
         return StreamLayout(groups, c.canonical_workers, c.global_batch_size)
 
-    def own_streams(self, worker: int, workers: int) -> None:
-        """Read only the streaming sources' streams of worker `worker` of `workers` (a DataLoader
-        worker making steps worker, worker + workers, ...), each from its start."""
-        if self.streams:
-            self.start_streams(worker, workers, self._stream_starts(0))
-
     def start_streams(self, step: int, workers: int = 1, streams: list | None = None) -> None:
         """Make this process read steps `step`, `step + workers`, ...: it reads only the canonical
         streams of their step class, positioned by `streams` (a state's, or those another
