@@ -1,25 +1,34 @@
-"""KempnerForge's dataset classes, with their signatures, outputs and state keys, backed by forge-grain.
+"""KempnerForge's dataset classes, with their signatures, samples, lengths and state keys, backed by forge-grain.
 
-A KempnerForge training loop switches by its import line:
+A KempnerForge training loop switches by its import line, even mid-run (its sampler state
+picks up the same samples):
 
     from bridges.kempnerforge import MemoryMappedDataset, HuggingFaceDataset, StreamingHuggingFaceDataset, MixtureDataset
 
-Each sample is `{"input_ids", "labels"}` (int64), as in KempnerForge: `MemoryMappedDataset`
-gives `seq_len - 1` of each (a window of `seq_len` tokens, shifted), the Hugging Face
-classes `seq_len` (a chunk of `seq_len + 1`). With `pack_sequences=True` documents are
-known (by `eos_token_id`, or the tokenizer's EOS), a label that would cross into another
-document is -100, and `segment_ids` / `position_ids` come along for document masking.
-`MixtureDataset` adds `dataset_idx`.
+By default (`semantics="kempnerforge"`) each class means what KempnerForge's does:
 
-What is exact here that KempnerForge approximates:
-- raw `.bin` files are read with a declared dtype (`dtype=`, or `vocab_size=`), never one
-  guessed from the file size; every file is validated as `TokenStore.open` validates it;
-- rows are a forge-grain concat plan (documents in a seeded order, cut into rows; no
-  file's tail is dropped), so each token after the first is a label exactly once;
-- map-style classes resume exactly through the sampler (their state is only `epoch`, as
-  in KempnerForge); the streaming class resumes exactly from its `forge_grain` state key
-  (KempnerForge skips documents and loses its packing buffer), for the same rank and
-  world size, and its epochs reshuffle with new window seeds.
+- `MemoryMappedDataset(data_dir, seq_len)`: sample i is tokens [i*seq_len, (i+1)*seq_len) of
+  one file, never crossing files, files in sorted order; `len` = sum of floor(file tokens /
+  seq_len); `input_ids` = the sample's first seq_len - 1 tokens, `labels` the last.
+- `HuggingFaceDataset`: documents in dataset order, each followed by EOS (empty ones
+  skipped), concatenated and cut into chunks of seq_len + 1 (the tail dropped).
+- `StreamingHuggingFaceDataset`: the stream shuffled by `datasets` with seed + epoch and
+  `shuffle_buffer_size`, document k to rank k % world_size, chunks of seq_len + 1; one pass
+  per `iter()`, then the epoch advances. Its state has KempnerForge's `epoch` and
+  `rank_docs_consumed` (a state saved by KempnerForge resumes as KempnerForge resumes: those
+  documents skipped, the packing buffer lost) and `next_doc` / `doc_offset`, where the next
+  sample starts, so a state saved here resumes with the very next sample.
+- `pack_sequences=True` (with `eos_token_id` for files): `doc_ids` counts the EOS tokens
+  before each input token, and a label that follows an EOS is -100.
+
+What forge-grain adds without changing a sample: raw `.bin` files are read with a declared
+`dtype=` (or `vocab_size=`) and width-checked, never guessed from the file size (KempnerForge
+reads any file whose size is a multiple of 4 as uint32); tokenizers are local files only.
+
+`semantics="forge_grain"` turns on forge-grain's packing instead: each token after the first
+is a label exactly once (rows overlap by one token and cross files; no file's tail is
+dropped), `segment_ids`/`position_ids` come with `pack_sequences`, the streaming class packs
+`window` documents at a time and resumes exactly on any worker count of its pipeline.
 """
 
 from __future__ import annotations
@@ -31,9 +40,30 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from bridges.torch import IGNORE_INDEX
 from forge_grain import DataConfig, Pipeline, SourceConfig, TokenStore, pack
 
+SEMANTICS = ("kempnerforge", "forge_grain")
+
+
+def _semantics(value: str) -> str:
+    if value not in SEMANTICS:
+        raise ValueError(f"semantics={value!r}: choose 'kempnerforge' (the default: KempnerForge's samples) or "
+                         "'forge_grain' (forge-grain's packing)")
+    return value
+
+
+def kempnerforge_sample(tokens: np.ndarray, eos_id: int | None = None) -> dict[str, torch.Tensor]:
+    """KempnerForge's sample of a chunk: inputs all but its last token, labels all but its
+    first; with `eos_id` (pack_sequences), `doc_ids` and -100 on labels across an EOS."""
+    t = torch.from_numpy(np.asarray(tokens).astype(np.int64))
+    out = {"input_ids": t[:-1], "labels": t[1:].clone()}
+    if eos_id is not None:
+        ends = t[:-1] == eos_id
+        out["labels"][ends] = IGNORE_INDEX  # the token after an EOS opens another document
+        out["doc_ids"] = torch.cumsum(ends, 0) - ends.long()  # EOS tokens strictly before each input
+    return out
+
 
 def _sample(row: dict, pack_sequences: bool) -> dict[str, torch.Tensor]:
-    """One packed row (1-D arrays) as KempnerForge's sample; with `pack_sequences`, labels that
+    """One forge-grain packed row (1-D arrays) as a sample; with `pack_sequences`, labels that
     cross into another document are -100 and the document layout comes along."""
     out = {"input_ids": torch.from_numpy(row["inputs"].astype(np.int64)),
            "labels": torch.from_numpy(row["targets"].astype(np.int64))}
@@ -42,48 +72,63 @@ def _sample(row: dict, pack_sequences: bool) -> dict[str, torch.Tensor]:
                                     IGNORE_INDEX)
         out["segment_ids"] = torch.from_numpy(row["segment_ids"].astype(np.int64))
         out["position_ids"] = torch.from_numpy(row["positions"].astype(np.int64))
-        # KempnerForge's key for its document attention mask (train.py reads batch["doc_ids"]): each input
-        # token's document, counted from 0 in the sample
         out["doc_ids"] = out["segment_ids"] - out["segment_ids"][0]
     return out
 
 
-class _PackedRows(Dataset):
-    """Rows of a concat-packed token store as KempnerForge samples (shared by the map-style classes)."""
+class _Samples(Dataset):
+    """A token store read as samples, by either semantics (shared by the map-style classes).
 
-    def __init__(self, store: TokenStore, row_len: int, pack_sequences: bool, seed: int = 0):
-        self.store, self.pack_sequences = store, pack_sequences
-        self._rows = pack(store, row_len, "concat", seed=seed, shuffle=False, num_epochs=1)
+    KempnerForge's: chunks of `chunk` tokens laid end to end inside each run of `runs` (token
+    starts, end appended); forge-grain's: a concat plan of rows of `chunk - 1` inputs."""
+
+    def __init__(self, store: TokenStore, chunk: int, runs, eos_id, semantics: str, seed: int):
+        self.store, self.semantics, self._eos = store, _semantics(semantics), eos_id
         self._epoch = 0
+        if semantics == "forge_grain":
+            self._rows = pack(store, chunk - 1, "concat", seed=seed, shuffle=False, num_epochs=1)
+            return
+        self._chunk = chunk
+        runs = np.asarray(runs, np.int64)
+        self._run_starts = runs[:-1]
+        self._first = np.concatenate([[0], np.cumsum(np.diff(runs) // chunk)]).astype(np.int64)
 
     def __len__(self) -> int:
-        return self._rows.num_rows
+        return self._rows.num_rows if self.semantics == "forge_grain" else int(self._first[-1])
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"Index {idx} out of range [0, {len(self)})")
-        return _sample(self._rows[int(idx)], self.pack_sequences)
+        idx = int(idx)
+        if self.semantics == "forge_grain":
+            return _sample(self._rows[idx], self._eos is not None)
+        run = int(np.searchsorted(self._first, idx, side="right")) - 1
+        start = int(self._run_starts[run]) + (idx - int(self._first[run])) * self._chunk
+        return kempnerforge_sample(self.store.tokens(start, start + self._chunk), self._eos)
 
     def close(self) -> None:
         """Release the store's memory maps (KempnerForge's way to end a dataset; not read after)."""
         self.store.close()
 
 
-class MemoryMappedDataset(_PackedRows):
-    """Pre-tokenized `.npy`/`.bin` files in `data_dir` (KempnerForge's signature).
+class MemoryMappedDataset(_Samples):
+    """Pre-tokenized `.npy`/`.bin` files in `data_dir` (KempnerForge's signature and samples).
 
     `dtype=` (or `vocab_size=`) declares raw `.bin` files; `.npy` files carry theirs.
-    `pack_sequences=True` needs `eos_token_id` (documents end with it).
+    `pack_sequences=True` needs `eos_token_id`. No file matching is a `FileNotFoundError`.
     """
 
     def __init__(self, data_dir: str, seq_len: int, file_pattern: str = "*.npy", pack_sequences: bool = False,
                  eos_token_id: int | None = None, *, dtype: str | None = None, vocab_size: int | None = None,
-                 seed: int = 0):
+                 semantics: str = "kempnerforge", seed: int = 0):
         if pack_sequences and eos_token_id is None:
             raise ValueError("pack_sequences=True needs eos_token_id: the id that ends each document")
+        # KempnerForge's prepare_data.py cuts its shards inside documents: files need not hold whole ones
         store = TokenStore.open(data_dir, file_pattern=file_pattern, dtype=dtype, vocab_size=vocab_size,
                                 **({"eos_id": eos_token_id, "whole_documents": False} if pack_sequences else {}))
-        super().__init__(store, seq_len - 1, pack_sequences, seed)
+        self.seq_len = seq_len
+        super().__init__(store, seq_len, store.run_starts, eos_token_id if pack_sequences else None, semantics,
+                         seed)
 
     def state_dict(self) -> dict:
         """Keys: `epoch`, `total_samples` (as KempnerForge)."""
@@ -100,15 +145,28 @@ def _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config, 
                         strategy="concat", **kw)
 
 
-class HuggingFaceDataset(_PackedRows):
-    """A Hugging Face dataset, tokenized once into a cached forge-grain store (KempnerForge's signature)."""
+def _eos_of(tokenizer_path) -> int:
+    """KempnerForge's EOS: the tokenizer's, or 0 when it has none."""
+    from forge_grain.tokenizer import load_tokenizer
+
+    eos = load_tokenizer(tokenizer_path).eos_id
+    return 0 if eos is None else eos
+
+
+class HuggingFaceDataset(_Samples):
+    """A Hugging Face dataset, tokenized once into a cached forge-grain store (KempnerForge's
+    signature and samples: chunks of seq_len + 1 of the documents joined, each with its EOS)."""
 
     def __init__(self, dataset_name: str, split: str, text_field: str, seq_len: int, tokenizer_path: str,
-                 dataset_config: str | None = None, pack_sequences: bool = False, *, cache_dir=None, seed: int = 0):
+                 dataset_config: str | None = None, pack_sequences: bool = False, *, cache_dir=None,
+                 semantics: str = "kempnerforge", seed: int = 0):
         from forge_grain.hf import eager_store
 
         src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config)
-        super().__init__(TokenStore.open(eager_store(src, cache_dir, progress=False)), seq_len, pack_sequences, seed)
+        store = TokenStore.open(eager_store(src, cache_dir, progress=False))
+        self.seq_len = seq_len
+        eos = (store.eos_id if semantics == "forge_grain" else _eos_of(tokenizer_path)) if pack_sequences else None
+        super().__init__(store, seq_len + 1, [0, store.num_tokens], eos, semantics, seed)
         self._sample_idx = 0
 
     def state_dict(self) -> dict:
@@ -121,32 +179,93 @@ class HuggingFaceDataset(_PackedRows):
 
 
 class StreamingHuggingFaceDataset(IterableDataset):
-    """A streaming Hugging Face dataset for one rank (KempnerForge's signature): tokenized on the
-    fly and packed `shuffle_buffer_size` documents at a time by forge-grain's streaming source.
+    """A streaming Hugging Face dataset for one rank (KempnerForge's signature and samples;
+    see the module docstring). Under DataLoader workers `datasets` deals the stream's files
+    (shards) to the workers, as in KempnerForge; a worker without a shard yields nothing.
 
-    `state_dict()` has KempnerForge's keys (`epoch`, `rank_docs_consumed`: documents dealt to
-    this rank before the current window) and `forge_grain`, the exact position; restoring
-    from it continues with the very next sample. Under DataLoader workers the rank's samples
-    come from worker 0 alone (the others yield nothing), so none is repeated; its tokenizer
-    runs on threads (`forge_grain.tokenize_pool`).
+    `semantics="forge_grain"`: forge-grain's streaming source instead (documents dealt to
+    canonical streams, packed `window` at a time, every token a label once, epochs without
+    end; under DataLoader workers, worker 0 makes the rank's stream); its state is under the
+    `forge_grain` key and restores exactly.
     """
 
     def __init__(self, dataset_name: str, split: str, text_field: str, seq_len: int, tokenizer_path: str,
-                 rank: int = 0, world_size: int = 1, seed: int = 42, shuffle_buffer_size: int = 10000,
-                 pack_sequences: bool = False, *, dataset_config: str | None = None, cache_dir=None):
+                 dataset_config: str | None = None, rank: int = 0, world_size: int = 1, seed: int = 42,
+                 shuffle_buffer_size: int = 10000, pack_sequences: bool = False, *, semantics: str = "kempnerforge",
+                 window: int = 1000, cache_dir=None):
         super().__init__()
-        src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config, hf_streaming=True,
-                         window=shuffle_buffer_size)
-        config = DataConfig(sources=[src], seq_len=seq_len, global_batch_size=world_size, seed=seed, num_epochs=None)
-        self.pipeline = Pipeline(config, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
-                                 dtype=np.int64)
-        self.pack_sequences, self.world_size = pack_sequences, world_size
-        self._step, self._resume = 0, None
+        self.semantics = _semantics(semantics)
+        self.dataset_name, self.dataset_config, self.split, self.text_field = dataset_name, dataset_config, split, text_field
+        self.seq_len, self.tokenizer_path, self.rank, self.world_size = seq_len, tokenizer_path, rank, world_size
+        self.seed, self.shuffle_buffer_size, self.pack_sequences = seed, shuffle_buffer_size, pack_sequences
+        self._epoch, self._rank_docs_consumed, self._at = 0, 0, (0, 0)
+        self._resume: dict | None = None
+        if semantics == "forge_grain":
+            src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config, hf_streaming=True,
+                             window=window)
+            config = DataConfig(sources=[src], seq_len=seq_len, global_batch_size=world_size, seed=seed,
+                                num_epochs=None)
+            self.pipeline = Pipeline(config, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
+                                     dtype=np.int64)
+            self._step = 0
 
     def __iter__(self):
+        if self.semantics == "kempnerforge":
+            return self._one_pass()  # under DataLoader workers `datasets` deals the stream's shards to them
         info = get_worker_info()
         if info is not None and info.id > 0:
-            return  # the rank's stream is one sequence, made in worker 0: other workers would repeat it
+            return iter(())  # the rank's stream is one sequence, made in worker 0: other workers would repeat it
+        return self._forge_grain()
+
+    def _one_pass(self):
+        """One pass over the shuffled stream, KempnerForge's chunks of this rank's documents."""
+        from forge_grain.texts import load_texts
+        from forge_grain.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.tokenizer_path)
+        eos = 0 if tok.eos_id is None else tok.eos_id
+        chunk = self.seq_len + 1
+        resume, self._resume = self._resume or {}, None
+        first_doc, offset = resume.get("next_doc", resume.get("rank_docs_consumed", 0)), resume.get("doc_offset", 0)
+        stream = load_texts(self.dataset_name, text_field=self.text_field, split=self.split,
+                            hf_config=self.dataset_config, streaming=True)
+        stream = stream.shuffle(seed=self.seed + self._epoch, buffer_size=self.shuffle_buffer_size)
+        buffer: list[int] = []
+        docs: list[tuple[int, int]] = []  # (rank document, tokens) of each document in the buffer, in order
+        self._at = (first_doc, offset)  # where the buffer's first token lies: (rank document, offset in it)
+        for k, example in enumerate(stream):
+            doc = k // self.world_size
+            if k % self.world_size != self.rank or doc < first_doc:
+                continue
+            ids = tok.encode_batch([example[self.text_field]])[0]
+            if not ids:
+                continue
+            ids.append(eos)
+            if doc == first_doc and offset:
+                ids = ids[offset:]
+            buffer.extend(ids)
+            docs.append((doc, len(ids) + (offset if doc == first_doc else 0)))
+            self._rank_docs_consumed = doc + 1
+            while len(buffer) >= chunk:
+                out, buffer = buffer[:chunk], buffer[chunk:]
+                self._advance(docs, chunk)
+                yield kempnerforge_sample(np.array(out, np.int64), eos if self.pack_sequences else None)
+        self._epoch += 1
+        self._rank_docs_consumed, self._at = 0, (0, 0)
+
+    def _advance(self, docs: list, n: int) -> None:
+        """Move the buffer's start `n` tokens on, through the documents it holds."""
+        doc, offset = self._at
+        while n:
+            length = docs[0][1]
+            take = min(n, length - offset)
+            n, offset = n - take, offset + take
+            if offset == length:
+                docs.pop(0)
+                doc, offset = (docs[0][0], 0) if docs else (doc + 1, 0)
+        self._at = (doc, offset)
+
+    def _forge_grain(self):
         it = self.pipeline.iterator(self._resume)
         self._resume = None
         self._step = it.step
@@ -155,17 +274,24 @@ class StreamingHuggingFaceDataset(IterableDataset):
             yield _sample({k: v[0] for k, v in batch.items() if k != "step"}, self.pack_sequences)
 
     def state_dict(self) -> dict:
-        state = self.pipeline.state_at(self._step)
-        (cursor,) = state["streams"][0].values()  # one canonical stream per rank (canonical_streams = world size)
-        return {"epoch": cursor["epoch"], "rank_docs_consumed": cursor["row_index"] // self.world_size,
-                "forge_grain": state}
+        if self.semantics == "forge_grain":
+            state = self.pipeline.state_at(self._step)
+            (cursor,) = state["streams"][0].values()  # one canonical stream per rank (canonical_streams = world size)
+            return {"epoch": cursor["epoch"], "rank_docs_consumed": cursor["row_index"] // self.world_size,
+                    "forge_grain": state}
+        return {"epoch": self._epoch, "rank_docs_consumed": self._rank_docs_consumed,
+                "next_doc": self._at[0], "doc_offset": self._at[1]}
 
     def load_state_dict(self, state: dict) -> None:
-        if "forge_grain" not in state:
-            raise ValueError("this state has no 'forge_grain' position (it was saved by KempnerForge itself); "
-                             "an exact resume needs a state saved by this class")
-        self.pipeline.check_state(state["forge_grain"])
-        self._resume = state["forge_grain"]
+        if self.semantics == "forge_grain":
+            if "forge_grain" not in state:
+                raise ValueError("this state has no 'forge_grain' position (it was saved with KempnerForge's "
+                                 "semantics); an exact resume with semantics='forge_grain' needs a state saved by it")
+            self.pipeline.check_state(state["forge_grain"])
+            self._resume = state["forge_grain"]
+            return
+        self._epoch = state.get("epoch", 0)
+        self._resume = dict(state)
 
 
 class MixtureDataset(Dataset):

@@ -15,3 +15,8 @@ class PrepareError(ForgeGrainError):
 
 class StateError(ForgeGrainError):
     """An iterator state that does not belong to this pipeline (or this process)."""
+
+
+class MissingFilesError(StoreError, FileNotFoundError):
+    """No token file where a store was expected (a path that does not exist, or a pattern
+    that matches nothing). Also a `FileNotFoundError`, as KempnerForge's loaders raise."""

@@ -4,26 +4,33 @@
 file) takes a KempnerForge job TOML as it is:
 
 - `[data]`: `dataset_path` + `file_pattern` (pre-tokenized `.npy`/`.bin` files; a raw `.bin`
-  takes its dtype from the tokenizer's vocabulary, uint32 past 65,535 ids, or from a
-  `dtype` key; never from the file size), `tokenizer_path`, `pack_sequences` (documents
-  found by the tokenizer's EOS, so segment ids and the loss mask stop at document ends;
-  without it, plain concatenation of each file), `hf_dataset_name` / `hf_dataset_config` /
-  `hf_dataset_split` / `hf_dataset_text_field` / `hf_streaming`, `datasets = [{path,
-  weight, name, hf_name, hf_config}]`, `mix_temperature`, `phases = [{start_step,
-  dataset_weights, lr_scale}]`, `anneal_start_step` + `anneal_weights` (0 = disabled), and
+  takes its width from a `dtype` key, else the local tokenizer's vocabulary, else `[model]
+  vocab_size` (KempnerForge's default 32,000): uint16 up to 65,536 ids, uint32 beyond, checked
+  against the bytes; never from the file size), `tokenizer_path` (local files only: a Hub
+  name is refused, with how to download it), `pack_sequences` (documents found by the
+  tokenizer's EOS, so segment ids and the loss mask stop at document ends; without it, plain
+  concatenation of each file), `hf_dataset_name` / `hf_dataset_config` / `hf_dataset_split` /
+  `hf_dataset_text_field` / `hf_streaming`, `datasets = [{path, weight, name, hf_name,
+  hf_config}]` (a source without `name` is named by its `path` or `hf_name` as written, as
+  KempnerForge names it), `mix_temperature`, `phases = [{start_step, dataset_weights,
+  lr_scale}]`, `anneal_start_step` + `anneal_weights` (0 = disabled; not with `phases`), and
   the loader keys `num_workers`, `pin_memory`, `prefetch_factor`;
-- `[train]`: `seq_len`, `seed`, `max_steps`, and the global batch, `batch_size` (per
-  device) × `grad_accum_steps` × the data-parallel size;
+- `[train]`: `seq_len`, `data_seed` (else `seed`: KempnerForge's effective data seed),
+  `max_steps`, and the global batch, `batch_size` (per device) × `grad_accum_steps` × the
+  data-parallel size;
+- `[model]`: `vocab_size`, for the width of raw files;
 - `[distributed]`: the data-parallel size is `dp_replicate × dp_shard`; `dp_shard = -1`
   (KempnerForge's default) means the world size divided by `dp_replicate × tp × pp × cp ×
   ep`, the world size being `world_size=` or the launcher's (`WORLD_SIZE`, or 1).
 
-Other tables (`[model]`, `[optimizer]`, ...) and the other `[train]` keys are the training
-loop's and are ignored; an unknown key in `[data]`, or a value of the wrong type, is an error
-naming it. Phases keep KempnerForge's meaning: a source a phase does not name keeps the
-weight it had before the phase. Every source is packed by concatenation ("concat"), as
-KempnerForge packs; Hugging Face documents end with EOS and start without BOS, as there.
-Relative paths are taken from the working directory, as KempnerForge does.
+Other tables (`[optimizer]`, ...) and keys are the training loop's and are ignored; a
+vision-language job (`[vlm]`, `[video]`) is refused: forge-grain has no image path. An
+unknown key in `[data]`, or a value of the wrong type, is an error naming it. Phases have
+`train.py`'s meaning: a source a phase does not name takes its original weight, and a phase
+takes effect from step max(start_step, 1) (KempnerForge checks phases after each step).
+Every source is packed by concatenation ("concat"), as KempnerForge packs; Hugging Face
+documents end with EOS and start without BOS, as there. Relative paths are taken from the
+working directory, as KempnerForge does.
 """
 
 from __future__ import annotations
@@ -46,9 +53,14 @@ DATA_KEYS: dict[str, tuple[type, ...]] = {
 }
 SOURCE_KEYS = {"path": (str,), "weight": (int, float), "name": (str,), "hf_name": (str,), "hf_config": (str,)}
 PHASE_KEYS = {"start_step": (int,), "dataset_weights": (dict,), "lr_scale": (int, float)}
-TRAIN_KEYS = {"seq_len": (int,), "seed": (int,), "max_steps": (int,), "batch_size": (int,), "grad_accum_steps": (int,)}
+TRAIN_KEYS = {"seq_len": (int,), "seed": (int,), "data_seed": (int,), "max_steps": (int,), "batch_size": (int,),
+              "grad_accum_steps": (int,)}
+MODEL_KEYS = {"vocab_size": (int,)}
 DISTRIBUTED_KEYS = {name: (int,) for name in ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep")}
 TRAIN_DEFAULTS = {"seq_len": 2048, "seed": 42, "max_steps": 100_000, "batch_size": 8, "grad_accum_steps": 1}
+MODEL_DEFAULTS = {"vocab_size": 32_000}  # KempnerForge's ModelConfig
+# tables of a vision-language job: forge-grain has no image path
+VISION_TABLES = ("vlm", "video", "vision_encoder", "adapter")
 
 # a [data] table with one of these is KempnerForge's, not forge-grain's
 MARKERS = {"dataset_path", "hf_dataset_name", "datasets", "pack_sequences", "tokenizer_path", "file_pattern",
@@ -72,22 +84,28 @@ def from_kempnerforge(path: str | Path, world_size: int | None = None) -> DataCo
 
 
 def config_from_job(doc: dict, where: str = "job", world_size: int | None = None) -> DataConfig:
+    vision = [f"[{t}]" for t in VISION_TABLES if t in doc]
+    if vision:
+        raise ConfigError(f"{where}: a vision-language job ({', '.join(vision)}): forge-grain reads text and token "
+                          "data only and has no image or video path; train this job with KempnerForge's own loader")
     data = _table(doc, "data", DATA_KEYS, where, strict=True)
     train = {**TRAIN_DEFAULTS, **_table(doc, "train", TRAIN_KEYS, where, strict=False)}
+    model = {**MODEL_DEFAULTS, **_table(doc, "model", MODEL_KEYS, where, strict=False)}
     dist = _table(doc, "distributed", DISTRIBUTED_KEYS, where, strict=False)
-    sources = _sources(data, where)
+    sources = _sources(data, where, model["vocab_size"])
     names = [s.name for s in sources]
     loader = {k: data[k] for k in ("num_workers", "pin_memory", "prefetch_factor") if k in data}
+    phases = _phases(data, sources, names, where)
     try:
         return DataConfig(
             sources=sources,
             seq_len=train["seq_len"],
             global_batch_size=train["batch_size"] * train["grad_accum_steps"] * data_parallel_size(dist, world_size),
-            seed=train["seed"],
+            seed=train.get("data_seed", train["seed"]),  # KempnerForge's effective_data_seed
             num_epochs=None,  # KempnerForge trains for max_steps, repeating its data as needed
             max_steps=train["max_steps"],
             mix_temperature=data.get("mix_temperature", 1.0),
-            phases=_phases(data, sources, names, where),
+            phases=phases,
             loader=loader,
         )
     except ConfigError as e:
@@ -131,7 +149,7 @@ def _check_type(what: str, value: Any, kinds: tuple[type, ...]) -> None:
         raise ConfigError(f"{what} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
 
 
-def _sources(data: dict, where: str) -> list[SourceConfig]:
+def _sources(data: dict, where: str, vocab_size: int) -> list[SourceConfig]:
     entries = data.get("datasets") or []
     if not entries:
         if data.get("dataset_path"):
@@ -147,17 +165,18 @@ def _sources(data: dict, where: str) -> list[SourceConfig]:
             raise ConfigError(f"{where}: data.datasets[{i}] needs exactly one of path and hf_name")
         if e.get("weight", 1.0) <= 0:
             raise ConfigError(f"{where}: data.datasets[{i}].weight must be positive, got {e['weight']!r}")
-        sources.append(_path_source(e, data, where) if e.get("path") else _hf_source(e, data))
+        sources.append(_path_source(e, data, where, vocab_size) if e.get("path") else _hf_source(e, data))
     return sources
 
 
-def _path_source(e: dict, data: dict, where: str) -> SourceConfig:
+def _path_source(e: dict, data: dict, where: str, vocab_size: int) -> SourceConfig:
     path = e["path"]
-    name = e.get("name") or Path(path).name
+    name = e.get("name") or path  # KempnerForge names a source by its path as written
     common = dict(name=name, path=path, weight=float(e.get("weight", 1.0)), strategy="concat")
     if (Path(path) / "manifest.json").exists():  # a forge-grain store carries its own dtype and ids
         return SourceConfig(**common)
     tokenizer = data.get("tokenizer_path") or None
+    local_tokenizer = tokenizer if tokenizer and Path(tokenizer).exists() else None  # a Hub name is not read
     eos_id = data.get("eos_id")
     if data.get("pack_sequences") and eos_id is None:
         if tokenizer is None:
@@ -171,9 +190,12 @@ def _path_source(e: dict, data: dict, where: str) -> SourceConfig:
     # KempnerForge's prepare_data.py cuts shards at a token count, inside documents, and writes no EOS:
     # its files need not begin or end a document
     packed = bool(data.get("pack_sequences"))
-    return SourceConfig(**common, file_pattern=data.get("file_pattern", "*.npy"), tokenizer=tokenizer,
-                        dtype=data.get("dtype"), eos_id=eos_id if packed else None,
-                        whole_documents=False if packed else None)
+    # the width of raw .bin files: a declared dtype, else the model's vocabulary (ids must fit its
+    # embedding), checked against the bytes; never guessed from the file size as KempnerForge does
+    dtype = data.get("dtype")
+    return SourceConfig(**common, file_pattern=data.get("file_pattern", "*.npy"), tokenizer=local_tokenizer,
+                        dtype=dtype, vocab_size=None if dtype or local_tokenizer else vocab_size,
+                        eos_id=eos_id if packed else None, whole_documents=False if packed else None)
 
 
 def _hf_source(e: dict, data: dict) -> SourceConfig:
@@ -186,14 +208,18 @@ def _hf_source(e: dict, data: dict) -> SourceConfig:
 
 
 def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: str) -> list[Phase]:
-    """KempnerForge's phases as forge-grain's: full weights, an unnamed source keeping its weight."""
+    """KempnerForge's phases as forge-grain's, with `train.py`'s meaning: a source a phase does
+    not name takes its original weight (not the previous phase's); KempnerForge checks its
+    phases after each step, so one at step 0 (or 1) takes effect from step 1, and of phases
+    reached together the last wins."""
     raw = data.get("phases") or []
     if raw and data.get("anneal_start_step", 0) > 0:
-        raise ConfigError(f"{where}: use data.phases or data.anneal_start_step, not both (as KempnerForge requires)")
-    if data.get("anneal_start_step", 0) > 0:
-        raw = [{"start_step": data["anneal_start_step"], "dataset_weights": data.get("anneal_weights", {})}]
-    current = {s.name: s.weight for s in sources}
-    phases = []
+        raise ConfigError(f"{where}: cannot use both data.phases and data.anneal_start_step (KempnerForge refuses "
+                          "them together too): use phases for multi-phase scheduling")
+    if data.get("anneal_start_step", 0) > 0 and data.get("anneal_weights"):
+        raw = [{"start_step": data["anneal_start_step"], "dataset_weights": data["anneal_weights"]}]
+    original = {s.name: s.weight for s in sources}
+    by_step: dict[int, Phase] = {}
     for i, p in enumerate(raw):
         _checked(p, PHASE_KEYS, where, f"data.phases[{i}]", f"data.phases[{i}]")
         weights = p.get("dataset_weights", {})
@@ -201,14 +227,11 @@ def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: st
         if strangers:
             raise ConfigError(f"{where}: data.phases[{i}].dataset_weights names unknown source(s) {strangers} "
                               f"(sources: {names})")
-        current = {**current, **{k: float(v) for k, v in weights.items()}}
         start, lr_scale = p.get("start_step", 0), float(p.get("lr_scale", 1.0))
-        if start == 0:  # forge-grain's phases start after step 0: this one sets the sources' weights
-            if lr_scale != 1.0:
-                raise ConfigError(f"{where}: data.phases[{i}] starts at step 0 with lr_scale {lr_scale}: set the "
-                                  "base learning rate instead")
-            for s in sources:
-                s.weight = current[s.name]
-            continue
-        phases.append(Phase(start, dict(current), lr_scale))
-    return phases
+        if start < 0 or lr_scale <= 0:
+            raise ConfigError(f"{where}: data.phases[{i}]: start_step must be >= 0 and lr_scale > 0")
+        if i and start <= raw[i - 1].get("start_step", 0):
+            raise ConfigError(f"{where}: data.phases start_steps must increase strictly (as KempnerForge requires)")
+        by_step[max(start, 1)] = Phase(max(start, 1), {**original, **{k: float(v) for k, v in weights.items()}},
+                                       lr_scale)
+    return list(by_step.values())

@@ -154,6 +154,12 @@ def _load_backend(path: Path):
     from tokenizers import Tokenizer
 
     if not path.exists():
+        if _looks_like_hub_name(str(path)):
+            raise PrepareError(
+                f"{path}: no such local tokenizer, and forge-grain never downloads one at run time (a name on the "
+                f"Hugging Face Hub is not read). Download it once (`huggingface-cli download {path} --local-dir "
+                "DIR`, or `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`) and point tokenizer_path at DIR"
+            )
         raise PrepareError(f"{path}: tokenizer not found (give a local tokenizer.json or tokenizer directory)")
     if path.is_file():
         try:
@@ -173,3 +179,8 @@ def _load_backend(path: Path):
     if not getattr(hf, "is_fast", False):
         raise PrepareError(f"{path}: only fast (Rust) tokenizers are supported; this one is {type(hf).__name__}")
     return hf.backend_tokenizer, hf.bos_token, hf.eos_token
+
+
+def _looks_like_hub_name(name: str) -> bool:
+    """`gpt2`, `meta-llama/Llama-3.2-1B`: a Hub repository id, not a path someone meant."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith(".") and not name.endswith(".json")

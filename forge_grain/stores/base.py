@@ -324,6 +324,21 @@ class TokenStore:
             if lo_id is not None:
                 checks.check_ids(file, lo_id, hi_id, self.vocab_size)
 
+    @property
+    def run_starts(self) -> np.ndarray:
+        """Where each contiguous run of tokens starts in the store's token order, the end
+        appended: one run per file for raw token files (a KempnerForge sample never
+        crosses one), per shard for a forge-grain store."""
+        if self._piece_table is None:
+            return np.array([0, self.num_tokens], np.int64)
+        return np.asarray(self._piece_table[0], np.int64)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the store's tokens taken in order, across documents and files."""
+        if self._piece_table is None:
+            raise StoreError(f"{self.path}: a {self.description} store is read a document at a time, not by token")
+        return self._token_range(int(start), int(stop))
+
     def _token_range(self, a: int, b: int) -> np.ndarray:
         """Tokens [a, b) of the store's tokens in order (may span runs)."""
         starts, array, base = self._piece_table

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import mapping
-from ..errors import StoreError
+from ..errors import MissingFilesError, StoreError
 from ..manifest import save_npy_atomic, token_dtype, write_json_atomic
 from ..paths import cache_root
 from ..splits import select_split
@@ -50,6 +50,8 @@ def find_token_files(path: str | Path, *, split: str | None = None, file_pattern
     """The `.npy`/`.bin` files named by a file, a directory (optionally filtered by
     `file_pattern`) or a glob, sorted; files of several splits need `split=`."""
     p = Path(path)
+    if not p.exists() and not any(c in str(path) for c in "*?["):
+        raise MissingFilesError(f"{path}: does not exist (no file or directory at this path)")
     if p.is_file():
         if file_pattern:
             raise StoreError(f"{p}: file_pattern={file_pattern!r} applies to a directory, and this is a file")
@@ -66,11 +68,11 @@ def find_token_files(path: str | Path, *, split: str | None = None, file_pattern
     if not files and file_pattern and p.is_dir():
         others = sorted({f.suffix for f in p.iterdir() if _is_token_file(f)})
         if others:
-            raise StoreError(f"{p}: no file matches file_pattern={file_pattern!r}, but the directory holds "
+            raise MissingFilesError(f"{p}: no file matches file_pattern={file_pattern!r}, but the directory holds "
                              f"{', '.join(others)} token files: set file_pattern to match them (e.g. '*{others[0]}')")
     if not files:
         hint = identify.describe_directory(p) if p.is_dir() else None
-        raise StoreError(hint or f"{path}: no manifest.json and no .npy/.bin token files found"
+        raise MissingFilesError(hint or f"{path}: no manifest.json and no .npy/.bin token files found"
                          + (f" matching {file_pattern!r}" if file_pattern else ""))
     return select_split(files, split, path, StoreError, base=base, default=None)
 
