@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .errors import StoreError
 from .manifest import write_json_atomic
-from .paths import cache_root, is_url
+from .paths import cache_root, is_url, private_cache
 from .stores import TokenStore
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class SourceRecords:
 
     def __init__(self, keys: list[str | None], cache_dir: str | Path | None):
         digest = hashlib.sha256(json.dumps([RECORD_VERSION] + keys).encode()).hexdigest()[:20]
-        directory = Path(cache_dir) if cache_dir is not None else cache_root() / "sources"
+        directory = private_cache(Path(cache_dir) if cache_dir is not None else cache_root() / "sources")
         self.file = directory / f"sources-{digest}.json"
         self.records: dict[str, Record] = self._load()
         self.changed = False

@@ -27,13 +27,13 @@ from .tokenizer import load_tokenizer
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     root = Path(cache_dir or paths.cache_root()) / "hf"
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise PrepareError(
             f"{root}: cannot create the Hugging Face source cache ({e.strerror}); set FORGE_GRAIN_CACHE (or pass "
             "cache_dir=) to a writable directory"
         ) from None
-    return root
+    return paths.private_cache(root)
 
 
 def path_name(name: str) -> str:

@@ -10,7 +10,6 @@ store's concatenated token space, with a loss-masked head of `skip` positions an
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from pathlib import Path
 
@@ -37,26 +36,13 @@ def _numba_cache() -> bool:
     here = Path(__file__).parent
     if os.access(here / "__pycache__" if (here / "__pycache__").is_dir() else here, os.W_OK):
         return True
-    from .paths import cache_root
+    from .paths import cache_root, private_directory
 
     for candidate in (cache_root() / "numba", Path(tempfile.gettempdir()) / f"forge_grain-numba-{os.getuid()}"):
         if private_directory(candidate):
             nb.config.CACHE_DIR = str(candidate)
             return True
     return False
-
-
-def private_directory(path: Path) -> bool:
-    """Whether `path` is (or is now made, mode 0700) a real directory of this user that no one
-    else can write: owned by us, not a link, no group or other write permission. In a shared
-    place such as /tmp another user can create the directory first and plant files in it."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.lstat()
-    except OSError:
-        return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
-            and os.access(path, os.W_OK))
 
 
 CACHE = _numba_cache()

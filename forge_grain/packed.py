@@ -18,7 +18,7 @@ import grain
 import numpy as np
 
 from . import kernels
-from .paths import cache_root
+from .paths import cache_root, private_cache, private_directory, trusted_directory
 from .buffers import BufferPool
 from .manifest import remove_stale_temporaries, temporary
 from .chunked import CHUNK_DOCS, plan_chunked
@@ -127,15 +127,13 @@ def plan_cache_dir(store: TokenStore, cache_dir: str | Path | None) -> Path | No
         home = store.path if store.path.is_dir() else store.path.parent
         tag = hashlib.sha256(str(store.path.resolve()).encode()).hexdigest()[:16]
         candidates = [home / ".plans", cache_root() / "plans" / tag]
-    for directory in candidates:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(directory, os.W_OK):
+    for k, directory in enumerate(candidates):
+        if k == len(candidates) - 1:  # cache_dir, or the cache root: refused, naming it, if another user can write it
+            private_cache(directory)
+        if private_directory(directory):  # beside the store: skipped if another user could plant plans there
             remove_stale_temporaries(directory)
             return directory
-    existing = [c for c in candidates if c.is_dir()]
+    existing = [c for c in candidates if c.is_dir() and trusted_directory(c, owner_of=store.path)]
     if existing:  # read-only, but may hold plans saved earlier (a fresh plan stays in memory)
         return existing[0]
     log.warning("forge-grain: no writable plan cache (%s); plans of %s are kept in memory and rebuilt by each process",

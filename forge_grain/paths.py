@@ -3,12 +3,78 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+from .errors import ForgeGrainError
+
+
+class UntrustedCacheError(ForgeGrainError):
+    """A cache directory another user could write: what it holds is not loaded."""
 
 
 def cache_root() -> Path:
     """Where forge-grain caches what it cannot keep beside the data (`FORGE_GRAIN_CACHE`)."""
     return Path(os.environ.get("FORGE_GRAIN_CACHE") or Path.home() / ".cache" / "forge_grain")
+
+
+def private_cache(path) -> Path:
+    """`path` as a cache directory this process may read from and write to: made (mode 0700)
+    if missing; refused, naming it, when it is a link, or owned by another user, or writable
+    by group or others (another user could plant data there, or, for compiled kernels, code).
+    A directory that cannot be made is returned as it is (the caller's write fails and it
+    falls back to memory, as for a read-only disk)."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return path
+    root = cache_root()
+    for directory in [path, *(p for p in path.parents if p == root or root in p.parents)]:  # up to the root
+        problem = _untrusted(directory)
+        if problem:
+            raise UntrustedCacheError(
+                f"{directory}: {problem}, so another user could have written what a cache there holds; forge-grain does not "
+                "load it. Point FORGE_GRAIN_CACHE (or cache_dir=) at a directory of your own (chmod 700), or fix this one"
+            )
+    return path
+
+
+def private_directory(path: Path) -> bool:
+    """Whether `path` is (or is now made, mode 0700) a real directory of this user that no one
+    else can write. In a shared place such as /tmp another user can create it first."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return _untrusted(path) is None and os.access(path, os.W_OK)
+
+
+def trusted_directory(path: Path, owner_of: Path | None = None) -> bool:
+    """Whether caches found in an existing `path` may be read: a real directory that only its
+    owner can write, the owner being this user, root, or the owner of `owner_of` (the data
+    the cache describes: its owner could change the data itself)."""
+    extra = ()
+    if owner_of is not None:
+        try:
+            extra = (Path(owner_of).stat().st_uid,)
+        except OSError:
+            pass
+    return _untrusted(path, extra) is None
+
+
+def _untrusted(path: Path, owners: tuple = ()) -> str | None:
+    try:
+        st = path.lstat()
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory (a link or a file)"
+    if st.st_uid not in (os.getuid(), 0, *owners):
+        return f"is owned by another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def is_url(path) -> bool:

@@ -38,7 +38,7 @@ from .manifest import (
     write_json_atomic,
 )
 from .locks import exclusive_or_refuse
-from .paths import cache_root, is_url
+from .paths import cache_root, is_url, private_cache
 from .texts import NULL_TOKENS
 from .tokenizer import TextTokenizer, load_tokenizer
 
@@ -125,7 +125,7 @@ def prepare(
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
         from .stores.remote import upload_store
 
-        staging = cache_root() / "uploads" / hashlib.sha256(str(output).encode()).hexdigest()[:16]
+        staging = private_cache(cache_root() / "uploads") / hashlib.sha256(str(output).encode()).hexdigest()[:16]
         try:
             prepare(source, staging, **args)
         except PrepareError as e:  # the staging directory stands for the URL

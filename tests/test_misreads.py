@@ -228,7 +228,7 @@ def test_the_kernel_cache_directory_must_be_private(tmp_path):
     or one others can write, or a link, is refused; a new one is made 0700."""
     import os
 
-    from forge_grain.kernels import private_directory
+    from forge_grain.paths import private_directory
 
     fresh = tmp_path / "fresh" / "numba"
     assert private_directory(fresh) and (fresh.stat().st_mode & 0o777) == 0o700

@@ -26,7 +26,7 @@ import numpy as np
 from .. import mapping
 from ..errors import StoreError
 from ..manifest import temporary
-from ..paths import cache_root
+from ..paths import cache_root, private_cache
 from . import checks
 from .base import TokenStore
 
@@ -83,7 +83,7 @@ class MDSStore(TokenStore):
         algorithm = str(shard.get("compression") or "").split(":")[0]
         opener = _DECOMPRESS.get(algorithm) or _zstd_opener(algorithm, source)
         key = checks.content_fingerprint(source, full=True)[:24]
-        cached = cache_root() / "mds" / f"{key}-{Path(raw.get('basename', source.name)).name}"
+        cached = private_cache(cache_root() / "mds") / f"{key}-{Path(raw.get('basename', source.name)).name}"
         if not cached.exists():
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = temporary(cached)

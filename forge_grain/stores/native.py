@@ -41,6 +41,21 @@ class NativeStore(TokenStore):
         self._offsets = join_offsets(offsets, self._offsets_cache(m))
         self._fingerprint = hashlib.sha256("|".join(sh.sha256 for sh in m.shards).encode()).hexdigest()[:16]
 
+    def _validate(self) -> None:
+        """Sampled token ids of every shard are valid for the recorded vocabulary, as for every
+        format (a flipped token or an edited manifest is caught at open, not only by verify).
+        The manifest's EOS/BOS ids are the tokenizer's, whether or not documents carry them."""
+        for s, file in enumerate(self._files):
+            lo, hi = int(self._file_doc_starts[s]), int(self._file_doc_starts[s + 1])
+            if self._piece_table is None:  # ArrayRecord: a few documents of each shard
+                sample = [self[i] for i in checks.spread(np.arange(lo, hi), 8)]
+            else:
+                sample = self._sample(lo, hi)
+            sample = [t for t in sample if len(t)]
+            if sample:
+                checks.check_ids(file, min(int(t.min()) for t in sample), max(int(t.max()) for t in sample),
+                                 self.vocab_size)
+
     def _offsets_cache(self, m: Manifest) -> Path | None:
         """Where several shards' joined offsets are kept (beside the store's plans), so a
         process maps them instead of holding 8 bytes a document."""

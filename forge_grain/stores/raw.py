@@ -33,7 +33,7 @@ import numpy as np
 from .. import mapping
 from ..errors import MissingFilesError, StoreError
 from ..manifest import save_npy_atomic, token_dtype, write_json_atomic
-from ..paths import cache_root
+from ..paths import cache_root, trusted_directory
 from ..splits import select_split
 from . import checks, identify
 from .base import TokenStore, join_offsets
@@ -132,7 +132,7 @@ def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndar
 
 def _cache_paths(path: Path, key: str) -> tuple[Path, Path]:
     stem = f".{path.name}.forge-grain-{key}"
-    if os.access(path.parent, os.W_OK):
+    if os.access(path.parent, os.W_OK) and trusted_directory(path.parent, owner_of=path):
         base = path.parent
     else:
         base = cache_root() / "index"
@@ -170,6 +170,10 @@ def document_offsets(
 
 def _load_cache(idx_path, meta_path, path, tokens, eos_id, bos_id, fingerprint, sample):
     try:
+        owners = {os.getuid(), 0, path.stat().st_uid}
+        if {idx_path.stat().st_uid, meta_path.stat().st_uid} - owners:
+            log.warning("forge-grain: ignoring the cached document index of %s: written by another user", path)
+            return None
         meta = json.loads(meta_path.read_text())
         offsets = np.load(idx_path, allow_pickle=False)
     except (OSError, ValueError):
@@ -201,7 +205,25 @@ def _cache_problem(meta, offsets, tokens, eos_id, bos_id, fingerprint, sample) -
         return "a document boundary is not at a BOS id"
     if eos_id is None and bos_id is None and len(offsets) != (2 if n else 1):
         return "a single stream was cut into documents"
+    if _unmarked_special(tokens, offsets, eos_id, bos_id):
+        return "an EOS/BOS id in the file is not a document boundary (boundaries were dropped)"
     return None
+
+
+def _unmarked_special(tokens: np.ndarray, offsets: np.ndarray, eos_id, bos_id, blocks: int = 64,
+                      size: int = 1 << 14) -> bool:
+    """Whether some EOS (or, without one, BOS) in sampled blocks of the file is not a boundary:
+    a cache must hold every document, not only boundaries that are special ids."""
+    special, after = (eos_id, 1) if eos_id is not None else (bos_id, 0)
+    if special is None or not len(tokens):
+        return False
+    for lo in np.unique(np.linspace(0, max(len(tokens) - size, 0), blocks).astype(np.int64)):
+        cut = np.flatnonzero(np.asarray(tokens[lo : lo + size]) == special) + lo + after
+        cut = cut[(cut > 0) & (cut < len(tokens))]
+        at = np.searchsorted(offsets, cut)
+        if len(cut) and (np.any(at >= len(offsets)) or np.any(offsets[np.minimum(at, len(offsets) - 1)] != cut)):
+            return True
+    return False
 
 
 def _scan(tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None) -> tuple[np.ndarray, int, int]:

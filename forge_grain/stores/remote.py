@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import StoreError
 from ..locks import file_lock
 from ..manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, temporary
-from ..paths import cache_root
+from ..paths import cache_root, private_cache
 from . import arrayrecord, checks, handles
 from .native import NativeStore
 
@@ -74,7 +74,7 @@ class ObjectCache(RemoteDir):
                  retries: int = RETRIES):
         super().__init__(url, storage_options, retries)
         tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        self.dir = Path(directory or cache_root() / "objects") / tag
+        self.dir = private_cache(Path(directory or cache_root() / "objects")) / tag
         self.dir.mkdir(parents=True, exist_ok=True)
         self.limit = limit
         self.downloads = 0  # objects this process downloaded (the rest were cached)
@@ -221,6 +221,9 @@ class RemoteStore(NativeStore):
         except StoreError as e:  # name the objects, not their local copies
             mirror = getattr(self, "path", None)
             raise StoreError(str(e).replace(f"{mirror}", self.url) if mirror else str(e)) from None
+
+    def _validate(self) -> None:
+        """Shards are checked as they are fetched (their checksums), not all fetched at open."""
 
     def _open(self, dtype=None, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=4) -> None:
         self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit)

@@ -1,0 +1,124 @@
+"""Issue 27: caches another user could write are never loaded, and caches that lie are caught."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import config, store
+
+from forge_grain import Pipeline, TokenStore
+from forge_grain.paths import UntrustedCacheError, private_cache
+
+
+def test_a_cache_directory_others_can_write_is_refused_by_name(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UntrustedCacheError, match=f"{shared}: is writable by group or others.*FORGE_GRAIN_CACHE"):
+        private_cache(shared)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(UntrustedCacheError, match="not a directory"):
+        private_cache(link)
+    fresh = private_cache(tmp_path / "mine" / "cache")
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    if os.getuid() == 0:  # root can hand a directory to another user: the planted case
+        planted = tmp_path / "planted"
+        planted.mkdir(mode=0o755)
+        os.chown(planted, 65534, 65534)
+        with pytest.raises(UntrustedCacheError, match="owned by another user"):
+            private_cache(planted)
+
+
+def test_a_pipeline_with_a_shared_cache_dir_refuses_it(tmp_path, monkeypatch):
+    path = three(tmp_path)
+    shared = tmp_path / "cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UntrustedCacheError, match=str(shared)):
+        Pipeline(config(path), 0, 1, num_threads=0, cache_dir=shared)
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(shared))
+    with pytest.raises(UntrustedCacheError, match=str(shared)):
+        Pipeline(config(path), 0, 1, num_threads=0)
+
+
+def three(tmp_path):
+    return {name: store(tmp_path / name, 150, k) for k, name in enumerate(("web", "code", "math"))}
+
+
+def raw_file(tmp_path, n_docs=100, eos=1):
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(2, 5000, rng.integers(5, 60)), eos) for _ in range(n_docs)]
+    (tmp_path / "d").mkdir()
+    np.save(tmp_path / "d" / "a.npy", np.concatenate(docs).astype(np.uint16))
+    return tmp_path / "d", docs
+
+
+def test_an_index_cache_that_drops_eos_boundaries_is_rescanned(tmp_path):
+    """Self-consistent (counts, checksum, ends) but 10 documents for 100: the sampled EOS ids
+    that are not boundaries give it away."""
+    d, docs = raw_file(tmp_path)
+    assert len(TokenStore.open(d, eos_id=1)) == 100
+    (idx,) = d.glob(".a.npy.forge-grain-*.idx.npy")
+    meta_path = idx.with_name(idx.name[: -len(".idx.npy")] + ".json")
+    offsets = np.load(idx)
+    lying = offsets[::10].copy()
+    lying[-1] = offsets[-1]
+    np.save(idx, lying)
+    meta = json.loads(meta_path.read_text())
+    meta.update(num_documents=len(lying) - 1, offsets_sha256=hashlib.sha256(lying.astype(np.int64).tobytes()).hexdigest())
+    meta_path.write_text(json.dumps(meta))
+    store = TokenStore.open(d, eos_id=1)
+    assert len(store) == 100 and [x.tolist() for x in store] == [x.tolist() for x in docs]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a file to another user")
+def test_an_index_cache_written_by_another_user_is_not_read(tmp_path, caplog):
+    d, docs = raw_file(tmp_path)
+    TokenStore.open(d, eos_id=1)
+    for f in d.glob(".a.npy.forge-grain-*"):
+        os.chown(f, 65534, 65534)
+    with caplog.at_level("WARNING"):
+        assert len(TokenStore.open(d, eos_id=1)) == 100
+    assert "written by another user" in caplog.text
+
+
+def test_no_index_cache_beside_data_in_a_directory_others_can_write(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    d, _ = raw_file(tmp_path)
+    d.chmod(0o1777)  # a shared sticky directory, as /tmp
+    TokenStore.open(d, eos_id=1)
+    assert not list(d.glob(".a.npy.forge-grain-*")) and list((tmp_path / "cache" / "index").iterdir())
+
+
+def test_plans_beside_a_store_in_a_directory_others_can_write_are_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    path = three(tmp_path)
+    (path["web"] / ".plans").mkdir()
+    (path["web"] / ".plans").chmod(0o777)
+    Pipeline(config(path), 0, 1, num_threads=0).batch(0)
+    assert not list((path["web"] / ".plans").iterdir()) and list((tmp_path / "cache" / "plans").iterdir())
+
+
+def test_a_native_store_checks_sampled_ids_at_open(tmp_path):
+    """A token flipped out of the vocabulary, or a manifest whose vocab_size was edited down, is
+    caught at open (not only by verify=True)."""
+    path = store(tmp_path / "s", 150, 0)  # vocabulary 1000
+    TokenStore.open(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["vocab_size"] = 10
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="shard-00000.bin.*vocab"):
+        TokenStore.open(path)
+    manifest["vocab_size"] = 1000
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    tokens = np.memmap(path / "shard-00000.bin", dtype=np.uint16, mode="r+")
+    tokens[len(tokens) // 2] = 65535
+    tokens.flush()
+    del tokens
+    with pytest.raises(ValueError, match="65535"):
+        TokenStore.open(path)
