@@ -113,15 +113,37 @@ def config_from_job(doc: dict, where: str = "job", world_size: int | None = None
 
 
 def data_parallel_size(dist: dict, world_size: int | None = None) -> int:
-    """dp_replicate × dp_shard, with dp_shard = -1 resolved from the world size."""
+    """dp_replicate × dp_shard, with dp_shard = -1 resolved from the world size; every size
+    positive, and their product the world size when it is known (KempnerForge checks it)."""
+    for key, value in dist.items():
+        if value < 1 and not (key == "dp_shard" and value == -1):
+            raise ConfigError(f"distributed.{key} must be a positive integer" + (" or -1" if key == "dp_shard" else "")
+                              + f", got {value}")
     replicate, shard = dist.get("dp_replicate", 1), dist.get("dp_shard", -1)
+    other = dist.get("tp", 1) * dist.get("pp", 1) * dist.get("cp", 1)
+    world = _world_size(world_size)
     if shard != -1:
+        if world is not None and replicate * shard * other != world:
+            raise ConfigError(f"distributed: dp_replicate*dp_shard*tp*pp*cp = {replicate * shard * other} is not the "
+                              f"world size {world}")
         return replicate * shard
-    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    other = replicate * dist.get("tp", 1) * dist.get("pp", 1) * dist.get("cp", 1) * dist.get("ep", 1)
+    world = 1 if world is None else world
+    other *= replicate * dist.get("ep", 1)
     if world % other:
         raise ConfigError(f"distributed: world size {world} is not divisible by dp_replicate*tp*pp*cp*ep = {other}")
     return replicate * (world // other)
+
+
+def _world_size(given: int | None) -> int | None:
+    """`world_size=`, else the launcher's WORLD_SIZE, else unknown."""
+    if given is not None:
+        return given
+    text = os.environ.get("WORLD_SIZE")
+    if text is None:
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"the WORLD_SIZE environment variable is {text!r}, not a positive integer")
+    return int(text)
 
 
 def _table(doc: dict, name: str, keys: dict, where: str, strict: bool) -> dict:
@@ -223,6 +245,10 @@ def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: st
     for i, p in enumerate(raw):
         _checked(p, PHASE_KEYS, where, f"data.phases[{i}]", f"data.phases[{i}]")
         weights = p.get("dataset_weights", {})
+        for name, w in weights.items():
+            _check_type(f"{where}: data.phases[{i}].dataset_weights.{name}", w, (int, float))
+            if w < 0:
+                raise ConfigError(f"{where}: data.phases[{i}].dataset_weights.{name} must be >= 0, got {w}")
         strangers = sorted(set(weights) - set(names))
         if strangers:
             raise ConfigError(f"{where}: data.phases[{i}].dataset_weights names unknown source(s) {strangers} "

@@ -599,3 +599,29 @@ def test_a_shipped_style_job_with_bin_files_opens_unchanged(tmp_path, monkeypatc
         Pipeline(load(50_304), 0, 1, num_threads=0)
     with pytest.raises(ValueError, match="never downloads one at run time.*huggingface-cli download meta-llama"):
         load(128_256, pack=True)
+
+
+@pytest.mark.parametrize("dist, world, match", [
+    ("dp_replicate = -2", 8, r"distributed\.dp_replicate must be a positive integer, got -2"),
+    ("dp_shard = 3", 8, r"dp_replicate\*dp_shard\*tp\*pp\*cp = 3 is not the world size 8"),
+    ("tp = 0", 8, r"distributed\.tp must be a positive integer, got 0"),
+    ("dp_shard = -1", "abc", r"WORLD_SIZE environment variable is 'abc'"),
+])
+def test_parallel_sizes_are_checked(tmp_path, monkeypatch, three_sources, dist, world, match):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    (tmp_path / "job.toml").write_text(f'[data]\ndataset_path = "{three_sources["web"]}"\n[distributed]\n{dist}\n')
+    with pytest.raises(ConfigError, match=match):
+        DataConfig.from_toml(tmp_path / "job.toml")
+
+
+def test_a_phase_weight_that_is_not_a_number_is_named(tmp_path, three_sources):
+    data = MIXTURE.format(tok=DEFAULT_TOKENIZER, schedule='phases = [{ start_step = 5, dataset_weights = '
+                          '{ web = "high" } }]', **three_sources)
+    with pytest.raises(ConfigError, match=r"data\.phases\[0\]\.dataset_weights\.web must be int or float, got 'high'"):
+        job(tmp_path, data)
+
+
+def test_a_declared_eos_that_the_files_cannot_hold_is_refused(tmp_path, three_sources):
+    cfg = job(tmp_path, f'dataset_path = "{three_sources["web"]}"\npack_sequences = true\neos_id = 100000')
+    with pytest.raises(ValueError, match="eos_id=100000 cannot occur in uint16 tokens"):
+        Pipeline(cfg, 0, 1, num_threads=0)

@@ -70,7 +70,22 @@ class TokenStore:
         self._lengths: np.ndarray | None = None
         self._doc_start = self._doc_array = None  # built on the first read (`_index_documents`)
         self._gather_arrays = None  # the arrays as the compiled gather takes them (`pieces`)
+        self._check_special_ids()
         self._validate()
+
+    def _check_special_ids(self) -> None:
+        """A declared EOS/BOS id must be a token these files can hold and the vocabulary has:
+        one that cannot occur would leave every file one document, silently."""
+        top = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
+        for name, value in (("eos_id", self.eos_id), ("bos_id", self.bos_id)):
+            if value is None:
+                continue
+            if top is not None and value > top:
+                raise StoreError(f"{self.path}: {name}={value} cannot occur in {self.dtype} tokens (at most {top}); "
+                                 "check the id, or the dtype")
+            if self.vocab_size is not None and value >= self.vocab_size:
+                raise StoreError(f"{self.path}: {name}={value} is not in the vocabulary of {self.vocab_size} ids; "
+                                 "check the id, or vocab_size")
 
     def _common_options(self, options: dict) -> dict:
         """Check the options apply to this format, take those every format treats alike
