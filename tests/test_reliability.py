@@ -122,3 +122,42 @@ def test_a_native_store_checks_sampled_ids_at_open(tmp_path):
     del tokens
     with pytest.raises(ValueError, match="65535"):
         TokenStore.open(path)
+
+
+def test_16_bit_ids_declared_8_bit_are_refused(tmp_path):
+    """nanoGPT-style uint16 data declared uint8 (vocab 256): every id's high byte becomes a
+    token; the width checks apply to declared dtypes too."""
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(2, 50_000, rng.integers(20, 400)), 1) for _ in range(500)]
+    np.concatenate(docs).astype(np.uint16).tofile(tmp_path / "train.bin")
+    with pytest.raises(ValueError, match=r"16-bit ids read as 8-bit\. Declare dtype='uint16'"):
+        TokenStore.open(tmp_path / "train.bin", dtype="uint8", vocab_size=256)
+    rng.integers(0, 256, 100_000).astype(np.uint8).tofile(tmp_path / "bytes.bin")  # real 8-bit ids open
+    assert TokenStore.open(tmp_path / "bytes.bin", dtype="uint8", vocab_size=256).num_tokens == 100_000
+
+
+def test_foreign_indices_may_only_name_their_own_files(tmp_path):
+    """An MDS basename or an Arrow state.json filename of `../x` or an absolute path would read
+    another dataset's file as data: refused, naming the index."""
+    import datasets
+    from mds_writer import write_mds
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(2, 900, rng.integers(5, 50)).astype(np.int32) for _ in range(200)]
+    for name in ("mds", "other"):
+        write_mds(tmp_path / name, {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs], 100)
+    index = json.loads((tmp_path / "mds" / "index.json").read_text())
+    for bad in ("../other/" + index["shards"][0]["raw_data"]["basename"],
+                str(tmp_path / "other" / index["shards"][0]["raw_data"]["basename"])):
+        index["shards"][0]["raw_data"]["basename"] = bad
+        (tmp_path / "mds" / "index.json").write_text(json.dumps(index))
+        with pytest.raises(ValueError, match="index.json: lists .* outside the dataset's directory"):
+            TokenStore.open(tmp_path / "mds", token_field="tokens", vocab_size=1000)
+
+    for name in ("arrow", "elsewhere"):
+        datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs]}).save_to_disk(str(tmp_path / name))
+    state = json.loads((tmp_path / "arrow" / "state.json").read_text())
+    state["_data_files"][0]["filename"] = "../elsewhere/" + state["_data_files"][0]["filename"]
+    (tmp_path / "arrow" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="state.json: lists .* outside the dataset's directory"):
+        TokenStore.open(tmp_path / "arrow", vocab_size=1000)

@@ -72,7 +72,9 @@ def data_files(path: Path, split: str | None) -> tuple[list[Path], str | None]:
         raise StoreError(f"{path}: split={split!r} was given, but this is a single dataset, not a DatasetDict")
     try:
         state = json.loads((path / "state.json").read_text())
-        files = [path / d["filename"] for d in state["_data_files"]]
+        files = [checks.inside(path, d["filename"], "state.json") for d in state["_data_files"]]
+    except StoreError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StoreError(f"{path / 'state.json'}: not a readable save_to_disk state ({e})") from None
     for f in files:

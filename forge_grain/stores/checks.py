@@ -154,7 +154,7 @@ def check_width(path: Path, raw: np.ndarray, dtype: np.dtype, *, declared: bool,
     with, judged on the whole of its `aligned_sample` (`raw`). A dtype the user declared is
     refused only when the evidence is beyond doubt; a derived one (from a vocabulary or a
     tokenizer) also when the sample cannot tell, asking for `dtype=` rather than guessing."""
-    for wide in (8, 4):
+    for wide in (8, 4, 2):
         if wide > dtype.itemsize:
             _check_not_wider(path, raw, dtype, wide, declared)
     if dtype.itemsize == 4:
@@ -167,14 +167,15 @@ def _check_not_wider(path: Path, raw: np.ndarray, dtype: np.dtype, wide: int, de
     low, high = _lanes(raw, item, wide)
     k, distinct = _exceeding(low, high)
     top = int(high.max()) if high.size else 0
-    bits, name = wide * 8, "int64" if wide == 8 else "int32"
+    bits, name = wide * 8, {8: "int64", 4: "int32", 2: "uint16"}[wide]
     # beyond doubt: many values, of many ids, above upper parts small enough to be ids' high halves
     if k >= WIDTH_SURE and distinct >= WIDTH_DISTINCT and top <= (LARGEST_VOCAB - 1) >> (8 * item):
         which = "every other token" if wide // item == 2 else f"{wide // item - 1} of every {wide // item} tokens"
         value = "0" if not top else f"at most {top} where the others reach {int(low.max())}"
         raise StoreError(
             f"{path}: read as {dtype}, {which} is {value} (in all {len(low)} sampled groups): the signature of "
-            f"{bits}-bit ids read as {item * 8}-bit. Declare dtype='{name}' (or 'uint{bits}'), whichever wrote the file"
+            f"{bits}-bit ids read as {item * 8}-bit. Declare dtype='{name}'"
+            + ("" if name == f"uint{bits}" else f" (or 'uint{bits}'), whichever wrote the file")
         )
     if not declared and k and (k >= WIDTH_UNSURE or not top):
         raise StoreError(
@@ -241,6 +242,19 @@ def check_special_ends(path: Path, tokens_at, offsets: np.ndarray, eos_id, bos_i
 
 
 # -- files -----------------------------------------------------------------------------------------
+
+
+def inside(directory: Path, name, index: str) -> Path:
+    """`directory / name` for a file name a dataset's `index` lists, refused when the name is
+    not a string or leads out of the directory (absolute, `..`, a link out): an index must not
+    make another dataset's file (or any file) read as this one's data."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise StoreError(f"{directory / index}: lists a file name {name!r}, not a file name")
+    file = directory / name
+    if Path(name).is_absolute() or ".." in Path(name).parts or not file.resolve().is_relative_to(directory.resolve()):
+        raise StoreError(f"{directory / index}: lists {name!r}, a file outside the dataset's directory; an index "
+                         "may only name the dataset's own files")
+    return file
 
 
 def require_regular(file: Path, what: str) -> None:

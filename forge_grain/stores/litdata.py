@@ -40,7 +40,7 @@ class LitDataStore(TokenStore):
         checks.check_declared_dtype(index_file, dtype, self.dtype, "its data_format")
         offsets = []
         for chunk in index["chunks"]:
-            file = self.path / chunk["filename"]
+            file = checks.inside(self.path, chunk["filename"], "index.json")
             header, item_offsets = _chunk_table(file, chunk, self.dtype)
             count = (int(item_offsets[-1]) - header) // self.dtype.itemsize
             self._arrays.append(checks.map_array(file, self.dtype, offset=header, count=count))

@@ -71,14 +71,14 @@ class MDSStore(TokenStore):
     def _shard_file(self, shard: dict) -> Path:
         """The shard's raw file, decompressing a compressed one into the cache once."""
         raw = shard.get("raw_data") or {}
-        file = self.path / raw.get("basename", "")
+        file = checks.inside(self.path, raw["basename"], "index.json") if raw.get("basename") else self.path
         if raw.get("basename") and file.exists():
             checks.require_regular(file, "shard listed in index.json")
             return file
         zipped = shard.get("zip_data") or {}
         if not zipped.get("basename"):
             raise StoreError(f"{file}: shard listed in {self.path / 'index.json'} is missing")
-        source = self.path / zipped["basename"]
+        source = checks.inside(self.path, zipped["basename"], "index.json")
         checks.require_regular(source, "compressed shard listed in index.json")
         algorithm = str(shard.get("compression") or "").split(":")[0]
         opener = _DECOMPRESS.get(algorithm) or _zstd_opener(algorithm, source)
