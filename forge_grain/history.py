@@ -51,8 +51,10 @@ def extend(state: dict, current: dict) -> list[dict]:
                and any(before[s["name"]].get(k) != s.get(k) for k in SOURCE_KEYS)]
     if changed:
         raise HistoryError(f"sources {changed} changed their data or packing since the state was saved")
-    step = int(state["step"])
-    history = list(saved.get("history", []))
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise HistoryError(f"the state's step {step!r} is not a step")
+    history = list(check(saved.get("history", [])))
     if history and step < history[-1]["until_step"]:
         raise HistoryError(f"the state's step {step} is before its own last mixture change")
     names = [s["name"] for s in saved["sources"]]
@@ -61,6 +63,42 @@ def extend(state: dict, current: dict) -> list[dict]:
         tree = _union(names, history)
         history = [{**seg, "tree": tree} for seg in history]
     return history + [{"until_step": step, "sources": names, "schedule": saved["schedule"], "tree": tree}]
+
+
+def check(history) -> list[dict]:
+    """`history` if it has the structure a pipeline writes, else a HistoryError naming what is
+    wrong: a list of segments, each with `until_step` (increasing, >= 0), `sources` (names),
+    `schedule` ([[start_step, weights]], a finite weight >= 0 per source, some positive) and,
+    when present, `tree` (names among `sources`)."""
+    def fail(i, what):
+        raise HistoryError(f"the state's mixture history is malformed: segment {i} {what}")
+
+    if not isinstance(history, list):
+        raise HistoryError(f"the state's mixture history is malformed: a list of segments, not {history!r:.80}")
+    last = 0
+    for i, seg in enumerate(history):
+        if not isinstance(seg, dict):
+            fail(i, f"is {seg!r:.80}, not a table")
+        until, names = seg.get("until_step"), seg.get("sources")
+        if isinstance(until, bool) or not isinstance(until, int) or until < last:
+            fail(i, f"ends at step {until!r}, before {last}")
+        last = until
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            fail(i, f"has sources {names!r:.80}, not a list of names")
+        schedule = seg.get("schedule")
+        if not isinstance(schedule, list) or not schedule:
+            fail(i, f"has schedule {schedule!r:.80}, not a list of [start_step, weights]")
+        for entry in schedule:
+            ok = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], int) and entry[0] >= 0
+            weights = entry[1] if ok else None
+            if not ok or not isinstance(weights, (list, tuple)) or len(weights) != len(names) or not all(
+                    isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < float("inf")
+                    for w in weights) or not sum(weights) > 0:
+                fail(i, f"has a schedule entry {entry!r:.80}: [start_step, one finite weight >= 0 per source]")
+        if "tree" in seg and (not isinstance(seg["tree"], list) or not set(seg["tree"]) <= set(names)
+                              or not all(isinstance(n, str) for n in seg["tree"])):
+            fail(i, f"mixes over {seg['tree']!r:.80}, not names among its sources {names}")
+    return history
 
 
 def _union(names: list[str], history: list[dict]) -> list[str]:

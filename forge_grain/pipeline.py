@@ -285,9 +285,14 @@ class Pipeline:
         """The mixture history of `state`, extended by a change to this config if allowed."""
         if not isinstance(state, dict) or "fingerprint" not in state:
             raise StateError(f"resume_from: not a forge-grain pipeline state: {str(state)[:200]}")
-        self.history = list((state.get("config") or {}).get("history", []))
+        saved = state.get("config")
+        try:
+            self.history = list(history.check(saved.get("history", []) if isinstance(saved, dict) else []))
+        except history.HistoryError as e:
+            raise StateError(str(e)) from None
         if state["fingerprint"] == self._fingerprint()[0]:
             return  # the same mixture: an ordinary resume
+        self.history = []
         if not allow_change:
             return  # strict: check_state names what differs
         try:

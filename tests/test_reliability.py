@@ -161,3 +161,36 @@ def test_foreign_indices_may_only_name_their_own_files(tmp_path):
     (tmp_path / "arrow" / "state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="state.json: lists .* outside the dataset's directory"):
         TokenStore.open(tmp_path / "arrow", vocab_size=1000)
+
+
+HOSTILE_STATES = {
+    "history an int": lambda s: s["config"].__setitem__("history", 3),
+    "history entry a string": lambda s: s["config"].__setitem__("history", ["x"]),
+    "weights short": lambda s: s["config"]["history"][0].__setitem__("schedule", [[0, [0.5]]]),
+    "weight NaN": lambda s: s["config"]["history"][0].__setitem__("schedule", [[0, [float("nan"), 1.0, 1.0]]]),
+    "unknown source": lambda s: s["config"]["history"][0].__setitem__("tree", ["zzz", "web", "code"]),
+    "until_step < 0": lambda s: s["config"]["history"][0].__setitem__("until_step", -1),
+    "step -5": lambda s: s.__setitem__("step", -5),
+    "step 2^62": lambda s: s.__setitem__("step", 2**62),
+    "config a list": lambda s: s.__setitem__("config", []),
+}
+
+
+@pytest.mark.parametrize("allow", [False, True])
+@pytest.mark.parametrize("case", sorted(HOSTILE_STATES))
+def test_hostile_states_end_in_a_state_error(tmp_path, case, allow):
+    """A state with a mixture history, damaged: a StateError saying what is wrong, never a raw
+    TypeError/IndexError from deep inside, with or without allow_mixture_change."""
+    from forge_grain.errors import StateError
+
+    stores = three(tmp_path)
+    first = Pipeline(config(stores), 0, 1, num_threads=0)
+    changed = config(stores)
+    changed.sources[0].weight = 0.2
+    state = Pipeline(changed, 0, 1, num_threads=0, resume_from=first.state_at(5), allow_mixture_change=True).state_at(9)
+    state = json.loads(json.dumps(state))
+    assert state["config"]["history"]  # the change is recorded
+    HOSTILE_STATES[case](state)
+    with pytest.raises(StateError):
+        p = Pipeline(changed, 0, 1, num_threads=0, resume_from=state, allow_mixture_change=allow)
+        next(p.iterator(state))
