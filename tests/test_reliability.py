@@ -194,3 +194,34 @@ def test_hostile_states_end_in_a_state_error(tmp_path, case, allow):
     with pytest.raises(StateError):
         p = Pipeline(changed, 0, 1, num_threads=0, resume_from=state, allow_mixture_change=allow)
         next(p.iterator(state))
+
+
+def test_a_server_that_never_answers_is_an_error_within_the_deadline(tmp_path, monkeypatch):
+    """It accepts the connection and the request, then says nothing: every request is bounded by
+    FORGE_GRAIN_REMOTE_DEADLINE (the client's own timeouts do not reach every call)."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    from s3server import KEYS
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    held = []
+
+    def accept_all():
+        with contextlib.suppress(OSError):  # until the socket closes
+            while True:
+                held.append(silent.accept())
+
+    threading.Thread(target=accept_all, daemon=True).start()
+    monkeypatch.setenv("FORGE_GRAIN_REMOTE_DEADLINE", "0.5")
+    options = {**KEYS, "endpoint_url": f"http://127.0.0.1:{silent.getsockname()[1]}", "skip_instance_cache": True,
+               "config_kwargs": {"retries": {"max_attempts": 1}, "read_timeout": 600}}
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"s3://bucket/store/manifest.json: failed after 5 attempts: no answer within 0.5 s"):
+        TokenStore.open("s3://bucket/store", storage_options=options, object_cache=str(tmp_path / "objects"))
+    assert time.monotonic() - start < 30
+    silent.close()

@@ -212,12 +212,14 @@ def test_len_times_epochs_is_every_step(data, kind):
 
 
 def test_the_kempnerforge_streaming_drop_in_repeats_no_sample_under_workers(data):
+    """With forge-grain's semantics, worker 0 makes the rank's one stream (KempnerForge's own
+    semantics: `datasets` deals files to workers; see test_kempnerforge)."""
     from bridges.kempnerforge import StreamingHuggingFaceDataset
     from forge_grain.tokenizer import DEFAULT_TOKENIZER
 
     def samples(workers):
         ds = StreamingHuggingFaceDataset(data["files"][0], "train", "text", 32, str(DEFAULT_TOKENIZER),
-                                         shuffle_buffer_size=20, cache_dir=data["cache"])
+                                         semantics="forge_grain", window=20, cache_dir=data["cache"])
         out = []
         for s in DataLoader(ds, batch_size=None, num_workers=workers):
             out.append(s["input_ids"].numpy().tobytes())

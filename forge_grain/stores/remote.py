@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -26,13 +27,48 @@ import numpy as np
 
 from ..errors import StoreError
 from ..locks import file_lock
-from ..manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, temporary
+from ..manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, temporary
 from ..paths import cache_root, private_cache
 from . import arrayrecord, checks, handles
 from .native import NativeStore
 
+log = logging.getLogger(__name__)
+
 RETRIES = 5
 BLOCK = 1 << 26  # bytes per ranged read while downloading
+# seconds one request (a ranged read of BLOCK bytes at most) may take before it counts as failed:
+# a server that accepts a request and never answers must not block forever (fsspec's own
+# timeouts do not reach every call); FORGE_GRAIN_REMOTE_DEADLINE sets it
+DEADLINE = 120.0
+
+
+def deadline() -> float:
+    text = os.environ.get("FORGE_GRAIN_REMOTE_DEADLINE")
+    try:
+        return float(text) if text else DEADLINE
+    except ValueError:
+        raise StoreError(f"FORGE_GRAIN_REMOTE_DEADLINE={text!r} is not a number of seconds") from None
+
+
+def bounded(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, or TimeoutError once `deadline()` seconds pass without an answer.
+    The call runs on a daemon thread, so one stuck in a network library is abandoned (it ends
+    with the process) instead of blocking the caller or the interpreter's exit."""
+    limit, box, done = deadline(), {}, threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="forge-grain-remote").start()
+    if not done.wait(limit):
+        raise TimeoutError(f"no answer within {limit:g} s (FORGE_GRAIN_REMOTE_DEADLINE)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class RemoteDir:
@@ -100,8 +136,8 @@ class ObjectCache(RemoteDir):
     def fresh(self, name: str) -> bytes:
         """Object `name`'s current bytes (no cache): the manifest, which says what else to trust."""
         def attempt():
-            data = self.fs.cat_file(self.path(name))
-            size = self.fs.size(self.path(name))
+            data = bounded(self.fs.cat_file, self.path(name))
+            size = bounded(self.fs.size, self.path(name))
             if len(data) != size:
                 raise _Damaged(f"{len(data)} bytes arrived of {size}")
             return data
@@ -111,7 +147,7 @@ class ObjectCache(RemoteDir):
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead) -> bool:
         tmp = temporary(local)
         if size is None:  # the manifest does not say (indices, ArrayRecord shards): ask, so a cut-off
-            size = self.retry(name, lambda: self.fs.size(self.path(name)))  # read is never taken
+            size = self.retry(name, lambda: bounded(self.fs.size, self.path(name)))  # read is never taken
         if self.limit is None:
             tmp.write_bytes(b"")
         elif not self._make_room(size, upcoming, tmp, ahead):
@@ -121,12 +157,13 @@ class ObjectCache(RemoteDir):
             h, n = hashlib.sha256(), 0
             with open(tmp, "r+b") as dst:
                 for start in range(0, size, BLOCK):  # ranged GETs: no HEAD first, memory bounded by a block
-                    block = self.fs.cat_file(self.path(name), start=start, end=min(start + BLOCK, size))
+                    block = bounded(self.fs.cat_file, self.path(name), start=start, end=min(start + BLOCK, size))
                     h.update(block)
                     dst.write(block)
                     n += len(block)
                     if len(block) != min(BLOCK, size - start):
                         break
+                os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
             if n != size:
                 raise _Damaged(f"{n} bytes arrived of the {size} expected")
             if sha256 is not None and h.hexdigest() != sha256:
@@ -171,6 +208,9 @@ class ObjectCache(RemoteDir):
                 downloading = any(".tmp-" in p.name for _, _, p in files)
             if ahead:
                 return False
+            if downloading:  # reservations of processes that died mid-download are reclaimed
+                for d in {p.parent for _, _, p in files if ".tmp-" in p.name}:
+                    remove_stale_temporaries(d)
             if not downloading:
                 raise StoreError(f"{self.url}: cache_limit {self.limit} bytes is full ({used} bytes) and nothing "
                                  "can be evicted; raise it")
@@ -281,6 +321,8 @@ class RemoteStore(NativeStore):
             os.utime(path)  # recently used: evicted last
         except FileNotFoundError:  # another process evicted it in between: fetch it again
             arr = self._map_bin_shard(self._fetch(k), self.manifest.shards[k])
+        except StoreError:  # a damaged copy (a power loss, a disk error): the object is the truth
+            arr = self._map_bin_shard(self._refetch(k, path), self.manifest.shards[k])
         with self._lock:
             self._mapped[k] = arr
         return arr
@@ -299,9 +341,23 @@ class RemoteStore(NativeStore):
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 
+    def _refetch(self, k: int, path: Path) -> Path:
+        """Shard `k` downloaded again, its cached copy at `path` having failed a check."""
+        log.warning("forge-grain: the cached copy %s of %s/%s is damaged; downloading it "
+                                            "again", path, self.url, self.manifest.shards[k].tokens)
+        path.unlink(missing_ok=True)
+        return self._fetch(k)
+
     def _verify_files(self) -> None:
-        for k in range(len(self.manifest.shards)):
-            self._fetch(k)  # a download is checked against the manifest's sha256
+        """Every shard's cached copy checked against the manifest's sha256 (a download is checked
+        as it arrives; a copy damaged since is downloaded again)."""
+        for k, shard in enumerate(self.manifest.shards):
+            path = self._fetch(k)
+            if sha256_file(path) != shard.sha256:
+                self._mapped.pop(k, None)
+                path = self._refetch(k, path)
+                if sha256_file(path) != shard.sha256:
+                    raise StoreError(f"{self.url}/{shard.tokens}: its sha256 does not match the manifest's")
 
     def __reduce__(self):
         return (_reopen_remote, (self.url, self._options))
@@ -345,23 +401,23 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
         if not overwrite:
             raise StoreError(f"{remote.url}: already holds another token store; choose another output or pass "
                              "--overwrite")
-        remote.retry(MANIFEST_NAME, lambda: remote.fs.rm_file(remote.path(MANIFEST_NAME)))  # incomplete from here
+        remote.retry(MANIFEST_NAME, lambda: bounded(remote.fs.rm_file, remote.path(MANIFEST_NAME)))  # incomplete from here
     resuming = read_or_none(remote, UPLOAD_MARKER) == digest.encode()
     if not resuming:
-        remote.retry(UPLOAD_MARKER, lambda: remote.fs.pipe_file(remote.path(UPLOAD_MARKER), digest.encode()))
+        remote.retry(UPLOAD_MARKER, lambda: bounded(remote.fs.pipe_file, remote.path(UPLOAD_MARKER), digest.encode()))
     files = [name for s in Manifest.load(local).shards for name in (s.tokens, s.index)]
     present = _remote_sizes(remote) if resuming else {}
     todo = [f for f in files if present.get(f) != (local / f).stat().st_size]
     with tqdm(total=sum((local / f).stat().st_size for f in todo), unit="B", unit_scale=True,
               desc=f"upload {remote.url}", disable=not progress) as bar:
         def put(name):
-            remote.retry(name, lambda: remote.fs.put_file(str(local / name), remote.path(name)))
+            remote.retry(name, lambda: bounded(remote.fs.put_file, str(local / name), remote.path(name)))
             bar.update((local / name).stat().st_size)
 
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             list(pool.map(put, todo))
-    remote.retry(MANIFEST_NAME, lambda: remote.fs.pipe_file(remote.path(MANIFEST_NAME), manifest))
-    remote.retry(UPLOAD_MARKER, lambda: remote.fs.rm_file(remote.path(UPLOAD_MARKER)))
+    remote.retry(MANIFEST_NAME, lambda: bounded(remote.fs.pipe_file, remote.path(MANIFEST_NAME), manifest))
+    remote.retry(UPLOAD_MARKER, lambda: bounded(remote.fs.rm_file, remote.path(UPLOAD_MARKER)))
 
 
 def check_writable(url: str, storage_options: dict | None = None) -> None:
@@ -372,19 +428,19 @@ def check_writable(url: str, storage_options: dict | None = None) -> None:
         return  # a store is there: the bucket exists (whether it may be replaced is decided on upload)
     name = f".forge-grain-write-check-{os.getpid()}"
     try:
-        remote.fs.pipe_file(remote.path(name), b"")
-        remote.fs.rm_file(remote.path(name))
+        bounded(remote.fs.pipe_file, remote.path(name), b"")
+        bounded(remote.fs.rm_file, remote.path(name))
     except Exception as e:  # a missing bucket, no permission, no such host: all say the same to the user
         raise StoreError(f"{remote.url}: cannot write there ({e.__class__.__name__}: {e}); check that the bucket "
                          "exists and the credentials may write to it (storage_options)") from None
 
 
 def read_or_none(remote: RemoteDir, name: str) -> bytes | None:
-    return remote.retry(name, lambda: remote.fs.cat_file(remote.path(name)), missing_ok=True)
+    return remote.retry(name, lambda: bounded(remote.fs.cat_file, remote.path(name)), missing_ok=True)
 
 
 def _remote_sizes(remote: RemoteDir) -> dict[str, int]:
     """Size of each object directly under the URL."""
     remote.fs.invalidate_cache(remote.root)
-    listing = remote.retry("", lambda: remote.fs.ls(remote.root, detail=True))
+    listing = remote.retry("", lambda: bounded(remote.fs.ls, remote.root, detail=True))
     return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in listing if e.get("type") == "file"}
