@@ -37,7 +37,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -55,6 +57,8 @@ from .packing import ROW_KEYS, PackingError, plan_offsets, stream_key
 from .text_streams import texts_reader
 from .texts import document_text
 from .tokenize_pool import TokenizePool
+
+log = logging.getLogger(__name__)
 from .tokenizer import load_tokenizer
 
 COUNT_BATCH = 256  # texts per counting-pass task
@@ -141,18 +145,40 @@ class StreamingSource:
         """Token length of every row of the stream (0 for empty texts): cached, never tokens."""
         path, meta, lock = self._lengths_files()
         with file_lock(lock):
-            if not meta.exists():
-                from tqdm.auto import tqdm
+            cached = self._cached_lengths(path, meta)
+            if cached is not None:
+                return cached
+            from tqdm.auto import tqdm
 
-                t0 = time.perf_counter()
-                lengths = []
-                with tqdm(desc=f"count {self.src.name}", unit="doc", disable=not progress) as bar:
-                    for docs in self.pool.map(self._batches(COUNT_BATCH)):
-                        lengths += [len(d) for d in docs]
-                        bar.update(len(docs))
-                save_npy_atomic(path, np.asarray(lengths, np.int64))
-                write_json_atomic(meta, {"documents": len(lengths), "seconds": time.perf_counter() - t0})
-        return np.load(path)
+            t0 = time.perf_counter()
+            lengths = []
+            with tqdm(desc=f"count {self.src.name}", unit="doc", disable=not progress) as bar:
+                for docs in self.pool.map(self._batches(COUNT_BATCH)):
+                    lengths += [len(d) for d in docs]
+                    bar.update(len(docs))
+            lengths = np.asarray(lengths, np.int64)
+            save_npy_atomic(path, lengths)
+            write_json_atomic(meta, {"documents": len(lengths), "seconds": time.perf_counter() - t0,
+                                     "key": self.key, "sha256": hashlib.sha256(lengths.tobytes()).hexdigest()})
+        return lengths
+
+    def _cached_lengths(self, path: Path, meta: Path) -> np.ndarray | None:
+        """The cached counting pass, if it was made for this stream (its key) and is intact
+        (its checksum): a tampered or foreign one would silently change the epoch."""
+        if not meta.exists():
+            return None
+        try:
+            info = json.loads(meta.read_text())
+            lengths = np.load(path, allow_pickle=False)
+            intact = (isinstance(info, dict) and info.get("key") == self.key and len(lengths) == info.get("documents")
+                      and hashlib.sha256(np.ascontiguousarray(lengths, np.int64).tobytes()).hexdigest() == info.get("sha256"))
+        except (OSError, ValueError):
+            intact = False
+        if not intact:
+            log.warning("forge-grain: the cached document count of %s (%s) is not this stream's or was changed; "
+                        "counting again", self.src.name, path)
+            return None
+        return lengths.astype(np.int64, copy=False)
 
     def _batches(self, n: int):
         it, batch = self.reader.open(), []

@@ -370,3 +370,15 @@ def test_two_gloo_ranks_with_two_workers_each_save_one_state_that_resumes_on_one
 def test_storage_options_without_urls_are_refused(parts):
     with pytest.raises(ConfigError, match="storage_options: only for streaming hf_data_files at URLs"):
         config(parts["json"], storage_options={"anon": True})
+
+
+def test_a_tampered_or_foreign_counting_pass_is_counted_again(tmp_path, parts, caplog):
+    """The epoch of a streaming source comes from its cached counting pass: a cache whose
+    lengths were edited (or that belongs to another stream) is recounted, not trusted."""
+    cfg = config(parts["json"], canonical=2)
+    steps = Pipeline(cfg, 0, 1, cache_dir=tmp_path, num_threads=0).num_steps
+    (lengths,) = (tmp_path / "hf").glob("*.lengths.npy")
+    np.save(lengths, np.load(lengths)[::2])  # half the documents: the epoch would halve
+    with caplog.at_level("WARNING"):
+        assert Pipeline(cfg, 0, 1, cache_dir=tmp_path, num_threads=0).num_steps == steps
+    assert "counting again" in caplog.text
