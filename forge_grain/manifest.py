@@ -111,6 +111,7 @@ class ShardInfo:
     num_documents: int
     num_tokens: int
     sha256: str  # of the tokens / records file
+    index_sha256: str | None = None  # of the offsets file (stores prepared before it was recorded lack it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,8 @@ class Manifest:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        d["shards"] = [dataclasses.asdict(s) for s in self.shards]
+        d["shards"] = [{k: v for k, v in dataclasses.asdict(s).items() if not (k == "index_sha256" and v is None)}
+                       for s in self.shards]
         return {"format": FORMAT, **d}
 
     @classmethod
@@ -225,12 +227,14 @@ class _Checker:
         key = f"shards[{i}]"
         self.kind(key, s, dict)
         want = {f.name for f in dataclasses.fields(ShardInfo)}
-        if set(s) != want:
-            self.fail(key, f"must have exactly the keys {sorted(want)}, not {sorted(s)}")
+        if not want - {"index_sha256"} <= set(s) <= want:
+            self.fail(key, f"must have the keys {sorted(want)} (index_sha256 optional), not {sorted(s)}")
         self.file_name(f"{key}.tokens", s["tokens"])
         self.file_name(f"{key}.index", s["index"])
         self.count(f"{key}.num_documents", s["num_documents"])
         self.count(f"{key}.num_tokens", s["num_tokens"])
-        if not (isinstance(s["sha256"], str) and len(s["sha256"]) == 64 and all(c in "0123456789abcdef" for c in s["sha256"])):
-            self.fail(f"{key}.sha256", f"must be 64 lowercase hex digits, not {s['sha256']!r}")
+        for k in ("sha256", "index_sha256"):
+            v = s.get(k, "0" * 64)
+            if not (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)):
+                self.fail(f"{key}.{k}", f"must be 64 lowercase hex digits, not {v!r}")
         return ShardInfo(**s)

@@ -611,6 +611,7 @@ def _write_shard(corpus, tok: TextTokenizer | None, job: _Job, task, report) -> 
         "num_documents": len(lengths),
         "num_tokens": int(offsets[-1]),
         "sha256": sha256_file(tmp),
+        "index_sha256": sha256_file(out / index_name),
         "skipped": skipped,
     }
     fsync_rename(tmp, out / name)

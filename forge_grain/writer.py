@@ -42,7 +42,8 @@ def write_store(
             lengths.append(len(doc))
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
     save_npy_atomic(out / "shard-00000.idx.npy", offsets)
-    shard = ShardInfo("shard-00000.bin", "shard-00000.idx.npy", len(lengths), int(offsets[-1]), sha256_file(tmp))
+    shard = ShardInfo("shard-00000.bin", "shard-00000.idx.npy", len(lengths), int(offsets[-1]), sha256_file(tmp),
+                      sha256_file(out / "shard-00000.idx.npy"))
     fsync_rename(tmp, out / shard.tokens)
     Manifest(
         layout="bin",

@@ -268,3 +268,17 @@ def test_a_reservation_of_a_process_that_died_is_reclaimed(tmp_path, s3, local_s
     reader.start()
     reader.join(60)  # a wait for the dead reservation would never end: fail instead of hanging
     assert not reader.is_alive() and len(got) == 1 and not stale.exists()
+
+
+def test_an_index_changed_in_object_storage_fails_its_checksum(tmp_path, s3, local_stores):
+    fs = s3.fs()
+    fs.put(str(local_stores["bin"]), "bucket/moved", recursive=True)
+    offsets = np.load(local_stores["bin"] / "shard-00002.idx.npy")
+    offsets[3] += 1
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, offsets)
+    fs.pipe("bucket/moved/shard-00002.idx.npy", buf.getvalue())
+    with pytest.raises(StoreError, match=r"s3://bucket/moved/shard-00002\.idx\.npy: .*sha256 does not match"):
+        TokenStore.open("s3://bucket/moved", storage_options=s3.options(), object_cache=str(tmp_path / "o"))

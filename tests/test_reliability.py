@@ -225,3 +225,22 @@ def test_a_server_that_never_answers_is_an_error_within_the_deadline(tmp_path, m
         TokenStore.open("s3://bucket/store", storage_options=options, object_cache=str(tmp_path / "objects"))
     assert time.monotonic() - start < 30
     silent.close()
+
+
+def test_a_moved_document_boundary_in_an_index_is_caught(tmp_path):
+    """`.idx.npy` with an interior boundary moved, counts and ends kept: the manifest records the
+    index's checksum, so verify=True names it and the fingerprint differs from the original's."""
+    path = store(tmp_path / "s", 150, 0)
+    original = TokenStore.open(path).fingerprint
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert all(len(s["index_sha256"]) == 64 for s in manifest["shards"])
+    index = path / manifest["shards"][0]["index"]
+    offsets = np.load(index)
+    offsets[5] += 1
+    np.save(index, offsets)
+    with pytest.raises(ValueError, match=r"idx.npy: checksum mismatch; the document index was changed"):
+        TokenStore.open(path, verify=True)
+    for s in manifest["shards"]:  # a manifest re-checksummed to match: the fingerprint says it is other data
+        s["index_sha256"] = hashlib.sha256((path / s["index"]).read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert TokenStore.open(path, verify=True).fingerprint != original

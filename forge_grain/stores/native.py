@@ -39,7 +39,9 @@ class NativeStore(TokenStore):
             self._records = arrayrecord.Records(self._files, [s.num_documents for s in m.shards])
         self._file_docs = [s.num_documents for s in m.shards]
         self._offsets = join_offsets(offsets, self._offsets_cache(m))
-        self._fingerprint = hashlib.sha256("|".join(sh.sha256 for sh in m.shards).encode()).hexdigest()[:16]
+        # the shards' checksums, and their indices' where recorded (older stores keep their fingerprint)
+        sums = [sh.sha256 + (f":{sh.index_sha256}" if sh.index_sha256 else "") for sh in m.shards]
+        self._fingerprint = hashlib.sha256("|".join(sums).encode()).hexdigest()[:16]
 
     def _validate(self) -> None:
         """Sampled token ids of every shard are valid for the recorded vocabulary, as for every
@@ -132,6 +134,10 @@ class NativeStore(TokenStore):
         for shard, file in zip(self.manifest.shards, self._files):
             if sha256_file(file) != shard.sha256:
                 raise StoreError(f"{file}: checksum mismatch; the shard is corrupt (re-run `forge-grain prepare`)")
+            index = self.path / shard.index
+            if shard.index_sha256 is not None and sha256_file(index) != shard.index_sha256:
+                raise StoreError(f"{index}: checksum mismatch; the document index was changed (re-run `forge-grain "
+                                 "prepare`)")
 
     @property
     def layout(self) -> str:

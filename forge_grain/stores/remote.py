@@ -281,7 +281,7 @@ class RemoteStore(NativeStore):
         self.path = local
         m = Manifest.load(local)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the indices: small, all needed at open
-            list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}"), m.shards))
+            list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256), m.shards))
         self._pool = concurrent.futures.ThreadPoolExecutor(fetch_threads, thread_name_prefix="forge-grain-fetch")
         self._lock = threading.Lock()
         self._mapped: dict[int, np.ndarray] = {}
