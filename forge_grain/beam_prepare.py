@@ -23,7 +23,6 @@ as locally); the tokenizer travels inside the job, serialized, so workers need n
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -53,7 +52,7 @@ from .preparation import (
     files_identity,
     write_manifest,
 )
-from .stores.remote import RemoteDir, read_or_none
+from .stores.remote import RemoteDir, read_or_none, writer_lock
 from .texts import open_parquet
 from .tokenizer import TextTokenizer
 
@@ -176,15 +175,16 @@ class Output:
         self.url = str(out).rstrip("/") if is_url(out) else None
         self.path = None if self.url else Path(out)
         self.remote = RemoteDir(self.url, storage_options) if self.url else None
+        self.storage_options = storage_options
 
     @property
     def result(self):
         return self.url or self.path
 
     def lock(self):
-        """One writer per local output; a URL has no lock (run one job per output)."""
+        """One writer per output: a lock file for a local one, a lock object for a URL."""
         if self.url:
-            return contextlib.nullcontext()
+            return writer_lock(self.url, self.storage_options)
         self.path.mkdir(parents=True, exist_ok=True)
         return exclusive_or_refuse(self.path / LOCK_NAME, str(self.path))
 

@@ -123,14 +123,15 @@ def prepare(
         _check_writable(output, storage_options)  # before any work: a missing bucket is found at once
     if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
-        from .stores.remote import upload_store
+        from .stores.remote import upload_store, writer_lock
 
         staging = private_cache(cache_root() / "uploads") / hashlib.sha256(str(output).encode()).hexdigest()[:16]
-        try:
-            prepare(source, staging, **args)
-        except PrepareError as e:  # the staging directory stands for the URL
-            raise PrepareError(str(e).replace(str(staging), str(output))) from None
-        upload_store(staging, str(output), storage_options, overwrite=overwrite, progress=progress)
+        with writer_lock(str(output), storage_options):  # one writer per URL, whichever host runs it
+            try:
+                prepare(source, staging, **args)
+            except PrepareError as e:  # the staging directory stands for the URL
+                raise PrepareError(str(e).replace(str(staging), str(output))) from None
+            upload_store(staging, str(output), storage_options, overwrite=overwrite, progress=progress)
         shutil.rmtree(staging, ignore_errors=True)  # the store is in object storage now; a re-run finds it complete
         return str(output)
     from .texts import load_corpus

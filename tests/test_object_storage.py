@@ -203,7 +203,7 @@ def test_prepare_to_object_storage_writes_the_local_store_and_an_interrupted_upl
     assert not fs.exists("bucket/up/.forge-grain-upload.json")
     s3.proxy.clear()
     prepare(docs, "s3://bucket/up", storage_options=s3.options(via_proxy=True), **args)
-    assert not s3.proxy.puts  # complete already: nothing uploaded
+    assert not [p for p in s3.proxy.puts if not p.endswith(".forge-grain-writer.lock")]  # complete: nothing uploaded
     with pytest.raises(StoreError, match="already holds another token store"):
         prepare(docs, "s3://bucket/up", storage_options=s3.options(), **{**args, "num_shards": 20})
 
@@ -282,3 +282,24 @@ def test_an_index_changed_in_object_storage_fails_its_checksum(tmp_path, s3, loc
     fs.pipe("bucket/moved/shard-00002.idx.npy", buf.getvalue())
     with pytest.raises(StoreError, match=r"s3://bucket/moved/shard-00002\.idx\.npy: .*sha256 does not match"):
         TokenStore.open("s3://bucket/moved", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
+
+
+def test_a_second_writer_to_one_url_is_refused_naming_the_first(tmp_path, s3, local_stores, monkeypatch):
+    """Two prepare jobs (on any hosts, either runner) into one s3:// output: the second is refused
+    by a lock object created only if absent; the lock goes when the first ends."""
+    from forge_grain.locks import LockedError
+    from forge_grain.stores.remote import writer_lock
+
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    docs = local_stores["bin"].parent / "docs.jsonl"
+    args = dict(token_field="ids", vocab_size=1000, bos_id=0, num_shards=3, progress=False,
+                storage_options=s3.options())
+    with writer_lock("s3://bucket/twice", s3.options()):
+        for runner in ("local", "beam"):
+            with pytest.raises(LockedError, match=r"s3://bucket/twice is being written by process \d+ on .*remove "
+                                                  r"s3://bucket/twice/\.forge-grain-writer\.lock"):
+                prepare(docs, "s3://bucket/twice", runner=runner, **args)
+        assert not s3.fs().exists("bucket/twice/manifest.json")
+    url = prepare(docs, "s3://bucket/twice", **args)  # the first ended: its lock is gone
+    assert len(TokenStore.open(url, storage_options=s3.options(), object_cache=str(tmp_path / "o"))) == 3000
+    assert not s3.fs().exists("bucket/twice/.forge-grain-writer.lock")
