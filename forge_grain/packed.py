@@ -21,6 +21,7 @@ from . import kernels
 from .paths import cache_root, private_cache, private_directory, trusted_directory
 from .buffers import BufferPool
 from .manifest import remove_stale_temporaries, temporary
+from .locks import file_lock
 from .chunked import CHUNK_DOCS, plan_chunked
 from .packing import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos, stream_key
 from .stores import TokenStore
@@ -99,7 +100,17 @@ def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chu
     args = dict(seed=seed, stride=stride, chunk_docs=chunk_docs, workers=workers, name=str(store.path),
                 max_segments=max_segments)
     if directory is not None:
-        return plan_chunked(store.offsets, seq_len, strategy, directory, **args)
+        try:
+            # one planner per plan: processes planning the same store at once wait for the first
+            # (each removing the chunks' directory when done would pull it from under the others)
+            with file_lock(directory.with_name(f".{directory.name}.lock")):
+                return (_load_valid(directory, store, seq_len, strategy, quiet=True)
+                        or plan_chunked(store.offsets, seq_len, strategy, directory, **args))
+        except OSError as e:  # a full or read-only cache: plan as without one
+            log.warning("forge-grain: cannot write the plan of %s in %s (%s); planning in a temporary directory "
+                        "and keeping the plan in memory", store.path, directory.parent, e.strerror or e)
+            for leftover in (directory.with_name(directory.name + ".chunks"), temporary(directory)):
+                shutil.rmtree(leftover, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
         p = plan_chunked(store.offsets, seq_len, strategy, Path(tmp) / "plan", **args)
         return dataclasses.replace(p, **{name: np.array(getattr(p, name)) for name in PLAN_ARRAYS})

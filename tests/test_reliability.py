@@ -244,3 +244,54 @@ def test_a_moved_document_boundary_in_an_index_is_caught(tmp_path):
         s["index_sha256"] = hashlib.sha256((path / s["index"]).read_bytes()).hexdigest()
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert TokenStore.open(path, verify=True).fingerprint != original
+
+
+PLAN = """
+import json, sys
+from forge_grain import DataConfig, Pipeline
+cfg = DataConfig(sources=[dict(name="w", path=sys.argv[1], strategy="bestfit")], seq_len=64, global_batch_size=8,
+                 plan_chunk_docs=2000)
+p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=sys.argv[2], plan_workers=1)
+print(json.dumps([p.num_steps, int(p.batch(7)["inputs"].sum())]))
+"""
+
+
+def test_processes_planning_one_store_cold_at_once_all_finish_alike(tmp_path):
+    """Three processes plan the same chunked store into one cold cache: they take turns (a
+    lock per plan), none finds the chunks pulled from under it, all get the same plan."""
+    import subprocess
+    import sys
+
+    path = store(tmp_path / "s", 12_000, 1)
+    procs = [subprocess.Popen([sys.executable, "-c", PLAN, str(path), str(tmp_path / "cache")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    assert len({out for out, _ in outs}) == 1
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs (needs root and mount; skipped elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_plan_cache_on_a_full_disk_falls_back_to_memory(tmp_path, full_disk, caplog):
+    from forge_grain import DataConfig
+
+    path = store(tmp_path / "s", 12_000, 1)
+    cfg = DataConfig(sources=[dict(name="w", path=str(path), strategy="bestfit")], seq_len=64, global_batch_size=8,
+                     plan_chunk_docs=2000)
+    with caplog.at_level("WARNING"):
+        full = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=full_disk / "c", plan_workers=1)
+    assert "keeping the plan in memory" in caplog.text
+    roomy = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "c", plan_workers=1)
+    assert full.num_steps == roomy.num_steps
+    assert all(np.array_equal(full.batch(s)["inputs"], roomy.batch(s)["inputs"]) for s in (0, 5, 17))
