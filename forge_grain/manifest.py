@@ -228,7 +228,7 @@ class _Checker:
         self.kind(key, s, dict)
         want = {f.name for f in dataclasses.fields(ShardInfo)}
         if not want - {"index_sha256"} <= set(s) <= want:
-            self.fail(key, f"must have the keys {sorted(want)} (index_sha256 optional), not {sorted(s)}")
+            self.fail(key, f"must have exactly the keys {sorted(want)} (index_sha256 optional), not {sorted(s)}")
         self.file_name(f"{key}.tokens", s["tokens"])
         self.file_name(f"{key}.index", s["index"])
         self.count(f"{key}.num_documents", s["num_documents"])

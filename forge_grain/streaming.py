@@ -48,7 +48,7 @@ import numpy as np
 
 from . import kernels
 from .config import SourceConfig
-from .errors import StateError
+from .errors import PrepareError, StateError
 from .hf import _digest, cache_root, path_name
 from .locks import file_lock
 from .manifest import save_npy_atomic, token_dtype, write_json_atomic
@@ -114,7 +114,11 @@ class StreamingSource:
 
     def tokenize(self, texts: list) -> list[np.ndarray]:
         """Token arrays of texts (empty texts give empty arrays), BOS/EOS as configured."""
-        texts = [document_text(t, lambda: f"{self.path}: a row's field {self.src.text_field!r}") for t in texts]
+        try:
+            texts = [document_text(t, lambda: f"{self.path}: a row's field {self.src.text_field!r}") for t in texts]
+        except PrepareError as e:  # a local file's row: say which (the reader of URLs names them itself)
+            locate = getattr(self.reader, "locate", None)
+            raise PrepareError((locate and locate(self.src.text_field)) or str(e)) from None
         keep = [t for t in texts if t]
         ids = iter(self.tok.encode_batch(keep)) if keep else iter(())
         return [np.asarray(self.bos + next(ids) + self.eos, np.int64) if t else np.zeros(0, np.int64) for t in texts]

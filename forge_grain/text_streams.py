@@ -55,26 +55,54 @@ class DatasetTexts:
         self.identity = [src.hf_dataset, src.hf_config, src.split, src.text_field, _files_identity(src.hf_data_files)]
         self._load = lambda: _texts(src, streaming=True)
         self._load()  # a clear error now for a missing field, an empty set, no network
+        self.files = _local_files(src)
+
+    def locate(self, field: str) -> str | None:
+        """'FILE, row R: ...' for the first local row whose `field` is not text, if any."""
+        from .texts import missing_field_row, mixed_json_row
+
+        files = [f for f in self.files if f.suffix in JSON_SUFFIXES]
+        return (mixed_json_row(files, field) or missing_field_row(files, field, False)) if files else None
 
     def open(self, marker=None) -> "_DatasetIter":
         ds = self._load()
         if marker is not None:
             ds.load_state_dict(marker)
-        return _DatasetIter(ds, self.src.text_field, marker)
+        return _DatasetIter(ds, self.src.text_field, marker, self)
 
 
 class _DatasetIter:
-    def __init__(self, ds, field: str, marker):
-        self.ds, self.field, self._it = ds, field, _all_rows(ds)
+    def __init__(self, ds, field: str, marker, texts: "DatasetTexts"):
+        self.ds, self.field, self._it, self.texts = ds, field, _all_rows(ds), texts
         self._known = marker  # a restored stream reports its new position only once it is read
 
     def next(self, keep: bool = True):
-        row = next(self._it)
+        try:
+            row = next(self._it)
+        except (StopIteration, PrepareError):
+            raise
+        except Exception as e:  # `datasets` and Arrow fail with many types; name the file and row
+            from .texts import explain_read_failure
+
+            raise PrepareError(explain_read_failure(self.texts.name, self.texts.files, self.field, e)) from None
         self._known = None
         return row[self.field] if keep else None
 
     def marker(self):
         return self._known if self._known is not None else self.ds.state_dict()
+
+
+def _local_files(src) -> list:
+    """The local files a streaming source reads (for error messages), or [] for a Hub dataset."""
+    from .texts import _data_files
+
+    try:
+        if src.hf_data_files is not None:
+            listed = src.hf_data_files if isinstance(src.hf_data_files, list) else [src.hf_data_files]
+            return [f for item in listed if isinstance(item, str) for f in _data_files(item, None)]
+        return _data_files(src.hf_dataset, src.split)
+    except (PrepareError, OSError, TypeError):
+        return []
 
 
 def _all_rows(ds):

@@ -126,7 +126,12 @@ def load_corpus(
                 "first (or set HF_HUB_OFFLINE=1 to use a dataset already in the local Hugging Face cache)."
             )
         corpus.ds = _load(source, str(source), hf_config, split=split or DEFAULT_SPLIT, streaming=streaming)
-    _check(corpus.ds, source, token_field or text_field, tokens=token_field is not None, joined=list_separator)
+    try:
+        _check(corpus.ds, source, token_field or text_field, tokens=token_field is not None, joined=list_separator)
+    except PrepareError:
+        raise
+    except Exception as e:  # a stream's first rows failed to parse: name the file and row
+        raise PrepareError(explain_read_failure(source, corpus.files, token_field or text_field, e)) from None
     return corpus
 
 
@@ -162,7 +167,11 @@ def _load(source, name, hf_config, files=None, field=None, tokens=False, **kwarg
         if _caused_by(e, UnicodeDecodeError) and files:
             raise PrepareError(invalid_utf8(files) or f"{source}: bytes that are not UTF-8 ({e})") from None
         mixed = re.search(r"Column\(/?([^)]*)\) changed from", " | ".join(map(str, _chain(e))))
-        if mixed and name == "json":
+        if mixed and name == "json" and not mixed.group(1) and files:  # a row that is not an object
+            found = non_object_row(files)
+            if found:
+                raise PrepareError(found) from None
+        if mixed and name == "json" and kwargs.get("on_mixed_types") != "use_json":
             if mixed.group(1) != field:
                 return _load(source, name, hf_config, files, field, tokens, **{**kwargs, "on_mixed_types": "use_json"})
             raise PrepareError(
@@ -171,6 +180,9 @@ def _load(source, name, hf_config, files=None, field=None, tokens=False, **kwarg
         missing = name == "json" and files and field and missing_field_row(files, field, tokens)
         if missing:
             raise PrepareError(missing) from None
+        broken = name == "json" and files and bad_json_row(files)
+        if broken:
+            raise PrepareError(broken) from None
         cause = e.__cause__ or e.__context__
         detail = f"{type(e).__name__}: {e}" + (f"; caused by {type(cause).__name__}: {cause}" if cause else "")
         raise PrepareError(f"{source}: cannot load ({detail})") from None
@@ -234,6 +246,45 @@ def missing_field_row(files: list[Path], field: str, tokens: bool) -> str | None
         if isinstance(value, dict) and value.get(field) is None:
             return f"{f}, row {row}: {NULL_TOKENS if tokens else NULL_TEXT}"
     return None
+
+
+def non_object_row(files: list[Path]) -> str | None:
+    """'FILE, row R: ...' for the first JSON Lines row that is not an object."""
+    for f, row, value in _json_rows(files):
+        if not isinstance(value, dict):
+            return (f"{f}, row {row}: a JSON {type(value).__name__}, not an object; each line of JSON Lines must be "
+                    "an object holding the text field")
+    return None
+
+
+def bad_json_row(files: list[Path]) -> str | None:
+    """'FILE, row R: ...' for the first non-blank line of JSON Lines files that is not JSON."""
+    import json
+
+    for f in files:
+        row = 0
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    return f"{f}, row {row}: not a JSON value ({e}); the line is truncated or not JSON Lines"
+                row += 1
+    return None
+
+
+def explain_read_failure(source, files, field: str, error: BaseException) -> str:
+    """What failed while reading a corpus of local `files`, naming the file and row where the
+    files tell it (bytes that are not UTF-8, a line that is not JSON, a field that is not
+    text or is missing), else the error itself with the source."""
+    json_files = [Path(f) for f in files or [] if Path(f).suffix in (".jsonl", ".json", ".ndjson")]
+    found = None
+    if json_files:
+        found = (invalid_utf8(json_files) or bad_json_row(json_files) or non_object_row(json_files)
+                 or mixed_json_row(json_files, field) or missing_field_row(json_files, field, False))
+    return found or f"{source}: cannot read ({type(error).__name__}: {error})"
 
 
 NULL_TEXT = "the text is null (missing); fill it or filter such rows out before preparing"

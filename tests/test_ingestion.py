@@ -440,7 +440,7 @@ def test_pretokenized_input_of_the_wrong_type_dtype_or_truncated_names_the_file(
         prepare(cut, tmp_path / "c", token_field="input_ids", vocab_size=500, progress=False)
     jsonl = tmp_path / "cut.jsonl"
     jsonl.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows)[:-25])  # cut inside the last row
-    with pytest.raises(PrepareError, match=r"cut\.jsonl: cannot load"):
+    with pytest.raises(PrepareError, match=r"cut\.jsonl, row \d+: not a JSON value"):
         prepare(jsonl, tmp_path / "d", token_field="input_ids", vocab_size=500, progress=False)
 
 

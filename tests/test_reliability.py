@@ -295,3 +295,32 @@ def test_a_plan_cache_on_a_full_disk_falls_back_to_memory(tmp_path, full_disk, c
     roomy = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "c", plan_workers=1)
     assert full.num_steps == roomy.num_steps
     assert all(np.array_equal(full.batch(s)["inputs"], roomy.batch(s)["inputs"]) for s in (0, 5, 17))
+
+
+GOOD_ROWS = [json.dumps({"text": f"document number {i} " * 20}) for i in range(30)]
+BAD_ROWS = {
+    "truncated line": (b'{"text": "cut', r"row 30: not a JSON value .* truncated or not JSON Lines"),
+    "not UTF-8": (b'{"text": "\xff\xfe bad"}', r"(line 31 \(byte \d+\): |row 30: field 'text' holds )bytes that are not UTF-8"),
+    "missing field": (b'{"body": "x"}', r"row 30: the text is null"),
+    "null": (b'{"text": null}', r"row 30: the text is null"),
+    "a number": (b'{"text": 7}', r"row 30: holds the int value '7', not text"),
+    "a list": (b'{"text": ["a", "b"]}', r"row 30: holds a list of strings; pass --join-lists"),
+    "a row that is a list": (b'["a", "b"]', r"row 30: a JSON list, not an object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_a_bad_row_of_a_local_file_is_named_by_file_and_row(tmp_path, case):
+    """Streaming from local JSON Lines (and preparing them) names the file and row of the bad
+    row, as the reader of files at URLs does, never a raw ArrowInvalid or UnicodeDecodeError."""
+    from forge_grain import DataConfig, PrepareError, prepare
+
+    line, match = BAD_ROWS[case]
+    f = tmp_path / "part.jsonl"
+    f.write_bytes("\n".join(GOOD_ROWS).encode() + b"\n" + line + b"\n")
+    cfg = DataConfig(sources=[dict(name="t", hf_dataset=str(f), hf_streaming=True)], seq_len=32, global_batch_size=2)
+    with pytest.raises(PrepareError, match=f"{f}, {match}"):
+        for _ in Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache").iterator():
+            pass
+    with pytest.raises(PrepareError, match=f"{f}, {match}"):
+        prepare(f, tmp_path / "out", progress=False)
