@@ -104,20 +104,25 @@ class SourceRecords:
         digest = hashlib.sha256(json.dumps([RECORD_VERSION] + keys).encode()).hexdigest()[:20]
         directory = private_cache(Path(cache_dir) if cache_dir is not None else cache_root() / "sources")
         self.file = directory / f"sources-{digest}.json"
-        self.records: dict[str, Record] = self._load()
         self.changed = False
+        self.records: dict[str, Record] = self._load()
 
     def _load(self) -> dict[str, Record]:
         try:
             data = json.loads(self.file.read_text())
             if data.get("version") != RECORD_VERSION:
                 return {}
-            return {k: Record(r["files"], r["signature"], {f: r["facts"][f] for f in FACTS})
-                    for k, r in data["records"].items()}
+            records = {k: Record(r["files"], r["signature"], {f: r["facts"][f] for f in FACTS})
+                       for k, r in data["records"].items()}
+            for k, r in records.items():
+                _check_record(k, r)
+            return records
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("forge-grain: ignoring the unreadable source record %s (%s)", self.file, e)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            # ignored (and rewritten by this build): a bad record must not fail every later build
+            log.warning("forge-grain: ignoring the unreadable source record %s (%s); it is rewritten", self.file, e)
+            self.changed = True
             return {}
 
     def find(self, key: str | None, path) -> Record | None:
@@ -159,6 +164,22 @@ class SourceRecords:
             self.file.unlink()
         except OSError:
             pass
+
+
+FACT_TYPES = {"data_id": str, "vocab_size": (int, type(None)), "tokenizer_sha256": (str, type(None)),
+              "pad_id": int, "seq_len": int, "num_rows": int, "chunk_rows": list, "plan_key": str, "plan_sha256": str}
+
+
+def _check_record(key: str, r: Record) -> None:
+    """A record as `add` writes it, or a TypeError naming what is not."""
+    if not (isinstance(r.files, list) and all(isinstance(f, str) for f in r.files) and isinstance(r.signature, list)):
+        raise TypeError(f"record {key[:60]}: files and signature must be lists")
+    for name, kind in FACT_TYPES.items():
+        value = r.facts[name]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise TypeError(f"record {key[:60]}: {name} is {value!r:.40}")
+    if not all(isinstance(n, int) and n >= 0 for n in r.facts["chunk_rows"]):
+        raise TypeError(f"record {key[:60]}: chunk_rows must be counts")
 
 
 def identity_of(store) -> dict:

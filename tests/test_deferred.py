@@ -120,3 +120,26 @@ def test_a_truncated_record_file_is_ignored_and_every_source_opened(tmp_path, ca
     assert "ignoring the unreadable source record" in caplog.text and str(record_file) in caplog.text
     assert not any(o.record for o in again._sources) and again.fingerprint == first.fingerprint
     assert json.loads(record_file.read_text())["version"] == 1  # written again, whole
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: next(iter(d["records"].values()))["facts"].__setitem__("num_rows", "x"),
+    lambda d: d.__setitem__("records", []),
+    lambda d: next(iter(d["records"].values()))["facts"].__setitem__("vocab_size", "big"),
+    lambda d: next(iter(d["records"].values())).__setitem__("files", 3),
+], ids=["num_rows a string", "records a list", "vocab_size a string", "files an int"])
+def test_a_record_of_the_wrong_types_is_ignored_and_rewritten(tmp_path, caplog, damage):
+    """A record that does not validate is ignored with a warning and rewritten: it must not
+    fail this build (with a raw TypeError) nor every later one."""
+    cfg = config(small_stores(tmp_path, 3), seq_len=32, global_batch_size=16, seed=3)
+    first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    (record_file,) = (tmp_path / "cache").glob("sources-*.json")
+    data = json.loads(record_file.read_text())
+    damage(data)
+    record_file.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        again = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    assert "ignoring the unreadable source record" in caplog.text
+    assert same(batches(again, 0, again.num_steps), batches(first, 0, first.num_steps))
+    third = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)  # the rewritten record defers again
+    assert all(o.record for o in third._sources) and same(batches(third, 0, 2), batches(first, 0, 2))

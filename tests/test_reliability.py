@@ -324,3 +324,31 @@ def test_a_bad_row_of_a_local_file_is_named_by_file_and_row(tmp_path, case):
             pass
     with pytest.raises(PrepareError, match=f"{f}, {match}"):
         prepare(f, tmp_path / "out", progress=False)
+
+
+def test_broken_foreign_indices_say_what_they_are(tmp_path):
+    """An empty Megatron .idx, an empty LitData/MDS index.json, a LitData offset table with an
+    item ending before it starts (0xFFFFFFFF then a small offset): each named for what it is."""
+    import shutil
+    from pathlib import Path
+
+    (tmp_path / "meg").mkdir()
+    (tmp_path / "meg" / "data.idx").write_bytes(b"")
+    (tmp_path / "meg" / "data.bin").write_bytes(b"\0" * 64)
+    for p in (tmp_path / "meg" / "data", tmp_path / "meg" / "data.bin"):
+        with pytest.raises(ValueError, match=r"data\.idx: a Megatron index without its header \(0 bytes, empty\)"):
+            TokenStore.open(p)
+    (tmp_path / "lit").mkdir()
+    (tmp_path / "lit" / "index.json").write_text("")
+    with pytest.raises(ValueError, match=r"index\.json: empty: the index of a LitData or MosaicML MDS dataset"):
+        TokenStore.open(tmp_path / "lit")
+
+    lit = Path(shutil.copytree(Path(__file__).parent / "data" / "litdata" / "dataset", tmp_path / "litdata"))
+    chunk = sorted(lit.glob("chunk-*.bin"))[0]
+    data = bytearray(chunk.read_bytes())
+    table = np.frombuffer(bytes(data[:64]), "<u4").copy()
+    table[3] = 0xFFFFFFFF  # item 1 claims to end past 4 GB; item 2 then ends before it starts
+    data[:64] = table.tobytes()
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"item 2 ends at byte \d+, before it starts \(byte 4294967295\)"):
+        TokenStore.open(lit)

@@ -49,6 +49,7 @@ def detect(path: Path) -> str:
     """The format of `path`: a directory's marker files, or a file's own signature."""
     path = Path(path)
     if path.is_dir():
+        _check_index_json(path)
         found = _directory_formats(path)
         if len(found) > 1:
             raise StoreError(
@@ -58,9 +59,31 @@ def detect(path: Path) -> str:
         return next(iter(found), "raw")
     if identify.megatron_prefix(path) is not None:
         return "megatron"
+    _refuse_broken_megatron_index(path)
     if path.suffix == ".arrow" and path.is_file():
         return "arrow"
     return "raw"
+
+
+def _refuse_broken_megatron_index(path: Path) -> None:
+    """A Megatron prefix (or its .bin/.idx) whose `.idx` is not an index: say that, not that
+    no token files were found or that the .bin has no dtype."""
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    idx = Path(f"{prefix}.idx")
+    if idx.is_file() and (path.suffix in (".bin", ".idx") or not path.exists()):
+        size = idx.stat().st_size
+        raise StoreError(f"{idx}: a Megatron index without its header ({size} bytes{', empty' if not size else ''}): "
+                         "the preprocessing did not finish or the file was cut; run Megatron's preprocess_data.py "
+                         "again")
+
+
+def _check_index_json(path: Path) -> None:
+    """An `index.json` (LitData, MDS) that is empty or not JSON: an index written incompletely."""
+    index = path / "index.json"
+    if index.is_file() and identify.read_index(index) is None:
+        size = index.stat().st_size
+        raise StoreError(f"{index}: {'empty' if not size else f'not JSON ({size} bytes)'}: the index of a LitData or "
+                         "MosaicML MDS dataset was not written completely; run optimize() / MDSWriter again")
 
 
 def _directory_formats(path: Path) -> dict[str, tuple[str, str]]:

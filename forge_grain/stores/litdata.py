@@ -96,8 +96,16 @@ def _chunk_table(file: Path, chunk: dict, dtype: np.dtype) -> tuple[int, np.ndar
     with open(file, "rb") as f:
         table = np.frombuffer(f.read(header), "<u4").astype(np.int64)
     offsets = table[1:]
-    if table[0] != n or offsets[0] != header or np.any(np.diff(offsets) < 0):
+    if table[0] != n:
         raise StoreError(f"{file}: its header (n={int(table[0])}) disagrees with index.json ({n} items)")
+    if offsets[0] != header:
+        raise StoreError(f"{file}: its first item starts at byte {int(offsets[0])}, not right after the {header}-byte "
+                         "header; the chunk's offset table is damaged")
+    bad = np.flatnonzero(np.diff(offsets) < 0)
+    if len(bad):
+        k = int(bad[0])
+        raise StoreError(f"{file}: item {k} ends at byte {int(offsets[k + 1])}, before it starts (byte "
+                         f"{int(offsets[k])}); the chunk's offset table is damaged")
     if offsets[-1] != size or chunk.get("chunk_bytes") not in (None, size - header, size):
         raise StoreError(
             f"{file}: {size} bytes, but its offset table ends at byte {int(offsets[-1])}; the chunk is truncated "
