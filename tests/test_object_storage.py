@@ -303,3 +303,27 @@ def test_a_second_writer_to_one_url_is_refused_naming_the_first(tmp_path, s3, lo
     url = prepare(docs, "s3://bucket/twice", **args)  # the first ended: its lock is gone
     assert len(TokenStore.open(url, storage_options=s3.options(), object_cache=str(tmp_path / "o"))) == 3000
     assert not s3.fs().exists("bucket/twice/.forge-grain-writer.lock")
+
+
+@pytest.mark.parametrize("layout", ["bin", "arrayrecord"])
+def test_a_copy_evicted_between_its_fetch_and_its_opening_is_fetched_again(tmp_path, s3, local_stores, layout):
+    """With a small cache_limit a prefetch can evict a copy after it was fetched for a read and
+    before the read maps (or opens) it: the read fetches it again, never a FileNotFoundError."""
+    store = TokenStore.open(f"s3://bucket/{layout}", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
+    local = TokenStore.open(local_stores[layout])
+    fetch = store._fetch
+    evicted = []
+
+    def fetch_then_evict(k, ahead=False):
+        path = fetch(k, ahead)
+        if not evicted:
+            path.unlink()
+            evicted.append(k)
+        return path
+
+    if layout == "bin":
+        store._fetch = fetch_then_evict
+    else:
+        store._records._fetch = fetch_then_evict
+    doc = int(store._file_doc_starts[6]) + 3
+    assert np.array_equal(store[doc], local[doc]) and evicted

@@ -32,9 +32,26 @@ class Records:
 
     def read(self, i: int) -> bytes:
         s = int(np.searchsorted(self._starts, i, side="right") - 1)
-        reader = handles.POOL.get(("arrayrecord", self._files[s]),
-                                  lambda: _reader(str(self._fetch(s)) if self._fetch else self._files[s]))
-        return reader.read([i - int(self._starts[s])])[0]
+        key = ("arrayrecord", self._files[s])
+        for attempt in range(3):
+            opened = []  # the path this attempt's reader was opened at, if it opened one
+
+            def open_reader():
+                opened.append(self._path(s))
+                return _reader(opened[-1])
+
+            reader = handles.POOL.get(key, open_reader)
+            try:
+                return reader.read([i - int(self._starts[s])])[0]
+            except RuntimeError:
+                # a shard fetched on demand and evicted before the reader opened it (a small
+                # cache_limit): fetch it again and reopen
+                if self._fetch is None or attempt == 2 or not opened or Path(opened[-1]).exists():
+                    raise
+                handles.POOL.drop(key)
+
+    def _path(self, s: int) -> str:
+        return str(self._fetch(s)) if self._fetch else self._files[s]
 
 
 def _reader(file: str):

@@ -321,10 +321,12 @@ class RemoteStore(NativeStore):
         try:
             arr = self._map_bin_shard(path, self.manifest.shards[k])
             os.utime(path)  # recently used: evicted last
-        except FileNotFoundError:  # another process evicted it in between: fetch it again
-            arr = self._map_bin_shard(self._fetch(k), self.manifest.shards[k])
-        except StoreError:  # a damaged copy (a power loss, a disk error): the object is the truth
-            arr = self._map_bin_shard(self._refetch(k, path), self.manifest.shards[k])
+        except (FileNotFoundError, StoreError):
+            if path.exists():  # a damaged copy (a power loss, a disk error): the object is the truth
+                path = self._refetch(k, path)
+            else:  # evicted in between (by a prefetch, or another process): fetch it again
+                path = self._fetch(k)
+            arr = self._map_bin_shard(path, self.manifest.shards[k])
         with self._lock:
             self._mapped[k] = arr
         return arr
