@@ -352,3 +352,30 @@ def test_broken_foreign_indices_say_what_they_are(tmp_path):
     chunk.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"item 2 ends at byte \d+, before it starts \(byte 4294967295\)"):
         TokenStore.open(lit)
+
+
+def test_a_foreign_file_rewritten_outside_the_samples_is_caught_by_a_full_fingerprint_source(tmp_path):
+    """The README's remedy for a rewrite that keeps every EOS and misses the sampled blocks:
+    `fingerprint="full"` as a source key of a pipeline config; a resume onto the rewritten
+    file is then refused."""
+    from forge_grain import DataConfig
+    from forge_grain.errors import StateError
+
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(2, 900, rng.integers(50, 400)), 1) for _ in range(3000)]
+    flat = np.concatenate(docs).astype(np.uint16)
+    flat.tofile(tmp_path / "data.bin")
+    src = dict(name="raw", path=str(tmp_path / "data.bin"), dtype="uint16", eos_id=1, fingerprint="full")
+    cfg = DataConfig(sources=[src], seq_len=64, global_batch_size=8)
+    state = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "c").state_at(3)
+    sampled = DataConfig(sources=[{**src, "fingerprint": "sampled"}], seq_len=64, global_batch_size=8)
+    before = Pipeline(sampled, 0, 1, num_threads=0, cache_dir=tmp_path / "c").fingerprint
+    middle = len(flat) // 2 + 1000  # between sampled blocks, and not an EOS
+    while flat[middle] == 1 or flat[middle + 1] == 1:
+        middle += 1
+    flat[middle] = 2 if flat[middle] != 2 else 3
+    flat.tofile(tmp_path / "data.bin")
+    if Pipeline(sampled, 0, 1, num_threads=0, cache_dir=tmp_path / "c").fingerprint != before:
+        pytest.skip("the edit fell in a sampled block")  # the sampled fingerprint caught it: nothing to show
+    with pytest.raises(StateError, match="another config or other data"):
+        Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "c").iterator(state)
