@@ -37,7 +37,7 @@ from report import publish  # noqa: E402
 
 from forge_grain import DataConfig, Pipeline  # noqa: E402
 from forge_grain.demo import write_demo_corpus  # noqa: E402
-from forge_grain.tokenize_pool import BATCH, default_size  # noqa: E402
+from forge_grain.preparation.tokenize_pool import BATCH, default_size  # noqa: E402
 from forge_grain.tokenizer import load_tokenizer  # noqa: E402
 
 _TOK = None

@@ -48,8 +48,8 @@ print(anonymous() - before)
 
 
 def write(path: Path, num_docs: int, shards: int) -> Path:
-    from forge_grain.manifest import MANIFEST_NAME, sha256_file
-    from forge_grain.writer import write_store
+    from forge_grain.stores.manifest import MANIFEST_NAME, sha256_file
+    from forge_grain.stores.writer import write_store
 
     path.mkdir(parents=True)
     rng = np.random.default_rng(0)

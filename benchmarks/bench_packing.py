@@ -28,7 +28,7 @@ import numpy as np
 
 from corpora import demo_store, lognormal_lengths, synthetic_store
 from forge_grain import pack, plan_offsets
-from forge_grain.packing import min_crop_share
+from forge_grain.packing.plans import min_crop_share
 
 BATCH = 64
 SHORT = {

@@ -29,9 +29,9 @@ from report import publish
 RUN = """
 import json, resource, sys, time
 from pathlib import Path
-from forge_grain.mapping import map_npy
-from forge_grain.packing import plan_offsets
-from forge_grain.chunked import plan_chunked
+from forge_grain.stores.mapping import map_npy
+from forge_grain.packing.plans import plan_offsets
+from forge_grain.packing.chunked import plan_chunked
 offsets_file, strategy, seq_len, mode, chunk_docs, out = sys.argv[1:]
 import threading
 def anonymous():

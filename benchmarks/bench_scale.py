@@ -4,7 +4,7 @@
 
 1. `--sources` tiny stores in one mixture: pipeline build with the plans cold, with the
    plans cached (every source opened), and from the record of the last build (sources
-   opened when first read: `forge_grain.deferred`); open file descriptors after the build,
+   opened when first read: `forge_grain.sources.deferred`); open file descriptors after the build,
    time to the first batch and to the next 100 (which open the sources they read).
 2. A synthetic store (log-normal documents, as the other benchmarks) in `--shards` shards,
    uploaded to a local S3-compatible server (moto in server mode, as the tests use), read
@@ -29,7 +29,7 @@ import numpy as np
 
 from corpora import synthetic_store
 from forge_grain import DataConfig, Pipeline
-from forge_grain.writer import write_store
+from forge_grain.stores.writer import write_store
 from report import publish
 
 SEQ_LEN, BATCH = 2048, 16

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from forge_grain import Pipeline
-from forge_grain.varlen import doc_lens
+from forge_grain.packing.varlen import doc_lens
 
 ARRAY_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop", "source_id")
 # MaxText's Grain pipeline names (its loss weights are targets_segmentation != 0)
@@ -83,7 +83,7 @@ class JaxIterator(grain.DatasetIterator):
     """Global arrays of a pipeline's batches, `prefetch` steps ahead on the devices.
 
     `convention="maxtext"` names the arrays as MaxText's Grain pipeline does (`maxtext`);
-    `varlen=True` adds `doc_lens` [rows, segments] (`forge_grain.varlen`; its rows are
+    `varlen=True` adds `doc_lens` [rows, segments] (`forge_grain.packing.varlen`; its rows are
     sharded as the batch's, so keep the sequence axis of `sharding` unsharded).
     The state is the pipeline's (next step + fingerprint): batches already transferred
     but not consumed are not counted, so a restore repeats nothing and skips nothing.

@@ -160,7 +160,7 @@ class HuggingFaceDataset(_Samples):
     def __init__(self, dataset_name: str, split: str, text_field: str, seq_len: int, tokenizer_path: str,
                  dataset_config: str | None = None, pack_sequences: bool = False, *, cache_dir=None,
                  semantics: str = "kempnerforge", seed: int = 0):
-        from forge_grain.hf import eager_store
+        from forge_grain.sources.hf import eager_store
 
         src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config)
         store = TokenStore.open(eager_store(src, cache_dir, progress=False))
@@ -219,7 +219,7 @@ class StreamingHuggingFaceDataset(IterableDataset):
 
     def _one_pass(self):
         """One pass over the shuffled stream, KempnerForge's chunks of this rank's documents."""
-        from forge_grain.texts import load_texts
+        from forge_grain.preparation.texts import load_texts
         from forge_grain.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self.tokenizer_path)

@@ -7,7 +7,7 @@ Each element is one whole per-rank batch (hence `batch_size=None`). With `num_wo
 worker w produces steps w, w + W, ..., so the DataLoader's round-robin over workers yields
 the steps in order: no batch missing or repeated, whatever W. Streaming sources allow any W
 dividing the config's `canonical_workers`: worker w reads only the canonical streams of its
-steps (see `forge_grain.streaming`), and each batch carries their positions
+steps (see `forge_grain.sources.streaming`), and each batch carries their positions
 (`stream_states`) for the tracker.
 
 Resuming:
@@ -44,9 +44,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from forge_grain import DataConfig, Pipeline, StateError, merge_states
 from forge_grain.locks import file_lock
-from forge_grain.pipeline import STATE_VERSION
-from forge_grain.streaming import START
-from forge_grain.varlen import varlen
+from forge_grain.pipeline.pipeline import STATE_VERSION
+from forge_grain.sources.streaming import START
+from forge_grain.packing.varlen import varlen
 
 CONVENTIONS = ("forge", "hf")
 IGNORE_INDEX = -100
@@ -97,7 +97,7 @@ class GrainIterableDataset(IterableDataset):
     convention: "forge" (inputs, targets, segment_ids, positions, loss_mask) or "hf"
     (input_ids, labels with -100 where the loss mask is 0, attention_mask, position_ids,
     segment_ids); both add source_id and step. `varlen=True` adds `cu_seqlens`, `max_seqlen` and
-    `doc_lens` (`forge_grain.varlen`; padded to `max_segments_per_row + 1` segments a row
+    `doc_lens` (`forge_grain.packing.varlen`; padded to `max_segments_per_row + 1` segments a row
     when the config caps them, else `seq_len`). `rows=True` yields the rows of each batch one
     at a time, for trainers that batch themselves (Hugging Face `Trainer` with
     `per_device_train_batch_size` = the per-rank batch, `global_batch_size / world_size`:

@@ -6,7 +6,7 @@ Hugging Face's padding-free path.
     model(**padding_free(batch))                                     # transformers, no collator
 
 `batch` is a pipeline batch (numpy) or the bridge's tensors in either convention
-(`to_torch`: "forge" or "hf"). Segments and the padding of `cu_seqlens` are `forge_grain.varlen`'s: a row's
+(`to_torch`: "forge" or "hf"). Segments and the padding of `cu_seqlens` are `forge_grain.packing.varlen`'s: a row's
 boundaries always cut, and padding at a row's end is a sequence of its own.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from bridges.torch import hf_labels
-from forge_grain.varlen import varlen
+from forge_grain.packing.varlen import varlen
 
 
 def _numpy(x) -> np.ndarray:

@@ -5,7 +5,7 @@ iterator together with Orbax, get killed, resume, and check the loss curve match
 
 Data: forge-grain's pipeline through `bridges.jax.JaxIterator` (global jax.Arrays, device
 prefetch); its state goes into the same Orbax checkpoint as the parameters
-(`forge_grain.checkpoint.Save`). Document masking: `jax.nn.dot_product_attention` with
+(`forge_grain.pipeline.checkpoint.Save`). Document masking: `jax.nn.dot_product_attention` with
 the batch's segment-id mask (`bridges.jax.document_mask`: query i sees key j iff
 `segment_ids` match and j <= i; on TPU, `splash_segment_ids` gives splash attention the
 same), position embeddings use `positions`, and the loss is averaged over `loss_mask`.

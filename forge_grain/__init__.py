@@ -9,31 +9,33 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import ForgeGrainError, PrepareError, StoreError
+from forge_grain.errors import ForgeGrainError, PrepareError, StoreError
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "TokenStore": "stores",
-    "prepare": "preparation",
-    "write_store": "writer",
-    "PackedDataset": "packed",
-    "pack": "packed",
-    "PackingError": "packing",
-    "PackingPlan": "packing",
-    "plan": "packing",
-    "plan_offsets": "packing",
-    "Mixture": "mixture",
-    "mix": "mixture",
-    "ConfigError": "config",
-    "DataConfig": "config",
-    "Phase": "config",
-    "SourceConfig": "config",
-    "Pipeline": "pipeline",
-    "PipelineIterator": "pipeline",
+    "prepare": "preparation.local",
+    "write_store": "stores.writer",
+    "PackedDataset": "packing.packed",
+    "pack": "packing.packed",
+    "PackingError": "packing.plans",
+    "PackingPlan": "packing.plans",
+    "plan": "packing.plans",
+    "plan_offsets": "packing.plans",
+    "Mixture": "pipeline.mixture",
+    "mix": "pipeline.mixture",
+    "ConfigError": "pipeline.config",
+    "DataConfig": "pipeline.config",
+    "Phase": "pipeline.config",
+    "SourceConfig": "pipeline.config",
+    "Pipeline": "pipeline.pipeline",
+    "PipelineIterator": "pipeline.pipeline",
     "StateError": "errors",
-    "merge_states": "pipeline",
+    "merge_states": "pipeline.pipeline",
 }
+
+MODULES = {"checkpoint": "pipeline.checkpoint", "absl_flags": "absl_flags"}
 
 __all__ = ["ForgeGrainError", "PrepareError", "StoreError", "__version__", *_LAZY]
 
@@ -43,8 +45,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
-    if name in ("checkpoint", "absl_flags"):
-        return importlib.import_module(f".{name}", __name__)
+    if name in MODULES:  # modules users import by name: `from forge_grain import checkpoint`
+        return importlib.import_module(f".{MODULES[name]}", __name__)
     raise AttributeError(f"module 'forge_grain' has no attribute {name!r}")
 
 

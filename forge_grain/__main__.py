@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from forge_grain.cli import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import ForgeGrainError
+from forge_grain.errors import ForgeGrainError
 
 
 def _storage_options(parser) -> None:
@@ -18,9 +18,9 @@ def _storage_options(parser) -> None:
 
 
 def _prepare(a) -> None:
-    from .preparation import prepare
-    from .stores import TokenStore
-    from .summary import format_summary
+    from forge_grain.preparation.local import prepare
+    from forge_grain.stores import TokenStore
+    from forge_grain.packing.summary import format_summary
 
     out = prepare(
         a.input, a.output, tokenizer=a.tokenizer, text_field=a.text_field, token_field=a.token_field,
@@ -35,8 +35,8 @@ def _prepare(a) -> None:
 
 
 def _inspect(a) -> None:
-    from .stores import TokenStore
-    from .summary import format_summary, plot_lengths
+    from forge_grain.stores import TokenStore
+    from forge_grain.packing.summary import format_summary, plot_lengths
 
     if str(a.path).endswith(".toml") and Path(a.path).is_file():
         return _inspect_config(Path(a.path))
@@ -53,7 +53,7 @@ def _inspect(a) -> None:
     if a.plot:
         print(f"  plot        {plot_lengths(store, a.plot)}")
     if a.seq_len:
-        from .summary import packing_report
+        from forge_grain.packing.summary import packing_report
 
         print(packing_report(store, a.seq_len, seed=a.seed, max_segments=a.max_segments))
 
@@ -61,9 +61,9 @@ def _inspect(a) -> None:
 def _inspect_config(path: Path) -> None:
     """A config file (forge-grain's or a KempnerForge job file): its geometry, then each
     source's weight and, for stored sources, the summary of its store."""
-    from .config import DataConfig
-    from .stores import TokenStore
-    from .summary import format_summary
+    from forge_grain.pipeline.config import DataConfig
+    from forge_grain.stores import TokenStore
+    from forge_grain.packing.summary import format_summary
 
     c = DataConfig.from_toml(path)
     print(f"{path}: a data config, {len(c.sources)} source(s), seq_len {c.seq_len}, global batch "
@@ -89,7 +89,7 @@ def _unescape(sep: str | None) -> str | None:
 
 
 def _demo(a) -> None:
-    from .demo import run_demo
+    from forge_grain.demo import run_demo
 
     summary = run_demo(a.workdir, max_files=a.max_files, num_proc=a.num_proc, steps=a.steps)
     if not all(summary["resume_matches"].values()):

@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .config import DataConfig, Phase, SourceConfig
-from .manifest import write_json_atomic
-from .pipeline import Pipeline
-from .preparation import prepare
-from .stores import TokenStore
-from .summary import format_summary
+from forge_grain.pipeline.config import DataConfig, Phase, SourceConfig
+from forge_grain.stores.manifest import write_json_atomic
+from forge_grain.pipeline.pipeline import Pipeline
+from forge_grain.preparation.local import prepare
+from forge_grain.stores import TokenStore
+from forge_grain.packing.summary import format_summary
 
 
 def stdlib_files(max_files: int) -> list[Path]:

@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from .errors import ForgeGrainError
+from forge_grain.errors import ForgeGrainError
 
 
 class LockedError(ForgeGrainError):

@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import ForgeGrainError
+from forge_grain.errors import ForgeGrainError
 
 
 class UntrustedCacheError(ForgeGrainError):

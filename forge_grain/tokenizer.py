@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import PrepareError
+from forge_grain.errors import PrepareError
 
 DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer.json"
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from forge_grain import DataConfig, Pipeline, StoreError
-from forge_grain.pipeline import StateError
-from forge_grain.writer import write_store
+from forge_grain.pipeline.pipeline import StateError
+from forge_grain.stores.writer import write_store
 
 
 def small_stores(root, n: int, seed: int = 0) -> list[dict]:

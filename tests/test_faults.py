@@ -225,7 +225,7 @@ def test_a_write_numpy_cut_short_is_reported_as_a_full_disk():
     the slow full-disk test met it once, and the message must still say what to fix."""
     import errno
 
-    from forge_grain.preparation import _cause
+    from forge_grain.preparation.local import _cause
 
     assert _cause(OSError("3001 requested and 2544 written")).startswith("No space left on device")
     assert _cause(OSError(errno.EROFS, "Read-only file system")) == "Read-only file system"

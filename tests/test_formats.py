@@ -16,7 +16,7 @@ import pytest
 from conftest import TOKENIZER
 from mds_writer import write_mds
 
-from forge_grain import mapping
+from forge_grain.stores import mapping
 from forge_grain import DataConfig, Pipeline, StoreError, TokenStore, pack, write_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -137,7 +137,7 @@ def test_megatron_document_of_several_sequences_is_their_concatenation(tmp_path,
 
 
 def maps_a_file(a: np.ndarray) -> bool:
-    """Whether `a` views a memory-mapped file (forge_grain.mapping's regions, or an mmap)."""
+    """Whether `a` views a memory-mapped file (forge_grain.stores.mapping's regions, or an mmap)."""
     while isinstance(a, np.ndarray):
         a = a.base
     return type(a).__name__ in ("_Region", "mmap")

@@ -18,10 +18,10 @@ from forge_grain import (
     StateError,
     TokenStore,
 )
-from forge_grain.config import SourceConfig
-from forge_grain.hf import eager_store
-from forge_grain.streaming import StreamCursor, StreamingSource
-from forge_grain.packed import empty_rows
+from forge_grain.pipeline.config import SourceConfig
+from forge_grain.sources.hf import eager_store
+from forge_grain.sources.streaming import StreamCursor, StreamingSource
+from forge_grain.packing.packed import empty_rows
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_eager_cache_is_reused_and_rebuilt_for_another_tokenizer(tmp_path, jsonl
 
 
 def test_concurrent_first_uses_build_the_eager_cache_once(tmp_path, jsonl):
-    code = ("import sys; from forge_grain.config import SourceConfig; from forge_grain.hf import eager_store; "
+    code = ("import sys; from forge_grain.pipeline.config import SourceConfig; from forge_grain.sources.hf import eager_store; "
             f"print(eager_store(SourceConfig(name='hf', hf_dataset='json', hf_data_files={str(jsonl)!r}), "
             f"{str(tmp_path)!r}, progress=False))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -167,7 +167,7 @@ def test_streaming_through_the_torch_bridge_resumes_exactly(tmp_path, jsonl):
 def test_streaming_rows_are_a_checkpointable_grain_iter_dataset(tmp_path, jsonl):
     import grain
 
-    from forge_grain.streaming import StreamingRows
+    from forge_grain.sources.streaming import StreamingRows
 
     rows = StreamingRows(StreamingSource(source(jsonl, hf_streaming=True, window=40), 48, 0, tmp_path))
     grain.experimental.assert_equal_output_after_checkpoint(grain.experimental.LimitIterDataset(rows, count=60))

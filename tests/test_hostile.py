@@ -18,7 +18,7 @@ from conftest import config, make_texts, store, write_jsonl
 from forge_grain import (
     DataConfig, PackingError, Pipeline, PrepareError, StoreError, TokenStore, pack, prepare, write_store,
 )
-from forge_grain.pipeline import StateError
+from forge_grain.pipeline.pipeline import StateError
 
 CLI = [sys.executable, "-m", "forge_grain"]
 
@@ -296,7 +296,7 @@ def test_a_no_bos_store_records_no_bos_and_bos_bestfit_refuses_it(corpus, tmp_pa
 
 
 def test_progress_moves_per_batch_with_worker_processes(tmp_path, monkeypatch):
-    from forge_grain import preparation
+    from forge_grain.preparation import local as preparation
 
     calls = []
     real = preparation._Progress.update

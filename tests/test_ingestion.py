@@ -18,7 +18,7 @@ import pytest
 from conftest import write_jsonl
 
 from forge_grain import DataConfig, Pipeline, PrepareError, StoreError, TokenStore, prepare
-from forge_grain.pipeline import StateError
+from forge_grain.pipeline.pipeline import StateError
 from forge_grain.splits import SPLIT_KEYWORDS
 
 

@@ -148,8 +148,8 @@ def test_a_state_saved_before_trees_were_recorded_continues_as_it_was_mixed(six_
     """Such a history (no `tree` in its segments) was mixed with one tree over every source
     the pipeline knew; a plain resume keeps doing exactly that, and a new change continues
     from the counts that mixing gave."""
-    from forge_grain import history
-    from forge_grain.mixture import Mixture
+    from forge_grain.pipeline import history
+    from forge_grain.pipeline.mixture import Mixture
 
     a = Pipeline(make_config(six_stores, [("s0", 1.0), ("s1", 2.0), ("s2", 3.0)]), 0, 1, num_threads=0)
     new = make_config(six_stores, [("s2", 1.0), ("s0", 2.0), ("s3", 1.0)])

@@ -211,7 +211,7 @@ def test_prepare_to_object_storage_writes_the_local_store_and_an_interrupted_upl
 def test_prepare_to_a_bucket_that_does_not_exist_fails_before_tokenizing(tmp_path, s3, local_stores, monkeypatch):
     monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
     docs = local_stores["bin"].parent / "docs.jsonl"
-    from forge_grain import preparation
+    from forge_grain.preparation import local as preparation
 
     def no_tokenizing(*a, **k):
         raise AssertionError("the corpus was read before the output was checked")
@@ -249,7 +249,7 @@ def test_a_damaged_cached_copy_is_downloaded_again(tmp_path, s3, local_stores):
 def test_a_reservation_of_a_process_that_died_is_reclaimed(tmp_path, s3, local_stores):
     """A process killed mid-download leaves its temporary, allocated at full size, in a cache
     with cache_limit: the others reclaim it instead of waiting for it forever."""
-    from forge_grain.manifest import temporary
+    from forge_grain.stores.manifest import temporary
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

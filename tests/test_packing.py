@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from forge_grain import PackingError, TokenStore, pack, plan, write_store
 from forge_grain.absl_flags import ensure_absl_flags_parsed
-from forge_grain.packing import min_crop_share
+from forge_grain.packing.plans import min_crop_share
 
 BOS, EOS, VOCAB = 0, 1, 60000
 
@@ -244,7 +244,7 @@ def test_plan_is_cached_and_reused(tmp_path, monkeypatch):
     store = make_store(tmp_path / "s", np.random.default_rng(2).integers(1, 200, 300))
     first = pack(store, 64, "bos_bestfit")
     assert list((tmp_path / "s" / ".plans").iterdir())
-    import forge_grain.packed as packed
+    import forge_grain.packing.packed as packed
 
     monkeypatch.setattr(packed, "plan", lambda *a, **k: pytest.fail("re-planned although a cached plan exists"))
     again = pack(TokenStore.open(tmp_path / "s"), 64, "bos_bestfit")
@@ -326,7 +326,7 @@ def test_small_epochs_are_shuffled_uniformly():
     repeat an order no more often than independent shuffles would (1 in n!)."""
     import itertools
 
-    from forge_grain import kernels
+    from forge_grain.packing import kernels
 
     n, epochs = 5, 24_000
     rows = kernels.epoch_rows(np.arange(n * epochs), n, 12345, True).reshape(epochs, n)
@@ -345,7 +345,7 @@ def test_small_epochs_are_shuffled_uniformly():
 
 
 def test_large_epochs_are_permutations():
-    from forge_grain import kernels
+    from forge_grain.packing import kernels
 
     for n in (4097, 100_003):
         for e in (0, 3):

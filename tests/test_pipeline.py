@@ -323,7 +323,7 @@ def test_the_stream_is_pinned_to_recorded_batches(tmp_path):
 def test_a_different_plan_under_the_same_key_is_refused(tmp_path, monkeypatch):
     cfg = pinned_config(tmp_path)
     state = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "plans").state_at(5)
-    from forge_grain import kernels
+    from forge_grain.packing import kernels
 
     original = kernels.permutation
     monkeypatch.setattr(kernels, "permutation", lambda n, key: original(n, key + 1))  # as if the stream changed

@@ -10,7 +10,8 @@ import time
 import pytest
 from conftest import expected_documents, make_texts, tree_bytes, write_jsonl
 
-from forge_grain import PrepareError, TokenStore, preparation, prepare
+from forge_grain import PrepareError, TokenStore, prepare
+from forge_grain.preparation import local as preparation
 from forge_grain.tokenizer import DEFAULT_TOKENIZER
 
 

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import config
-from forge_grain import chunked, plan_offsets, prepare
-from forge_grain.chunked import plan_chunked
-from forge_grain.packing import PLAN_ARRAYS, PackingPlan
-from forge_grain.writer import write_store
+from forge_grain import plan_offsets, prepare
+from forge_grain.packing import chunked
+from forge_grain.packing.chunked import plan_chunked
+from forge_grain.packing.plans import PLAN_ARRAYS, PackingPlan
+from forge_grain.stores.writer import write_store
 
 LIMIT = 256
 
@@ -127,7 +128,7 @@ def test_chunked_plans_match_the_whole_corpus_quality_whatever_the_workers(tmp_p
 def test_a_killed_chunked_planning_run_completes_on_a_rerun_reusing_finished_chunks(tmp_path):
     offsets = lognormal_offsets(2_000_000, seed=1)
     np.save(tmp_path / "offsets.npy", offsets)
-    code = ("import sys, numpy as np; from pathlib import Path; from forge_grain.chunked import plan_chunked; "
+    code = ("import sys, numpy as np; from pathlib import Path; from forge_grain.packing.chunked import plan_chunked; "
             "plan_chunked(np.load(sys.argv[1]), 512, 'bestfit', Path(sys.argv[2]), chunk_docs=100_000, workers=1, "
             "progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "offsets.npy"), str(tmp_path / "plan")])

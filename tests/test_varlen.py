@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from forge_grain import pack
-from forge_grain.varlen import doc_lens, varlen
-from forge_grain.writer import write_store
+from forge_grain.packing.varlen import doc_lens, varlen
+from forge_grain.stores.writer import write_store
 
 STRATEGIES = [("bestfit", None), ("bos_bestfit", None), ("concat", None), ("bestfit", 24)]  # 24: overlapping windows
 SEQ_LEN, ROWS, HEADS, DIM = 32, 6, 2, 8

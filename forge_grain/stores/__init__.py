@@ -13,7 +13,7 @@
 validation every format shares and `identify` recognises files that are not token data.
 """
 
-from .base import TokenStore
-from .formats import FORMATS, detect
+from forge_grain.stores.base import TokenStore
+from forge_grain.stores.formats import FORMATS, detect
 
 __all__ = ["FORMATS", "TokenStore", "detect"]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreError
-from ..manifest import MANIFEST_NAME
-from . import handles
+from forge_grain.errors import StoreError
+from forge_grain.stores.manifest import MANIFEST_NAME
+from forge_grain.stores import handles
 
 
 class Records:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreError
-from . import checks
-from .base import TokenStore
+from forge_grain.errors import StoreError
+from forge_grain.stores import checks
+from forge_grain.stores.base import TokenStore
 
 DEFAULT_FIELD = "input_ids"
 

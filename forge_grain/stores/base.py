@@ -18,11 +18,11 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import StoreError
-from ..manifest import temporary
-from ..mapping import map_npy
-from ..paths import local_path
-from . import checks
+from forge_grain.errors import StoreError
+from forge_grain.stores.manifest import temporary
+from forge_grain.stores.mapping import map_npy
+from forge_grain.paths import local_path
+from forge_grain.stores import checks
 
 
 MAX_BISECTED_RUNS = 1 << 16  # up to this many runs a read bisects them; beyond, a table per document
@@ -47,7 +47,7 @@ class TokenStore:
 
     def __new__(cls, path=None, **options):
         if cls is TokenStore:
-            from .formats import store_class
+            from forge_grain.stores.formats import store_class
 
             cls = store_class(path, options.get("format"))
         return super().__new__(cls)
@@ -181,7 +181,7 @@ class TokenStore:
         """A tokenizer decides the vocabulary size (a declared one must agree) and is recorded."""
         if tokenizer is None:
             return vocab_size
-        from ..tokenizer import load_tokenizer
+        from forge_grain.tokenizer import load_tokenizer
 
         tok = load_tokenizer(tokenizer)
         if vocab_size is not None and vocab_size != tok.vocab_size:
@@ -296,7 +296,7 @@ class TokenStore:
         if self._piece_table is None:
             return None
         if self._gather_arrays is None:
-            from .. import kernels
+            from forge_grain.packing import kernels
 
             self._gather_arrays = kernels.token_arrays(self._arrays)
         starts, array, base = self._piece_table

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import mapping
-from ..errors import StoreError
+from forge_grain.stores import mapping
+from forge_grain.errors import StoreError
 
 MAX_TOKEN_ID = 2**31 - 1  # batches hold ids as int32 by default
 SAMPLE_BLOCKS = 32  # blocks read for a file's content fingerprint: first, last and evenly spaced
@@ -64,7 +64,7 @@ def map_alignments(path: Path, dtype: np.dtype) -> list[np.ndarray]:
 
 def map_array(path: Path, dtype: np.dtype, offset: int = 0, count: int | None = None) -> np.ndarray:
     """`count` items of `dtype` (as many as fit by default) at byte `offset` of `path`,
-    memory-mapped read-only (holding no file descriptor: see `forge_grain.mapping`)."""
+    memory-mapped read-only (holding no file descriptor: see `forge_grain.stores.mapping`)."""
     raw = mapping.map_bytes(path, offset, None if count is None else count * dtype.itemsize)
     if len(raw) < dtype.itemsize:
         return empty_tokens(dtype)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from ..errors import StoreError
-from ..paths import is_url, local_path
-from . import identify
+from forge_grain.errors import StoreError
+from forge_grain.paths import is_url, local_path
+from forge_grain.stores import identify
 
 # format name -> (module, class)
 FORMATS = {
@@ -25,7 +25,7 @@ def store_class(path, format: str | None = None):
     the directory's marker files show, if any), else the one detected. A URL (`s3://...`)
     is a forge-grain store in object storage (the one format read remotely)."""
     if is_url(path):
-        from .remote import RemoteStore
+        from forge_grain.stores.remote import RemoteStore
 
         if format not in (None, "native"):
             raise StoreError(f"{path}: format={format!r} is not read from object storage; only forge-grain stores "

@@ -1,7 +1,7 @@
 """One pool of open file handles per process, so descriptors stay bounded whatever the
 number of shards and sources.
 
-Memory maps hold no descriptor (`forge_grain.mapping`). Readers that do (ArrayRecord's)
+Memory maps hold no descriptor (`forge_grain.stores.mapping`). Readers that do (ArrayRecord's)
 are opened on first use and kept here, least recently used dropped first past
 `FORGE_GRAIN_MAX_OPEN_FILES` (default 128, well under the 1024 clusters commonly allow).
 A dropped handle is not closed by the pool: a thread still reading it keeps it alive,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreError
-from . import checks
-from .base import TokenStore, join_offsets
+from forge_grain.errors import StoreError
+from forge_grain.stores import checks
+from forge_grain.stores.base import TokenStore, join_offsets
 
 # litdata.constants: _NUMPY_DTYPES_MAPPING (index into its list of numpy scalar types) and
 # _TORCH_DTYPES_MAPPING, for the integer types token ids use

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import mapping
-from ..errors import StoreError
-from ..manifest import temporary
-from ..paths import cache_root, private_cache
-from . import checks
-from .base import TokenStore
+from forge_grain.stores import mapping
+from forge_grain.errors import StoreError
+from forge_grain.stores.manifest import temporary
+from forge_grain.paths import cache_root, private_cache
+from forge_grain.stores import checks
+from forge_grain.stores.base import TokenStore
 
 FIELDS = ("tokens", "input_ids")  # token columns looked for when token_field is not given
 VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64", 65: "int64"}

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import mapping
-from ..errors import StoreError
-from . import checks, identify
-from .base import TokenStore, join_offsets
+from forge_grain.stores import mapping
+from forge_grain.errors import StoreError
+from forge_grain.stores import checks
+from forge_grain.stores import identify
+from forge_grain.stores.base import TokenStore, join_offsets
 
 # Megatron's DType codes (megatron.core.datasets.indexed_dataset.DType)
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreError
-from ..manifest import MANIFEST_NAME, Manifest, sha256_file
-from ..mapping import map_npy
-from . import arrayrecord, checks
-from .base import TokenStore, join_offsets
+from forge_grain.errors import StoreError
+from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, sha256_file
+from forge_grain.stores.mapping import map_npy
+from forge_grain.stores import arrayrecord
+from forge_grain.stores import checks
+from forge_grain.stores.base import TokenStore, join_offsets
 
 
 class NativeStore(TokenStore):
@@ -63,7 +64,7 @@ class NativeStore(TokenStore):
         process maps them instead of holding 8 bytes a document."""
         if len(m.shards) < 2:
             return None
-        from ..packed import plan_cache_dir  # the plans' directory: beside the store, else the user cache
+        from forge_grain.packing.packed import plan_cache_dir  # the plans' directory: beside the store, else the user cache
 
         directory = plan_cache_dir(self, None)
         key = hashlib.sha256(json.dumps(m.to_json(), sort_keys=True).encode()).hexdigest()[:16]

@@ -30,14 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import mapping
-from ..errors import MissingFilesError, StoreError
-from ..manifest import save_npy_atomic, token_dtype, write_json_atomic
-from ..paths import cache_root, trusted_directory
-from ..splits import select_split
-from . import checks, identify
-from .base import TokenStore, join_offsets
-from .checks import declared_dtype
+from forge_grain.stores import mapping
+from forge_grain.errors import MissingFilesError, StoreError
+from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
+from forge_grain.paths import cache_root, trusted_directory
+from forge_grain.splits import select_split
+from forge_grain.stores import checks
+from forge_grain.stores import identify
+from forge_grain.stores.base import TokenStore, join_offsets
+from forge_grain.stores.checks import declared_dtype
 
 log = logging.getLogger(__name__)
 

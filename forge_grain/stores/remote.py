@@ -27,12 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import StoreError
-from ..locks import LockedError, file_lock
-from ..manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, temporary
-from ..paths import cache_root, private_cache
-from . import arrayrecord, checks, handles
-from .native import NativeStore
+from forge_grain.errors import StoreError
+from forge_grain.locks import LockedError, file_lock
+from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, temporary
+from forge_grain.paths import cache_root, private_cache
+from forge_grain.stores import arrayrecord
+from forge_grain.stores import checks
+from forge_grain.stores import handles
+from forge_grain.stores.native import NativeStore
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from fractions import Fraction
 import grain
 import numpy as np
 
-from . import kernels
-from .buffers import BufferPool
-from .packed import PackedDataset, empty_rows
+from forge_grain.packing import kernels
+from forge_grain.packing.buffers import BufferPool
+from forge_grain.packing.packed import PackedDataset, empty_rows
 
 MAX_WEIGHT_SUM = 1 << 62  # integer weights (and their sum) stay below this, for the 128-bit kernel arithmetic
 MAX_ROWS = 1 << 43  # the longest mixture: ~8.8e12 rows, far beyond any run

@@ -28,10 +28,10 @@ import logging
 import os
 from pathlib import Path
 
-from .errors import StoreError
-from .manifest import write_json_atomic
-from .paths import cache_root, is_url, private_cache
-from .stores import TokenStore
+from forge_grain.errors import StoreError
+from forge_grain.stores.manifest import write_json_atomic
+from forge_grain.paths import cache_root, is_url, private_cache
+from forge_grain.stores import TokenStore
 
 log = logging.getLogger(__name__)
 RECORD_VERSION = 1

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .stores import TokenStore
+from forge_grain.stores import TokenStore
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 
@@ -83,7 +83,7 @@ def plot_lengths(store: TokenStore, png: str | Path) -> Path:
 def packing_report(store: TokenStore, seq_len: int, seed: int = 0, max_segments: int | None = None) -> str:
     """Plan every strategy and tabulate rows, fill, cropped and lost shares, documents per row;
     with `max_segments`, also each strategy under that cap and the fill it costs."""
-    from .packing import STRATEGIES, PackingError, min_crop_share, plan
+    from forge_grain.packing.plans import STRATEGIES, PackingError, min_crop_share, plan
 
     lines = [
         f"packing at seq_len {seq_len} (crop floor for BOS-aligned rows: {min_crop_share(store.lengths, seq_len):.2%})",

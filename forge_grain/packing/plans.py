@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels
-from .errors import ForgeGrainError
-from .manifest import temporary
-from .mapping import map_npy
-from .stores import TokenStore
+from forge_grain.packing import kernels
+from forge_grain.errors import ForgeGrainError
+from forge_grain.stores.manifest import temporary
+from forge_grain.stores.mapping import map_npy
+from forge_grain.stores import TokenStore
 
 STRATEGIES = ("concat", "bos_bestfit", "bestfit")
 PLAN_VERSION = 3  # 2: plan.json carries a checksum; 3: own document permutation, bestfit windows overlap by one
@@ -42,7 +42,7 @@ class PackingError(ForgeGrainError):
 
 @dataclasses.dataclass
 class PackingPlan:
-    """Which token runs make up each row; see `forge_grain.kernels` for the layout."""
+    """Which token runs make up each row; see `forge_grain.packing.kernels` for the layout."""
 
     strategy: str
     seq_len: int
@@ -156,7 +156,7 @@ def plan_offsets(
     """Plan rows for documents [offsets[i], offsets[i + 1]) of a token space.
 
     Deterministic in (offsets, arguments): document order is a permutation seeded by `seed`
-    (and `chunk`, the index of a chunk planned on its own: see `forge_grain.chunked`).
+    (and `chunk`, the index of a chunk planned on its own: see `forge_grain.packing.chunked`).
     `max_segments`: at most this many segments (documents or parts of one) a row, for
     kernels that need a bound (MaxText, TransformerEngine); rows that reach it are padded.
     """
@@ -307,7 +307,7 @@ def _stats(total, seq_len, strategy, row_ptr, length, skip, cropped, lost, max_s
         "lost_share": lost / total,
         "docs_per_row": (len(length) / rows) if rows else 0.0,
         "loss_positions": int(np.sum(np.maximum(length - 1 - skip, 0))),
-        # the counts behind the shares, so plans of chunks add up (`forge_grain.chunked`)
+        # the counts behind the shares, so plans of chunks add up (`forge_grain.packing.chunked`)
         "tokens": total, "real_tokens": real, "segments": len(length), "cropped_tokens": cropped, "lost_tokens": lost,
     }
 

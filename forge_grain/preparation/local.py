@@ -24,8 +24,8 @@ from queue import Empty
 
 import numpy as np
 
-from .errors import PrepareError, StoreError
-from .manifest import (
+from forge_grain.errors import PrepareError, StoreError
+from forge_grain.stores.manifest import (
     LAYOUTS,
     MANIFEST_NAME,
     Manifest,
@@ -37,10 +37,10 @@ from .manifest import (
     token_dtype,
     write_json_atomic,
 )
-from .locks import exclusive_or_refuse
-from .paths import cache_root, is_url, private_cache
-from .texts import NULL_TOKENS
-from .tokenizer import TextTokenizer, load_tokenizer
+from forge_grain.locks import exclusive_or_refuse
+from forge_grain.paths import cache_root, is_url, private_cache
+from forge_grain.preparation.texts import NULL_TOKENS
+from forge_grain.tokenizer import TextTokenizer, load_tokenizer
 
 BATCH_DOCS = 512  # documents tokenized per call: large enough for the Rust batch path
 SHARD_TARGET_BYTES = 64 << 20  # of text per shard by default
@@ -97,7 +97,7 @@ def prepare(
     runner: str = "local",
     beam_options: list[str] | None = None,
 ) -> Path | str:
-    """Tokenize `source` (see `forge_grain.texts.load_corpus`) into a token store at `output`.
+    """Tokenize `source` (see `forge_grain.preparation.texts.load_corpus`) into a token store at `output`.
 
     Text (`text_field`): every non-empty document becomes `[BOS] + tokens + [EOS]`
     (`add_bos`/`add_eos`, on by default); special-token strings inside the text stay
@@ -117,13 +117,13 @@ def prepare(
 
     `runner="beam"` runs it as an Apache Beam job with `beam_options` (Beam's command-line
     options, e.g. `["--runner=DataflowRunner", "--project=P", ...]`), writing the same
-    bytes; inputs and `output` may then be any fsspec URL (see `forge_grain.beam_prepare`).
+    bytes; inputs and `output` may then be any fsspec URL (see `forge_grain.preparation.beam`).
     """
     if is_url(output):
         _check_writable(output, storage_options)  # before any work: a missing bucket is found at once
     if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
-        from .stores.remote import upload_store, writer_lock
+        from forge_grain.stores.remote import upload_store, writer_lock
 
         staging = private_cache(cache_root() / "uploads") / hashlib.sha256(str(output).encode()).hexdigest()[:16]
         with writer_lock(str(output), storage_options):  # one writer per URL, whichever host runs it
@@ -134,7 +134,7 @@ def prepare(
             upload_store(staging, str(output), storage_options, overwrite=overwrite, progress=progress)
         shutil.rmtree(staging, ignore_errors=True)  # the store is in object storage now; a re-run finds it complete
         return str(output)
-    from .texts import load_corpus
+    from forge_grain.preparation.texts import load_corpus
 
     if layout not in LAYOUTS:
         raise PrepareError(f"unknown layout {layout!r} (choose one of {LAYOUTS})")
@@ -161,7 +161,7 @@ def prepare(
                  hf_config, text_unit, data_files, list_separator, special_tokens_in_text, layout, piece_chars)
     if runner == "beam":
         try:
-            from .beam_prepare import prepare_beam
+            from forge_grain.preparation.beam import prepare_beam
         except ModuleNotFoundError as e:
             if not (e.name or "").startswith("apache_beam"):
                 raise
@@ -196,7 +196,7 @@ def prepare(
 
 
 def _check_writable(url, storage_options) -> None:
-    from .stores.remote import check_writable
+    from forge_grain.stores.remote import check_writable
 
     try:
         check_writable(str(url), storage_options)
@@ -511,7 +511,7 @@ def _documents(corpus, tok: TextTokenizer | None, job: _Job, start: int, stop: i
 
 
 def _text_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
-    from .texts import document_text
+    from forge_grain.preparation.texts import document_text
 
     texts = [document_text(v, lambda r=lo + j: corpus.where(r), job.list_separator)
              for j, v in enumerate(_column(corpus, job.field, lo, hi))]

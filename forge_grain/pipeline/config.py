@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ForgeGrainError
-from .packing import STRATEGIES
+from forge_grain.errors import ForgeGrainError
+from forge_grain.packing.plans import STRATEGIES
 
 
 LOADER_KEYS = {"num_workers": int, "pin_memory": bool, "prefetch_factor": int}
@@ -103,14 +103,14 @@ class DataConfig:
     that runs out before then repeats with a fresh shuffle (`inf` in TOML is None). `mix_temperature` T turns
     weights w into w^(1/T), renormalized (1.0: as given; larger: more uniform).
     `plan_chunk_docs`: a store of more documents is planned a chunk of this many at a time
-    (default about 4 M; see `forge_grain.chunked`); it changes the plan, so it is data.
+    (default about 4 M; see `forge_grain.packing.chunked`); it changes the plan, so it is data.
     `max_segments_per_row`: at most this many segments (documents or parts of one) in a
     row, for attention kernels that need a bound (MaxText, TransformerEngine); every planner
     honours it, rows that reach it are padded (`inspect --seq-len N --max-segments K` shows
     the fill it costs); it is data too.
 
     Streaming sources (`hf_streaming=True`) deal their documents to `canonical_streams` x
-    `canonical_workers` canonical streams (see `forge_grain.streaming`): a state restores
+    `canonical_workers` canonical streams (see `forge_grain.sources.streaming`): a state restores
     exactly on any shard count dividing `canonical_streams` (default: the shard count of
     the first run, recorded in its states) and, in the torch bridge, any number of
     DataLoader workers dividing `canonical_workers` (default 1) reads them in parallel.
@@ -155,7 +155,7 @@ class DataConfig:
             d = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
-        from .kempnerforge import config_from_job, is_kempnerforge
+        from forge_grain.pipeline.kempnerforge import config_from_job, is_kempnerforge
 
         if is_kempnerforge(d):
             return config_from_job(d, where=str(path))
@@ -172,9 +172,9 @@ class DataConfig:
 
     @classmethod
     def from_kempnerforge(cls, path: str | Path, world_size: int | None = None) -> "DataConfig":
-        """A KempnerForge job TOML read as it is (see `forge_grain.kempnerforge`); `world_size`
+        """A KempnerForge job TOML read as it is (see `forge_grain.pipeline.kempnerforge`); `world_size`
         resolves `dp_shard = -1` (default: `WORLD_SIZE`, or 1)."""
-        from .kempnerforge import from_kempnerforge
+        from forge_grain.pipeline.kempnerforge import from_kempnerforge
 
         return from_kempnerforge(path, world_size)
 

@@ -36,11 +36,11 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from .errors import PrepareError
-from .locks import exclusive_or_refuse
-from .manifest import MANIFEST_NAME, fsync_rename, sha256_file, temporary
-from .paths import is_url
-from .preparation import (
+from forge_grain.errors import PrepareError
+from forge_grain.locks import exclusive_or_refuse
+from forge_grain.stores.manifest import MANIFEST_NAME, fsync_rename, sha256_file, temporary
+from forge_grain.paths import is_url
+from forge_grain.preparation.local import (
     LOCK_NAME,
     _clean,
     _done_info,
@@ -52,9 +52,9 @@ from .preparation import (
     files_identity,
     write_manifest,
 )
-from .stores.remote import RemoteDir, read_or_none, writer_lock
-from .texts import open_parquet
-from .tokenizer import TextTokenizer
+from forge_grain.stores.remote import RemoteDir, read_or_none, writer_lock
+from forge_grain.preparation.texts import open_parquet
+from forge_grain.tokenizer import TextTokenizer
 
 METRICS = "forge_grain"  # the namespace of the job's counters
 
@@ -105,7 +105,7 @@ class Inputs:
                                "or Parquet files); data_files and hub configurations are read by the local runner")
         if is_url(spec.source):
             return cls._remote(spec, storage_options)
-        from .texts import _builder, _data_files
+        from forge_grain.preparation.texts import _builder, _data_files
 
         path = Path(spec.source)
         if not (path.exists() or any(c in str(spec.source) for c in "*?[")) or (path / "state.json").exists() \
@@ -123,8 +123,8 @@ class Inputs:
         are chosen by their names as locally."""
         from pathlib import PurePosixPath
 
-        from .splits import select_split
-        from .texts import BUILDERS, _builder
+        from forge_grain.splits import select_split
+        from forge_grain.preparation.texts import BUILDERS, _builder
 
         remote = RemoteDir(str(spec.source), storage_options)
         fs, root = remote.fs, remote.root
@@ -415,7 +415,7 @@ class ShardCorpus:
         import datasets
         import pyarrow as pa
 
-        from .texts import _check
+        from forge_grain.preparation.texts import _check
 
         tables = []
         for f, a, b in pieces:
@@ -464,7 +464,7 @@ def _read_json_lines(f, file: str, lo: int, hi: int, field: str):
     import pyarrow as pa
     import pyarrow.json as paj
 
-    from .texts import invalid_utf8, mixed_json_row
+    from forge_grain.preparation.texts import invalid_utf8, mixed_json_row
 
     chosen, n = [], 0
     for line in f:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import io
 import json
 
-from .errors import PrepareError
-from .paths import is_url
-from .texts import document_text
+from forge_grain.errors import PrepareError
+from forge_grain.paths import is_url
+from forge_grain.preparation.texts import document_text
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 READ_BLOCK = 1 << 23  # bytes per ranged read of a remote file
@@ -48,7 +48,7 @@ class DatasetTexts:
     """A `datasets` streaming dataset's rows."""
 
     def __init__(self, src):
-        from .hf import _files_identity, _texts
+        from forge_grain.sources.hf import _files_identity, _texts
 
         self.src = src
         self.name = f"{src.hf_dataset} (streaming)"
@@ -59,7 +59,7 @@ class DatasetTexts:
 
     def locate(self, field: str) -> str | None:
         """'FILE, row R: ...' for the first local row whose `field` is not text, if any."""
-        from .texts import missing_field_row, mixed_json_row
+        from forge_grain.preparation.texts import missing_field_row, mixed_json_row
 
         files = [f for f in self.files if f.suffix in JSON_SUFFIXES]
         return (mixed_json_row(files, field) or missing_field_row(files, field, False)) if files else None
@@ -82,7 +82,7 @@ class _DatasetIter:
         except (StopIteration, PrepareError):
             raise
         except Exception as e:  # `datasets` and Arrow fail with many types; name the file and row
-            from .texts import explain_read_failure
+            from forge_grain.preparation.texts import explain_read_failure
 
             raise PrepareError(explain_read_failure(self.texts.name, self.texts.files, self.field, e)) from None
         self._known = None
@@ -94,7 +94,7 @@ class _DatasetIter:
 
 def _local_files(src) -> list:
     """The local files a streaming source reads (for error messages), or [] for a Hub dataset."""
-    from .texts import _data_files
+    from forge_grain.preparation.texts import _data_files
 
     try:
         if src.hf_data_files is not None:
@@ -146,7 +146,7 @@ class FileTexts:
 
     def _remote(self, url: str):
         """(the `RemoteDir` of the file's directory, the file's name in it)."""
-        from .stores.remote import RemoteDir
+        from forge_grain.stores.remote import RemoteDir
 
         parent, base = url.rsplit("/", 1)
         if parent not in self._dirs:
@@ -202,7 +202,7 @@ class _FilesIter:
     def _parquet(self):
         import pyarrow as pa
 
-        from .texts import open_parquet
+        from forge_grain.preparation.texts import open_parquet
 
         url, field = self.files.files[self.file], self.files.field
         pf = open_parquet(self.files.reader(self.file), url)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from .errors import ForgeGrainError
+from forge_grain.errors import ForgeGrainError
 
 # what a mixture change may not touch: the rows of every source and the batch geometry
 FIXED_KEYS = ("stream_version", "seq_len", "global_batch_size", "seed", "num_epochs")

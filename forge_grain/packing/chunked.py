@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import temporary
-from .mapping import map_npy
-from .packing import (PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan, checksum_array, checksum_start,
+from forge_grain.stores.manifest import temporary
+from forge_grain.stores.mapping import map_npy
+from forge_grain.packing.plans import (PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan, checksum_array, checksum_start,
                       plan_offsets)
 
 CHUNK_DOCS = 1 << 22  # documents per chunk by default: ~0.5 GB of planning memory per worker
@@ -89,7 +89,7 @@ def _chunk_dir(parts: Path, offsets: np.ndarray, a: int, b: int, k: int, job: di
 def _run_workers(offsets: np.ndarray, todo: list, workers: int, job: dict, parts: Path, bar) -> None:
     """Plan the chunks `todo` in `workers` processes, chunk k in worker k % workers.
 
-    Workers are fresh interpreters (`python -m forge_grain.chunked JOB`) that map the
+    Workers are fresh interpreters (`python -m forge_grain.packing.chunked JOB`) that map the
     offsets from a file: no `if __name__ == "__main__"` guard is needed in the caller's
     script (multiprocessing's spawn would re-run it), and nothing is forked from a parent
     that may hold Grain or JAX threads."""
@@ -100,7 +100,7 @@ def _run_workers(offsets: np.ndarray, todo: list, workers: int, job: dict, parts
             spec = parts / f"worker-{w}.json"
             spec.write_text(json.dumps({**job, "offsets": str(parts / "offsets.npy"), "chunks": todo[w::workers]}))
             with open(parts / f"worker-{w}.log", "w") as log:  # a file, not a pipe that could fill and block
-                procs.append(subprocess.Popen([sys.executable, "-m", "forge_grain.chunked", str(spec)],
+                procs.append(subprocess.Popen([sys.executable, "-m", "forge_grain.packing.chunked", str(spec)],
                                               stdout=log, stderr=subprocess.STDOUT))
         done = 0
         while any(p.poll() is None for p in procs):

@@ -2,10 +2,10 @@
 dealt to canonical streams so that batches and states do not depend on the cluster.
 
 Canonical streams. Row r of the underlying stream (a `datasets` streaming dataset, or
-JSON Lines/Parquet files at URLs: `forge_grain.text_streams`) belongs to canonical stream
+JSON Lines/Parquet files at URLs: `forge_grain.sources.text_streams`) belongs to canonical stream
 r mod C, C = G·P (`canonical_streams` G, `canonical_workers` P in the config). A
 canonical stream reads its own rows in order, tokenizes them on a thread pool (results in
-order: `forge_grain.tokenize_pool`) and packs them `window` at a time with the planners of
+order: `forge_grain.preparation.tokenize_pool`) and packs them `window` at a time with the planners of
 stored sources; a window's rows are shuffled by a seed of (seed, stream, epoch, window).
 
 Global batch s takes its streaming rows from the G streams of class s mod P: position j of
@@ -46,20 +46,20 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from . import kernels
-from .config import SourceConfig
-from .errors import PrepareError, StateError
-from .hf import _digest, cache_root, path_name
-from .locks import file_lock
-from .manifest import save_npy_atomic, token_dtype, write_json_atomic
-from .packed import empty_rows
-from .packing import ROW_KEYS, PackingError, plan_offsets, stream_key
-from .text_streams import texts_reader
-from .texts import document_text
-from .tokenize_pool import TokenizePool
+from forge_grain.packing import kernels
+from forge_grain.pipeline.config import SourceConfig
+from forge_grain.errors import PrepareError, StateError
+from forge_grain.sources.hf import _digest, cache_root, path_name
+from forge_grain.locks import file_lock
+from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
+from forge_grain.packing.packed import empty_rows
+from forge_grain.packing.plans import ROW_KEYS, PackingError, plan_offsets, stream_key
+from forge_grain.sources.text_streams import texts_reader
+from forge_grain.preparation.texts import document_text
+from forge_grain.preparation.tokenize_pool import TokenizePool
 
 log = logging.getLogger(__name__)
-from .tokenizer import load_tokenizer
+from forge_grain.tokenizer import load_tokenizer
 
 COUNT_BATCH = 256  # texts per counting-pass task
 AHEAD = 2  # windows a canonical stream reads and tokenizes ahead of the one it emits

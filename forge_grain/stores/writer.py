@@ -7,8 +7,8 @@ from typing import Iterable
 
 import numpy as np
 
-from .errors import StoreError
-from .manifest import (
+from forge_grain.errors import StoreError
+from forge_grain.stores.manifest import (
     MANIFEST_NAME, Manifest, ShardInfo, fsync_rename, save_npy_atomic, sha256_file, temporary, token_dtype,
 )
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .config import SourceConfig
-from .deferred import SourceRecords, checked_opener, identity_of
-from .packed import PackedDataset, pack
-from .stores import TokenStore
+from forge_grain.pipeline.config import SourceConfig
+from forge_grain.sources.deferred import SourceRecords, checked_opener, identity_of
+from forge_grain.packing.packed import PackedDataset, pack
+from forge_grain.stores import TokenStore
 
 
 @dataclasses.dataclass
 class OpenedSource:
     """`dataset`: the packed rows the mixture indexes; `stream`: the cursor of a streaming
     source, else None; `record`: the facts a deferred source was built from (see
-    `forge_grain.deferred`), else None and `opened` is its store (a `TokenStore`, or a
+    `forge_grain.sources.deferred`), else None and `opened` is its store (a `TokenStore`, or a
     streaming source)."""
 
     dataset: object
@@ -56,7 +56,7 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
     deferred, and one opened in full is recorded. A streaming source deals its documents by
     `layout` (a `streaming.StreamLayout`) and tokenizes on `tokenize_threads` threads."""
     if src.hf_dataset is not None and src.hf_streaming:
-        from .streaming import StreamingSource, StreamRows, rows_per_epoch
+        from forge_grain.sources.streaming import StreamingSource, StreamRows, rows_per_epoch
 
         source = StreamingSource(src, seq_len, seed, cache_dir, max_segments, tokenize_threads)
         rows = StreamRows(source, layout, rows_per_epoch(source, layout), layout.owned(shard_index, shard_count))
@@ -64,7 +64,7 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
 
     def open_full():
         if src.hf_dataset is not None:
-            from .hf import eager_store
+            from forge_grain.sources.hf import eager_store
 
             store = TokenStore.open(eager_store(src, cache_dir))
         else:

@@ -17,14 +17,14 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from . import kernels
-from .paths import cache_root, private_cache, private_directory, trusted_directory
-from .buffers import BufferPool
-from .manifest import remove_stale_temporaries, temporary
-from .locks import file_lock
-from .chunked import CHUNK_DOCS, plan_chunked
-from .packing import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos, stream_key
-from .stores import TokenStore
+from forge_grain.packing import kernels
+from forge_grain.paths import cache_root, private_cache, private_directory, trusted_directory
+from forge_grain.packing.buffers import BufferPool
+from forge_grain.stores.manifest import remove_stale_temporaries, temporary
+from forge_grain.locks import file_lock
+from forge_grain.packing.chunked import CHUNK_DOCS, plan_chunked
+from forge_grain.packing.plans import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos, stream_key
+from forge_grain.stores import TokenStore
 
 log = logging.getLogger(__name__)
 MASK_KEYS = ("loss_mask", "natural_stop")
@@ -70,7 +70,7 @@ def pack(
 
     A store of more than `chunk_docs` documents (default `chunked.CHUNK_DOCS`, about 4 M)
     is planned a chunk at a time in `plan_workers` processes (default: one per core); see
-    `forge_grain.chunked` for what that changes (nothing a trainer sees but the plan's
+    `forge_grain.packing.chunked` for what that changes (nothing a trainer sees but the plan's
     memory and time). `max_segments`: at most this many segments (documents or parts of
     one) a row, for attention kernels that need a bound; rows that reach it are padded.
     """
@@ -247,7 +247,7 @@ class PackedDataset(grain.MapDataset):
     def deferred(cls, opener, *, seq_len, num_rows, chunk_rows, pad_id, plan_key, plan_sha256, **kwargs):
         """A dataset that opens its store and plan when first read: `opener()` returns the
         `PackedDataset` opened in full, which must agree with the description given here
-        (see `forge_grain.deferred`; a mixture of thousands of sources builds without
+        (see `forge_grain.sources.deferred`; a mixture of thousands of sources builds without
         opening them)."""
         self = cls.__new__(cls)
         grain.MapDataset.__init__(self)

@@ -40,7 +40,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, DataConfig, Phase, SourceConfig
+from forge_grain.pipeline.config import ConfigError, DataConfig, Phase, SourceConfig
 
 # [data] keys and their types (KempnerForge's DataConfig, plus `dtype`/`eos_id` for raw files)
 DATA_KEYS: dict[str, tuple[type, ...]] = {
@@ -204,7 +204,7 @@ def _path_source(e: dict, data: dict, where: str, vocab_size: int) -> SourceConf
         if tokenizer is None:
             raise ConfigError(f"{where}: pack_sequences needs the EOS id that ends documents in {path}: give "
                               "tokenizer_path (or eos_id)")
-        from .tokenizer import load_tokenizer
+        from forge_grain.tokenizer import load_tokenizer
 
         eos_id = load_tokenizer(tokenizer).eos_id
         if eos_id is None:

@@ -16,9 +16,9 @@ import re
 import socket
 from pathlib import Path
 
-from .errors import PrepareError
-from .manifest import FORMAT, MANIFEST_NAME
-from .splits import DEFAULT_SPLIT, select_split, split_of
+from forge_grain.errors import PrepareError
+from forge_grain.stores.manifest import FORMAT, MANIFEST_NAME
+from forge_grain.splits import DEFAULT_SPLIT, select_split, split_of
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text", ".py": "text"}
 HUB_HOST = "huggingface.co"

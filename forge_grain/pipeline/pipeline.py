@@ -20,14 +20,14 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from . import history
-from .config import ConfigError, DataConfig
-from .errors import StateError
-from .mixture import MAX_ROWS, Mixture
-from .packed import PackedDataset, empty_rows
-from .deferred import SourceRecords, source_key
-from .sources import open_source
-from .streaming import START
+from forge_grain.pipeline import history
+from forge_grain.pipeline.config import ConfigError, DataConfig
+from forge_grain.errors import StateError
+from forge_grain.pipeline.mixture import MAX_ROWS, Mixture
+from forge_grain.packing.packed import PackedDataset, empty_rows
+from forge_grain.sources.deferred import SourceRecords, source_key
+from forge_grain.sources.factory import open_source
+from forge_grain.sources.streaming import START
 
 STATE_VERSION = 1
 # Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
@@ -139,7 +139,7 @@ class Pipeline:
             raise ConfigError(
                 f"global_batch_size {B} is larger than the {self.rows_per_epoch} rows of num_epochs={config.num_epochs}"
             )
-        self.history: list[dict] = []  # mixture changes at resume (see `forge_grain.history`)
+        self.history: list[dict] = []  # mixture changes at resume (see `forge_grain.pipeline.history`)
         self._resumed_from: tuple[str, int] | None = None  # (fingerprint, step) of a state resumed with a change
         self._resume_args = (resume_from, allow_mixture_change)  # for copies rebuilt in worker processes
         if resume_from is not None:
@@ -158,7 +158,7 @@ class Pipeline:
 
     def _open_sources(self, plan_workers: int | None) -> list:
         """Each source's packed rows; stored sources whose files match their record are
-        deferred (opened when first read; see `forge_grain.deferred`)."""
+        deferred (opened when first read; see `forge_grain.sources.deferred`)."""
         c = self.config
         seeds = [_source_seed(c.seed, s.name) for s in c.sources]
         keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs, c.max_segments_per_row)
@@ -178,7 +178,7 @@ class Pipeline:
         c = self.config
         if not any(s.hf_dataset is not None and s.hf_streaming for s in c.sources):
             return None
-        from .streaming import StreamLayout
+        from forge_grain.sources.streaming import StreamLayout
 
         saved = resume_from.get("canonical") if isinstance(resume_from, dict) else None
         groups = c.canonical_streams or (saved[0] if isinstance(saved, list) and saved else None) or self.shard_count
@@ -641,7 +641,7 @@ class PipelineIterator(grain.DatasetIterator):
 
     def _processes(self):
         if self._mp_iter is None:
-            from .absl_flags import ensure_absl_flags_parsed
+            from forge_grain.absl_flags import ensure_absl_flags_parsed
 
             ensure_absl_flags_parsed()
             p = self.pipeline

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import StoreError
+from forge_grain.errors import StoreError
 
 FORMAT = "forge-grain-token-store"
 VERSION = 1

@@ -1,5 +1,5 @@
 """Hugging Face sources: eager (tokenized once into a cached token store); streaming ones
-are `forge_grain.streaming`'s, which shares the cache and the helpers here.
+are `forge_grain.sources.streaming`'s, which shares the cache and the helpers here.
 
 Eager: the first use tokenizes the dataset (in parallel, with a progress bar) into a
 token store under the cache directory, keyed by the dataset's fingerprint, the
@@ -15,13 +15,13 @@ import json
 import re
 from pathlib import Path
 
-from . import paths
-from .errors import PrepareError
-from .config import SourceConfig
-from .locks import file_lock
-from .preparation import prepare
-from .texts import load_texts
-from .tokenizer import load_tokenizer
+from forge_grain import paths
+from forge_grain.errors import PrepareError
+from forge_grain.pipeline.config import SourceConfig
+from forge_grain.locks import file_lock
+from forge_grain.preparation.local import prepare
+from forge_grain.preparation.texts import load_texts
+from forge_grain.tokenizer import load_tokenizer
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from .pipeline import StateError, merge_states
+from forge_grain.pipeline.pipeline import StateError, merge_states
 
 STATE_FILE = "state.json"
 

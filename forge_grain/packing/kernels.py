@@ -36,7 +36,7 @@ def _numba_cache() -> bool:
     here = Path(__file__).parent
     if os.access(here / "__pycache__" if (here / "__pycache__").is_dir() else here, os.W_OK):
         return True
-    from .paths import cache_root, private_directory
+    from forge_grain.paths import cache_root, private_directory
 
     for candidate in (cache_root() / "numba", Path(tempfile.gettempdir()) / f"forge_grain-numba-{os.getuid()}"):
         if private_directory(candidate):
