@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "TokenStore": "stores",
-    "prepare": "preparation.local",
+    "prepare": "preparation.runners",
     "write_store": "stores.writer",
     "PackedDataset": "packing.packed",
     "pack": "packing.packed",

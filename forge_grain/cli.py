@@ -18,7 +18,7 @@ def _storage_options(parser) -> None:
 
 
 def _prepare(a) -> None:
-    from forge_grain.preparation.local import prepare
+    from forge_grain.preparation.runners import prepare
     from forge_grain.stores import TokenStore
     from forge_grain.packing.summary import format_summary
 

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from forge_grain.pipeline.config import DataConfig, Phase, SourceConfig
 from forge_grain.stores.manifest import write_json_atomic
 from forge_grain.pipeline.pipeline import Pipeline
-from forge_grain.preparation.local import prepare
+from forge_grain.preparation.runners import prepare
 from forge_grain.stores import TokenStore
 from forge_grain.packing.summary import format_summary
 

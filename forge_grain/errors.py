@@ -20,3 +20,7 @@ class StateError(ForgeGrainError):
 class MissingFilesError(StoreError, FileNotFoundError):
     """No token file where a store was expected (a path that does not exist, or a pattern
     that matches nothing). Also a `FileNotFoundError`, as KempnerForge's loaders raise."""
+
+
+class ConfigError(ForgeGrainError):
+    """A data configuration key is unknown, missing or invalid; the message names it."""

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import stat
 from pathlib import Path
 
 from forge_grain.errors import ForgeGrainError
+
+log = logging.getLogger(__name__)
 
 
 class UntrustedCacheError(ForgeGrainError):
@@ -38,6 +42,32 @@ def private_cache(path) -> Path:
                 "load it. Point FORGE_GRAIN_CACHE (or cache_dir=) at a directory of your own (chmod 700), or fix this one"
             )
     return path
+
+
+def plan_cache_dir(store_path: Path, cache_dir=None) -> Path | None:
+    """Where the plans of the store at `store_path` are cached: `cache_dir`, else `.plans`
+    beside the store, else under the cache root when the store's directory is read-only (or
+    others can write it); None (plans stay in memory, with a warning) when none can be written.
+    An existing read-only directory that only its owner (or the store's) writes is used to
+    read plans saved earlier."""
+    store_path = Path(store_path)
+    if cache_dir is not None:
+        candidates = [Path(cache_dir)]
+    else:
+        home = store_path if store_path.is_dir() else store_path.parent
+        tag = hashlib.sha256(str(store_path.resolve()).encode()).hexdigest()[:16]
+        candidates = [home / ".plans", cache_root() / "plans" / tag]
+    for k, directory in enumerate(candidates):
+        if k == len(candidates) - 1:  # cache_dir, or the cache root: refused, naming it, if another user can write it
+            private_cache(directory)
+        if private_directory(directory):  # beside the store: skipped if another user could plant plans there
+            return directory
+    existing = [c for c in candidates if c.is_dir() and trusted_directory(c, owner_of=store_path)]
+    if existing:  # read-only, but may hold plans saved earlier (a fresh plan stays in memory)
+        return existing[0]
+    log.warning("forge-grain: no writable plan cache (%s); plans of %s are kept in memory and rebuilt by each process",
+                ", ".join(map(str, candidates)), store_path)
+    return None
 
 
 def private_directory(path: Path) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numba as nb
 import numpy as np
-from numba.typed import List
+from forge_grain.stores.mapping import token_arrays
 
 NATURAL_END = np.uint8(1)
 
@@ -352,21 +352,6 @@ def row_segments(rows, row_ptr):
 def one_piece(tokens: np.ndarray) -> tuple:
     """`fill_rows`'s pieces for a single array of tokens."""
     return token_arrays([tokens]), np.array([0, len(tokens)], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
-
-
-def token_arrays(arrays) -> List:
-    """The token arrays `fill_rows` reads, as one typed list: one compiled gather serves any
-    number of arrays (a tuple compiled anew for each count, and not at all past 1,000).
-    Arrays must share one type: if a header left any misaligned (LitData int64 chunks),
-    all are marked unaligned, which numpy allows; all are read-only views."""
-    arrays = [np.asarray(a) for a in arrays]
-    aligned = all(a.flags.aligned for a in arrays)
-    views = []
-    for a in arrays:
-        v = a.view()
-        v.setflags(write=False, align=aligned)
-        views.append(v)
-    return List(views)
 
 
 @nb.njit(cache=CACHE, nogil=True)

@@ -18,7 +18,7 @@ import grain
 import numpy as np
 
 from forge_grain.packing import kernels
-from forge_grain.paths import cache_root, private_cache, private_directory, trusted_directory
+from forge_grain.paths import plan_cache_dir
 from forge_grain.packing.buffers import BufferPool
 from forge_grain.stores.manifest import remove_stale_temporaries, temporary
 from forge_grain.locks import file_lock
@@ -77,7 +77,9 @@ def pack(
     store = store if isinstance(store, TokenStore) else TokenStore.open(store)
     chunk_docs = chunk_docs or CHUNK_DOCS
     chunked = len(store) > chunk_docs
-    cache = plan_cache_dir(store, cache_dir)
+    cache = plan_cache_dir(store.path, cache_dir)
+    if cache is not None:
+        remove_stale_temporaries(cache)  # plans of processes that died while saving
     key = plan_key(store, seq_len, strategy, seed, stride, chunk_docs if chunked else None, max_segments)
     directory = cache / key if cache is not None else None
     p = _load_valid(directory, store, seq_len, strategy)
@@ -125,31 +127,6 @@ def plan_key(store: TokenStore, seq_len: int, strategy: str, seed: int, stride: 
     params += [{"max_segments": max_segments}] if max_segments else []
     h.update(json.dumps(params).encode())
     return f"{strategy}-{seq_len}-{h.hexdigest()[:20]}"
-
-
-def plan_cache_dir(store: TokenStore, cache_dir: str | Path | None) -> Path | None:
-    """Where plans are cached: `cache_dir`, else `.plans` beside the store, else under
-    `$FORGE_GRAIN_CACHE` (default `~/.cache/forge_grain`) when the store is read-only;
-    None (plans stay in memory, with a warning) when none of them can be written.
-    Stale temporaries of processes that died while saving are removed on the way."""
-    if cache_dir is not None:
-        candidates = [Path(cache_dir)]
-    else:
-        home = store.path if store.path.is_dir() else store.path.parent
-        tag = hashlib.sha256(str(store.path.resolve()).encode()).hexdigest()[:16]
-        candidates = [home / ".plans", cache_root() / "plans" / tag]
-    for k, directory in enumerate(candidates):
-        if k == len(candidates) - 1:  # cache_dir, or the cache root: refused, naming it, if another user can write it
-            private_cache(directory)
-        if private_directory(directory):  # beside the store: skipped if another user could plant plans there
-            remove_stale_temporaries(directory)
-            return directory
-    existing = [c for c in candidates if c.is_dir() and trusted_directory(c, owner_of=store.path)]
-    if existing:  # read-only, but may hold plans saved earlier (a fresh plan stays in memory)
-        return existing[0]
-    log.warning("forge-grain: no writable plan cache (%s); plans of %s are kept in memory and rebuilt by each process",
-                ", ".join(map(str, candidates)), store.path)
-    return None
 
 
 def _save(p: PackingPlan, directory: Path | None, store, seq_len: int, strategy: str) -> Path | None:

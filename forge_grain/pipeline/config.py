@@ -9,78 +9,23 @@ from typing import Any
 
 import numpy as np
 
-from forge_grain.errors import ForgeGrainError
+from forge_grain.errors import ConfigError
 from forge_grain.packing.plans import STRATEGIES
+from forge_grain.sources.config import SourceConfig
 
+__all__ = ["ConfigError", "DataConfig", "Phase", "SourceConfig", "register_reader"]
 
 LOADER_KEYS = {"num_workers": int, "pin_memory": bool, "prefetch_factor": int}
 
 
-class ConfigError(ForgeGrainError):
-    """A data configuration key is unknown, missing or invalid; the message names it."""
+# readers of other systems' job files: name -> (recognises(parsed TOML), read(parsed TOML, where=...));
+# each registers itself (`forge_grain.pipeline.kempnerforge`), so this module imports none of them
+READERS: dict = {}
 
 
-@dataclasses.dataclass
-class SourceConfig:
-    """One corpus, its packing and its mixing weight.
-
-    The corpus is a token store (`path`) or a Hugging Face dataset (`hf_dataset`: a name,
-    or a builder such as "json" with `hf_data_files`), tokenized with `tokenizer` (a local
-    path; default: the shipped one). `hf_streaming=False` tokenizes it once into a cached
-    token store; `True` streams it, tokenizing on the fly and packing `window` documents
-    at a time; its `hf_data_files` may then be JSON Lines or Parquet files at fsspec URLs
-    (`s3://...`, globs allowed), read directly with `storage_options`.
-
-    A `path` is opened as by `TokenStore.open`, in any format it reads in place (a
-    forge-grain store, raw `.bin`/`.npy` files, Megatron, Hugging Face Arrow, LitData,
-    MDS; `format` names it when detection should not decide), described by the options
-    the files do not record: `dtype` (or `vocab_size`, or `tokenizer`, to decide it),
-    `eos_id`/`bos_id` (to find documents in raw files; each file must then start with the
-    BOS and end with the EOS, unless `whole_documents=False`), `fingerprint="full"` to hash
-    every byte of foreign files into the state (not only sampled blocks), `file_pattern` to filter a
-    directory, `split` to pick one split's files, `token_field` for the column of an
-    Arrow or MDS dataset. A `path` that is a URL (`s3://bucket/store`, any fsspec URL)
-    is a forge-grain store in object storage, read through a local cache:
-    `storage_options` go to fsspec (credentials, `endpoint_url`), `cache_limit` bounds
-    the cache's bytes, `object_cache` is its directory (see `forge_grain.stores.remote`).
-    `shuffle_window=W` shuffles W planning chunks' rows at a time instead of the whole
-    epoch's, bounding the shards a window reads (see `PackedDataset.rows_of`); it is data.
-    """
-
-    name: str
-    path: str | None = None
-    weight: float = 1.0
-    strategy: str = "bestfit"
-    stride: int | None = None
-    hf_dataset: str | None = None
-    hf_config: str | None = None
-    hf_data_files: str | list | dict | None = None
-    split: str | None = None  # Hugging Face sources: "train" when not given
-    text_field: str = "text"
-    tokenizer: str | None = None
-    hf_streaming: bool = False
-    add_bos: bool = True
-    add_eos: bool = True
-    window: int = 1000
-    dtype: str | None = None
-    eos_id: int | None = None
-    bos_id: int | None = None
-    vocab_size: int | None = None
-    file_pattern: str | None = None
-    whole_documents: bool | None = None
-    fingerprint: str | None = None
-    format: str | None = None
-    token_field: str | None = None
-    storage_options: dict | None = None
-    cache_limit: int | None = None
-    object_cache: str | None = None
-    shuffle_window: int | None = None
-
-    def store_options(self) -> dict:
-        """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
-        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents", "fingerprint", "split",
-                "tokenizer", "format", "token_field", "storage_options", "cache_limit", "object_cache")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+def register_reader(name: str, recognises, read) -> None:
+    """Let `DataConfig.from_toml` read another system's job files (see `READERS`)."""
+    READERS[name] = (recognises, read)
 
 
 @dataclasses.dataclass
@@ -155,10 +100,9 @@ class DataConfig:
             d = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
-        from forge_grain.pipeline.kempnerforge import config_from_job, is_kempnerforge
-
-        if is_kempnerforge(d):
-            return config_from_job(d, where=str(path))
+        for recognises, read in READERS.values():  # other systems' job files, read with their meaning
+            if recognises(d):
+                return read(d, where=str(path))
         d = d.get("data", d)
         cfg = cls.from_dict(d, where=str(path))
         for s in cfg.sources:
@@ -174,9 +118,13 @@ class DataConfig:
     def from_kempnerforge(cls, path: str | Path, world_size: int | None = None) -> "DataConfig":
         """A KempnerForge job TOML read as it is (see `forge_grain.pipeline.kempnerforge`); `world_size`
         resolves `dp_shard = -1` (default: `WORLD_SIZE`, or 1)."""
-        from forge_grain.pipeline.kempnerforge import from_kempnerforge
-
-        return from_kempnerforge(path, world_size)
+        _, read = READERS["kempnerforge"]
+        path = Path(path)
+        try:
+            doc = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        return read(doc, where=str(path), world_size=world_size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config") -> "DataConfig":

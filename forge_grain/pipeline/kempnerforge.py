@@ -36,11 +36,10 @@ working directory, as KempnerForge does.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from forge_grain.pipeline.config import ConfigError, DataConfig, Phase, SourceConfig
+from forge_grain.pipeline.config import ConfigError, DataConfig, Phase, SourceConfig, register_reader
 
 # [data] keys and their types (KempnerForge's DataConfig, plus `dtype`/`eos_id` for raw files)
 DATA_KEYS: dict[str, tuple[type, ...]] = {
@@ -71,16 +70,6 @@ def is_kempnerforge(doc: dict) -> bool:
     """Whether a parsed TOML document is a KempnerForge job file."""
     data = doc.get("data")
     return isinstance(data, dict) and ("train" in doc or bool(MARKERS & set(data)))
-
-
-def from_kempnerforge(path: str | Path, world_size: int | None = None) -> DataConfig:
-    """The `DataConfig` a KempnerForge job file describes (see the module docstring)."""
-    path = Path(path)
-    try:
-        doc = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    return config_from_job(doc, where=str(path), world_size=world_size)
 
 
 def config_from_job(doc: dict, where: str = "job", world_size: int | None = None) -> DataConfig:
@@ -261,3 +250,6 @@ def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: st
         by_step[max(start, 1)] = Phase(max(start, 1), {**original, **{k: float(v) for k, v in weights.items()}},
                                        lr_scale)
     return list(by_step.values())
+
+
+register_reader("kempnerforge", is_kempnerforge, config_from_job)

@@ -42,10 +42,10 @@ from forge_grain.stores.manifest import MANIFEST_NAME, fsync_rename, sha256_file
 from forge_grain.paths import is_url
 from forge_grain.preparation.local import (
     LOCK_NAME,
-    _clean,
-    _done_info,
-    _Job,
-    _write_shard,
+    clean,
+    done_info,
+    Job,
+    write_shard,
     already_prepared,
     default_num_shards,
     done_name,
@@ -62,7 +62,7 @@ METRICS = "forge_grain"  # the namespace of the job's counters
 def prepare_beam(spec, num_shards: int | None, overwrite: bool, options: list[str], progress: bool,
                  storage_options: dict | None = None) -> Path | str:
     """`prepare` with the Beam runner (see the module docstring); `spec` is local prepare's
-    checked options (`preparation._Spec`); `storage_options` reach fsspec for URLs."""
+    checked options (`preparation.Spec`); `storage_options` reach fsspec for URLs."""
     inputs = Inputs.find(spec, storage_options)
     out = Output(spec.out, storage_options)
     with out.lock():
@@ -217,7 +217,7 @@ class Output:
 
     def clean(self, overwrite: bool) -> None:
         if not self.url:
-            return _clean(self.path, remove_all=overwrite)
+            return clean(self.path, remove_all=overwrite)
         if overwrite:
             fs = self.remote.fs
             names = self.remote.retry("", lambda: fs.ls(self.remote.root, detail=False), missing_ok=True) or []
@@ -228,7 +228,7 @@ class Output:
     def done_info(self, i: int, key: str) -> dict | None:
         """Shard i's info when a run with these settings finished it and it verifies."""
         if not self.url:
-            return _done_info(self.path, i, key)
+            return done_info(self.path, i, key)
         marker = self.read(done_name(i))
         done = json.loads(marker) if marker else {}
         info = done.get("info", {})
@@ -243,17 +243,17 @@ class Output:
         return self.remote.retry(name, lambda: sha256_file(self.remote.path(name), opener=self.remote.fs.open),
                                  missing_ok=True)
 
-    def write_shard(self, corpus, tok, job: _Job, task, report) -> dict:
+    def write_shard(self, corpus, tok, job: Job, task, report) -> dict:
         if not self.url:
-            return _write_shard(corpus, tok, job, task, report)[1]
+            return write_shard(corpus, tok, job, task, report)[1]
         with tempfile.TemporaryDirectory(prefix="forge-grain-shard-") as tmp:
-            _, info = _write_shard(corpus, tok, dataclasses.replace(job, out=tmp), task, report)
+            _, info = write_shard(corpus, tok, dataclasses.replace(job, out=tmp), task, report)
             for name in (info["tokens"], info["index"], done_name(task[0])):
                 self.remote.retry(name, lambda n=name: self.remote.fs.put_file(str(Path(tmp) / n),
                                                                                 self.remote.path(n)))
         return info
 
-    def finish(self, job: _Job, settings: dict, recorded: dict, infos: list[dict]) -> None:
+    def finish(self, job: Job, settings: dict, recorded: dict, infos: list[dict]) -> None:
         """The manifest (last), then the done markers go."""
         if not self.url:
             return write_manifest(job, settings, recorded, infos)
@@ -326,7 +326,7 @@ def _save_counts(pairs, out: Output, name: str, n: int) -> None:
     out.write(name, json.dumps({"counts": counts}).encode())
 
 
-def _write_pipeline(p, tasks, inputs: Inputs, out: Output, job: _Job, settings: dict, recorded: dict, tok) -> None:
+def _write_pipeline(p, tasks, inputs: Inputs, out: Output, job: Job, settings: dict, recorded: dict, tok) -> None:
     (p | "shards" >> beam.Create(tasks)
        | "spread" >> beam.Reshuffle()
        | "write" >> beam.ParDo(WriteShard(inputs, out, job, tok))
@@ -334,7 +334,7 @@ def _write_pipeline(p, tasks, inputs: Inputs, out: Output, job: _Job, settings: 
        | "manifest" >> beam.Map(_finish, out, job, settings, recorded))
 
 
-def _finish(results, out: Output, job: _Job, settings: dict, recorded: dict) -> None:
+def _finish(results, out: Output, job: Job, settings: dict, recorded: dict) -> None:
     infos = dict(results)
     out.finish(job, settings, recorded, [infos[i] for i in range(len(infos))])
 
@@ -342,7 +342,7 @@ def _finish(results, out: Output, job: _Job, settings: dict, recorded: dict) -> 
 class WriteShard(beam.DoFn):
     """One shard task to the shard's info: written now, or found done and verified."""
 
-    def __init__(self, inputs: Inputs, out: Output, job: _Job, tok):
+    def __init__(self, inputs: Inputs, out: Output, job: Job, tok):
         self.inputs, self.out, self.job, self.tok = inputs, out, job, tok
 
     def setup(self):
@@ -409,7 +409,7 @@ class ShardCorpus:
         return len(self.ds)
 
     @classmethod
-    def read(cls, inputs: Inputs, pieces, job: _Job) -> "ShardCorpus":
+    def read(cls, inputs: Inputs, pieces, job: Job) -> "ShardCorpus":
         """The rows of `pieces`, each file's column checked as local `prepare` checks a
         corpus's (text, or lists of integer ids), so no value is read by guess."""
         import datasets

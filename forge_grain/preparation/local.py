@@ -1,4 +1,5 @@
-"""`forge-grain prepare`: tokenize a text corpus into a token store, in parallel and atomically.
+"""The local runner of `prepare` (`forge_grain.preparation.runners`): tokenize a corpus into
+a token store in processes of this machine, in parallel and atomically.
 
 Each shard covers a fixed, contiguous range of the corpus's rows, so its bytes depend
 only on the inputs and options, never on the number of processes. A shard is written
@@ -15,7 +16,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -24,9 +24,8 @@ from queue import Empty
 
 import numpy as np
 
-from forge_grain.errors import PrepareError, StoreError
+from forge_grain.errors import PrepareError
 from forge_grain.stores.manifest import (
-    LAYOUTS,
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
@@ -38,7 +37,6 @@ from forge_grain.stores.manifest import (
     write_json_atomic,
 )
 from forge_grain.locks import exclusive_or_refuse
-from forge_grain.paths import cache_root, is_url, private_cache
 from forge_grain.preparation.texts import NULL_TOKENS
 from forge_grain.tokenizer import TextTokenizer, load_tokenizer
 
@@ -48,7 +46,7 @@ LOCK_NAME = ".forge-grain-prepare.lock"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Job:
+class Job:
     """What a shard worker needs; identical for every shard of one run."""
 
     out: str
@@ -67,112 +65,16 @@ class _Job:
     piece_chars: int = 1 << 20  # longer texts are tokenized in pieces of about this many characters
 
 
-def prepare(
-    source: str | Path,
-    output: str | Path,
-    *,
-    tokenizer: str | Path | None = None,
-    text_field: str = "text",
-    token_field: str | None = None,
-    vocab_size: int | None = None,
-    split: str | None = None,
-    hf_config: str | None = None,
-    text_unit: str = "document",
-    data_files=None,
-    list_separator: str | None = None,
-    special_tokens_in_text: bool = False,
-    add_bos: bool | None = None,
-    add_eos: bool | None = None,
-    bos_token: str | None = None,
-    eos_token: str | None = None,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
-    layout: str = "bin",
-    num_shards: int | None = None,
-    num_proc: int = 1,
-    overwrite: bool = False,
-    progress: bool = True,
-    piece_chars: int = 1 << 20,
-    storage_options: dict | None = None,
-    runner: str = "local",
-    beam_options: list[str] | None = None,
-) -> Path | str:
-    """Tokenize `source` (see `forge_grain.preparation.texts.load_corpus`) into a token store at `output`.
-
-    Text (`text_field`): every non-empty document becomes `[BOS] + tokens + [EOS]`
-    (`add_bos`/`add_eos`, on by default); special-token strings inside the text stay
-    text unless `special_tokens_in_text=True`; lists of strings are joined only with a
-    `list_separator`. Pre-tokenized ids (`token_field`): written as they are, checked
-    against `vocab_size` (or the `tokenizer`'s); `bos_id`/`eos_id` declare the special
-    ids the documents carry (checked), and `add_bos`/`add_eos` add them. Whitespace-only
-    documents are skipped and counted. A text longer than `piece_chars` is tokenized in
-    pieces with the same ids (see `TextTokenizer.encode_long`), so memory is bounded by
-    the piece (about 150 bytes a token), not the largest document.
-    Returns the store's path (`TokenStore.open` it).
-
-    An `output` URL (`s3://bucket/store`, any fsspec URL; `storage_options` go to fsspec)
-    is prepared in a local staging directory under `FORGE_GRAIN_CACHE`, then uploaded,
-    manifest last (see `stores.remote.upload_store`), and the staging copy is removed;
-    re-running an interrupted command resumes both. Returns the URL.
-
-    `runner="beam"` runs it as an Apache Beam job with `beam_options` (Beam's command-line
-    options, e.g. `["--runner=DataflowRunner", "--project=P", ...]`), writing the same
-    bytes; inputs and `output` may then be any fsspec URL (see `forge_grain.preparation.beam`).
-    """
-    if is_url(output):
-        _check_writable(output, storage_options)  # before any work: a missing bucket is found at once
-    if is_url(output) and runner == "local":
-        args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
-        from forge_grain.stores.remote import upload_store, writer_lock
-
-        staging = private_cache(cache_root() / "uploads") / hashlib.sha256(str(output).encode()).hexdigest()[:16]
-        with writer_lock(str(output), storage_options):  # one writer per URL, whichever host runs it
-            try:
-                prepare(source, staging, **args)
-            except PrepareError as e:  # the staging directory stands for the URL
-                raise PrepareError(str(e).replace(str(staging), str(output))) from None
-            upload_store(staging, str(output), storage_options, overwrite=overwrite, progress=progress)
-        shutil.rmtree(staging, ignore_errors=True)  # the store is in object storage now; a re-run finds it complete
-        return str(output)
+def prepare_local(spec: Spec, num_shards: int | None, num_proc: int, overwrite: bool, progress: bool) -> Path:
+    """The local runner: read the corpus, write the shards not done yet (in `num_proc`
+    processes), then the manifest, under the output directory's lock."""
     from forge_grain.preparation.texts import load_corpus
 
-    if layout not in LAYOUTS:
-        raise PrepareError(f"unknown layout {layout!r} (choose one of {LAYOUTS})")
-    if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
-        raise PrepareError(f"num_shards must be a positive integer, not {num_shards!r}")
-    if not isinstance(piece_chars, int) or piece_chars < 1024:
-        raise PrepareError(f"piece_chars must be an integer of at least 1024, not {piece_chars!r}")
-    tokens = token_field is not None
-    try:
-        tok, vocab_size, bos, eos = _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id,
-                                                 special_tokens_in_text)
-    except PrepareError as e:  # the declarations do not fit together: say which input they were for
-        raise PrepareError(str(e) if str(e).startswith(str(source)) else f"{source}: {e}") from None
-    add_bos = (not tokens) if add_bos is None else add_bos
-    add_eos = (not tokens) if add_eos is None else add_eos
-    for flag, tid, what in ((add_bos, bos, "BOS"), (add_eos, eos, "EOS")):
-        if flag and tid is None:
-            how = f"--{what.lower()}-id N" if tokens else f"--{what.lower()}-token"
-            raise PrepareError(f"{tok.path if tok else source}: no {what} id known; name one ({how}) or disable it")
-    out = output if is_url(output) else Path(output)  # a URL: only the Beam runner gets here
-    if not is_url(out) and out.exists() and not out.is_dir():
-        raise PrepareError(f"{out}: exists and is not a directory; give a directory for the token store")
-    spec = _Spec(source, out, tok, vocab_size, bos, eos, add_bos, add_eos, text_field, token_field, split,
-                 hf_config, text_unit, data_files, list_separator, special_tokens_in_text, layout, piece_chars)
-    if runner == "beam":
-        try:
-            from forge_grain.preparation.beam import prepare_beam
-        except ModuleNotFoundError as e:
-            if not (e.name or "").startswith("apache_beam"):
-                raise
-            raise PrepareError("--runner beam needs Apache Beam: pip install 'forge-grain[beam]'") from None
-
-        return prepare_beam(spec, num_shards, overwrite, beam_options or [], progress, storage_options)
-    if runner != "local":
-        raise PrepareError(f"unknown runner {runner!r} (choose 'local' or 'beam')")
-    corpus = load_corpus(source, text_field=text_field, split=split, hf_config=hf_config, text_unit=text_unit,
-                         data_files=data_files, token_field=token_field, list_separator=list_separator,
-                         exclude=out)
+    source, out = spec.source, spec.out
+    corpus = load_corpus(source, text_field=spec.text_field, split=spec.split, hf_config=spec.hf_config,
+                         text_unit=spec.text_unit, data_files=spec.data_files, token_field=spec.token_field,
+                         list_separator=spec.list_separator, exclude=out)
+    tok = spec.tok
     ds = corpus.ds
     # local files are known by their sizes and times, as the Beam runner knows them without loading
     text_bytes = sum(f.stat().st_size for f in corpus.files) if corpus.files else ds.data.nbytes
@@ -185,7 +87,7 @@ def prepare(
         out.mkdir(parents=True, exist_ok=True)
         with exclusive_or_refuse(out / LOCK_NAME, str(out)):  # one writer per output directory
             if not _already_prepared(out, job.key, settings, overwrite):
-                _clean(out, remove_all=overwrite)
+                clean(out, remove_all=overwrite)
                 _write_store(corpus, tok, job, settings, recorded, num_shards, num_proc, progress)
     except OSError as e:  # a full disk, a read-only or vanished directory: name the file, keep what is done
         raise PrepareError(
@@ -193,15 +95,6 @@ def prepare(
             "and re-running the same command (once the cause is fixed) completes it"
         ) from None
     return out
-
-
-def _check_writable(url, storage_options) -> None:
-    from forge_grain.stores.remote import check_writable
-
-    try:
-        check_writable(str(url), storage_options)
-    except StoreError as e:
-        raise PrepareError(f"{e}; nothing was tokenized") from None
 
 
 def _cause(e: OSError) -> str:
@@ -214,7 +107,7 @@ def _cause(e: OSError) -> str:
 
 
 @dataclasses.dataclass
-class _Spec:
+class Spec:
     """A prepare run's options, checked, before the corpus is read: what the local and the
     Beam runners share, so both describe a store the same way."""
 
@@ -242,7 +135,7 @@ class _Spec:
         """Pre-tokenized input (a token field), written without tokenizing."""
         return self.token_field is not None
 
-    def describe(self, fingerprint, num_shards: int) -> tuple[_Job, dict, dict]:
+    def describe(self, fingerprint, num_shards: int) -> tuple[Job, dict, dict]:
         """(the shard workers' job, the settings the manifest records, what the documents carry)
         for an input of this identity, in `num_shards` shards."""
         tokens, bos, eos = self.tokens, self.bos, self.eos
@@ -266,7 +159,7 @@ class _Spec:
             "num_shards": num_shards,
         }
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-        job = _Job(
+        job = Job(
             str(self.out), key, self.token_field or self.text_field, tokens, self.list_separator, self.layout,
             token_dtype(self.vocab_size).str, self.vocab_size, (bos,) if self.add_bos else (),
             (eos,) if self.add_eos else (), bos if tokens and not self.add_bos else None,
@@ -287,12 +180,12 @@ def files_identity(files) -> str:
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
-def _write_store(corpus, tok, job: _Job, settings: dict, recorded: dict, num_shards: int, num_proc: int,
+def _write_store(corpus, tok, job: Job, settings: dict, recorded: dict, num_shards: int, num_proc: int,
                  progress: bool) -> None:
     """Write the shards not done yet, then the manifest (under the output's lock)."""
     out, n = Path(job.out), len(corpus.ds)
     bounds = [n * i // num_shards for i in range(num_shards + 1)]
-    done = {i: info for i in range(num_shards) if (info := _done_info(out, i, job.key))}
+    done = {i: info for i in range(num_shards) if (info := done_info(out, i, job.key))}
     todo = [(i, bounds[i], bounds[i + 1]) for i in range(num_shards) if i not in done]
     with _Progress(n, sum(b - a for i, a, b in todo), progress, out) as bar:
         for i, info in _run_shards(corpus, tok, job, todo, num_proc, bar):
@@ -300,7 +193,7 @@ def _write_store(corpus, tok, job: _Job, settings: dict, recorded: dict, num_sha
     write_manifest(job, settings, recorded, [done[i] for i in range(num_shards)])
 
 
-def write_manifest(job: _Job, settings: dict, recorded: dict, infos: list[dict]) -> None:
+def write_manifest(job: Job, settings: dict, recorded: dict, infos: list[dict]) -> None:
     """The manifest of a store whose shards are all written (`infos`, in order), then the
     shards' done markers go: the store is complete."""
     out, num_shards = Path(job.out), len(infos)
@@ -322,7 +215,7 @@ def write_manifest(job: _Job, settings: dict, recorded: dict, infos: list[dict])
         _done_path(out, i).unlink(missing_ok=True)
 
 
-def _special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id, special_tokens_in_text):
+def special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id, special_tokens_in_text):
     """(tokenizer or None, vocab_size, bos id, eos id) from the options, checked against each other."""
     tok = None
     if tokenizer is not None or not tokens:
@@ -407,7 +300,7 @@ def already_prepared(where, manifest_text: str | None, key: str, settings: dict,
     return False
 
 
-def _clean(out: Path, remove_all: bool) -> None:
+def clean(out: Path, remove_all: bool) -> None:
     """Remove temporaries of interrupted runs (and, with `remove_all`, every shard file)."""
     for f in out.iterdir():
         if f.name.startswith(".") and ".tmp-" in f.name:  # under the output's lock: no live writer owns it
@@ -416,7 +309,7 @@ def _clean(out: Path, remove_all: bool) -> None:
             f.unlink()
 
 
-def _done_info(out: Path, i: int, key: str) -> dict | None:
+def done_info(out: Path, i: int, key: str) -> dict | None:
     """The record of shard `i` if a run with these settings completed it, else None."""
     try:
         d = json.loads(_done_path(out, i).read_text())
@@ -435,7 +328,7 @@ def _done_info(out: Path, i: int, key: str) -> dict | None:
 _WORKER: dict = {}
 
 
-def _init_worker(corpus, tok: TextTokenizer | None, job: _Job, queue, parent: int) -> None:
+def _init_worker(corpus, tok: TextTokenizer | None, job: Job, queue, parent: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _die_with_parent(parent)
     _WORKER.update(corpus=corpus, tok=tok, job=job, report=queue.put)
@@ -457,7 +350,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _worker_shard(task):
-    return _write_shard(_WORKER["corpus"], _WORKER["tok"], _WORKER["job"], task, _WORKER["report"])
+    return write_shard(_WORKER["corpus"], _WORKER["tok"], _WORKER["job"], task, _WORKER["report"])
 
 
 def _run_shards(corpus, tok, job, todo, num_proc, bar):
@@ -469,7 +362,7 @@ def _run_shards(corpus, tok, job, todo, num_proc, bar):
     """
     if num_proc <= 1 or len(todo) <= 1:
         for task in todo:
-            yield _write_shard(corpus, tok, job, task, bar.update)
+            yield write_shard(corpus, tok, job, task, bar.update)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     queue = ctx.Queue()
@@ -502,7 +395,7 @@ def _drain(queue, bar) -> None:
             return
 
 
-def _documents(corpus, tok: TextTokenizer | None, job: _Job, start: int, stop: int):
+def _documents(corpus, tok: TextTokenizer | None, job: Job, start: int, stop: int):
     """Yield, per batch, the (row, token ids) of its non-empty documents and its row count."""
     read = _token_batch if job.tokens else _text_batch
     for lo in range(start, stop, BATCH_DOCS):
@@ -510,7 +403,7 @@ def _documents(corpus, tok: TextTokenizer | None, job: _Job, start: int, stop: i
         yield read(corpus, tok, job, lo, hi), hi - lo
 
 
-def _text_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+def _text_batch(corpus, tok, job: Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
     from forge_grain.preparation.texts import document_text
 
     texts = [document_text(v, lambda r=lo + j: corpus.where(r), job.list_separator)
@@ -544,7 +437,7 @@ def _column(corpus, field: str, lo: int, hi: int) -> list:
         raise
 
 
-def _token_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+def _token_batch(corpus, tok, job: Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
     """Pre-tokenized rows, read through Arrow (no Python list per id), checked as a whole."""
     import pyarrow.compute as pc
 
@@ -579,7 +472,7 @@ def _token_batch(corpus, tok, job: _Job, lo: int, hi: int) -> list[tuple[int, np
     return docs
 
 
-def _write_shard(corpus, tok: TextTokenizer | None, job: _Job, task, report) -> tuple[int, dict]:
+def write_shard(corpus, tok: TextTokenizer | None, job: Job, task, report) -> tuple[int, dict]:
     i, start, stop = task
     out = Path(job.out)
     name = shard_name(i, job.layout)

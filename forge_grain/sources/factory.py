@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from forge_grain.pipeline.config import SourceConfig
+from forge_grain.sources.config import SourceConfig
 from forge_grain.sources.deferred import SourceRecords, checked_opener, identity_of
 from forge_grain.packing.packed import PackedDataset, pack
 from forge_grain.stores import TokenStore

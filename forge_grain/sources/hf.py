@@ -17,9 +17,9 @@ from pathlib import Path
 
 from forge_grain import paths
 from forge_grain.errors import PrepareError
-from forge_grain.pipeline.config import SourceConfig
+from forge_grain.sources.config import SourceConfig
 from forge_grain.locks import file_lock
-from forge_grain.preparation.local import prepare
+from forge_grain.preparation.runners import prepare
 from forge_grain.preparation.texts import load_texts
 from forge_grain.tokenizer import load_tokenizer
 

@@ -47,7 +47,7 @@ import grain
 import numpy as np
 
 from forge_grain.packing import kernels
-from forge_grain.pipeline.config import SourceConfig
+from forge_grain.sources.config import SourceConfig
 from forge_grain.errors import PrepareError, StateError
 from forge_grain.sources.hf import _digest, cache_root, path_name
 from forge_grain.locks import file_lock

@@ -20,7 +20,7 @@ import numpy as np
 
 from forge_grain.errors import StoreError
 from forge_grain.stores.manifest import temporary
-from forge_grain.stores.mapping import map_npy
+from forge_grain.stores.mapping import map_npy, token_arrays
 from forge_grain.paths import local_path
 from forge_grain.stores import checks
 
@@ -45,11 +45,13 @@ class TokenStore:
     description = "a token dataset"  # for messages: "this is <description>"
     OPTIONS: frozenset[str] = frozenset()  # the `open` options this format accepts (besides `fingerprint`)
 
+    # path, format -> the subclass that reads it; set by `forge_grain.stores.formats` (which
+    # knows every format) when the package is imported, so this module imports none of them
+    resolve = None
+
     def __new__(cls, path=None, **options):
         if cls is TokenStore:
-            from forge_grain.stores.formats import store_class
-
-            cls = store_class(path, options.get("format"))
+            cls = TokenStore.resolve(path, options.get("format"))
         return super().__new__(cls)
 
     def __init__(self, path: str | Path, **options):
@@ -296,9 +298,7 @@ class TokenStore:
         if self._piece_table is None:
             return None
         if self._gather_arrays is None:
-            from forge_grain.packing import kernels
-
-            self._gather_arrays = kernels.token_arrays(self._arrays)
+            self._gather_arrays = token_arrays(self._arrays)
         starts, array, base = self._piece_table
         return self._gather_arrays, starts, array, base
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from forge_grain.errors import StoreError
 from forge_grain.paths import is_url, local_path
 from forge_grain.stores import identify
+from forge_grain.stores.base import TokenStore
 
 # format name -> (module, class)
 FORMATS = {
@@ -43,6 +44,9 @@ def store_class(path, format: str | None = None):
         )
     module, cls = FORMATS[name]
     return getattr(importlib.import_module(f".{module}", __package__), cls)
+
+
+TokenStore.resolve = staticmethod(store_class)
 
 
 def detect(path: Path) -> str:

@@ -132,3 +132,20 @@ def _explained(e: OSError, path) -> OSError:
     return OSError(errno.ENOMEM, f"cannot map {path}: this process reached its limit of {limit} memory maps "
                    "(vm.max_map_count; each shard, index and plan of more than 64 KiB is one); raise it "
                    "(sysctl -w vm.max_map_count=262144) or use fewer, larger shards or sources", str(path))
+
+
+def token_arrays(arrays):
+    """The token arrays `fill_rows` reads, as one typed list: one compiled gather serves any
+    number of arrays (a tuple compiled anew for each count, and not at all past 1,000).
+    Arrays must share one type: if a header left any misaligned (LitData int64 chunks),
+    all are marked unaligned, which numpy allows; all are read-only views."""
+    from numba.typed import List  # numba loads only when a gather needs it
+
+    arrays = [np.asarray(a) for a in arrays]
+    aligned = all(a.flags.aligned for a in arrays)
+    views = []
+    for a in arrays:
+        v = a.view()
+        v.setflags(write=False, align=aligned)
+        views.append(v)
+    return List(views)

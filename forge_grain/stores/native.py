@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain.errors import StoreError
+from forge_grain.paths import plan_cache_dir
 from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, sha256_file
 from forge_grain.stores.mapping import map_npy
 from forge_grain.stores import arrayrecord
@@ -64,9 +65,7 @@ class NativeStore(TokenStore):
         process maps them instead of holding 8 bytes a document."""
         if len(m.shards) < 2:
             return None
-        from forge_grain.packing.packed import plan_cache_dir  # the plans' directory: beside the store, else the user cache
-
-        directory = plan_cache_dir(self, None)
+        directory = plan_cache_dir(self.path)  # the plans' directory: beside the store, else the user cache
         key = hashlib.sha256(json.dumps(m.to_json(), sort_keys=True).encode()).hexdigest()[:16]
         return directory / f"offsets-{key}.npy" if directory is not None else None
 
