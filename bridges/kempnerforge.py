@@ -219,7 +219,7 @@ class StreamingHuggingFaceDataset(IterableDataset):
 
     def _one_pass(self):
         """One pass over the shuffled stream, KempnerForge's chunks of this rank's documents."""
-        from forge_grain.preparation.texts import load_texts
+        from forge_grain.preparation.texts import document_text, load_texts
         from forge_grain.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self.tokenizer_path)
@@ -233,11 +233,15 @@ class StreamingHuggingFaceDataset(IterableDataset):
         buffer: list[int] = []
         docs: list[tuple[int, int]] = []  # (rank document, tokens) of each document in the buffer, in order
         self._at = (first_doc, offset)  # where the buffer's first token lies: (rank document, offset in it)
+        self._rank_docs_consumed = first_doc  # a state saved before the first sample still skips what was read
         for k, example in enumerate(stream):
             doc = k // self.world_size
             if k % self.world_size != self.rank or doc < first_doc:
                 continue
-            ids = tok.encode_batch([example[self.text_field]])[0]
+            text = example[self.text_field]
+            if not isinstance(text, str):  # KempnerForge would fail inside its tokenizer: say what the row holds
+                document_text(text, lambda: f"{self.dataset_name}: a row's field {self.text_field!r}")
+            ids = tok.encode_batch([text])[0]
             if not ids:
                 continue
             ids.append(eos)
