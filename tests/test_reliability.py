@@ -379,3 +379,41 @@ def test_a_foreign_file_rewritten_outside_the_samples_is_caught_by_a_full_finger
         pytest.skip("the edit fell in a sampled block")  # the sampled fingerprint caught it: nothing to show
     with pytest.raises(StateError, match="another config or other data"):
         Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "c").iterator(state)
+
+
+def test_a_litdata_index_may_only_name_its_own_chunks(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    lit = Path(shutil.copytree(Path(__file__).parent / "data" / "litdata" / "dataset", tmp_path / "litdata"))
+    shutil.copytree(lit, tmp_path / "other")
+    index = json.loads((lit / "index.json").read_text())
+    index["chunks"][0]["filename"] = "../other/" + index["chunks"][0]["filename"]
+    (lit / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index\.json: lists '\.\./other/.*', a file outside the dataset's directory"):
+        TokenStore.open(lit)
+
+
+@pytest.mark.parametrize("case", ["int column", "no text field", "not Parquet", "a glob matching nothing"])
+def test_streaming_parquet_and_globs_that_cannot_be_read_are_named(tmp_path, case):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from forge_grain import DataConfig, PrepareError
+
+    f = tmp_path / "part.parquet"
+    if case == "int column":
+        pq.write_table(pa.table({"text": [1, 2, 3]}), f)
+        match = r"part\.parquet: field 'text' must hold text \(strings\), not Value\('int64'\)"
+    elif case == "no text field":
+        pq.write_table(pa.table({"body": ["a", "b"]}), f)
+        match = r"part\.parquet: no text field 'text'; the columns are \['body'\]"
+    elif case == "not Parquet":
+        f.write_text("hello")
+        match = r"part\.parquet: cannot load \(ArrowInvalid: .*footer"
+    else:
+        f = tmp_path / "nothing-*.jsonl"
+        match = r"nothing-\*\.jsonl: no text, JSONL or Parquet files found"
+    cfg = DataConfig(sources=[dict(name="t", hf_dataset=str(f), hf_streaming=True)], seq_len=32, global_batch_size=2)
+    with pytest.raises(PrepareError, match=match):
+        Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
