@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from forge_grain import __version__
 from forge_grain.errors import ForgeGrainError
 
 
@@ -98,6 +99,7 @@ def _demo(a) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forge-grain", description="Token stores, packing and mixing on Grain.")
+    p.add_argument("--version", action="version", version=f"forge-grain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     pr = sub.add_parser("prepare", help="tokenize a text corpus into a token store")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import expected_documents, make_texts, tree_bytes, write_jsonl
@@ -212,3 +214,21 @@ def test_long_documents_are_tokenized_in_pieces_with_the_same_ids(tmp_path, toke
     ref.encode_special_tokens = True
     assert store[1][1:-1].tolist() == ref.encode(long_doc, add_special_tokens=False).ids
     assert store[0][1:-1].tolist() == ref.encode("short one", add_special_tokens=False).ids
+
+
+def test_the_command_line_says_its_version_and_that_a_finished_prepare_is_complete(tmp_path, capsys):
+    """`forge-grain --version`; a re-run of a finished `prepare` says it is complete instead of
+    printing the summary as if it had worked; the package is typed (py.typed)."""
+    import forge_grain
+    from forge_grain.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"forge-grain {forge_grain.__version__}"
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(40)))
+    assert main(["prepare", str(corpus), str(tmp_path / "out"), "--quiet"]) == 0
+    assert "already complete" not in capsys.readouterr().out
+    assert main(["prepare", str(corpus), str(tmp_path / "out")]) == 0
+    assert f"{tmp_path / 'out'}: already complete" in capsys.readouterr().out
+    assert (Path(forge_grain.__file__).parent / "py.typed").exists()

@@ -75,6 +75,8 @@ def prepare_beam(spec, num_shards: int | None, overwrite: bool, options: list[st
             raise PrepareError(f"num_shards must be between 1 and the {rows} documents, not {num_shards}")
         job, settings, recorded = spec.describe(inputs.identity, num_shards)
         if out.already_prepared(job.key, settings, overwrite):
+            if progress:
+                print(f"{out.result}: already complete (prepared earlier with these settings); nothing to do")
             return out.result
         out.clean(overwrite)
         tasks = shard_tasks(inputs.files, counts, num_shards)

@@ -86,7 +86,10 @@ def prepare_local(spec: Spec, num_shards: int | None, num_proc: int, overwrite: 
     try:
         out.mkdir(parents=True, exist_ok=True)
         with exclusive_or_refuse(out / LOCK_NAME, str(out)):  # one writer per output directory
-            if not _already_prepared(out, job.key, settings, overwrite):
+            if _already_prepared(out, job.key, settings, overwrite):
+                if progress:
+                    print(f"{out}: already complete (prepared earlier with these settings); nothing to do")
+            else:
                 clean(out, remove_all=overwrite)
                 _write_store(corpus, tok, job, settings, recorded, num_shards, num_proc, progress)
     except OSError as e:  # a full disk, a read-only or vanished directory: name the file, keep what is done
