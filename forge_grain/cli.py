@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from forge_grain import __version__
@@ -79,6 +80,52 @@ def _inspect_config(path: Path) -> None:
             print(f"  Hugging Face dataset {s.hf_dataset!r}{' (streaming)' if s.hf_streaming else ''}")
 
 
+def _plan(a) -> None:
+    """`forge-grain plan CONFIG`: the run a config describes (see `Pipeline.describe`)."""
+    import tomllib
+
+    from forge_grain.pipeline.config import DataConfig
+    from forge_grain.pipeline.kempnerforge import is_kempnerforge
+    from forge_grain.pipeline.pipeline import Pipeline
+
+    path = Path(a.config)
+    try:
+        job = is_kempnerforge(tomllib.loads(path.read_text()))
+    except (OSError, tomllib.TOMLDecodeError):
+        job = False  # from_toml names the problem
+    config = DataConfig.from_kempnerforge(path, a.world_size) if job else DataConfig.from_toml(path)
+    with warnings.catch_warnings():  # what the pipeline warns about is in the description's warnings
+        warnings.simplefilter("ignore")
+        d = Pipeline(config, 0, 1, num_threads=0, plan_workers=a.plan_workers).describe(a.steps)
+    if a.json:
+        print(json.dumps(d, indent=2))
+        return
+    print(format_plan(path, d))
+
+
+def format_plan(path, d: dict) -> str:
+    steps = "unlimited" if d["steps"] is None else f"{d['steps']:,}"
+    lines = [f"{path}: {steps} steps of {d['global_batch_size']} rows x {d['seq_len']} tokens "
+             f"({d['tokens_per_step']:,} tokens a step; an epoch of all sources' rows is {d['steps_per_epoch']:,} steps)"]
+    if len(d["phases"]) > 1:
+        lines.append("\nphases:")
+        for p in d["phases"]:
+            mix = ", ".join(f"{n} {w:.3f}" for n, w in p["weights"].items())
+            lines.append(f"  from step {p['start_step']:,}: {mix}; lr_scale {p['lr_scale']}"
+                         + ("" if p["reached"] else "  (never reached)"))
+    lines.append("\nsources:")
+    for s in d["sources"]:
+        per_epoch = "unknown" if s["rows_per_epoch"] is None else f"{s['rows_per_epoch']:,} rows an epoch"
+        packing = "" if s["fill"] is None else (f", {s['strategy']}: fill {s['fill']:.1%}, "
+                                                 f"cropped {s['cropped_share']:.2%}")
+        read = "" if s["rows"] is None else f"; the run reads {s['rows']:,} rows"
+        epochs = "" if s["epochs"] is None else f" ({s['epochs']:.2f} epochs)"
+        trained = "" if s["trained_tokens"] is None else f", {s['trained_tokens']:,} trained tokens"
+        lines.append(f"  {s['name']}: {per_epoch}{packing}{read}{epochs}{trained}")
+    lines += ["\nwarnings:", *(f"  ! {w}" for w in d["warnings"])] if d["warnings"] else []
+    return "\n".join(lines)
+
+
 def _beam_option(option: str) -> str:
     """`KEY=VALUE` (or `--KEY=VALUE`, or a bare flag `KEY`) as Beam's `--KEY=VALUE`."""
     return option if option.startswith("--") else f"--{option}"
@@ -144,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _storage_options(pr)
     pr.set_defaults(func=_prepare)
+
+    pl = sub.add_parser("plan", help="what a config (or a KempnerForge job file) will do, before training")
+    pl.add_argument("config", help="a forge-grain TOML config or a KempnerForge job file")
+    pl.add_argument("--steps", type=int, help="describe the first N steps (default: all of the run's)")
+    pl.add_argument("--world-size", type=int, help="a KempnerForge job's world size (default: WORLD_SIZE, or 1)")
+    pl.add_argument("--plan-workers", type=int, help="processes planning large stores (default: one per core)")
+    pl.add_argument("--json", action="store_true", help="print the description as JSON, for tools")
+    pl.set_defaults(func=_plan)
 
     ins = sub.add_parser("inspect", help="summarize a token store (or the sources of a config file)")
     ins.add_argument("path", help="a token store in any format read in place: a forge-grain store, raw .npy/.bin "

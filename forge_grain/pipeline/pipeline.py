@@ -55,6 +55,9 @@ def default_shard() -> tuple[int, int]:
     return 0, 1
 
 
+REPEAT_WARNING = 4  # `describe` warns about a source read this many times over a run, or more
+
+
 class _RemovedSource:
     """A source of the mixture's history that the config no longer has: it had rows before
     the change, gets weight 0 after it, and is never read."""
@@ -326,6 +329,43 @@ class Pipeline:
             out[name] = {"rows": rows, "trained_tokens": d.trained_tokens(rows) if packed else None,
                          "epochs": rows / d.num_rows if packed else None}
         return out
+
+    def describe(self, steps: int | None = None) -> dict:
+        """The run this config describes, from plans and lengths alone (no token is read):
+        steps, tokens per step, the phases, and per source its rows per epoch, packing
+        (fill, crop), and over the first `steps` steps (default: all of them) the rows, epochs
+        and trained tokens it gives, with warnings for a source read many times or never, and
+        a phase that never starts. `forge-grain plan CONFIG` prints it."""
+        c, B = self.config, self.config.global_batch_size
+        end = self.num_steps if steps is None else min(int(steps), self.step_limit)
+        used = self.consumed(end) if end is not None else {}
+        names = [s.name for s in c.sources]
+        phases = [{"start_step": start, "weights": dict(zip(names, weights)),
+                   "lr_scale": self.phase_at(start)["lr_scale"], "reached": end is None or start < end}
+                  for start, weights in c.schedule()]
+        sources, warn = [], [f"a phase starting at step {p['start_step']} never takes effect: the run has {end} steps"
+                             for p in phases if not p["reached"]]
+        for name, d in zip(self.source_names, self.mixture.datasets):
+            rows_per_epoch = getattr(d, "num_rows", None)
+            packed = isinstance(d, PackedDataset)
+            stats = d.stats if packed else {}
+            got = used.get(name, {})
+            epochs = got.get("epochs")
+            if epochs is None and got.get("rows") is not None and rows_per_epoch:
+                epochs = got["rows"] / rows_per_epoch  # a streaming source, from its counting pass
+            sources.append({
+                "name": name, "strategy": stats.get("strategy"), "rows_per_epoch": rows_per_epoch,
+                "tokens_per_epoch": stats.get("tokens"), "fill": stats.get("fill"),
+                "cropped_share": stats.get("cropped_share"), "rows": got.get("rows"), "epochs": epochs,
+                "trained_tokens": got.get("trained_tokens"), "streaming": not packed and name in names,
+            })
+            if got.get("rows") == 0:
+                warn.append(f"source '{name}' is never read in {end} steps (its weight is 0 in every phase reached)")
+            elif epochs is not None and epochs >= REPEAT_WARNING:
+                warn.append(f"source '{name}' is read {epochs:.1f} times over the run ({got['rows']:,} rows of "
+                            f"{rows_per_epoch:,}): lower its weight or the step count, or give it more data")
+        return {"steps": end, "steps_per_epoch": self.steps_per_epoch, "global_batch_size": B, "seq_len": c.seq_len,
+                "tokens_per_step": B * c.seq_len, "phases": phases, "sources": sources, "warnings": warn}
 
     def _warn_unreachable_phases(self) -> None:
         if self.num_steps is None:

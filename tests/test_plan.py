@@ -1,0 +1,61 @@
+"""`forge-grain plan CONFIG` / `Pipeline.describe()`: the run a config describes, before training,
+equal to what iterating the pipeline gives."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import config, store, write_jsonl, make_texts
+
+from forge_grain import DataConfig, Pipeline
+from forge_grain.cli import main
+
+
+@pytest.fixture
+def stores(tmp_path):
+    return {name: store(tmp_path / name, n, k) for k, (name, n) in enumerate((("web", 400), ("code", 250), ("math", 60)))}
+
+
+def test_describe_matches_what_iterating_the_pipeline_gives(stores):
+    cfg = config(stores, phases=[{"start_step": 6, "weights": {"web": 0.2, "code": 0.2, "math": 0.6}}])
+    p = Pipeline(cfg, 0, 1, num_threads=0)
+    d = p.describe()
+    assert d["steps"] == p.num_steps and d["tokens_per_step"] == cfg.global_batch_size * cfg.seq_len
+    seen = np.zeros(3, int)
+    for step in range(p.num_steps):
+        seen += np.bincount(p.batch(step)["source_id"], minlength=3)
+    by_name = {s["name"]: s for s in d["sources"]}
+    for k, name in enumerate(("web", "code", "math")):
+        s = by_name[name]
+        assert s["rows"] == seen[k] == p.consumed(p.num_steps)[name]["rows"]
+        assert s["epochs"] == pytest.approx(seen[k] / s["rows_per_epoch"])
+        assert 0 < s["fill"] <= 1 and s["trained_tokens"] > 0
+    assert [ph["start_step"] for ph in d["phases"]] == [0, 6] and all(ph["reached"] for ph in d["phases"])
+
+
+def test_a_kempnerforge_job_that_repeats_a_small_source_is_warned_about(tmp_path, stores, capsys):
+    """KempnerForge's default max_steps (100,000) over a small source: it is read hundreds of
+    times, which nothing showed before training."""
+    (tmp_path / "job.toml").write_text(f'[data]\ndatasets = [{{ path = "{stores["math"]}", name = "math" }}, '
+                                       f'{{ path = "{stores["web"]}", name = "web" }}]\n'
+                                       "phases = [{ start_step = 200000, dataset_weights = { math = 2.0 } }]\n"
+                                       "[train]\nseq_len = 64\nbatch_size = 4\n")
+    assert main(["plan", str(tmp_path / "job.toml"), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "100,000 steps of 8 rows x 64 tokens" in out
+    assert "! source 'math' is read" in out and "times over the run" in out
+    assert "! a phase starting at step 200000 never takes effect" in out
+    assert main(["plan", str(tmp_path / "job.toml"), "--json", "--steps", "10", "--world-size", "2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["steps"] == 10 and sum(s["rows"] for s in d["sources"]) == 80
+
+
+def test_a_streaming_source_is_described_from_its_counting_pass(tmp_path):
+    write_jsonl(tmp_path / "t.jsonl", make_texts(300, seed=2))
+    cfg = DataConfig(sources=[dict(name="s", hf_dataset=str(tmp_path / "t.jsonl"), hf_streaming=True)], seq_len=32,
+                     global_batch_size=4, num_epochs=2)
+    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    (s,) = p.describe()["sources"]
+    assert s["streaming"] and s["rows_per_epoch"] > 0 and s["epochs"] == pytest.approx(2, rel=0.05)
