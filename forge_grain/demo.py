@@ -136,6 +136,8 @@ def run_demo(workdir: str | Path = "forge-grain-demo", *, max_files: int = 600, 
         f"resume on 1 and 4 shards exact: {all(checks.values())}  ({time.perf_counter() - t0:.1f} s in all)"
     )
     print("next: train a tiny GPT on this corpus, checkpoint, kill, resume and compare loss curves with\n"
-          "  python examples/train_torch.py   (PyTorch: StatefulDataLoader over bridges.torch)\n"
-          "  python examples/train_jax.py     (JAX: global jax.Arrays, Orbax checkpoint of model and data)")
+          "  python examples/train_torch.py   (PyTorch: StatefulDataLoader over bridges.torch;\n"
+          "                                    first: pip install -e '.[torch]')\n"
+          "  python examples/train_jax.py     (JAX: global jax.Arrays, Orbax checkpoint of model and data;\n"
+          "                                    first: pip install -e '.[jax]')")
     return summary
