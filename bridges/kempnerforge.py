@@ -260,6 +260,8 @@ class StreamingHuggingFaceDataset(IterableDataset):
     def _advance(self, docs: list, n: int) -> None:
         """Move the buffer's start `n` tokens on, through the documents it holds."""
         doc, offset = self._at
+        if docs[0][0] != doc:  # the position named a document that turned out empty (skipped)
+            doc, offset = docs[0][0], 0
         while n:
             length = docs[0][1]
             take = min(n, length - offset)
