@@ -150,10 +150,7 @@ class TokenStore:
         with token arrays: Megatron, Arrow, LitData, MDS)."""
         for s, file in enumerate(self._files):
             lo, hi = self._file_doc_starts[s], self._file_doc_starts[s + 1]
-            sample = [t for t in self._sample(lo, hi) if len(t)]
-            if sample:
-                checks.check_ids(file, min(int(t.min()) for t in sample), max(int(t.max()) for t in sample),
-                                 self.vocab_size)
+            checks.check_arrays_ids(file, self._sample(lo, hi), self.vocab_size)
         where = self._files[0] if len(self._files) == 1 else self.path
         checks.check_special_ends(where, self._tokens_at, self._offsets, self.eos_id, self.bos_id)
 
@@ -331,13 +328,7 @@ class TokenStore:
                 tokens = (self._token_range(x, min(x + (1 << 24), b)) for x in range(a, b, 1 << 24))
             else:
                 tokens = (self[i] for i in range(lo, hi))
-            lo_id = hi_id = None
-            for t in tokens:
-                if len(t):
-                    lo_id = int(t.min()) if lo_id is None else min(lo_id, int(t.min()))
-                    hi_id = int(t.max()) if hi_id is None else max(hi_id, int(t.max()))
-            if lo_id is not None:
-                checks.check_ids(file, lo_id, hi_id, self.vocab_size)
+            checks.check_arrays_ids(file, tokens, self.vocab_size)
 
     @property
     def run_starts(self) -> np.ndarray:

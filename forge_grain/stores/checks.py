@@ -203,6 +203,17 @@ def _check_not_narrower(path: Path, raw: np.ndarray, dtype: np.dtype, vocab_size
         )
 
 
+def check_arrays_ids(path: Path, arrays, vocab_size: int | None) -> None:
+    """`check_ids` over the ids of `arrays` (any iterable; empty arrays are passed over)."""
+    lo = hi = None
+    for a in arrays:
+        if len(a):
+            lo = int(a.min()) if lo is None else min(lo, int(a.min()))
+            hi = int(a.max()) if hi is None else max(hi, int(a.max()))
+    if lo is not None:
+        check_ids(path, lo, hi, vocab_size)
+
+
 def check_ids(path: Path, lo: int, hi: int, vocab_size: int | None) -> None:
     """Token ids must be non-negative, fit int32 batches, and lie below `vocab_size`."""
     if lo < 0:

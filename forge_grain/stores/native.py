@@ -56,10 +56,7 @@ class NativeStore(TokenStore):
                 sample = [self[i] for i in checks.spread(np.arange(lo, hi), 8)]
             else:
                 sample = _read_blocks(file, self.dtype, self.manifest.shards[s].num_tokens)
-            sample = [t for t in sample if len(t)]
-            if sample:
-                checks.check_ids(file, min(int(t.min()) for t in sample), max(int(t.max()) for t in sample),
-                                 self.vocab_size)
+            checks.check_arrays_ids(file, sample, self.vocab_size)
 
     def _offsets_cache(self, m: Manifest) -> Path | None:
         """Where several shards' joined offsets are kept (beside the store's plans), so a
