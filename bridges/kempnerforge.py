@@ -145,14 +145,6 @@ def _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config, 
                         strategy="concat", **kw)
 
 
-def _eos_of(tokenizer_path) -> int:
-    """KempnerForge's EOS: the tokenizer's, or 0 when it has none."""
-    from forge_grain.tokenizer import load_tokenizer
-
-    eos = load_tokenizer(tokenizer_path).eos_id
-    return 0 if eos is None else eos
-
-
 class HuggingFaceDataset(_Samples):
     """A Hugging Face dataset, tokenized once into a cached forge-grain store (KempnerForge's
     signature and samples: chunks of seq_len + 1 of the documents joined, each with its EOS)."""
@@ -165,7 +157,8 @@ class HuggingFaceDataset(_Samples):
         src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config)
         store = TokenStore.open(eager_store(src, cache_dir, progress=False))
         self.seq_len = seq_len
-        eos = (store.eos_id if semantics == "forge_grain" else _eos_of(tokenizer_path)) if pack_sequences else None
+        # the store's documents end with the tokenizer's EOS (preparing refuses a tokenizer without one)
+        eos = store.eos_id if pack_sequences else None
         super().__init__(store, seq_len + 1, [0, store.num_tokens], eos, semantics, seed)
         self._sample_idx = 0
 
