@@ -88,12 +88,13 @@ class RemoteDir:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def retry(self, name: str, attempt, missing_ok: bool = False):
+    def retry(self, name: str, attempt, missing_ok: bool = False, bound: bool = True):
         """`attempt()`, retried with exponential backoff; a missing object is not retried (and
-        gives None with `missing_ok`)."""
+        gives None with `missing_ok`). Each attempt is `bounded` by the deadline (`bound=False`
+        for an attempt of many requests that bounds each itself)."""
         for k in range(self.retries):
             try:
-                return attempt()
+                return bounded(attempt) if bound else attempt()
             except FileNotFoundError:
                 if missing_ok:
                     return None
@@ -140,8 +141,8 @@ class ObjectCache(RemoteDir):
     def fresh(self, name: str) -> bytes:
         """Object `name`'s current bytes (no cache): the manifest, which says what else to trust."""
         def attempt():
-            data = bounded(self.fs.cat_file, self.path(name))
-            size = bounded(self.fs.size, self.path(name))
+            data = self.fs.cat_file(self.path(name))
+            size = self.fs.size(self.path(name))
             if len(data) != size:
                 raise _Damaged(f"{len(data)} bytes arrived of {size}")
             return data
@@ -151,7 +152,7 @@ class ObjectCache(RemoteDir):
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead) -> bool:
         tmp = temporary(local)
         if size is None:  # the manifest does not say (indices, ArrayRecord shards): ask, so a cut-off
-            size = self.retry(name, lambda: bounded(self.fs.size, self.path(name)))  # read is never taken
+            size = self.retry(name, lambda: self.fs.size(self.path(name)))  # read is never taken
         if self.limit is None:
             tmp.write_bytes(b"")
         elif not self._make_room(size, upcoming, tmp, ahead):
@@ -178,7 +179,7 @@ class ObjectCache(RemoteDir):
                 os.replace(tmp, local)
 
         try:
-            self.retry(name, attempt)
+            self.retry(name, attempt, bound=False)  # each ranged read is bounded
         finally:
             tmp.unlink(missing_ok=True)
         self.downloads += 1
@@ -407,23 +408,23 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
         if not overwrite:
             raise StoreError(f"{remote.url}: already holds another token store; choose another output or pass "
                              "--overwrite")
-        remote.retry(MANIFEST_NAME, lambda: bounded(remote.fs.rm_file, remote.path(MANIFEST_NAME)))  # incomplete from here
+        remote.retry(MANIFEST_NAME, lambda: remote.fs.rm_file(remote.path(MANIFEST_NAME)))  # incomplete from here
     resuming = read_or_none(remote, UPLOAD_MARKER) == digest.encode()
     if not resuming:
-        remote.retry(UPLOAD_MARKER, lambda: bounded(remote.fs.pipe_file, remote.path(UPLOAD_MARKER), digest.encode()))
+        remote.retry(UPLOAD_MARKER, lambda: remote.fs.pipe_file(remote.path(UPLOAD_MARKER), digest.encode()))
     files = [name for s in Manifest.load(local).shards for name in (s.tokens, s.index)]
     present = _remote_sizes(remote) if resuming else {}
     todo = [f for f in files if present.get(f) != (local / f).stat().st_size]
     with tqdm(total=sum((local / f).stat().st_size for f in todo), unit="B", unit_scale=True,
               desc=f"upload {remote.url}", disable=not progress) as bar:
         def put(name):
-            remote.retry(name, lambda: bounded(remote.fs.put_file, str(local / name), remote.path(name)))
+            remote.retry(name, lambda: remote.fs.put_file(str(local / name), remote.path(name)))
             bar.update((local / name).stat().st_size)
 
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             list(pool.map(put, todo))
-    remote.retry(MANIFEST_NAME, lambda: bounded(remote.fs.pipe_file, remote.path(MANIFEST_NAME), manifest))
-    remote.retry(UPLOAD_MARKER, lambda: bounded(remote.fs.rm_file, remote.path(UPLOAD_MARKER)))
+    remote.retry(MANIFEST_NAME, lambda: remote.fs.pipe_file(remote.path(MANIFEST_NAME), manifest))
+    remote.retry(UPLOAD_MARKER, lambda: remote.fs.rm_file(remote.path(UPLOAD_MARKER)))
 
 
 def check_writable(url: str, storage_options: dict | None = None) -> None:
@@ -461,7 +462,7 @@ def writer_lock(url: str, storage_options: dict | None = None):
 
     def attempt():
         try:
-            bounded(remote.fs.call_s3, "put_object", Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+            remote.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
             return True
         except FileExistsError:
             return False
@@ -478,15 +479,15 @@ def writer_lock(url: str, storage_options: dict | None = None):
     try:
         yield
     finally:
-        remote.retry(WRITER_LOCK, lambda: bounded(remote.fs.rm_file, remote.path(WRITER_LOCK)), missing_ok=True)
+        remote.retry(WRITER_LOCK, lambda: remote.fs.rm_file(remote.path(WRITER_LOCK)), missing_ok=True)
 
 
 def read_or_none(remote: RemoteDir, name: str) -> bytes | None:
-    return remote.retry(name, lambda: bounded(remote.fs.cat_file, remote.path(name)), missing_ok=True)
+    return remote.retry(name, lambda: remote.fs.cat_file(remote.path(name)), missing_ok=True)
 
 
 def _remote_sizes(remote: RemoteDir) -> dict[str, int]:
     """Size of each object directly under the URL."""
     remote.fs.invalidate_cache(remote.root)
-    listing = remote.retry("", lambda: bounded(remote.fs.ls, remote.root, detail=True))
+    listing = remote.retry("", lambda: remote.fs.ls(remote.root, detail=True))
     return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in listing if e.get("type") == "file"}
