@@ -22,6 +22,7 @@ from forge_grain.splits import DEFAULT_SPLIT, select_split, split_of
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text", ".py": "text"}
 HUB_HOST = "huggingface.co"
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
 @dataclasses.dataclass
@@ -208,23 +209,30 @@ def open_parquet(f, file: str):
         raise PrepareError(f"{file}: not a readable Parquet file ({e}); it is truncated or not Parquet") from None
 
 
-def _json_rows(files: list[Path]):
-    """(file, row, value) of each non-blank line of JSON Lines files, rows counted as the
-    loader counts them; ends at the first line that is not JSON (leave that to the loader)."""
-    import json
-
+def _json_lines(files: list[Path]):
+    """(file, row, value, error) of each non-blank line of JSON Lines files, rows counted as
+    the loader counts them; `error` is the ValueError of a line that is not JSON (value None).
+    Bytes that are not UTF-8 are replaced: this serves error messages, `invalid_utf8` names those."""
     for f in files:
         row = 0
-        with open(f, encoding="utf-8") as fh:
+        with open(f, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if not line.strip():
                     continue
                 try:
-                    value = json.loads(line)
-                except ValueError:
-                    return
-                yield f, row, value
+                    yield f, row, json.loads(line), None
+                except ValueError as e:
+                    yield f, row, None, e
                 row += 1
+
+
+def _json_rows(files: list[Path]):
+    """(file, row, value) of each JSON Lines row, up to the first line that is not JSON (leave
+    that to the loader, or to `bad_json_row`)."""
+    for f, row, value, error in _json_lines(files):
+        if error is not None:
+            return
+        yield f, row, value
 
 
 def mixed_json_row(files: list[Path], field: str) -> str | None:
@@ -259,31 +267,29 @@ def non_object_row(files: list[Path]) -> str | None:
 
 def bad_json_row(files: list[Path]) -> str | None:
     """'FILE, row R: ...' for the first non-blank line of JSON Lines files that is not JSON."""
-    import json
-
-    for f in files:
-        row = 0
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    json.loads(line)
-                except ValueError as e:
-                    return f"{f}, row {row}: not a JSON value ({e}); the line is truncated or not JSON Lines"
-                row += 1
+    for f, row, _, error in _json_lines(files):
+        if error is not None:
+            return f"{f}, row {row}: not a JSON value ({error}); the line is truncated or not JSON Lines"
     return None
+
+
+def json_files(files) -> list[Path]:
+    """The JSON Lines files among `files` (local paths; None for none)."""
+    return [Path(f) for f in files or [] if Path(f).suffix in JSON_SUFFIXES]
+
+
+def bad_field_row(files: list[Path], field: str) -> str | None:
+    """'FILE, row R: ...' for the first JSON Lines row whose `field` is not text, or is missing."""
+    return mixed_json_row(files, field) or missing_field_row(files, field, False)
 
 
 def explain_read_failure(source, files, field: str, error: BaseException) -> str:
     """What failed while reading a corpus of local `files`, naming the file and row where the
     files tell it (bytes that are not UTF-8, a line that is not JSON, a field that is not
     text or is missing), else the error itself with the source."""
-    json_files = [Path(f) for f in files or [] if Path(f).suffix in (".jsonl", ".json", ".ndjson")]
-    found = None
-    if json_files:
-        found = (invalid_utf8(json_files) or bad_json_row(json_files) or non_object_row(json_files)
-                 or mixed_json_row(json_files, field) or missing_field_row(json_files, field, False))
+    lines = json_files(files)
+    found = lines and (invalid_utf8(lines) or bad_json_row(lines) or non_object_row(lines)
+                       or bad_field_row(lines, field))
     return found or f"{source}: cannot read ({type(error).__name__}: {error})"
 
 

@@ -21,9 +21,14 @@ import json
 
 from forge_grain.errors import PrepareError
 from forge_grain.paths import is_url
-from forge_grain.preparation.texts import document_text
+from forge_grain.preparation.texts import (
+    JSON_SUFFIXES,
+    bad_field_row,
+    document_text,
+    explain_read_failure,
+    json_files,
+)
 
-JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 READ_BLOCK = 1 << 23  # bytes per ranged read of a remote file
 
 
@@ -59,10 +64,7 @@ class DatasetTexts:
 
     def locate(self, field: str) -> str | None:
         """'FILE, row R: ...' for the first local row whose `field` is not text, if any."""
-        from forge_grain.preparation.texts import missing_field_row, mixed_json_row
-
-        files = [f for f in self.files if f.suffix in JSON_SUFFIXES]
-        return (mixed_json_row(files, field) or missing_field_row(files, field, False)) if files else None
+        return bad_field_row(json_files(self.files), field)
 
     def open(self, marker=None) -> "_DatasetIter":
         ds = self._load()
@@ -82,8 +84,6 @@ class _DatasetIter:
         except (StopIteration, PrepareError):
             raise
         except Exception as e:  # `datasets` and Arrow fail with many types; name the file and row
-            from forge_grain.preparation.texts import explain_read_failure
-
             raise PrepareError(explain_read_failure(self.texts.name, self.texts.files, self.field, e)) from None
         self._known = None
         return row[self.field] if keep else None
