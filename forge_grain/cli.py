@@ -82,18 +82,11 @@ def _inspect_config(path: Path) -> None:
 
 def _plan(a) -> None:
     """`forge-grain plan CONFIG`: the run a config describes (see `Pipeline.describe`)."""
-    import tomllib
-
     from forge_grain.pipeline.config import DataConfig
-    from forge_grain.pipeline.kempnerforge import is_kempnerforge
     from forge_grain.pipeline.pipeline import Pipeline
 
     path = Path(a.config)
-    try:
-        job = is_kempnerforge(tomllib.loads(path.read_text()))
-    except (OSError, tomllib.TOMLDecodeError):
-        job = False  # from_toml names the problem
-    config = DataConfig.from_kempnerforge(path, a.world_size) if job else DataConfig.from_toml(path)
+    config = DataConfig.from_toml(path, world_size=a.world_size)
     with warnings.catch_warnings():  # what the pipeline warns about is in the description's warnings
         warnings.simplefilter("ignore")
         d = Pipeline(config, 0, 1, num_threads=0, plan_workers=a.plan_workers).describe(a.steps)

@@ -88,21 +88,19 @@ class DataConfig:
     # -- loading ----------------------------------------------------------------------------
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> "DataConfig":
+    def from_toml(cls, path: str | Path, world_size: int | None = None) -> "DataConfig":
         """Read a TOML file: keys at the top level or under a `[data]` table.
 
         Relative source paths are taken relative to the file's directory. A KempnerForge job
         file (a `[train]` table, or KempnerForge keys such as `dataset_path` in `[data]`) is
-        read with KempnerForge's meaning: see `from_kempnerforge`.
+        read with KempnerForge's meaning (see `from_kempnerforge`); `world_size` is for such
+        job files (a forge-grain config states its global batch).
         """
         path = Path(path)
-        try:
-            d = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        d = _read_toml(path)
         for recognises, read in READERS.values():  # other systems' job files, read with their meaning
             if recognises(d):
-                return read(d, where=str(path))
+                return read(d, where=str(path), world_size=world_size)
         d = d.get("data", d)
         cfg = cls.from_dict(d, where=str(path))
         for s in cfg.sources:
@@ -119,12 +117,7 @@ class DataConfig:
         """A KempnerForge job TOML read as it is (see `forge_grain.pipeline.kempnerforge`); `world_size`
         resolves `dp_shard = -1` (default: `WORLD_SIZE`, or 1)."""
         _, read = READERS["kempnerforge"]
-        path = Path(path)
-        try:
-            doc = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML ({e})") from None
-        return read(doc, where=str(path), world_size=world_size)
+        return read(_read_toml(Path(path)), where=str(path), world_size=world_size)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "config") -> "DataConfig":
@@ -265,6 +258,13 @@ def _phase(d: Any, i: int) -> Phase:
             f"phases[{i}]: expected {{start_step = N, weights = {{name = w, ...}}, lr_scale = x (optional)}}, got {d!r}"
         )
     return Phase(d["start_step"], dict(d["weights"]), d.get("lr_scale", 1.0))
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
 
 
 def _relative_to(base: Path, p: str | None, always: bool = False) -> str | None:

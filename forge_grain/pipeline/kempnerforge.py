@@ -247,8 +247,8 @@ def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: st
             raise ConfigError(f"{where}: data.phases[{i}]: start_step must be >= 0 and lr_scale > 0")
         if i and start <= raw[i - 1].get("start_step", 0):
             raise ConfigError(f"{where}: data.phases start_steps must increase strictly (as KempnerForge requires)")
-        by_step[max(start, 1)] = Phase(max(start, 1), {**original, **{k: float(v) for k, v in weights.items()}},
-                                       lr_scale)
+        at = max(start, 1)
+        by_step[at] = Phase(at, {**original, **{k: float(v) for k, v in weights.items()}}, lr_scale)
     return list(by_step.values())
 
 
