@@ -35,6 +35,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 import weakref
 from pathlib import Path
 
@@ -47,6 +48,10 @@ from forge_grain.locks import file_lock
 from forge_grain.pipeline.pipeline import STATE_VERSION
 from forge_grain.sources.streaming import START
 from forge_grain.packing.varlen import varlen
+
+# torchdata's StatefulDataLoader (the loader this bridge is made for) calls a torch API
+# torch has deprecated, on every iter(): a warning per epoch its user cannot act on
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 CONVENTIONS = ("forge", "hf")
 IGNORE_INDEX = -100

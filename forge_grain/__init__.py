@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 
+from forge_grain.absl_flags import quiet_grain_without_jax
 from forge_grain.errors import ForgeGrainError, PrepareError, StoreError
+
+quiet_grain_without_jax()
 
 __version__ = "0.1.0"
 

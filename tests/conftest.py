@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -44,6 +45,16 @@ WORDS = (
     "shard pack mix resume checkpoint def return class import self None True False 42 "
     "naïve café 数据 ∑ λ → 🙂"
 ).split()
+
+
+_BAR = re.compile(r"\d+%\||\| *\d+/\d+ \[|(it|s|doc|chunk|step|B)/s\]|s/it\]")
+
+
+def noise(stderr: str) -> list[str]:
+    """The lines of `stderr` that are not progress bars (tqdm redraws with carriage returns):
+    what a user would read as a message, a warning or a failure."""
+    lines = re.split(r"[\r\n]", stderr)
+    return [line for line in lines if line.strip() and not _BAR.search(line)]
 
 
 def tree_bytes(path: Path) -> dict[str, bytes]:

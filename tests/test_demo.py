@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from conftest import noise
+
 
 def test_demo_prepares_mixes_checkpoints_and_resumes_exactly(tmp_path):
     r = subprocess.run(
@@ -14,6 +16,7 @@ def test_demo_prepares_mixes_checkpoints_and_resumes_exactly(tmp_path):
     assert "on 4 shard(s): batches 8..23 match" in r.stdout
     assert "resume on 1 and 4 shards exact: True" in r.stdout
     assert "train (2 shards)" in r.stderr  # the progress bar
+    assert noise(r.stderr) == [], r.stderr  # and nothing else: no warning, no traceback at exit
     # the next steps need extras the demo's install lacks: the lines say which
     assert "first: pip install -e '.[torch]'" in r.stdout and "first: pip install -e '.[jax]'" in r.stdout
 

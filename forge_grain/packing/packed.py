@@ -56,6 +56,7 @@ def pack(
     chunk_docs: int | None = None,
     plan_workers: int | None = None,
     max_segments: int | None = None,
+    progress: bool = True,
 ) -> "PackedDataset":
     """Pack a token store into rows of `seq_len`; the plan is cached on disk and reused.
 
@@ -73,6 +74,7 @@ def pack(
     `forge_grain.packing.chunked` for what that changes (nothing a trainer sees but the plan's
     memory and time). `max_segments`: at most this many segments (documents or parts of
     one) a row, for attention kernels that need a bound; rows that reach it are padded.
+    `progress=False` hides the planning bar of a chunked store.
     """
     store = store if isinstance(store, TokenStore) else TokenStore.open(store)
     chunk_docs = chunk_docs or CHUNK_DOCS
@@ -85,7 +87,7 @@ def pack(
     p = _load_valid(directory, store, seq_len, strategy)
     if p is None and chunked:
         p = _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, plan_workers,
-                          max_segments)
+                          max_segments, progress)
     elif p is None:
         p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id, max_segments=max_segments)
         directory = _save(p, directory, store, seq_len, strategy)
@@ -95,12 +97,12 @@ def pack(
 
 
 def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, workers,
-                  max_segments=None) -> PackingPlan:
+                  max_segments=None, progress=True) -> PackingPlan:
     """`chunked.plan_chunked` into the plan cache; without one, into a temporary directory
     and then memory (the plan must not depend on whether a cache could be written)."""
     require_bos(store, strategy, bos_id)
     args = dict(seed=seed, stride=stride, chunk_docs=chunk_docs, workers=workers, name=str(store.path),
-                max_segments=max_segments)
+                max_segments=max_segments, progress=progress)
     if directory is not None:
         try:
             # one planner per plan: processes planning the same store at once wait for the first

@@ -7,6 +7,7 @@ and the iterator state is one integer (the next step) plus a fingerprint.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import hashlib
@@ -14,6 +15,7 @@ import json
 import math
 import sys
 import warnings
+import weakref
 from fractions import Fraction
 from pathlib import Path
 
@@ -80,6 +82,8 @@ class Pipeline:
     core), nor `fetch_ahead` (steps whose shards sources in object storage download
     ahead), nor `tokenize_threads` (threads tokenizing streaming sources; default one per
     core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
+    `progress`: progress bars of first-use work (planning, tokenizing, counting); by default
+    shown by shard 0 only, so that ranks do not print interleaved bars.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class Pipeline:
         dtype=np.int32,
         resume_from: dict | None = None,
         allow_mixture_change: bool = False,
+        progress: bool | None = None,
     ):
         if shard_index is None or shard_count is None:
             shard_index, shard_count = default_shard()
@@ -116,6 +121,8 @@ class Pipeline:
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
         self.tokenize_threads = tokenize_threads
         self.layout = self._stream_layout(resume_from)
+        # one bar per job, not one per rank interleaved: by default only shard 0 shows first-use work
+        self.progress = shard_index == 0 if progress is None else progress
         self._sources = self._open_sources(plan_workers)
         self.datasets = [o.dataset for o in self._sources]
         self._fetching = [i for i, o in enumerate(self._sources) if o.fetches]  # sources in object storage
@@ -169,7 +176,7 @@ class Pipeline:
         records = SourceRecords(keys, self.cache_dir) if any(k is not None for k in keys) else None
         opened = [open_source(s, c.seq_len, seed, self.shard_index, self.shard_count, self.cache_dir,
                               c.plan_chunk_docs, plan_workers, records, key, c.max_segments_per_row, self.layout,
-                              self.tokenize_threads)
+                              self.tokenize_threads, self.progress)
                   for s, seed, key in zip(c.sources, seeds, keys)]
         if records is not None:
             records.save()
@@ -610,7 +617,7 @@ def _rebuild(config, shard_index, shard_count, cache_dir, dtype, tokenize_thread
              allow_mixture_change=False):
     return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
                     tokenize_threads=tokenize_threads, resume_from=resume_from,
-                    allow_mixture_change=allow_mixture_change)
+                    allow_mixture_change=allow_mixture_change, progress=False)
 
 
 def merge_states(states: list[dict]) -> dict:
@@ -648,6 +655,18 @@ def _source_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")
 
 
+# Iterators whose worker processes are running: closed at exit, while the modules Grain's
+# finalizers use are still there (left to interpreter teardown, each shared-memory batch and
+# queue prints "Exception ignored ... AttributeError" and the workers' memory is reported leaked)
+_WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_workers() -> None:
+    for it in list(_WITH_WORKERS):
+        it.close()
+
+
 class PipelineIterator(grain.DatasetIterator):
     """Iterates this shard's batches from a step; state = {step, fingerprint}."""
 
@@ -666,7 +685,9 @@ class PipelineIterator(grain.DatasetIterator):
         if p.num_steps is not None and self._step >= p.num_steps:
             raise StopIteration
         if p.worker_count > 0:
-            batch = next(self._processes())
+            # out of Grain's shared memory into arrays the caller owns: a batch a caller keeps
+            # (to exit) then pins no segment of /dev/shm, nor finalizes one after its modules
+            batch = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in next(self._processes()).items()}
         elif p.num_threads > 0:
             batch = self._threads().pop_next()
         else:
@@ -691,6 +712,7 @@ class PipelineIterator(grain.DatasetIterator):
             read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=max(p.prefetch, 1))
             ds = grain.MapDataset.range(self._step, end).map(p.batch).to_iter_dataset(read)
             self._mp_iter = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=p.worker_count)))
+            _WITH_WORKERS.add(self)
         return self._mp_iter
 
     def get_state(self) -> dict:
@@ -717,6 +739,7 @@ class PipelineIterator(grain.DatasetIterator):
         if self._mp_iter is not None:
             getattr(self._mp_iter, "close", lambda: None)()
             self._mp_iter = None
+            _WITH_WORKERS.discard(self)
 
 
 

@@ -23,18 +23,42 @@ as locally); the tokenizer travels inside the job, serialized, so workers need n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
 import json
+import logging
 import re
 import tempfile
 import time
 from pathlib import Path
 
-import apache_beam as beam
-from apache_beam.metrics import Metrics
-from apache_beam.options.pipeline_options import PipelineOptions
+
+@contextlib.contextmanager
+def _without_apitools_warning():
+    """Beam warns `apitools not found` on import wherever its GCP extra is absent (needed
+    only for BigQuery), and the module-level `logging.warning` that says so installs a
+    stderr handler on the root logger of the user's process. Neither outlives the import."""
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("apitools not found")
+
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
+        for h in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(h)
+
+
+with _without_apitools_warning():
+    import apache_beam as beam
+    from apache_beam.metrics import Metrics
+    from apache_beam.options.pipeline_options import PipelineOptions
 
 from forge_grain.errors import PrepareError
 from forge_grain.locks import exclusive_or_refuse
@@ -285,8 +309,15 @@ def shard_tasks(files: list[str], counts: list[int], num_shards: int) -> list[tu
 # -- the two pipelines ------------------------------------------------------------------------
 
 
+# Beam's worker processes log at INFO (about 90 lines for a local run with 2 workers);
+# their errors still show, and a `default_sdk_harness_log_level` option given wins
+HARNESS_LOG_LEVEL = "--default_sdk_harness_log_level=ERROR"
+
+
 def _run(options: list[str], build):
     """Build and run a pipeline with `options`; a failure on a worker becomes its message."""
+    if not any("default_sdk_harness_log_level" in o for o in options):
+        options = [HARNESS_LOG_LEVEL, *options]
     try:
         with beam.Pipeline(options=PipelineOptions(list(options))) as p:
             build(p)

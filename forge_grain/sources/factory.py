@@ -49,29 +49,30 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
                 cache_dir: str | Path | None = None, chunk_docs: int | None = None,
                 plan_workers: int | None = None, records: SourceRecords | None = None,
                 key: str | None = None, max_segments: int | None = None, layout=None,
-                tokenize_threads: int | None = None) -> OpenedSource:
+                tokenize_threads: int | None = None, progress: bool = True) -> OpenedSource:
     """The packed rows of one source; `seed` is the source's own (see `Pipeline`);
     `chunk_docs`, `plan_workers` and `max_segments` go to `pack`. With `records` and the source's `key`
     there (`deferred.source_key`), a stored source whose files match its record is
     deferred, and one opened in full is recorded. A streaming source deals its documents by
-    `layout` (a `streaming.StreamLayout`) and tokenizes on `tokenize_threads` threads."""
+    `layout` (a `streaming.StreamLayout`) and tokenizes on `tokenize_threads` threads.
+    `progress=False` hides the bars of first-use work (tokenizing, counting, planning)."""
     if src.hf_dataset is not None and src.hf_streaming:
         from forge_grain.sources.streaming import StreamingSource, StreamRows, rows_per_epoch
 
         source = StreamingSource(src, seq_len, seed, cache_dir, max_segments, tokenize_threads)
-        rows = StreamRows(source, layout, rows_per_epoch(source, layout), layout.owned(shard_index, shard_count))
+        rows = StreamRows(source, layout, rows_per_epoch(source, layout, progress), layout.owned(shard_index, shard_count))
         return OpenedSource(rows, rows, source)
 
     def open_full():
         if src.hf_dataset is not None:
             from forge_grain.sources.hf import eager_store
 
-            store = TokenStore.open(eager_store(src, cache_dir))
+            store = TokenStore.open(eager_store(src, cache_dir, progress))
         else:
             store = TokenStore.open(src.path, **src.store_options())
         return store, pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None,
                            cache_dir=cache_dir, chunk_docs=chunk_docs, plan_workers=plan_workers,
-                           shuffle_window=src.shuffle_window, max_segments=max_segments)
+                           shuffle_window=src.shuffle_window, max_segments=max_segments, progress=progress)
 
     record = records.find(key, src.path) if records is not None else None
     if record is not None:

@@ -442,12 +442,12 @@ class StreamRows:
         return out
 
 
-def rows_per_epoch(source: StreamingSource, layout: StreamLayout) -> int:
+def rows_per_epoch(source: StreamingSource, layout: StreamLayout, progress: bool = True) -> int:
     """Rows of one epoch the mixture may count on: B times the steps made before any stream
     would start its second epoch (a stream of class p gives B/G rows to each step s = p mod
     P). With one source, `num_epochs=1` is exactly those steps."""
     share = layout.batch // layout.groups
-    rows = np.array(source.rows_per_stream(layout.count)).reshape(layout.classes, layout.groups)
+    rows = np.array(source.rows_per_stream(layout.count, progress)).reshape(layout.classes, layout.groups)
     steps = min(layout.classes * int(rows[p].min() // share) + p for p in range(layout.classes))
     return steps * layout.batch
 

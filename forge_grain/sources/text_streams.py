@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import weakref
 
 from forge_grain.errors import PrepareError
 from forge_grain.paths import is_url
@@ -77,6 +78,10 @@ class _DatasetIter:
     def __init__(self, ds, field: str, marker, texts: "DatasetTexts"):
         self.ds, self.field, self._it, self.texts = ds, field, _all_rows(ds), texts
         self._known = marker  # a restored stream reports its new position only once it is read
+        # `datasets`' readers are generators: one left suspended until interpreter exit is
+        # finalized after the modules it uses are gone, and prints a traceback. Closed when
+        # this is collected, or at exit while the modules are still there.
+        weakref.finalize(self, self._it.close)
 
     def next(self, keep: bool = True):
         try:

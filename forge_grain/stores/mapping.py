@@ -113,9 +113,11 @@ else:
             self._addr, self._length = addr, length
             self.__array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, True), "version": 3}
 
-        def __del__(self):
+        def __del__(self, _munmap=_libc.munmap):
+            # bound at definition: a region collected at interpreter exit may find the module's
+            # globals already cleared (`_libc` None)
             if self._addr is not None:
-                _libc.munmap(self._addr, self._length)
+                _munmap(self._addr, self._length)
 
     def _map(fd: int, offset: int, length: int, path):
         return _Region(fd, offset, length, path)
