@@ -1,4 +1,4 @@
-"""The `forge-grain` command line: prepare, inspect, demo."""
+"""The `forge-grain` command line: prepare, plan, inspect, config-reference, demo."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def _storage_options(parser) -> None:
     parser.add_argument("--storage-options", type=json.loads, metavar="JSON",
                         help="for an s3:// (or other fsspec) URL: fsspec options as JSON, e.g. "
                         "'{\"endpoint_url\": \"http://minio:9000\"}' (credentials come from the environment)")
+
+
+def _config_reference(a) -> None:
+    from forge_grain.pipeline.reference import render
+
+    print(render(), end="")
 
 
 def _prepare(a) -> None:
@@ -192,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plan-workers", type=int, help="processes planning large stores (default: one per core)")
     pl.add_argument("--json", action="store_true", help="print the description as JSON, for tools")
     pl.set_defaults(func=_plan)
+
+    ref = sub.add_parser("config-reference", help="print the reference of every config key (Markdown; docs/config.md)")
+    ref.set_defaults(func=_config_reference)
 
     ins = sub.add_parser("inspect", help="summarize a token store (or the sources of a config file)")
     ins.add_argument("path", help="a token store in any format read in place: a forge-grain store, raw .npy/.bin "

@@ -30,53 +30,123 @@ def register_reader(name: str, recognises, read) -> None:
 
 @dataclasses.dataclass
 class Phase:
-    """From `start_step` on, mix with `weights` (by source name; unnamed sources get 0), and
-    scale the learning rate by `lr_scale` (the data ignores it; `Pipeline.phase_at` reports it)."""
+    """A change of the mixture at a step (a `[[phases]]` table)."""
 
     start_step: int
+    """The first step mixed with this phase's weights; after 0, and increasing from one
+    phase to the next.
+    Example: start_step = 10000"""
+
     weights: dict[str, float]
+    """Mixing weights by source name, renormalized (and tempered by `mix_temperature`);
+    sources not named get 0.
+    Example: weights = { web = 0.3, code = 0.7 }"""
+
     lr_scale: float = 1.0
+    """A learning-rate factor for the trainer (`Pipeline.phase_at(step)` reports it); the
+    data ignores it.
+    Example: lr_scale = 0.1"""
 
 
 @dataclasses.dataclass
 class DataConfig:
     """What the data pipeline produces: every batch is a pure function of this and the step.
 
-    `num_epochs` counts passes over all sources' rows together: an epoch is
-    `total rows // global_batch_size` steps and the pipeline yields `floor(num_epochs * that)`
-    steps (None: unlimited), so whole epochs tile the steps exactly. A source
-    that runs out before then repeats with a fresh shuffle (`inf` in TOML is None). `mix_temperature` T turns
-    weights w into w^(1/T), renormalized (1.0: as given; larger: more uniform).
-    `plan_chunk_docs`: a store of more documents is planned a chunk of this many at a time
-    (default about 4 M; see `forge_grain.packing.chunked`); it changes the plan, so it is data.
-    `max_segments_per_row`: at most this many segments (documents or parts of one) in a
-    row, for attention kernels that need a bound (MaxText, TransformerEngine); every planner
-    honours it, rows that reach it are padded (`inspect --seq-len N --max-segments K` shows
-    the fill it costs); it is data too.
-
-    Streaming sources (`hf_streaming=True`) deal their documents to `canonical_streams` x
-    `canonical_workers` canonical streams (see `forge_grain.sources.streaming`): a state restores
-    exactly on any shard count dividing `canonical_streams` (default: the shard count of
-    the first run, recorded in its states) and, in the torch bridge, any number of
-    DataLoader workers dividing `canonical_workers` (default 1) reads them in parallel.
-    Both decide which documents go where, so they are data.
+    Read from TOML (`DataConfig.from_toml`: keys at the top level or under `[data]`; a
+    KempnerForge job file is read with KempnerForge's meaning) or built in Python. Each
+    field's docstring is its entry in `docs/config.md` (generated; see
+    `forge_grain.pipeline.reference`); "it is data" marks the fields that change which
+    batches a run yields, so a state saved under other values is refused.
     """
 
     sources: list[SourceConfig]
+    """The corpora, one `[[sources]]` table each (keys: see SourceConfig below); at least
+    one, with unique names.
+    Example:
+    [[sources]]
+    name = "web"
+    path = "data/web"
+    weight = 0.7"""
+
     seq_len: int
+    """Tokens per row: the model's context length; every batch array is
+    `[rows, seq_len]`.
+    Example: seq_len = 2048"""
+
     global_batch_size: int
+    """Rows per step across all shards. Shard k of n receives rows [k·B/n, (k+1)·B/n) of
+    each global batch (n must divide it), so the global batch does not depend on n and a
+    run resumes on any shard count that divides it.
+    Example: global_batch_size = 512"""
+
     seed: int = 0
+    """Decides every shuffle and every draw of the mixture: with the rest of the config it
+    fixes every batch.
+    Example: seed = 1234"""
+
     num_epochs: float | None = 1
+    """Passes over all sources' rows together: an epoch is `total rows //
+    global_batch_size` steps and the run is `floor(num_epochs × that)` steps, so whole
+    epochs tile the steps. A source that runs out before then repeats with a fresh
+    shuffle. `inf` in TOML (None in Python) is unlimited; fractions are exact (0.29 is
+    29/100).
+    Example: num_epochs = 2"""
+
     mix_temperature: float = 1.0
+    """Weights w become w^(1/T), renormalized: 1.0 mixes as given, larger is more uniform.
+    Example: mix_temperature = 2.0"""
+
     phases: list[Phase] = dataclasses.field(default_factory=list)
+    """Mixture changes at steps (keys: see Phase below). A phase that starts at or past
+    the last step is warned about (it never fires).
+    Example:
+    [[phases]]
+    start_step = 10000
+    weights = { web = 0.3, code = 0.7 }"""
+
     anneal_start_step: int | None = None
+    """A shortcut for one more phase: from this step on, mix with `anneal_weights` (give
+    both or neither).
+    Example: anneal_start_step = 90000"""
+
     anneal_weights: dict[str, float] | None = None
+    """The weights from `anneal_start_step` on (sources not named get 0).
+    Example: anneal_weights = { code = 1.0 }"""
+
     max_steps: int | None = None
+    """Stop after this many steps, or at the end of `num_epochs`, whichever comes first.
+    Example: max_steps = 100000"""
+
     plan_chunk_docs: int | None = None
+    """A store of more documents is planned a chunk of this many at a time (default about
+    4 M; see `forge_grain.packing.chunked`), in parallel and in bounded memory. It changes
+    the plan, so it is data.
+    Example: plan_chunk_docs = 1000000"""
+
     max_segments_per_row: int | None = None
+    """At most this many segments (documents or parts of one) in a row, for attention
+    kernels that need a bound (MaxText, TransformerEngine); rows that reach it are padded
+    (`forge-grain inspect STORE --seq-len N --max-segments K` shows the fill it costs). It
+    is data.
+    Example: max_segments_per_row = 32"""
+
     canonical_streams: int | None = None
+    """Streaming sources: their documents are dealt to `canonical_streams ×
+    canonical_workers` canonical streams (see `forge_grain.sources.streaming`); a state
+    restores exactly on any shard count dividing it. Default: the shard count of the first
+    run, recorded in its states. It is data.
+    Example: canonical_streams = 8"""
+
     canonical_workers: int = 1
+    """Streaming sources: in the torch bridge, any number of DataLoader workers dividing
+    this reads the canonical streams in parallel. It is data.
+    Example: canonical_workers = 2"""
+
     loader: dict = dataclasses.field(default_factory=dict)
+    """DataLoader settings a KempnerForge job file carries (`num_workers`, `pin_memory`,
+    `prefetch_factor`), kept for the training script to pass to its DataLoader; they do
+    not change the data, and the pipeline does not read them.
+    Example: loader = { num_workers = 2, pin_memory = true }"""
 
     def __post_init__(self) -> None:
         if self.num_epochs == float("inf"):  # TOML cannot say None: `num_epochs = inf` means unlimited

@@ -8,59 +8,177 @@ import dataclasses
 
 @dataclasses.dataclass
 class SourceConfig:
-    """One corpus, its packing and its mixing weight.
-
-    The corpus is a token store (`path`) or a Hugging Face dataset (`hf_dataset`: a name,
-    or a builder such as "json" with `hf_data_files`), tokenized with `tokenizer` (a local
-    path; default: the shipped one). `hf_streaming=False` tokenizes it once into a cached
-    token store; `True` streams it, tokenizing on the fly and packing `window` documents
-    at a time; its `hf_data_files` may then be JSON Lines or Parquet files at fsspec URLs
-    (`s3://...`, globs allowed), read directly with `storage_options`.
-
-    A `path` is opened as by `TokenStore.open`, in any format it reads in place (a
-    forge-grain store, raw `.bin`/`.npy` files, Megatron, Hugging Face Arrow, LitData,
-    MDS; `format` names it when detection should not decide), described by the options
-    the files do not record: `dtype` (or `vocab_size`, or `tokenizer`, to decide it),
-    `eos_id`/`bos_id` (to find documents in raw files; each file must then start with the
-    BOS and end with the EOS, unless `whole_documents=False`), `fingerprint="full"` to hash
-    every byte of foreign files into the state (not only sampled blocks), `file_pattern` to filter a
-    directory, `split` to pick one split's files, `token_field` for the column of an
-    Arrow or MDS dataset. A `path` that is a URL (`s3://bucket/store`, any fsspec URL)
-    is a forge-grain store in object storage, read through a local cache:
-    `storage_options` go to fsspec (credentials, `endpoint_url`), `cache_limit` bounds
-    the cache's bytes, `object_cache` is its directory (see `forge_grain.stores.remote`).
-    `shuffle_window=W` shuffles W planning chunks' rows at a time instead of the whole
-    epoch's, bounding the shards a window reads (see `PackedDataset.rows_of`); it is data.
-    """
+    """One corpus, its packing and its mixing weight: a token store (`path`) or a Hugging
+    Face dataset (`hf_dataset`), exactly one of the two. Each field's docstring is its entry
+    in `docs/config.md` (generated; see `forge_grain.pipeline.reference`)."""
 
     name: str
+    """The source's name: weights of phases refer to it, batches report tokens per source
+    under it, and with the seed it decides the source's own shuffle (adding a source does
+    not reorder the others). Unique within a config.
+    Example: name = "web"
+    """
+
     path: str | None = None
+    """A token store, opened as by `TokenStore.open` in any format read in place: a
+    forge-grain store, raw `.bin`/`.npy` files, Megatron, Hugging Face Arrow
+    (`save_to_disk`), LitData, MDS. A URL (`s3://bucket/store`, any fsspec URL) is a
+    forge-grain store in object storage read through a local cache. Relative paths in a
+    TOML file are taken from the file's directory.
+    Example: path = "data/web"
+    """
+
     weight: float = 1.0
+    """Mixing weight, relative to the other sources' (renormalized; see
+    `mix_temperature`); 0 leaves the source out until a phase gives it a weight.
+    Example: weight = 0.7"""
+
     strategy: str = "bestfit"
+    """How documents become rows of `seq_len`: "concat" (split the concatenated stream;
+    rows cross documents), "bos_bestfit" (every row starts at a document's BOS; full rows,
+    crops a little), "bestfit" (best-fit decreasing with padding; long documents split into
+    windows, no token lost). `forge-grain inspect STORE --seq-len N` shows each one's
+    fill and crop.
+    Example: strategy = "bos_bestfit"
+    """
+
     stride: int | None = None
+    """With the "bestfit" strategy: long documents are split into windows starting every `stride`
+    tokens (default `seq_len - 1`: windows overlap by the one token that carries the
+    target across); a smaller stride repeats context, with the loss masked on the repeated
+    positions. It is data.
+    Example: stride = 1536"""
+
     hf_dataset: str | None = None
+    """A Hugging Face dataset instead of a store: a local dataset directory or a builder
+    such as "json" or "parquet" with `hf_data_files` (no Hub downloads at run time unless
+    the `datasets` cache has it). Tokenized with `tokenizer`.
+    Example: hf_dataset = "json"
+    """
+
     hf_config: str | None = None
+    """The dataset's configuration name, as `datasets.load_dataset(name, config)` takes it.
+    Example: hf_config = "en"
+    """
+
     hf_data_files: str | list | dict | None = None
-    split: str | None = None  # Hugging Face sources: "train" when not given
+    """Files of a builder dataset ("json", "parquet"): a path, a glob, a list, or a dict by
+    split. Streaming sources also take fsspec URLs (`s3://bucket/part-*.parquet`), read
+    with `storage_options`.
+    Example: hf_data_files = ["data/part-0.jsonl", "data/part-1.jsonl"]"""
+
+    split: str | None = None
+    """The split to read: of a Hugging Face dataset (default "train"), or of a store
+    directory holding several splits' files (a split not found is an error listing those
+    there).
+    Example: split = "validation"
+    """
+
     text_field: str = "text"
+    """The column of a Hugging Face dataset that holds the text.
+    Example: text_field = "content"
+    """
+
     tokenizer: str | None = None
+    """A local tokenizer (a `tokenizer.json` file or a Hugging Face tokenizer directory);
+    default: the tokenizer shipped with forge-grain. For a raw `.bin` store its vocabulary
+    can decide the dtype; every source of a pipeline must use the same tokenizer.
+    Example: tokenizer = "tokenizers/llama3"
+    """
+
     hf_streaming: bool = False
+    """False: the dataset is tokenized once into a cached token store, then packed like a
+    store. True: it is streamed, tokenized on the fly and packed `window` documents at a
+    time; its documents are dealt to canonical streams (see `canonical_streams`).
+    Example: hf_streaming = true"""
+
     add_bos: bool = True
+    """Hugging Face sources: start every document with the tokenizer's BOS id (when it has
+    one). Stores keep the tokens they were prepared with.
+    Example: add_bos = false"""
+
     add_eos: bool = True
+    """Hugging Face sources: end every document with the tokenizer's EOS id (when it has
+    one), so the model learns where documents stop.
+    Example: add_eos = true"""
+
     window: int = 1000
+    """Streaming sources: documents packed together (the packing's look-ahead). Larger
+    fills rows better and shuffles more widely, at the cost of memory and the time to the
+    first batch. It is data.
+    Example: window = 4000"""
+
     dtype: str | None = None
+    """Raw `.bin` files: the width of a token id ("uint16", "uint32", "int32"). forge-grain
+    never guesses it from the file: give `dtype`, `vocab_size` or `tokenizer`. A store
+    that records its dtype is checked against it.
+    Example: dtype = "uint32"
+    """
+
     eos_id: int | None = None
+    """Raw files: the EOS id that ends each document (documents are found by it); other
+    formats: checked against their documents.
+    Example: eos_id = 50256"""
+
     bos_id: int | None = None
+    """Raw files: the BOS id that starts each document; checked as `eos_id` is.
+    Example: bos_id = 1"""
+
     vocab_size: int | None = None
+    """Raw files: the vocabulary size, which decides the dtype (uint16 up to 65,536 ids,
+    else uint32) and bounds the ids (checked on samples at open).
+    Example: vocab_size = 128256"""
+
     file_pattern: str | None = None
+    """A glob that picks the token files of a store directory.
+    Example: file_pattern = "train_*.npy"
+    """
+
     whole_documents: bool | None = None
+    """Raw files with `eos_id`/`bos_id`: each file must start with the BOS and end with the
+    EOS (default), or, false, files may be cut inside a document.
+    Example: whole_documents = false"""
+
     fingerprint: str | None = None
+    """How foreign files are fingerprinted into the resume state: "sampled" (default:
+    blocks and boundaries) or "full" (every byte, slower to open; catches any change).
+    Example: fingerprint = "full"
+    """
+
     format: str | None = None
+    """The store's format when detection should not decide: "native", "raw", "megatron",
+    "arrow", "litdata" or "mds" (a path that could be read two ways is refused until it
+    is named).
+    Example: format = "megatron"
+    """
+
     token_field: str | None = None
+    """The column of an Arrow or MDS dataset that holds the token ids (default
+    "input_ids" or "tokens").
+    Example: token_field = "ids"
+    """
+
     storage_options: dict | None = None
+    """Options for fsspec where the data is a URL (a `path` in object storage, or streaming
+    `hf_data_files`): credentials, `endpoint_url`, and any other option of the filesystem.
+    Example: storage_options = { endpoint_url = "http://127.0.0.1:9000", anon = false }"""
+
     cache_limit: int | None = None
+    """A `path` in object storage: the most bytes of its shards kept in the local cache
+    (default unbounded); the least recently used shards no upcoming step needs are evicted.
+    Example: cache_limit = 53687091200"""
+
     object_cache: str | None = None
+    """A `path` in object storage: the local cache directory (default
+    `$FORGE_GRAIN_CACHE/objects`), shared by the processes of a host.
+    Example: object_cache = "/local/nvme/forge-grain"
+    """
+
     shuffle_window: int | None = None
+    """Shuffle the rows of this many planning chunks at a time instead of the whole
+    epoch's, so a store in object storage is read a few shards at a time (see
+    `PackedDataset.rows_of`). It is data.
+    Example: shuffle_window = 4"""
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
