@@ -95,11 +95,15 @@ def _plan(a) -> None:
     config = DataConfig.from_toml(path, world_size=a.world_size)
     with warnings.catch_warnings():  # what the pipeline warns about is in the description's warnings
         warnings.simplefilter("ignore")
-        d = Pipeline(config, 0, 1, num_threads=0, plan_workers=a.plan_workers).describe(a.steps)
-    if a.json:
-        print(json.dumps(d, indent=2))
-        return
-    print(format_plan(path, d))
+        pipeline = Pipeline(config, 0, 1, num_threads=0, plan_workers=a.plan_workers)
+        d = pipeline.describe(a.steps)
+    print(json.dumps(d, indent=2) if a.json else format_plan(path, d))
+    if a.plot:
+        from forge_grain.pipeline.plot import plot_shares
+
+        png = plot_shares(pipeline, d, a.plot, title=f"{path.name}: share of each source's rows")
+        if not a.json:
+            print(f"\nplot: {png}")
 
 
 def format_plan(path, d: dict) -> str:
@@ -197,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=int, help="a KempnerForge job's world size (default: WORLD_SIZE, or 1)")
     pl.add_argument("--plan-workers", type=int, help="processes planning large stores (default: one per core)")
     pl.add_argument("--json", action="store_true", help="print the description as JSON, for tools")
+    pl.add_argument("--plot", metavar="PNG", help="also draw the share of each source over the steps to this PNG "
+                    "(needs forge-grain[plot])")
     pl.set_defaults(func=_plan)
 
     ref = sub.add_parser("config-reference", help="print the reference of every config key (Markdown; docs/config.md)")

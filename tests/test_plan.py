@@ -59,3 +59,24 @@ def test_a_streaming_source_is_described_from_its_counting_pass(tmp_path):
     p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
     (s,) = p.describe()["sources"]
     assert s["streaming"] and s["rows_per_epoch"] > 0 and s["epochs"] == pytest.approx(2, rel=0.05)
+
+
+def test_the_plot_draws_the_shares_each_step_range_actually_got(tmp_path, stores, capsys):
+    from forge_grain.pipeline.plot import shares_over_steps
+
+    p = Pipeline(config(stores, phases=[{"start_step": 6, "weights": {"web": 0.0, "code": 0.0, "math": 1.0}}]),
+                 0, 1, num_threads=0)
+    bounds, shares = shares_over_steps(p, p.num_steps)
+    assert bounds[0] == 0 and bounds[-1] == p.num_steps and list(shares) == ["web", "code", "math"]
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):  # against the batches' own source ids
+        ids = np.concatenate([p.batch(s)["source_id"] for s in range(a, b)])
+        assert [shares[n][i] for n in shares] == pytest.approx(np.bincount(ids, minlength=3) / len(ids))
+    assert all(shares["math"][i] == 1 for i in range(len(bounds) - 1) if bounds[i] >= 6)
+
+    toml = tmp_path / "data.toml"
+    toml.write_text(f'seq_len = 64\nglobal_batch_size = 8\nmax_steps = 40\n[[sources]]\nname = "web"\npath = "{stores["web"]}"\n'
+                    f'[[sources]]\nname = "code"\npath = "{stores["code"]}"\n'
+                    '[[phases]]\nstart_step = 20\nweights = { code = 1.0 }\n')
+    assert main(["plan", str(toml), "--plot", str(tmp_path / "mix.png")]) == 0
+    assert f"plot: {tmp_path / 'mix.png'}" in capsys.readouterr().out
+    assert (tmp_path / "mix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

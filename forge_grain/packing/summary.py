@@ -61,8 +61,8 @@ def format_summary(store: TokenStore) -> str:
     )
 
 
-def plot_lengths(store: TokenStore, png: str | Path) -> Path:
-    """Write a log-log histogram of document lengths to `png` (needs matplotlib)."""
+def pyplot():
+    """matplotlib's pyplot drawing to files (no display needed), or how to install it."""
     try:
         import matplotlib
 
@@ -70,6 +70,12 @@ def plot_lengths(store: TokenStore, png: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install 'forge-grain[plot]'") from None
+    return plt
+
+
+def plot_lengths(store: TokenStore, png: str | Path) -> Path:
+    """Write a log-log histogram of document lengths to `png` (needs matplotlib)."""
+    plt = pyplot()
     lengths = store.lengths[store.lengths > 0]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.hist(lengths, bins=np.geomspace(1, max(2, lengths.max() + 1), 50))

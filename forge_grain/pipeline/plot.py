@@ -1,0 +1,40 @@
+"""`forge-grain plan CONFIG --plot out.png`: the share of each source's rows over the steps,
+from the mixture's closed form (`Pipeline.consumed`; no batch is made)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from forge_grain.errors import ConfigError
+from forge_grain.packing.summary import pyplot
+
+
+def shares_over_steps(pipeline, end: int, points: int = 200) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Step boundaries b_0 = 0 < ... < b_n = end and, per source, its share of the rows of
+    the steps [b_i, b_(i+1)): what the mixture draws, mixture changes and phases included."""
+    if end is None:
+        raise ConfigError("the run is unlimited (num_epochs = inf and no max_steps): give --steps N to plot")
+    bounds = np.unique(np.linspace(0, end, min(points, end) + 1).round().astype(np.int64))
+    rows = np.array([[c["rows"] for c in pipeline.consumed(int(b)).values()] for b in bounds], np.float64)
+    per_step = np.diff(rows, axis=0)
+    shares = per_step / per_step.sum(axis=1, keepdims=True)
+    return bounds, dict(zip(pipeline.source_names, shares.T))
+
+
+def plot_shares(pipeline, description: dict, png: str | Path, title: str) -> Path:
+    """Draw `shares_over_steps` as stacked areas, with the phases that start marked."""
+    plt = pyplot()
+    bounds, shares = shares_over_steps(pipeline, description["steps"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.stackplot(bounds, *[np.append(s, s[-1]) for s in shares.values()], labels=list(shares), step="post")
+    for p in description["phases"][1:]:
+        if p["reached"]:
+            ax.axvline(p["start_step"], color="black", linestyle="--", linewidth=0.8)
+    ax.set(xlim=(0, bounds[-1]), ylim=(0, 1), xlabel="step", ylabel="share of rows", title=title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
