@@ -61,6 +61,21 @@ def test_a_streaming_source_is_described_from_its_counting_pass(tmp_path):
     assert s["streaming"] and s["rows_per_epoch"] > 0 and s["epochs"] == pytest.approx(2, rel=0.05)
 
 
+@pytest.mark.parametrize("strategy", ["bestfit", "bos_bestfit"])
+def test_a_streaming_source_reports_the_fill_and_crop_its_batches_have(tmp_path, strategy):
+    write_jsonl(tmp_path / "t.jsonl", make_texts(400, seed=3))
+    cfg = DataConfig(sources=[dict(name="s", hf_dataset=str(tmp_path / "t.jsonl"), hf_streaming=True, window=50,
+                                   strategy=strategy)], seq_len=32, global_batch_size=4, canonical_streams=1)
+    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    (s,) = p.describe()["sources"]
+    batches = [p.batch(step)["segment_ids"] for step in range(p.num_steps)]  # the epoch, all but its last rows
+    assert s["fill"] == pytest.approx(float((np.concatenate(batches) > 0).mean()), abs=0.01)
+    if strategy == "bestfit":
+        assert s["cropped_share"] == 0  # long documents are split, never cropped
+    else:
+        assert 0 < s["cropped_share"] < 0.5  # rows start at a BOS: the tails that do not fit are cropped
+
+
 def test_the_plot_draws_the_shares_each_step_range_actually_got(tmp_path, stores, capsys):
     from forge_grain.pipeline.plot import shares_over_steps
 

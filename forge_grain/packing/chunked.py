@@ -31,7 +31,7 @@ import numpy as np
 from forge_grain.stores.manifest import temporary
 from forge_grain.stores.mapping import map_npy
 from forge_grain.packing.plans import (PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan, checksum_array, checksum_start,
-                      plan_offsets)
+                      joined_stats, plan_offsets)
 
 CHUNK_DOCS = 1 << 22  # documents per chunk by default: ~0.5 GB of planning memory per worker
 
@@ -179,19 +179,10 @@ def _parts(chunks: list[PackingPlan], name: str, dtype: np.dtype):
 
 
 def _join_stats(chunks: list[PackingPlan], seq_len: int, strategy: str, seconds: float) -> dict:
-    """The store's stats from its chunks' counts (the same definitions as `packing._stats`)."""
-    add = lambda key: sum(int(c.stats.get(key, 0)) for c in chunks)  # noqa: E731
-    rows, total, real, segments = add("rows"), add("tokens"), add("real_tokens"), add("segments")
-    slots = rows * seq_len
-    return {
-        "strategy": strategy, "seq_len": seq_len, "rows": rows,
-        "fill": real / slots if slots else 0.0, "padding": 1 - real / slots if slots else 0.0,
-        "cropped_share": add("cropped_tokens") / total, "lost_share": add("lost_tokens") / total,
-        "docs_per_row": segments / rows if rows else 0.0, "loss_positions": add("loss_positions"),
-        "tokens": total, "real_tokens": real, "segments": segments, "cropped_tokens": add("cropped_tokens"),
-        "lost_tokens": add("lost_tokens"), "chunks": len(chunks), "planning_seconds": round(seconds, 4),
-        "chunk_rows": [c.num_rows for c in chunks],  # rows of chunk k follow those of chunk k - 1
-    }
+    """The store's stats from its chunks' counts."""
+    return {**joined_stats([c.stats for c in chunks], seq_len, strategy), "chunks": len(chunks),
+            "planning_seconds": round(seconds, 4),
+            "chunk_rows": [c.num_rows for c in chunks]}  # rows of chunk k follow those of chunk k - 1
 
 
 def _bar(total: int, done: int, desc: str, progress: bool):

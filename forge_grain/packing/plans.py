@@ -312,6 +312,23 @@ def _stats(total, seq_len, strategy, row_ptr, length, skip, cropped, lost, max_s
     }
 
 
+def joined_stats(parts: list[dict], seq_len: int, strategy: str) -> dict:
+    """The stats of a plan made in parts (a store's chunks, a stream's windows) from the
+    parts' counts, with `_stats`'s definitions."""
+    add = lambda key: sum(int(p.get(key, 0)) for p in parts)  # noqa: E731
+    rows, total, real, segments = add("rows"), add("tokens"), add("real_tokens"), add("segments")
+    slots = rows * seq_len
+    return {
+        "strategy": strategy, "seq_len": seq_len, "rows": rows,
+        "fill": real / slots if slots else 0.0, "padding": 1 - real / slots if slots else 0.0,
+        "cropped_share": add("cropped_tokens") / total if total else 0.0,
+        "lost_share": add("lost_tokens") / total if total else 0.0,
+        "docs_per_row": segments / rows if rows else 0.0, "loss_positions": add("loss_positions"),
+        "tokens": total, "real_tokens": real, "segments": segments, "cropped_tokens": add("cropped_tokens"),
+        "lost_tokens": add("lost_tokens"),
+    }
+
+
 def min_crop_share(lengths: np.ndarray, seq_len: int) -> float:
     """The share of tokens no BOS-aligned row can hold: those past seq_len + 1 of each document."""
     return float(np.maximum(lengths - (seq_len + 1), 0).sum() / max(lengths.sum(), 1))

@@ -355,7 +355,7 @@ class Pipeline:
         for name, d in zip(self.source_names, self.mixture.datasets):
             rows_per_epoch = getattr(d, "num_rows", None)
             packed = isinstance(d, PackedDataset)
-            stats = d.stats if packed else {}
+            stats = getattr(d, "stats", {})  # a streaming source's: its first epoch's windows
             got = used.get(name, {})
             epochs = got.get("epochs")
             if epochs is None and got.get("rows") is not None and rows_per_epoch:

@@ -53,7 +53,7 @@ from forge_grain.sources.hf import _digest, cache_root, path_name
 from forge_grain.locks import file_lock
 from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
 from forge_grain.packing.packed import empty_rows
-from forge_grain.packing.plans import ROW_KEYS, PackingError, plan_offsets, stream_key
+from forge_grain.packing.plans import ROW_KEYS, PackingError, joined_stats, plan_offsets, stream_key
 from forge_grain.sources.text_streams import texts_reader
 from forge_grain.preparation.texts import document_text
 from forge_grain.preparation.tokenize_pool import TokenizePool
@@ -201,16 +201,21 @@ class StreamingSource:
         return json.loads(self._lengths_files()[1].read_text())["seconds"]
 
     def rows_per_stream(self, count: int, progress: bool = True) -> list[int]:
-        """Rows each of `count` canonical streams yields in one epoch, planned from the cached lengths."""
+        """Rows each of `count` canonical streams yields in one epoch, planned from the cached
+        lengths; the packing's figures of that epoch (fill, crop: `plans.joined_stats`) are
+        kept in `epoch_stats`, a window too short for a row counting as lost tokens."""
         lengths = self.lengths(progress)
-        rows = []
+        rows, parts = [], []
         for c in range(count):
             own = lengths[c::count]
             n = 0
             for w in range(0, len(own), self.src.window):
                 p = self.plan_window(own[w : w + self.src.window], 0, w // self.src.window, c)
                 n += p.num_rows if p is not None else 0
+                lost = int(own[w : w + self.src.window].sum())
+                parts.append(p.stats if p is not None else {"tokens": lost, "lost_tokens": lost})
             rows.append(n)
+        self.epoch_stats = joined_stats(parts, self.seq_len, self.src.strategy)
         return rows
 
 
@@ -394,6 +399,7 @@ class StreamRows:
     def __init__(self, source: StreamingSource, layout: StreamLayout, rows_per_epoch: int, owned: list[int]):
         self.source, self.layout = source, layout
         self.seq_len, self.num_rows = source.seq_len, rows_per_epoch  # rows the mixture may count on per epoch
+        self.stats = source.epoch_stats  # fill and crop of its packing, from the counting pass
         self.plan_key = f"stream-{source.key}"
         self.pad_id = source.eos_id if source.eos_id is not None else 0
         self.own(owned)
