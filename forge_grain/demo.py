@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from forge_grain.pipeline.config import DataConfig, Phase, SourceConfig
-from forge_grain.stores.manifest import write_json_atomic
+from forge_grain.pipeline.config import DataConfig
+from forge_grain.stores.manifest import write_json_atomic, write_text_atomic
 from forge_grain.pipeline.pipeline import Pipeline
 from forge_grain.preparation.runners import prepare
 from forge_grain.stores import TokenStore
@@ -56,6 +56,24 @@ def write_demo_corpus(workdir: Path, max_files: int = 600) -> dict[str, Path]:
     return paths
 
 
+def write_demo_config(workdir: Path, steps: int) -> Path:
+    """The demo's config as TOML (`workdir/data.toml`, store paths relative to it), for
+    `forge-grain plan` and for training scripts; `run_demo` reads it back, so it is exactly
+    the config the demo runs."""
+    switch = steps // 2
+    text = (
+        "# the forge-grain demo's data: two sources, a mixture that switches at half the run\n"
+        "seq_len = 1024\nglobal_batch_size = 16\nseed = 0\nnum_epochs = inf\n"
+        f"max_steps = {steps}\n\n"
+        '[[sources]]\nname = "code"\npath = "stores/code"\nweight = 0.7\nstrategy = "bestfit"\n\n'
+        '[[sources]]\nname = "docs"\npath = "stores/docs"\nweight = 0.3\nstrategy = "bos_bestfit"\n\n'
+        f"[[phases]]\nstart_step = {switch}\nweights = {{ code = 0.2, docs = 0.8 }}\n"
+    )
+    path = workdir / "data.toml"
+    write_text_atomic(path, text)
+    return path
+
+
 def run_demo(workdir: str | Path = "forge-grain-demo", *, max_files: int = 600, num_proc: int = 2, steps: int = 60) -> dict:
     """Prepare, pack, mix, iterate, checkpoint and resume on the demo corpus; print a summary."""
     t0 = time.perf_counter()
@@ -69,17 +87,8 @@ def run_demo(workdir: str | Path = "forge-grain-demo", *, max_files: int = 600, 
         print(format_summary(stores[name]) + "\n")
 
     switch = steps // 2
-    config = DataConfig(
-        sources=[
-            SourceConfig("code", str(stores["code"].path), weight=0.7, strategy="bestfit"),
-            SourceConfig("docs", str(stores["docs"].path), weight=0.3, strategy="bos_bestfit"),
-        ],
-        seq_len=1024,
-        global_batch_size=16,
-        seed=0,
-        num_epochs=None,
-        phases=[Phase(start_step=switch, weights={"code": 0.2, "docs": 0.8})],
-    )
+    config_path = write_demo_config(workdir, steps)
+    config = DataConfig.from_toml(config_path)
     print(f"pipeline: 2 sources, seq_len {config.seq_len}, global batch {config.global_batch_size}, "
           f"mix code 0.7 / docs 0.3, switching to 0.2 / 0.8 at step {switch}; 2 shards")
     hosts = [Pipeline(config, k, 2) for k in range(2)]
@@ -135,6 +144,7 @@ def run_demo(workdir: str | Path = "forge-grain-demo", *, max_files: int = 600, 
         f"rows before the switch: {share(mix_before)}, after: {share(mix_after)}; "
         f"resume on 1 and 4 shards exact: {all(checks.values())}  ({time.perf_counter() - t0:.1f} s in all)"
     )
+    print(f"next: see the run this config describes, before training:\n  forge-grain plan {config_path}\n")
     print("next: train a tiny GPT on this corpus, checkpoint, kill, resume and compare loss curves with\n"
           "  python examples/train_torch.py   (PyTorch: StatefulDataLoader over bridges.torch;\n"
           "                                    first: pip install -e '.[torch]')\n"

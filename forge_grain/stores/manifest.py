@@ -91,10 +91,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     tmp = temporary(path)
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(text)
     fsync_rename(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
