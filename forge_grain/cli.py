@@ -1,4 +1,4 @@
-"""The `forge-grain` command line: prepare, plan, inspect, config-reference, demo."""
+"""The `forge-grain` command line: prepare, plan, inspect, explain, replay, hashes, config-reference, demo."""
 
 from __future__ import annotations
 
@@ -129,6 +129,81 @@ def format_plan(path, d: dict) -> str:
     return "\n".join(lines)
 
 
+# -- the flight recorder: explain, replay, hashes ------------------------------------------------
+
+
+def _steps(text: str) -> range:
+    """'A:B' as steps A..B-1."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"steps must be A:B (first step, and the step after the last), not {text!r}")
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"steps A:B need 0 <= A < B, not {text!r}")
+    return range(a, b)
+
+
+def _recorded_pipeline(a, rank: int = 0, world_size: int = 1):
+    """The pipeline of a config (and of a saved state, for streaming sources and mixture changes)."""
+    from forge_grain.pipeline.config import DataConfig
+    from forge_grain.pipeline.pipeline import Pipeline
+
+    state = json.loads(Path(a.state).read_text()) if a.state else None
+    config = DataConfig.from_toml(a.config, world_size=a.world_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Pipeline(config, rank, world_size, num_threads=0, resume_from=state,
+                        allow_mixture_change=state is not None), state
+
+
+def _explain(a) -> None:
+    p, _ = _recorded_pipeline(a, a.rank or 0, a.world_size or 1)
+    rows = p.explain(a.step, shard=a.rank, decode=a.decode)
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        where = (f"epoch {r['epoch']}, source row {r['source_row']:,}, plan row {r['plan_row']:,}" if r["segments"]
+                 is not None else f"canonical stream {r.get('canonical_stream')}, source row {r['source_row']:,}")
+        print(f"step {r['step']}, row {r['row']} (shard {r['shard']}): {r['source']}, {where}")
+        for s in r["segments"] or []:
+            place = f"{s['file']} #{s['index_in_file']}" if s["file"] else ""
+            print(f"  slots {s['slots'][0]}-{s['slots'][1]}: document {s['document']:,} tokens "
+                  f"{s['tokens'][0]}-{s['tokens'][1]}  {place}")
+            if "text" in s:
+                print(f"    {s['text'][:300]!r}")
+
+
+def _replay(a) -> None:
+    """The batches rank R of W saw at steps A..B-1, from the config (and a state) alone."""
+    import numpy as np
+
+    from forge_grain.stores.manifest import fsync_rename, temporary
+
+    p, state = _recorded_pipeline(a, a.rank, a.world_size or 1)
+    if p.streams:  # read in order, from the state's step (or 0)
+        it = p.iterator(state)
+        if a.steps.start < it.step:
+            raise ForgeGrainError(f"steps {a.steps.start}:{a.steps.stop} start before the state's step {it.step}")
+        batches = [next(it) for _ in range(it.step, a.steps.stop)][a.steps.start - it.step :]
+    else:
+        batches = [p.batch(step) for step in a.steps]
+    arrays = {k: np.stack([b[k] for b in batches]) for k in batches[0] if k != "step"}
+    out = Path(a.out)
+    tmp = temporary(out)
+    with open(tmp, "wb") as f:
+        np.savez(f, step=np.array(list(a.steps), np.int64), **arrays)
+    fsync_rename(tmp, out)
+    print(f"{out}: steps {a.steps.start}..{a.steps.stop - 1} of rank {a.rank} of {a.world_size or 1}, "
+          f"{len(batches)} batches of {p.local_batch_size} rows x {p.config.seq_len}")
+
+
+def _hashes(a) -> None:
+    p, _ = _recorded_pipeline(a)
+    for step in a.steps:
+        print(step, p.batch_hash(step))
+
+
 def _beam_option(option: str) -> str:
     """`KEY=VALUE` (or `--KEY=VALUE`, or a bare flag `KEY`) as Beam's `--KEY=VALUE`."""
     return option if option.startswith("--") else f"--{option}"
@@ -204,6 +279,28 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", metavar="PNG", help="also draw the share of each source over the steps to this PNG "
                     "(needs forge-grain[plot])")
     pl.set_defaults(func=_plan)
+
+    def recorded(name: str, help: str):
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("config", help="a forge-grain TOML config or a KempnerForge job file")
+        sp.add_argument("--state", help="a saved data state (JSON): for streaming sources and mixture changes")
+        sp.add_argument("--world-size", type=int, help="the run's number of shards (default 1)")
+        return sp
+
+    ex = recorded("explain", "which documents each row of a step's batch holds")
+    ex.add_argument("--step", type=int, required=True)
+    ex.add_argument("--rank", type=int, help="only this shard's rows (with --world-size)")
+    ex.add_argument("--decode", action="store_true", help="also the text, with the store's tokenizer")
+    ex.add_argument("--json", action="store_true", help="as JSON, for tools")
+    ex.set_defaults(func=_explain)
+    rp = recorded("replay", "write the exact batches a rank saw at some steps to an .npz file")
+    rp.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
+    rp.add_argument("--rank", type=int, default=0)
+    rp.add_argument("--out", required=True, help="the .npz file: one array per batch key, [steps, rows, seq_len]")
+    rp.set_defaults(func=_replay)
+    ha = recorded("hashes", "a digest of each global batch's content (Pipeline.batch_hash), one line a step")
+    ha.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
+    ha.set_defaults(func=_hashes)
 
     ref = sub.add_parser("config-reference", help="print the reference of every config key (Markdown; docs/config.md)")
     ref.set_defaults(func=_config_reference)

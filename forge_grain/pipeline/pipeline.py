@@ -22,6 +22,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from forge_grain.pipeline import explain as flight
 from forge_grain.pipeline import history
 from forge_grain.pipeline.config import ConfigError, DataConfig
 from forge_grain.errors import StateError
@@ -491,6 +492,17 @@ class Pipeline:
         out = self.mixture.get_batch(self.global_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         return out
+
+    def explain(self, step: int, shard: int | None = None, decode: bool = False) -> list[dict]:
+        """Which documents (and which of their tokens) each row of global batch `step` holds,
+        without making the batch; `shard`: only that shard's rows (see
+        `forge_grain.pipeline.explain`)."""
+        return flight.explain(self, step, shard, decode)
+
+    def batch_hash(self, step: int) -> str:
+        """A digest of global batch `step`'s content, equal on any shard count and to
+        `forge_grain.pipeline.explain.hash_batch` of the batch a bridge yields."""
+        return flight.batch_hash(self, step)
 
     def batch_stats(self, batch: dict) -> dict:
         """For logging: trained tokens per source, fill, documents per row."""

@@ -275,6 +275,11 @@ class TokenStore:
             return 0
         return int(np.searchsorted(self._file_doc_starts, doc, side="right") - 1)
 
+    def place_of(self, doc: int) -> tuple[Path | None, int]:
+        """The data file holding document `doc`, and the document's index within that file."""
+        k = self.shard_of(doc)
+        return (self._files[k] if self._files else None), doc - int(self._file_doc_starts[k])
+
     @property
     def offsets(self) -> np.ndarray:
         """Start of each document (and the end of the last) in the store's tokens taken in order."""

@@ -1,0 +1,62 @@
+"""The flight recorder's cost: `Pipeline.explain(step)` per row, against making the batches.
+
+    python benchmarks/bench_explain.py [--docs 20000] [--seq-len 2048] [--batch 64] [--step 100000]
+
+`explain` answers "which documents were in step N" from the config alone. The alternative a
+loader without it offers is to make the batches up to that step (or, at best, to seek to it
+and make that batch) and to log their ids: both are timed on the same two-source mixture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_pipeline import forge_config, two_sources  # noqa: E402
+from report import publish  # noqa: E402
+
+
+def timed(fn, repeat: int) -> float:
+    fn()  # warm: plans mapped, kernels compiled
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=20000)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--step", type=int, default=100_000, help="the step explained")
+    a = ap.parse_args()
+    from forge_grain import Pipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Pipeline(forge_config(two_sources(tmp, a.docs), a.seq_len, a.batch), 0, 1, num_threads=0)
+        explain = timed(lambda: p.explain(a.step), 20)
+        one_batch = timed(lambda: p.batch(a.step), 20)
+        steps = 200
+        t0 = time.perf_counter()
+        for s in range(steps):
+            p.batch(s)
+        per_step = (time.perf_counter() - t0) / steps
+        segments = sum(len(r["segments"]) for r in p.explain(a.step))
+    walk = per_step * a.step
+    publish("explain", [
+        f"explain: 2 sources x {a.docs:,} documents, batch {a.batch} x {a.seq_len}, step {a.step:,} "
+        f"({segments} segments in its rows)",
+        f"  explain(step)                      {explain * 1e3:8.2f} ms  ({explain / a.batch * 1e6:.1f} us per row)",
+        f"  make that one batch (seek + batch) {one_batch * 1e3:8.2f} ms  (explain takes {explain / one_batch:.1f}x as long)",
+        f"  make the batches up to the step    {walk:8.1f} s   (estimated: {per_step * 1e3:.2f} ms a step x {a.step:,}; "
+        f"explain is {walk / explain:,.0f}x faster)",
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The data flight recorder: which documents a batch holds, and a fingerprint of what it trained.
+
+Every row is a pure function of (config, seed, global row): global row h of step s is
+mixture row h = s·B + i, which the mixture's closed form maps to (source, row of that
+source), the source's epoch permutation to a row of its packing plan, and the plan to
+segments, each a run of one document's tokens at a place in the row. `explain` follows
+that chain for the rows of a step without making the batch (no token is read unless
+`decode=True`); `batch_hash` digests a global batch's content, the same on any shard count
+and from any bridge (`hash_batch` takes the arrays a trainer received).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from forge_grain.errors import ConfigError
+from forge_grain.packing.packed import PackedDataset
+
+HASHED = ("inputs", "targets", "loss_mask")
+
+
+def explain(pipeline, step: int, shard: int | None = None, decode: bool = False) -> list[dict]:
+    """For each row of global batch `step` (or of shard `shard`'s slice of it, under the
+    pipeline's shard count): its place (`row` in the global batch, `shard`), `source`,
+    `epoch` (of that source), `source_row` (its index in the source's stream) and `plan_row`,
+    and `segments`: per run of one document, the `document` (its index in the store), the
+    store `file` holding it and the document's `index_in_file`, the `tokens` [lo, hi) of
+    the document that fill the row's input `slots` [a, b). `decode=True` adds each
+    segment's `text`, decoded with the source's tokenizer."""
+    p = pipeline
+    B, T = p.config.global_batch_size, p.config.seq_len
+    if not 0 <= step < p.step_limit:
+        raise IndexError(f"step {step} is outside [0, {p.step_limit})")
+    rows = p.global_rows(step)
+    if shard is not None:
+        if not 0 <= shard < p.shard_count:
+            raise IndexError(f"shard {shard} is outside [0, {p.shard_count})")
+        b = B // p.shard_count
+        rows = rows[shard * b : (shard + 1) * b]
+    src, rank = p.mixture.locate(rows)
+    out = []
+    for h, s, r in zip(rows.tolist(), src.tolist(), rank.tolist()):
+        i = h - step * B
+        d = p.mixture.datasets[s]
+        row = {"step": step, "row": i, "shard": i // p.local_batch_size, "source": p.source_names[s],
+               "source_row": r}
+        if isinstance(d, PackedDataset):
+            configured = p.config.sources[s].tokenizer if s < len(p.config.sources) else None
+            row.update(_packed_row(d, r, T, _tokenizer(d.store, configured) if decode else None))
+        else:  # a streaming source (or one removed by a mixture change): no plan to follow here
+            row.update(epoch=None, plan_row=None, segments=None)
+            if hasattr(d, "layout"):
+                row["canonical_stream"] = int(d.layout.stream_of(np.array([h]))[0])
+        out.append(row)
+    return out
+
+
+def _packed_row(d: PackedDataset, rank: int, T: int, tok) -> dict:
+    plan_row = int(d.rows_of([rank])[0])
+    plan = d.plan
+    offsets = d.store.offsets
+    segments, slot = [], 0
+    for s in range(int(plan.row_ptr[plan_row]), int(plan.row_ptr[plan_row + 1])):
+        g, n = int(plan.seg_start[s]), int(plan.seg_len[s])
+        doc = int(np.searchsorted(offsets, g, side="right") - 1)
+        lo = g - int(offsets[doc])
+        shown = max(0, min(n, T - slot))  # tokens in input slots; a segment may add one target past the row
+        file, index_in_file = d.store.place_of(doc)
+        seg = {"document": doc, "file": None if file is None else str(file), "index_in_file": index_in_file,
+               "tokens": [lo, lo + shown], "slots": [slot, slot + shown]}
+        if tok is not None:
+            seg["text"] = tok.backend.decode(d.store[doc][lo : lo + shown].tolist(), skip_special_tokens=False)
+        segments.append(seg)
+        slot += n
+    return {"epoch": rank // d.num_rows, "plan_row": plan_row, "segments": segments}
+
+
+def _tokenizer(store, configured: str | None):
+    """The tokenizer a store was made with: the source's `tokenizer`, else the one its
+    manifest records, checked against the hash it records; with neither, refused (text
+    decoded with a guessed tokenizer would be wrong without a word)."""
+    from forge_grain.tokenizer import load_tokenizer
+
+    recorded = getattr(getattr(store, "manifest", None), "tokenizer", None) or {}
+    path, sha = configured or recorded.get("path"), recorded.get("sha256")
+    if not path:
+        raise ConfigError(f"{store.path}: the store records no tokenizer; decoding needs the one that made it "
+                          "(give the source a 'tokenizer', or explain without decode)")
+    tok = load_tokenizer(path)
+    if sha and tok.sha256 != sha:
+        raise ConfigError(f"{store.path}: the tokenizer at {path} is not the one the store was made with "
+                          f"(sha256 {tok.sha256[:12]} != {sha[:12]})")
+    return tok
+
+
+def hash_batch(batch: dict) -> str:
+    """A digest of a global batch's content (`inputs`, `targets`, `loss_mask`, row by row):
+    numpy, torch or JAX arrays alike, whatever their integer width."""
+    h = hashlib.sha256()
+    for key in HASHED:
+        a = np.asarray(batch[key])
+        a = a.astype(np.uint8) if key == "loss_mask" else a.astype("<i8")
+        h.update(key.encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:32]
+
+
+def batch_hash(pipeline, step: int) -> str:
+    """`hash_batch` of global batch `step`, made from the config alone (stored sources)."""
+    return hash_batch(pipeline.global_batch(step))

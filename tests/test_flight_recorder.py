@@ -1,0 +1,218 @@
+"""The flight recorder: `explain` names the documents of every row, `batch_hash` fingerprints a
+global batch, `forge-grain explain / replay / hashes` give the same from the command line.
+
+The stores here give every token position its own id (BOS apart), so an independent decoder
+(a map from id to document and offset, built from the documents alone) checks every slot
+`explain` accounts for."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from forge_grain import DataConfig, Pipeline, write_store
+from forge_grain.cli import main
+from forge_grain.pipeline.explain import hash_batch
+
+BOS, EOS, VOCAB = 0, 1, 200_000
+KEYS = ("inputs", "targets", "segment_ids", "loss_mask")
+
+
+def unique_docs(n: int, first_id: int, seed: int) -> list[np.ndarray]:
+    """`n` documents: a BOS, then ids no other position of any store has."""
+    rng = np.random.default_rng(seed)
+    docs, next_id = [], first_id
+    for length in rng.integers(3, 150, n):
+        docs.append(np.concatenate([[BOS], np.arange(next_id, next_id + length)]))
+        next_id += length
+    return docs
+
+
+@pytest.fixture(scope="module")
+def unique_stores(tmp_path_factory):
+    base = tmp_path_factory.mktemp("unique")
+    out, first = {}, 2
+    for k, name in enumerate(("web", "code", "math")):
+        docs = unique_docs((300, 200, 80)[k], first, k)
+        first = int(docs[-1][-1]) + 1
+        out[name] = write_store(base / name, docs, vocab_size=VOCAB, bos_id=BOS, eos_id=EOS)
+    return out
+
+
+def decoder(stores: dict) -> dict[int, tuple[str, int, int]]:
+    """id -> (store path, document, offset), from the documents alone."""
+    from forge_grain import TokenStore
+
+    where = {}
+    for path in stores.values():
+        store = TokenStore.open(path)
+        for doc in range(len(store)):
+            for offset, token in enumerate(store[doc].tolist()):
+                if token != BOS:
+                    where[token] = (str(path), doc, offset)
+    return where
+
+
+def config(stores: dict, **kw) -> DataConfig:
+    sources = [dict(name=n, path=str(p), weight=w, strategy=s)
+               for (n, p), w, s in zip(stores.items(), (0.5, 0.3, 0.2), ("bos_bestfit", "bestfit", "concat"))]
+    return DataConfig.from_dict(dict(sources=sources, seq_len=64, global_batch_size=8, seed=11, **kw))
+
+
+def check_rows(explained: list[dict], batch: dict, stores: dict, where: dict) -> None:
+    """Every segment `explain` names is the row's tokens at its slots; every token slot is named."""
+    for row, e in zip(range(len(explained)), explained):
+        covered = np.zeros(batch["inputs"].shape[1], bool)
+        path = str(stores[e["source"]])
+        for ordinal, seg in enumerate(e["segments"], start=1):
+            (lo, hi), (a, b) = seg["tokens"], seg["slots"]
+            got = batch["inputs"][row, a:b]
+            for slot, token in zip(range(a, b), got.tolist()):
+                if token != BOS:  # the independent decoder: this id is at this place and nowhere else
+                    assert where[token] == (path, seg["document"], lo + slot - a), (e, seg, slot)
+            assert np.all(batch["segment_ids"][row, a:b] == ordinal)
+            covered[a:b] = True
+        assert np.array_equal(covered, batch["segment_ids"][row] > 0), e
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_explain_names_every_token_of_every_row_on_any_shard_count(unique_stores, shards):
+    cfg = config(unique_stores, phases=[{"start_step": 7, "weights": {"math": 0.9, "web": 0.1}}])
+    where = decoder(unique_stores)
+    pipelines = [Pipeline(cfg, k, shards, num_threads=0) for k in range(shards)]
+    for step in (0, 3, 7, 19, 40):  # 40: past the smaller sources' first epoch
+        whole = pipelines[0].explain(step)
+        assert [e["row"] for e in whole] == list(range(8))
+        for k, p in enumerate(pipelines):
+            part = p.explain(step, shard=k)
+            assert part == [e for e in whole if e["shard"] == k]
+            check_rows(part, p.batch(step), unique_stores, where)
+    assert {e["source"] for step in range(20) for e in pipelines[0].explain(step)} == {"web", "code", "math"}
+    assert any(e["epoch"] > 0 for e in pipelines[0].explain(60) if e["source"] == "math")
+
+
+def test_explain_follows_a_mixture_change_at_resume(unique_stores):
+    where = decoder(unique_stores)
+    before = Pipeline(config(unique_stores), 0, 1, num_threads=0)
+    changed = config(unique_stores)
+    changed.sources[2].weight = 2.0
+    after = Pipeline(changed, 0, 1, num_threads=0, resume_from=before.state_at(5), allow_mixture_change=True)
+    for step in (5, 9, 30):
+        check_rows(after.explain(step), after.batch(step), unique_stores, where)
+
+
+def test_explain_names_the_file_and_index_of_a_foreign_format(tmp_path):
+    """Raw .bin files (nanoGPT/OLMo style): the document's file, and its index in that file."""
+    docs = unique_docs(120, 2, 5)
+    for k, part in enumerate((docs[:50], docs[50:])):
+        np.concatenate([np.append(d, EOS) for d in part]).astype(np.uint32).tofile(tmp_path / f"part-{k}.bin")
+    src = dict(name="raw", path=str(tmp_path), dtype="uint32", eos_id=EOS, bos_id=BOS, strategy="bos_bestfit")
+    p = Pipeline(DataConfig.from_dict(dict(sources=[src], seq_len=48, global_batch_size=4, seed=2)), 0, 1,
+                 num_threads=0)
+    seen = set()
+    for step in range(10):
+        batch = p.batch(step)
+        for row, e in enumerate(p.explain(step)):
+            for seg in e["segments"]:
+                (lo, hi), (a, b) = seg["tokens"], seg["slots"]
+                file_docs = np.fromfile(seg["file"], np.uint32)
+                ends = np.flatnonzero(file_docs == EOS)
+                starts = np.concatenate([[0], ends[:-1] + 1])
+                own = file_docs[starts[seg["index_in_file"]] : ends[seg["index_in_file"]] + 1]
+                assert np.array_equal(own[lo:hi], batch["inputs"][row, a:b])
+                seen.add(seg["file"])
+    assert seen == {str(tmp_path / "part-0.bin"), str(tmp_path / "part-1.bin")}
+
+
+def test_decode_gives_the_text_with_the_stores_own_tokenizer(tmp_path):
+    from conftest import make_texts, write_jsonl
+
+    from forge_grain import prepare
+    from forge_grain.tokenizer import load_tokenizer
+
+    store = prepare(write_jsonl(tmp_path / "t.jsonl", make_texts(200, seed=1)), tmp_path / "s", progress=False)
+    p = Pipeline(DataConfig.from_dict(dict(sources=[dict(name="t", path=str(store))], seq_len=64,
+                                           global_batch_size=4)), 0, 1, num_threads=0)
+    tok = load_tokenizer()
+    batch = p.batch(2)
+    for row, e in enumerate(p.explain(2, decode=True)):
+        for seg in e["segments"]:
+            a, b = seg["slots"]
+            assert seg["text"] == tok.backend.decode(batch["inputs"][row, a:b].tolist(), skip_special_tokens=False)
+    unknown = tmp_path / "raw.bin"
+    np.concatenate(unique_docs(30, 2, 1)).astype(np.uint32).tofile(unknown)
+    raw = Pipeline(DataConfig.from_dict(dict(sources=[dict(name="r", path=str(unknown), dtype="uint32")], seq_len=16,
+                                             global_batch_size=2, num_epochs=1)), 0, 1, num_threads=0)
+    with pytest.raises(Exception, match="records no tokenizer"):
+        raw.explain(0, decode=True)
+
+
+def test_batch_hash_is_the_same_on_any_shard_count_and_from_the_torch_bridge(unique_stores):
+    cfg = config(unique_stores)
+    one = Pipeline(cfg, 0, 1, num_threads=0)
+    hashes = [one.batch_hash(step) for step in range(6)]
+    assert len(set(hashes)) == 6
+    for shards in (2, 4):
+        parts = [Pipeline(cfg, k, shards, num_threads=0) for k in range(shards)]
+        for step in range(6):
+            joined = {k: np.concatenate([p.batch(step)[k] for p in parts]) for k in KEYS}
+            assert hash_batch(joined) == hashes[step]
+            assert parts[1].batch_hash(step) == hashes[step]  # any shard computes the global one
+    torch = pytest.importorskip("torch")
+    from bridges.torch import GrainIterableDataset
+
+    for batch, expected in zip(GrainIterableDataset(cfg, rank=0, world_size=1), hashes):
+        assert isinstance(batch["inputs"], torch.Tensor) and hash_batch(batch) == expected
+    jax = pytest.importorskip("jax")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from bridges.jax import JaxIterator
+
+    it = JaxIterator(Pipeline(cfg, 0, 1, num_threads=0), NamedSharding(Mesh(jax.devices(), ("data",)),
+                                                                        PartitionSpec("data")))
+    for expected in hashes:
+        batch = next(it)
+        assert isinstance(batch["inputs"], jax.Array) and hash_batch(batch) == expected
+    it.close()
+
+
+def test_the_command_line_explains_replays_and_hashes(tmp_path, unique_stores, capsys):
+    toml = tmp_path / "data.toml"
+    toml.write_text("seq_len = 64\nglobal_batch_size = 8\nseed = 11\n"
+                    + "".join(f'[[sources]]\nname = "{n}"\npath = "{p}"\n' for n, p in unique_stores.items()))
+    cfg = DataConfig.from_toml(toml)
+    assert main(["explain", str(toml), "--step", "4", "--rank", "1", "--world-size", "2", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == Pipeline(cfg, 1, 2, num_threads=0).explain(4, shard=1)
+    assert main(["explain", str(toml), "--step", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "step 4, row 0" in text and "document" in text
+
+    out = tmp_path / "batches.npz"
+    assert main(["replay", str(toml), "--steps", "3:7", "--rank", "1", "--world-size", "2", "--out", str(out)]) == 0
+    replayed = np.load(out)
+    rank1 = Pipeline(cfg, 1, 2, num_threads=0)
+    assert replayed["step"].tolist() == [3, 4, 5, 6]
+    for i, step in enumerate(range(3, 7)):
+        batch = rank1.batch(step)
+        assert all(np.array_equal(replayed[k][i], batch[k]) for k in KEYS)
+
+    capsys.readouterr()
+    assert main(["hashes", str(toml), "--steps", "0:3"]) == 0
+    lines = capsys.readouterr().out.split()
+    whole = Pipeline(cfg, 0, 1, num_threads=0)
+    assert lines == [x for step in range(3) for x in (str(step), whole.batch_hash(step))]
+
+
+def test_a_streaming_source_is_named_with_its_canonical_stream(tmp_path):
+    from conftest import make_texts, write_jsonl
+
+    write_jsonl(tmp_path / "t.jsonl", make_texts(200, seed=4))
+    cfg = DataConfig(sources=[dict(name="s", hf_dataset=str(tmp_path / "t.jsonl"), hf_streaming=True, window=40)],
+                     seq_len=32, global_batch_size=4, canonical_streams=2)
+    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    rows = p.explain(0)
+    assert [r["source"] for r in rows] == ["s"] * 4 and {r["canonical_stream"] for r in rows} == {0, 1}
+    assert all(r["segments"] is None for r in rows)
