@@ -115,9 +115,9 @@ def test_a_store_read_from_object_storage_exits_quietly(tmp_path, stores):
     server = S3Server()
     try:
         fs = server.fs()
-        fs.mkdir("bucket")
-        fs.put(stores["web"], "bucket/web", recursive=True)
-        src = dict(name="web", path="s3://bucket/web", storage_options=server.options(),
+        fs.mkdir("silence")  # moto's buckets are per process: a name no other test module uses
+        fs.put(stores["web"], "silence/web", recursive=True)
+        src = dict(name="web", path="s3://silence/web", storage_options=server.options(),
                    object_cache=str(tmp_path / "objects"))
         silent(run_script(tmp_path, f"""
             from forge_grain import DataConfig, Pipeline
