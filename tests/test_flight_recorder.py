@@ -58,7 +58,7 @@ def decoder(stores: dict) -> dict[int, tuple[str, int, int]]:
 def config(stores: dict, **kw) -> DataConfig:
     sources = [dict(name=n, path=str(p), weight=w, strategy=s)
                for (n, p), w, s in zip(stores.items(), (0.5, 0.3, 0.2), ("bos_bestfit", "bestfit", "concat"))]
-    return DataConfig.from_dict(dict(sources=sources, seq_len=64, global_batch_size=8, seed=11, **kw))
+    return DataConfig.from_dict({**dict(sources=sources, seq_len=64, global_batch_size=8, seed=11), **kw})
 
 
 def check_rows(explained: list[dict], batch: dict, stores: dict, where: dict) -> None:
@@ -216,3 +216,54 @@ def test_a_streaming_source_is_named_with_its_canonical_stream(tmp_path):
     rows = p.explain(0)
     assert [r["source"] for r in rows] == ["s"] * 4 and {r["canonical_stream"] for r in rows} == {0, 1}
     assert all(r["segments"] is None for r in rows)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_skipping_steps_at_resume_trains_the_rest_of_the_uninterrupted_stream(unique_stores, shards):
+    cfg = config(unique_stores, phases=[{"start_step": 9, "weights": {"math": 0.8, "web": 0.2}}])
+    a = Pipeline(cfg, 0, 1, num_threads=0)
+    reference = [a.global_batch(step) for step in range(30)]
+    parts = [Pipeline(cfg, k, shards, num_threads=0, resume_from=a.state_at(5), skip_steps=3) for k in range(shards)]
+    iters = [p.iterator(a.state_at(5)) for p in parts]
+    for step in range(5, 14):  # step s trains what the uninterrupted run trained at s + 3
+        batches = [next(it) for it in iters]
+        for k in KEYS:
+            assert np.array_equal(np.concatenate([b[k] for b in batches]), reference[step + 3][k]), (step, k)
+    b = parts[0]
+    assert b.num_steps == a.num_steps - 3 and b.phase_at(6)["start_step"] == 9  # phases stay in the stream
+    trained = sum(np.bincount(reference[s]["source_id"], minlength=3) for s in [*range(5), *range(8, 17)])
+    assert [b.consumed(14)[n]["rows"] for n in ("web", "code", "math")] == trained.tolist()
+    assert b.batch_hash(10) == a.batch_hash(13)
+    check_rows(b.explain(10), reference[13], unique_stores, decoder(unique_stores))
+    # a later plain resume, on another shard count, keeps the skip
+    later = Pipeline(cfg, 0, 1, num_threads=0, resume_from=b.state_at(14))
+    assert later.skips == [{"at_step": 5, "steps": 3}]
+    assert np.array_equal(later.iterator(b.state_at(14)).__next__()["inputs"], reference[17]["inputs"])
+
+
+def test_a_skip_then_a_mixture_change_repeat_and_lose_no_row(unique_stores):
+    """Every source row up to the last one trained is either trained once or was in a skipped
+    batch: nothing repeated, nothing lost, across a skip, a mixture change and a plain resume."""
+    cfg = config(unique_stores)
+    a = Pipeline(cfg, 0, 1, num_threads=0)
+    b = Pipeline(cfg, 0, 2, num_threads=0, resume_from=a.state_at(4), skip_steps=2)
+    changed = config(unique_stores)
+    changed.sources[0].weight, changed.sources[2].weight = 0.1, 0.6
+    c = Pipeline(changed, 0, 1, num_threads=0, resume_from=b.state_at(9), allow_mixture_change=True)
+    d = Pipeline(changed, 0, 4, num_threads=0, resume_from=c.state_at(15))
+    seen = [(e["source"], e["source_row"]) for p, steps in ((a, range(4)), (b, range(4, 9)), (c, range(9, 15)),
+                                                            (d, range(15, 25))) for s in steps for e in p.explain(s)]
+    skipped = [(e["source"], e["source_row"]) for s in (4, 5) for e in a.explain(s)]
+    assert len(seen) == len(set(seen)) and not set(seen) & set(skipped)
+    for name in ("web", "code", "math"):
+        rows = sorted(r for n, r in seen + skipped if n == name)
+        assert rows == list(range(len(rows))), name
+
+
+def test_skip_steps_needs_a_state_of_this_config(unique_stores):
+    cfg = config(unique_stores)
+    with pytest.raises(Exception, match="skip_steps needs resume_from"):
+        Pipeline(cfg, 0, 1, num_threads=0, skip_steps=2)
+    other = config(unique_stores, seed=99)
+    with pytest.raises(Exception, match="another config"):
+        Pipeline(cfg, 0, 1, num_threads=0, resume_from=Pipeline(other, 0, 1, num_threads=0).state_at(3), skip_steps=2)

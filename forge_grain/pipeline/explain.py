@@ -41,8 +41,8 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
         rows = rows[shard * b : (shard + 1) * b]
     src, rank = p.mixture.locate(rows)
     out = []
-    for h, s, r in zip(rows.tolist(), src.tolist(), rank.tolist()):
-        i = h - step * B
+    first = 0 if shard is None else shard * (B // p.shard_count)
+    for i, (h, s, r) in enumerate(zip(rows.tolist(), src.tolist(), rank.tolist()), start=first):
         d = p.mixture.datasets[s]
         row = {"step": step, "row": i, "shard": i // p.local_batch_size, "source": p.source_names[s],
                "source_row": r}

@@ -101,6 +101,22 @@ def check(history) -> list[dict]:
     return history
 
 
+def check_skips(skips) -> list[dict]:
+    """`skips` if it has the structure a pipeline writes ([{at_step, steps}], at_step not
+    decreasing, integers >= 0), else a HistoryError naming what is wrong."""
+    last = 0
+    if not isinstance(skips, list):
+        raise HistoryError(f"the state's skips are malformed: a list, not {skips!r:.80}")
+    for i, s in enumerate(skips):
+        ok = isinstance(s, dict) and set(s) == {"at_step", "steps"} and all(
+            isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0 for k in s)
+        if not ok or s["at_step"] < last:
+            raise HistoryError(f"the state's skips are malformed: skip {i} is {s!r:.80}, not "
+                               f"{{at_step, steps}} at or after step {last}")
+        last = s["at_step"]
+    return skips
+
+
 def _union(names: list[str], history: list[dict]) -> list[str]:
     """The config's source names, then those only the history has, each once."""
     return list(dict.fromkeys([*names, *(n for seg in history for n in seg["sources"])]))

@@ -85,6 +85,11 @@ class Pipeline:
     core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     `progress`: progress bars of first-use work (planning, tokenizing, counting); by default
     shown by shard 0 only, so that ranks do not print interleaved bars.
+
+    `skip_steps=N` with `resume_from=state` continues the run without the next N global
+    batches of the uninterrupted stream (rewind past a loss spike): step s >= the state's
+    step trains what the uninterrupted run trained at s + N. The skip is recorded in the
+    states (`skips`), so later resumes, any shard count, `consumed` and `explain` follow it.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class Pipeline:
         dtype=np.int32,
         resume_from: dict | None = None,
         allow_mixture_change: bool = False,
+        skip_steps: int = 0,
         progress: bool | None = None,
     ):
         if shard_index is None or shard_count is None:
@@ -151,10 +157,13 @@ class Pipeline:
                 f"global_batch_size {B} is larger than the {self.rows_per_epoch} rows of num_epochs={config.num_epochs}"
             )
         self.history: list[dict] = []  # mixture changes at resume (see `forge_grain.pipeline.history`)
+        self.skips: list[dict] = []  # [{at_step, steps}]: global batches skipped at resume, in trainer steps
         self._resumed_from: tuple[str, int] | None = None  # (fingerprint, step) of a state resumed with a change
-        self._resume_args = (resume_from, allow_mixture_change)  # for copies rebuilt in worker processes
+        self._resume_args = (resume_from, allow_mixture_change, skip_steps)  # for copies rebuilt in worker processes
         if resume_from is not None:
             self._adopt_history(resume_from, allow_mixture_change)
+        if skip_steps:
+            self._skip(resume_from, skip_steps)
         self.source_names, phases = history.mixing_schedule(self.history, [s.name for s in config.sources], schedule)
         removed = [_RemovedSource(n, config.seq_len) for n in self.source_names[len(config.sources):]]
         self.mixture = Mixture(
@@ -166,6 +175,14 @@ class Pipeline:
         )
         self.fingerprint, self._summary = self._fingerprint()
         self._warn_unreachable_phases()
+        if self.skips:  # phases and mixture changes stay where the uninterrupted stream has them;
+            # the trainer's steps are that stream's less the skipped ones
+            skipped = sum(s["steps"] for s in self.skips)
+            if self.num_steps is not None and self.num_steps - skipped <= self.skips[-1]["at_step"]:
+                raise ConfigError(f"skipping {skipped} steps leaves no step after the skip: the run has "
+                                  f"{self.num_steps} steps")
+            self.num_steps = None if self.num_steps is None else self.num_steps - skipped
+            self.step_limit -= skipped
 
     def _open_sources(self, plan_workers: int | None) -> list:
         """Each source's packed rows; stored sources whose files match their record are
@@ -293,32 +310,72 @@ class Pipeline:
         return [o.store for o in self._sources]
 
     def _adopt_history(self, state: dict, allow_change: bool) -> None:
-        """The mixture history of `state`, extended by a change to this config if allowed."""
+        """The mixture history and skips of `state`, extended by a change to this config if allowed."""
         if not isinstance(state, dict) or "fingerprint" not in state:
             raise StateError(f"resume_from: not a forge-grain pipeline state: {str(state)[:200]}")
         saved = state.get("config")
         try:
             self.history = list(history.check(saved.get("history", []) if isinstance(saved, dict) else []))
+            self.skips = list(history.check_skips(saved.get("skips", []) if isinstance(saved, dict) else []))
         except history.HistoryError as e:
             raise StateError(str(e)) from None
         if state["fingerprint"] == self._fingerprint()[0]:
             return  # the same mixture: an ordinary resume
-        self.history = []
+        skips, self.history, self.skips = self.skips, [], []
         if not allow_change:
             return  # strict: check_state names what differs
-        try:
-            self.history = history.extend(state, self._fingerprint(with_history=False)[1])
+        self.skips = skips
+        try:  # the change's step, in the uninterrupted stream's steps (as phases are)
+            at = {**state, "step": self._stream_step_of(state["step"])} if self.skips else state
+            self.history = history.extend(at, self._fingerprint(with_history=False)[1])
         except history.HistoryError as e:
             raise StateError(str(e)) from None
         self._resumed_from = (state["fingerprint"], int(state["step"]))
+
+    def _skip(self, state: dict | None, steps: int) -> None:
+        """Record skipping the next `steps` global batches after the step of `state`."""
+        if state is None:
+            raise ConfigError("skip_steps needs resume_from: the state of the step to skip from")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"skip_steps must be a non-negative integer, not {steps!r}")
+        if self.layout is not None:
+            raise ConfigError("skip_steps: streaming sources are read in order and cannot skip steps yet")
+        if self._resumed_from is None and state["fingerprint"] != self._fingerprint()[0]:
+            raise StateError("skip_steps: the state was saved by a pipeline with another config or other data "
+                             "(to change the mixture as well, pass allow_mixture_change=True)")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateError(f"the state's step {step!r} is not a step")
+        if self.skips and step < self.skips[-1]["at_step"]:
+            raise StateError(f"the state's step {step} is before its own last skip (at {self.skips[-1]['at_step']})")
+        self._resumed_from = self._resumed_from or (state["fingerprint"], step)
+        self.skips.append({"at_step": step, "steps": steps})
+
+    def _stream_step_of(self, step: int) -> int:
+        """The step of the uninterrupted stream that step `step` reads (later by the steps skipped)."""
+        return step + sum(s["steps"] for s in self.skips if s["at_step"] <= step)
+
+    def _trained_spans(self, step: int) -> list[tuple[int, int]]:
+        """The ranges of the uninterrupted stream's steps that steps [0, step) trained."""
+        spans, start, offset = [], 0, 0
+        for s in self.skips:
+            if s["at_step"] > step:
+                break
+            spans.append((start, s["at_step"] + offset))
+            offset += s["steps"]
+            start = s["at_step"] + offset
+        return spans + [(start, step + offset)]
 
     # -- phases -----------------------------------------------------------------------------
 
     def phase_at(self, step: int) -> dict:
         """The mixture in force at `step`: its `start_step`, `weights` by source name (after the
         temperature, summing to 1) and `lr_scale`, for a scheduler to apply exactly at the step."""
+        return self._phase(self._stream_step_of(step))  # phases are steps of the stream as if nothing was skipped
+
+    def _phase(self, stream_step: int) -> dict:
         schedule = self.config.schedule()  # entry 0 is the base mix; entry k > 0 is phase k - 1
-        k = max(i for i, (start, _) in enumerate(schedule) if start <= step)
+        k = max(i for i, (start, _) in enumerate(schedule) if start <= stream_step)
         start, weights = schedule[k]
         return {"start_step": start, "weights": dict(zip([s.name for s in self.config.sources], weights)),
                 "lr_scale": self.config.all_phases()[k - 1].lr_scale if k else 1.0}
@@ -330,12 +387,14 @@ class Pipeline:
         sources of a mixture change are included."""
         if not 0 <= step <= self.step_limit:
             raise IndexError(f"step {step} is outside [0, {self.step_limit}]")
-        counts = self.mixture.counts(int(step) * self.config.global_batch_size)
+        B = self.config.global_batch_size
+        spans = [(self.mixture.counts(a * B), self.mixture.counts(b * B)) for a, b in self._trained_spans(int(step))]
         out = {}
-        for name, d, rows in zip(self.source_names, self.mixture.datasets, counts.tolist()):
+        for k, (name, d) in enumerate(zip(self.source_names, self.mixture.datasets)):
+            rows = sum(int(hi[k] - lo[k]) for lo, hi in spans)
             packed = isinstance(d, PackedDataset)
-            out[name] = {"rows": rows, "trained_tokens": d.trained_tokens(rows) if packed else None,
-                         "epochs": rows / d.num_rows if packed else None}
+            trained = sum(d.trained_tokens(int(hi[k])) - d.trained_tokens(int(lo[k])) for lo, hi in spans) if packed else None
+            out[name] = {"rows": rows, "trained_tokens": trained, "epochs": rows / d.num_rows if packed else None}
         return out
 
     def describe(self, steps: int | None = None) -> dict:
@@ -349,7 +408,8 @@ class Pipeline:
         used = self.consumed(end) if end is not None else {}
         names = [s.name for s in c.sources]
         phases = [{"start_step": start, "weights": dict(zip(names, weights)),
-                   "lr_scale": self.phase_at(start)["lr_scale"], "reached": end is None or start < end}
+                   "lr_scale": self._phase(start)["lr_scale"],
+                   "reached": end is None or start < self._stream_step_of(end)}
                   for start, weights in c.schedule()]
         sources, warn = [], [f"a phase starting at step {p['start_step']} never takes effect: the run has {end} steps"
                              for p in phases if not p["reached"]]
@@ -428,17 +488,22 @@ class Pipeline:
         }
         if with_history:
             summary["history"] = self.history
+            if self.skips:  # (absent without: the fingerprints of runs that never skipped are unchanged)
+                summary["skips"] = self.skips
         return history.digest(summary), summary
 
     # -- batches ----------------------------------------------------------------------------
 
     def global_rows(self, step: int) -> np.ndarray:
+        """The mixture rows of global batch `step`."""
         B = self.config.global_batch_size
-        return np.arange(step * B, (step + 1) * B, dtype=np.int64)
+        lo = self._stream_step_of(step) * B
+        return np.arange(lo, lo + B, dtype=np.int64)
 
     def shard_rows(self, step: int) -> np.ndarray:
+        """The mixture rows of this shard's part of global batch `step`."""
         b = self.local_batch_size
-        lo = step * self.config.global_batch_size + self.shard_index * b
+        lo = self._stream_step_of(step) * self.config.global_batch_size + self.shard_index * b
         return np.arange(lo, lo + b, dtype=np.int64)
 
     def batch(self, step: int) -> dict:
@@ -626,10 +691,10 @@ class Pipeline:
 
 
 def _rebuild(config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
-             allow_mixture_change=False):
+             allow_mixture_change=False, skip_steps=0):
     return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
                     tokenize_threads=tokenize_threads, resume_from=resume_from,
-                    allow_mixture_change=allow_mixture_change, progress=False)
+                    allow_mixture_change=allow_mixture_change, skip_steps=skip_steps, progress=False)
 
 
 def merge_states(states: list[dict]) -> dict:
