@@ -30,25 +30,25 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
     the document that fill the row's input `slots` [a, b). `decode=True` adds each
     segment's `text`, decoded with the source's tokenizer."""
     p = pipeline
-    B, T = p.config.global_batch_size, p.config.seq_len
+    T = p.config.seq_len
     if not 0 <= step < p.step_limit:
         raise IndexError(f"step {step} is outside [0, {p.step_limit})")
-    rows = p.global_rows(step)
+    rows, first = p.global_rows(step), 0
     if shard is not None:
         if not 0 <= shard < p.shard_count:
             raise IndexError(f"shard {shard} is outside [0, {p.shard_count})")
-        b = B // p.shard_count
-        rows = rows[shard * b : (shard + 1) * b]
+        first = shard * p.local_batch_size
+        rows = rows[first : first + p.local_batch_size]
     src, rank = p.mixture.locate(rows)
-    out = []
-    first = 0 if shard is None else shard * (B // p.shard_count)
+    out, tokenizers = [], {}
     for i, (h, s, r) in enumerate(zip(rows.tolist(), src.tolist(), rank.tolist()), start=first):
         d = p.mixture.datasets[s]
         row = {"step": step, "row": i, "shard": i // p.local_batch_size, "source": p.source_names[s],
                "source_row": r}
         if isinstance(d, PackedDataset):
-            configured = p.config.sources[s].tokenizer if s < len(p.config.sources) else None
-            row.update(_packed_row(d, r, T, _tokenizer(d.store, configured) if decode else None))
+            if decode and s not in tokenizers:
+                tokenizers[s] = _tokenizer(d.store, p.config.sources[s].tokenizer if s < len(p.config.sources) else None)
+            row.update(_packed_row(d, r, T, tokenizers.get(s)))
         else:  # a streaming source (or one removed by a mixture change): no plan to follow here
             row.update(epoch=None, plan_row=None, segments=None)
             if hasattr(d, "layout"):
