@@ -126,10 +126,15 @@ def test_a_corrupt_object_fails_its_checksum_naming_it(tmp_path, s3, local_store
 
 
 def test_a_missing_object_or_store_is_named(tmp_path, s3, local_stores):
-    with pytest.raises(StoreError, match=r"s3://bucket/nothing/manifest\.json"):
+    with pytest.raises(StoreError, match=r"s3://bucket/nothing: nothing at this URL"):
         TokenStore.open("s3://bucket/nothing", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
     fs = s3.fs()
     fs.put(str(local_stores["bin"]), "bucket/partial", recursive=True)
+    fs.put(str(local_stores["bin"]), "bucket/unfinished", recursive=True)
+    fs.rm("bucket/unfinished/manifest.json")  # an upload that stopped before its manifest
+    with pytest.raises(StoreError, match=r"s3://bucket/unfinished: holds a forge-grain store's shards but no "
+                                         r"manifest\.json .*did not finish"):
+        TokenStore.open("s3://bucket/unfinished", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
     fs.rm("bucket/partial/shard-00007.bin")
     store = TokenStore.open("s3://bucket/partial", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
     with pytest.raises(StoreError, match=r"s3://bucket/partial/shard-00007\.bin: FileNotFoundError"):
@@ -327,3 +332,31 @@ def test_a_copy_evicted_between_its_fetch_and_its_opening_is_fetched_again(tmp_p
         store._records._fetch = fetch_then_evict
     doc = int(store._file_doc_starts[6]) + 3
     assert np.array_equal(store[doc], local[doc]) and evicted
+
+
+def test_a_peer_format_in_object_storage_is_named_not_blamed_on_a_missing_manifest(tmp_path, s3):
+    """Only forge-grain stores are read from object storage: an MDS, LitData, Megatron, Arrow or
+    raw dataset there is named, with what to do, instead of 'manifest.json: no such object'."""
+    from mds_writer import write_mds
+    from test_formats import LITDATA, write_arrow, write_megatron
+
+    docs = [np.arange(1, n + 1, dtype=np.int32) for n in (5, 9, 30)]
+    (tmp_path / "megatron").mkdir()
+    local = {
+        "mds": write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs]),
+        "litdata": LITDATA / "dataset",
+        "megatron": write_megatron(tmp_path / "megatron" / "c4_text_document", docs).parent,
+        "arrow": write_arrow(tmp_path / "arrow", docs, text=["x"] * len(docs)),
+    }
+    np.save(tmp_path / "raw.npy", np.concatenate(docs).astype(np.uint16))
+    expected = {"mds": "a MosaicML MDS dataset", "litdata": "a LitData dataset",
+                "megatron": "a Megatron indexed dataset", "arrow": "a Hugging Face save_to_disk dataset"}
+    fs = s3.fs()
+    for name, path in local.items():
+        fs.put(str(path), f"bucket/peers/{name}", recursive=True)
+    fs.put(str(tmp_path / "raw.npy"), "bucket/peers/raw/raw.npy")
+    for name, what in {**expected, "raw": "raw token files"}.items():
+        with pytest.raises(StoreError, match=f"s3://bucket/peers/{name}: this is {what}.*reads from local disk only"):
+            TokenStore.open(f"s3://bucket/peers/{name}", storage_options=s3.options(), object_cache=str(tmp_path / "c"))
+    with pytest.raises(StoreError, match="s3://bucket/nothing-here: nothing at this URL"):
+        TokenStore.open("s3://bucket/nothing-here", storage_options=s3.options(), object_cache=str(tmp_path / "c"))

@@ -138,7 +138,7 @@ class ObjectCache(RemoteDir):
                 return None
         return local
 
-    def fresh(self, name: str) -> bytes:
+    def fresh(self, name: str, missing_ok: bool = False) -> bytes | None:
         """Object `name`'s current bytes (no cache): the manifest, which says what else to trust."""
         def attempt():
             data = self.fs.cat_file(self.path(name))
@@ -147,7 +147,35 @@ class ObjectCache(RemoteDir):
                 raise _Damaged(f"{len(data)} bytes arrived of {size}")
             return data
 
-        return self.retry(name, attempt)
+        return self.retry(name, attempt, missing_ok=missing_ok)
+
+    def not_a_store(self) -> StoreError:
+        """Why a URL without a manifest cannot be opened: the format its files show, named
+        (read from local disk only), or what is there, or that nothing is."""
+        from forge_grain.stores.formats import formats_named
+
+        listed = self.retry("", lambda: self.fs.ls(self.root, detail=False), missing_ok=True) or []
+        names = {str(n).rstrip("/").rsplit("/", 1)[-1] for n in listed}
+        if any(n.startswith("shard-") and n.endswith((".bin", ".array_record")) for n in names):
+            return StoreError(f"{self.url}: holds a forge-grain store's shards but no manifest.json (written last): "
+                              "an upload or prepare that did not finish; run it again to complete it")
+        index = self.fresh("index.json", missing_ok=True) if "index.json" in names else None
+        try:
+            index = json.loads(index) if index else None
+        except ValueError:
+            index = None
+        found = formats_named(names, index)
+        if found:
+            what = " and ".join(f"{w} ({why})" for w, why in found.values())
+            return StoreError(
+                f"{self.url}: this is {what}, which forge-grain reads from local disk only; from object storage "
+                "it reads forge-grain stores (a manifest.json, written by `forge-grain prepare`). Copy it to local "
+                f"disk and open the copy (e.g. `aws s3 sync {self.url} ./data`), or prepare a store from it and "
+                "upload that")
+        if names:
+            return StoreError(f"{self.url}: no manifest.json, so not a forge-grain store; it holds "
+                              f"{', '.join(sorted(names)[:8])}{', ...' if len(names) > 8 else ''}")
+        return StoreError(f"{self.url}: nothing at this URL (no such object or prefix); check the URL and credentials")
 
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead) -> bool:
         tmp = temporary(local)
@@ -272,7 +300,9 @@ class RemoteStore(NativeStore):
 
     def _open(self, dtype=None, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=4) -> None:
         self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit)
-        manifest = self.cache.fresh(MANIFEST_NAME)
+        manifest = self.cache.fresh(MANIFEST_NAME, missing_ok=True)
+        if manifest is None:
+            raise self.cache.not_a_store()
         # the indices and shards of this manifest live in a directory named by its content:
         # a store rewritten in place gets a new one, so nothing stale is ever read
         self.mirror = Path(hashlib.sha256(manifest).hexdigest()[:16])
