@@ -115,6 +115,4 @@ def formats_named(names: set[str], index=None) -> dict[str, tuple[str, str]]:
         found["arrow"] = ("a Hugging Face save_to_disk DatasetDict", "dataset_dict.json")
     if any(n.endswith(".idx") for n in names):
         found["megatron"] = ("a Megatron indexed dataset", ".idx files")
-    if not found and any(n.endswith((".bin", ".npy")) for n in names):
-        found["raw"] = ("raw token files", ".bin/.npy files")
     return found

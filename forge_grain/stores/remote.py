@@ -165,6 +165,8 @@ class ObjectCache(RemoteDir):
         except ValueError:
             index = None
         found = formats_named(names, index)
+        if not found and any(n.endswith((".bin", ".npy")) for n in names):
+            found = {"raw": ("raw token files", ".bin/.npy files")}
         if found:
             what = " and ".join(f"{w} ({why})" for w, why in found.values())
             return StoreError(
