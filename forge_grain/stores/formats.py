@@ -94,25 +94,6 @@ def _directory_formats(path: Path) -> dict[str, tuple[str, str]]:
     """The formats whose marker files `path` holds: name -> (what, which files say so)."""
     names = {p.name for p in path.iterdir() if p.suffix != ".idx"}
     names |= {p.name for p in path.glob("*.idx") if identify.megatron_index(p)}  # real Megatron indices only
-    return formats_named(names, identify.read_index(path / "index.json"))
+    return identify.formats_named(names, identify.read_index(path / "index.json"))
 
 
-def formats_named(names: set[str], index=None) -> dict[str, tuple[str, str]]:
-    """The formats whose marker files are among the file `names` of a directory (`index`: its
-    parsed `index.json`, if any): name -> (what, which files say so). Also for a listing of
-    object storage, where a format that is not read remotely is then named."""
-    found = {}
-    if "manifest.json" in names:
-        found["native"] = ("a forge-grain store", "manifest.json")
-    kind = identify.index_kind(index)
-    if kind == "litdata":
-        found["litdata"] = ("a LitData dataset", "index.json with chunks")
-    elif kind == "mds":
-        found["mds"] = ("a MosaicML MDS dataset", "index.json with shards")
-    if {"state.json", "dataset_info.json"} <= names:
-        found["arrow"] = ("a Hugging Face save_to_disk dataset", "state.json")
-    elif "dataset_dict.json" in names:
-        found["arrow"] = ("a Hugging Face save_to_disk DatasetDict", "dataset_dict.json")
-    if any(n.endswith(".idx") for n in names):
-        found["megatron"] = ("a Megatron indexed dataset", ".idx files")
-    return found

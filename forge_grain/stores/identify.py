@@ -176,3 +176,24 @@ def _looks_like_text(head: bytes) -> bool:
         text = head[: e.start].decode("utf-8")
     printable = sum(c.isprintable() or c in "\t\r\n" for c in text)
     return printable >= 0.99 * len(text)
+
+
+def formats_named(names: set[str], index=None) -> dict[str, tuple[str, str]]:
+    """The formats whose marker files are among the file `names` of a directory (`index`: its
+    parsed `index.json`, if any): name -> (what, which files say so). Also for a listing of
+    object storage, where a format that is not read remotely is then named."""
+    found = {}
+    if "manifest.json" in names:
+        found["native"] = ("a forge-grain store", "manifest.json")
+    kind = index_kind(index)
+    if kind == "litdata":
+        found["litdata"] = ("a LitData dataset", "index.json with chunks")
+    elif kind == "mds":
+        found["mds"] = ("a MosaicML MDS dataset", "index.json with shards")
+    if {"state.json", "dataset_info.json"} <= names:
+        found["arrow"] = ("a Hugging Face save_to_disk dataset", "state.json")
+    elif "dataset_dict.json" in names:
+        found["arrow"] = ("a Hugging Face save_to_disk DatasetDict", "dataset_dict.json")
+    if any(n.endswith(".idx") for n in names):
+        found["megatron"] = ("a Megatron indexed dataset", ".idx files")
+    return found

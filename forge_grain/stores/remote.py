@@ -34,6 +34,7 @@ from forge_grain.paths import cache_root, private_cache
 from forge_grain.stores import arrayrecord
 from forge_grain.stores import checks
 from forge_grain.stores import handles
+from forge_grain.stores import identify
 from forge_grain.stores.native import NativeStore
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,6 @@ class ObjectCache(RemoteDir):
     def not_a_store(self) -> StoreError:
         """Why a URL without a manifest cannot be opened: the format its files show, named
         (read from local disk only), or what is there, or that nothing is."""
-        from forge_grain.stores.formats import formats_named
-
         listed = self.retry("", lambda: self.fs.ls(self.root, detail=False), missing_ok=True) or []
         names = {str(n).rstrip("/").rsplit("/", 1)[-1] for n in listed}
         if any(n.startswith("shard-") and n.endswith((".bin", ".array_record")) for n in names):
@@ -164,7 +163,7 @@ class ObjectCache(RemoteDir):
             index = json.loads(index) if index else None
         except ValueError:
             index = None
-        found = formats_named(names, index)
+        found = identify.formats_named(names, index)
         if not found and any(n.endswith((".bin", ".npy")) for n in names):
             found = {"raw": ("raw token files", ".bin/.npy files")}
         if found:
