@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -185,7 +186,7 @@ def _replay(a) -> None:
         it = p.iterator(state)
         if a.steps.start < it.step:
             raise ForgeGrainError(f"steps {a.steps.start}:{a.steps.stop} start before the state's step {it.step}")
-        batches = [next(it) for _ in range(it.step, a.steps.stop)][a.steps.start - it.step :]
+        batches = list(itertools.islice(it, a.steps.start - it.step, a.steps.stop - it.step))  # earlier ones dropped
     else:
         batches = [p.batch(step) for step in a.steps]
     arrays = {k: np.stack([b[k] for b in batches]) for k in batches[0] if k != "step"}

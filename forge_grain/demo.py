@@ -86,9 +86,9 @@ def run_demo(workdir: str | Path = "forge-grain-demo", *, max_files: int = 600, 
         stores[name] = TokenStore.open(out, verify=True)
         print(format_summary(stores[name]) + "\n")
 
-    switch = steps // 2
     config_path = write_demo_config(workdir, steps)
     config = DataConfig.from_toml(config_path)
+    switch = config.phases[0].start_step
     print(f"pipeline: 2 sources, seq_len {config.seq_len}, global batch {config.global_batch_size}, "
           f"mix code 0.7 / docs 0.3, switching to 0.2 / 0.8 at step {switch}; 2 shards")
     hosts = [Pipeline(config, k, 2) for k in range(2)]

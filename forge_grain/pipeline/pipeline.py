@@ -385,17 +385,29 @@ class Pipeline:
         made): `rows`, `trained_tokens` (loss positions) and `epochs` (passes over its rows;
         both None for a streaming source, whose rows are known only once read). Removed
         sources of a mixture change are included."""
+        spans = self._span_counts(step)
+        rows = self.consumed_rows(step, spans)
+        out = {}
+        for k, (name, d) in enumerate(zip(self.source_names, self.mixture.datasets)):
+            packed = isinstance(d, PackedDataset)
+            trained = sum(d.trained_tokens(int(hi[k])) - d.trained_tokens(int(lo[k])) for lo, hi in spans) if packed else None
+            out[name] = {"rows": int(rows[k]), "trained_tokens": trained,
+                         "epochs": int(rows[k]) / d.num_rows if packed else None}
+        return out
+
+    def consumed_rows(self, step: int, spans: list | None = None) -> np.ndarray:
+        """The rows each source (in `source_names` order) gave to the steps before `step`:
+        `consumed` without its token counts, which read plans (for many steps: a plot)."""
+        spans = self._span_counts(step) if spans is None else spans
+        return sum((hi - lo for lo, hi in spans), np.zeros(len(self.source_names), np.int64))
+
+    def _span_counts(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each source's mixture row count at both ends of each span of the uninterrupted
+        stream that steps [0, step) trained."""
         if not 0 <= step <= self.step_limit:
             raise IndexError(f"step {step} is outside [0, {self.step_limit}]")
         B = self.config.global_batch_size
-        spans = [(self.mixture.counts(a * B), self.mixture.counts(b * B)) for a, b in self._trained_spans(int(step))]
-        out = {}
-        for k, (name, d) in enumerate(zip(self.source_names, self.mixture.datasets)):
-            rows = sum(int(hi[k] - lo[k]) for lo, hi in spans)
-            packed = isinstance(d, PackedDataset)
-            trained = sum(d.trained_tokens(int(hi[k])) - d.trained_tokens(int(lo[k])) for lo, hi in spans) if packed else None
-            out[name] = {"rows": rows, "trained_tokens": trained, "epochs": rows / d.num_rows if packed else None}
-        return out
+        return [(self.mixture.counts(a * B), self.mixture.counts(b * B)) for a, b in self._trained_spans(int(step))]
 
     def describe(self, steps: int | None = None) -> dict:
         """The run this config describes, from plans and lengths alone (no token is read):

@@ -1,5 +1,5 @@
 """`forge-grain plan CONFIG --plot out.png`: the share of each source's rows over the steps,
-from the mixture's closed form (`Pipeline.consumed`; no batch is made)."""
+from the mixture's closed form (`Pipeline.consumed_rows`; no batch is made)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def shares_over_steps(pipeline, end: int, points: int = 200) -> tuple[np.ndarray
     if end is None:
         raise ConfigError("the run is unlimited (num_epochs = inf and no max_steps): give --steps N to plot")
     bounds = np.unique(np.linspace(0, end, min(points, end) + 1).round().astype(np.int64))
-    rows = np.array([[c["rows"] for c in pipeline.consumed(int(b)).values()] for b in bounds], np.float64)
+    rows = np.array([pipeline.consumed_rows(int(b)) for b in bounds], np.float64)
     per_step = np.diff(rows, axis=0)
     shares = per_step / per_step.sum(axis=1, keepdims=True)
     return bounds, dict(zip(pipeline.source_names, shares.T))

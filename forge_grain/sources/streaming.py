@@ -210,10 +210,14 @@ class StreamingSource:
             own = lengths[c::count]
             n = 0
             for w in range(0, len(own), self.src.window):
-                p = self.plan_window(own[w : w + self.src.window], 0, w // self.src.window, c)
-                n += p.num_rows if p is not None else 0
-                lost = int(own[w : w + self.src.window].sum())
-                parts.append(p.stats if p is not None else {"tokens": lost, "lost_tokens": lost})
+                window = own[w : w + self.src.window]
+                p = self.plan_window(window, 0, w // self.src.window, c)
+                if p is not None:
+                    n += p.num_rows
+                    parts.append(p.stats)
+                else:  # too few tokens for a row: the window's tokens are lost
+                    lost = int(window.sum())
+                    parts.append({"tokens": lost, "lost_tokens": lost})
             rows.append(n)
         self.epoch_stats = joined_stats(parts, self.seq_len, self.src.strategy)
         return rows
