@@ -267,3 +267,23 @@ def test_skip_steps_needs_a_state_of_this_config(unique_stores):
     other = config(unique_stores, seed=99)
     with pytest.raises(Exception, match="another config"):
         Pipeline(cfg, 0, 1, num_threads=0, resume_from=Pipeline(other, 0, 1, num_threads=0).state_at(3), skip_steps=2)
+
+
+def test_replay_of_a_streaming_run_reads_from_its_saved_state(tmp_path, capsys):
+    from conftest import make_texts, write_jsonl
+
+    write_jsonl(tmp_path / "t.jsonl", make_texts(300, seed=2))
+    toml = tmp_path / "s.toml"
+    toml.write_text('seq_len = 32\nglobal_batch_size = 4\ncanonical_streams = 1\n'
+                    f'[[sources]]\nname = "s"\nhf_dataset = "{tmp_path / "t.jsonl"}"\nhf_streaming = true\nwindow = 40\n')
+    p = Pipeline(DataConfig.from_toml(toml), 0, 1, num_threads=0, progress=False)
+    reference = [{k: v.copy() for k, v in p.batch(step).items()} for step in range(9)]
+    (tmp_path / "state.json").write_text(json.dumps(p.state_at(2)))
+    assert main(["replay", str(toml), "--state", str(tmp_path / "state.json"), "--steps", "4:7",
+                 "--out", str(tmp_path / "b.npz")]) == 0
+    replayed = np.load(tmp_path / "b.npz")
+    assert replayed["step"].tolist() == [4, 5, 6]
+    assert all(np.array_equal(replayed[k][i], reference[4 + i][k]) for i in range(3) for k in KEYS)
+    assert main(["replay", str(toml), "--state", str(tmp_path / "state.json"), "--steps", "1:3",
+                 "--out", str(tmp_path / "c.npz")]) == 2
+    assert "steps 1:3 start before the state's step 2" in capsys.readouterr().err
