@@ -269,6 +269,96 @@ def test_skip_steps_needs_a_state_of_this_config(unique_stores):
         Pipeline(cfg, 0, 1, num_threads=0, resume_from=Pipeline(other, 0, 1, num_threads=0).state_at(3), skip_steps=2)
 
 
+def holds(e: dict, skipped: dict) -> bool:
+    return any(seg["document"] in skipped.get(e["source"], ()) for seg in e["segments"])
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_skipping_documents_trains_the_uninterrupted_rows_without_theirs(unique_stores, shards):
+    """From the state's step on, the rows holding the skipped documents are gone in every
+    epoch and the rest close up: the run trains the uninterrupted run's rows in order, less
+    exactly those."""
+    cfg = config(unique_stores, max_steps=70, phases=[{"start_step": 9, "weights": {"math": 0.8, "web": 0.2}}])
+    a = Pipeline(cfg, 0, 1, num_threads=0)
+    rows = [e for step in range(70) for e in a.explain(step)]  # the uninterrupted run, row by row
+    later = rows[5 * 8:]
+    skipped = {"web": sorted({later[3]["segments"][0]["document"], later[40]["segments"][-1]["document"]}),
+               "math": [later[next(i for i, e in enumerate(later) if e["source"] == "math")]["segments"][0]["document"]]}
+    kept = rows[:5 * 8] + [e for e in later if not holds(e, skipped)]
+    assert len(kept) < len(rows) - 3
+    math_epochs = {e["epoch"] for e in later if e["source"] == "math" and holds(e, skipped)}
+    assert len(math_epochs) > 1  # the skipped math document comes again in a later epoch: gone there too
+
+    state = a.state_at(5)
+    parts = [Pipeline(cfg, k, shards, num_threads=0, resume_from=state, skip_documents=skipped) for k in range(shards)]
+    b = parts[0]
+    assert b.num_steps == len(kept) // 8
+    iters = [p.iterator(state) for p in parts]
+    where = decoder(unique_stores)
+    for step in range(5, b.num_steps):
+        parts_of_step = [next(it) for it in iters]
+        batch = {k: np.concatenate([part[k] for part in parts_of_step]) for k in (*KEYS, "source_id")}
+        want = kept[step * 8:(step + 1) * 8]
+        got = b.explain(step)
+        assert [(e["source"], e["source_row"]) for e in got] == [(e["source"], e["source_row"]) for e in want]
+        assert [b.source_names[i] for i in batch["source_id"]] == [e["source"] for e in want]
+        check_rows(got, batch, unique_stores, where)
+        assert not any(holds(e, skipped) for e in got)
+    assert b.batch_hash(5) == hash_batch(b.global_batch(5))
+    trained = {n: sum(1 for e in kept[:30 * 8] if e["source"] == n) for n in ("web", "code", "math")}
+    assert {n: c["rows"] for n, c in b.consumed(30).items()} == trained
+    tokens = sum(int(b.global_batch(s)["loss_mask"].sum()) for s in range(30))
+    assert sum(c["trained_tokens"] for c in b.consumed(30).values()) == tokens
+    assert b.phase_at(4)["start_step"] == 0 and b.phase_at(20)["start_step"] == 9
+
+    # a later plain resume, on another shard count, keeps the skip; a second skip adds to it
+    plain = Pipeline(cfg, 1, 2, num_threads=0, resume_from=b.state_at(20))
+    assert plain.skips == [{"at_step": 5, "documents": skipped}]
+    assert [{**e, "shard": 0} for e in plain.explain(25)] == [{**e, "shard": 0} for e in b.explain(25)]
+    more = Pipeline(cfg, 0, 1, num_threads=0, resume_from=b.state_at(20), skip_steps=2, skip_documents={"code": [0, 1]})
+    assert [e["source_row"] for e in more.explain(19)] == [e["source_row"] for e in b.explain(19)]
+    after = [e for e in kept[22 * 8:] if not (e["source"] == "code" and holds(e, {"code": [0, 1]}))]
+    for step in range(20, 30):
+        assert [(e["source"], e["source_row"]) for e in more.explain(step)] == \
+            [(e["source"], e["source_row"]) for e in after[(step - 20) * 8:(step - 19) * 8]]
+
+
+def test_skip_documents_is_checked(unique_stores):
+    cfg = config(unique_stores)
+    a = Pipeline(cfg, 0, 1, num_threads=0)
+    with pytest.raises(Exception, match="skip_documents needs resume_from"):
+        Pipeline(cfg, 0, 1, num_threads=0, skip_documents={"web": [1]})
+    with pytest.raises(Exception, match="no source named 'blog'"):
+        Pipeline(cfg, 0, 1, num_threads=0, resume_from=a.state_at(3), skip_documents={"blog": [1]})
+    with pytest.raises(Exception, match="document 300 is not in .*300 documents"):
+        Pipeline(cfg, 0, 1, num_threads=0, resume_from=a.state_at(3), skip_documents={"web": [300]})
+    with pytest.raises(Exception, match="integers >= 0"):
+        Pipeline(cfg, 0, 1, num_threads=0, resume_from=a.state_at(3), skip_documents={"web": ["7"]})
+    b = Pipeline(cfg, 0, 1, num_threads=0, resume_from=a.state_at(3), skip_documents={"web": [4]})
+    changed = config(unique_stores)
+    changed.sources[0].weight = 0.9
+    with pytest.raises(Exception, match="mixture change after skipped documents"):
+        Pipeline(changed, 0, 1, num_threads=0, resume_from=b.state_at(6), allow_mixture_change=True)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_positions_of_inverts_the_epoch_order(tmp_path, window):
+    """Where a plan row falls in an epoch, in closed form both ways: small epochs (an exact
+    shuffle), large ones (a Feistel network) and the locality order of `shuffle_window`."""
+    from forge_grain import pack
+
+    docs = [np.arange(2, 2 + n) for n in np.random.default_rng(0).integers(1, 12, 9000)]
+    store = write_store(tmp_path / "s", docs, vocab_size=100)
+    for seq_len in (8, 64):  # > 4096 rows and < 4096 rows per epoch
+        ds = pack(store, seq_len, "concat", cache_dir=tmp_path, chunk_docs=1000 if window else None,
+                  shuffle_window=window, num_epochs=3, progress=False)
+        n = ds.num_rows
+        assert (n > 4096) == (seq_len == 8)
+        for e in (0, 2):
+            plan_rows = ds.rows_of(np.arange(e * n, (e + 1) * n))
+            assert np.array_equal(ds.positions_of(plan_rows, e), np.arange(n))
+
+
 def test_replay_of_a_streaming_run_reads_from_its_saved_state(tmp_path, capsys):
     from conftest import make_texts, write_jsonl
 

@@ -487,6 +487,48 @@ def epoch_rows(idx, n, seed_key, shuffle):
     return out
 
 
+@nb.njit(cache=CACHE, inline="always")
+def _feistel_inverse(y, n, half, mask, k):
+    while True:  # the rounds of `_feistel` undone in reverse order; cycle walking likewise
+        left = y >> half
+        right = y & mask
+        for rnd in range(3, -1, -1):
+            f = _mix64(left ^ (k + np.uint64(rnd) * np.uint64(0x9E3779B97F4A7C15))) & mask
+            left, right = right ^ f, left
+        y = (left << half) | right
+        if y < n:
+            return y
+
+
+@nb.njit(cache=CACHE, nogil=True)
+def epoch_positions(rows, n, seed_key, e, shuffle):
+    """The inverse of `epoch_rows` within epoch e: the position in the epoch (index - e·n)
+    at which each plan row of `rows` is read. A skip of documents at resume uses it to
+    find, in closed form, where the rows holding them fall in every later epoch."""
+    out = np.empty(len(rows), np.int64)
+    if not shuffle:
+        for i in range(len(rows)):
+            out[i] = rows[i]
+        return out
+    key = _epoch_key(seed_key, e)
+    if n <= EXACT_SHUFFLE_MAX:
+        perm = permutation(n, key)
+        inverse = np.empty(n, np.int64)
+        for i in range(n):
+            inverse[perm[i]] = i
+        for i in range(len(rows)):
+            out[i] = inverse[rows[i]]
+        return out
+    bits = 2
+    while (np.uint64(1) << np.uint64(bits)) < np.uint64(n):
+        bits += 2
+    half = np.uint64(bits // 2)
+    mask = (np.uint64(1) << half) - np.uint64(1)
+    for i in range(len(rows)):
+        out[i] = np.int64(_feistel_inverse(np.uint64(rows[i]), np.uint64(n), half, mask, key))
+    return out
+
+
 # -- mixing -------------------------------------------------------------------------------
 
 

@@ -278,15 +278,21 @@ class PackedDataset(grain.MapDataset):
         batch = self.get_batch(np.array([index], np.int64))
         return {k: v[0] for k, v in batch.items()}
 
-    def trained_tokens(self, n: int) -> int:
-        """Loss positions in the first `n` rows of this dataset's order (epochs included)."""
+    @property
+    def loss_positions(self) -> np.ndarray:
+        """Loss positions (trained tokens) of each plan row."""
         if self._row_tokens is None:
             p = self.plan
             self._row_tokens = kernels.row_loss_positions(p.row_ptr, p.seg_len, p.seg_skip, self.seq_len)
+        return self._row_tokens
+
+    def trained_tokens(self, n: int) -> int:
+        """Loss positions in the first `n` rows of this dataset's order (epochs included)."""
+        per_row = self.loss_positions
         full, part = divmod(int(n), self.num_rows)
-        total = full * int(self._row_tokens.sum())
+        total = full * int(per_row.sum())
         if part:
-            total += int(self._row_tokens[self.rows_of(np.arange(full * self.num_rows, full * self.num_rows + part))].sum())
+            total += int(per_row[self.rows_of(np.arange(full * self.num_rows, full * self.num_rows + part))].sum())
         return total
 
     def rows_of(self, indices) -> np.ndarray:
@@ -327,6 +333,45 @@ class PackedDataset(grain.MapDataset):
                 c = np.searchsorted(cum, local, side="right") - 1
                 out[at] = firsts[chunks[c]] + local - cum[c]
         return out
+
+    def positions_of(self, plan_rows, epoch: int) -> np.ndarray:
+        """The inverse of `rows_of` within one epoch: where in epoch `epoch` (dataset index
+        minus epoch · num_rows) each of `plan_rows` is read."""
+        rows = np.asarray(plan_rows, np.int64).reshape(-1)
+        if not (self.shuffle and self.shuffle_window):
+            return kernels.epoch_positions(rows, self.num_rows, self._seed_key, int(epoch), self.shuffle)
+        order, starts, firsts = self._epoch_windows(int(epoch))
+        chunk = np.searchsorted(firsts, rows, side="right") - 1
+        rank = np.empty(len(order), np.int64)
+        rank[order] = np.arange(len(order))  # where each chunk comes in the epoch's order
+        out = np.empty(len(rows), np.int64)
+        for i, (c, r) in enumerate(zip(chunk.tolist(), rows.tolist())):
+            w, k = divmod(int(rank[c]), self.shuffle_window)
+            before = order[w * self.shuffle_window : w * self.shuffle_window + k]
+            local = int(self._chunk_rows[before].sum()) + r - int(firsts[c])  # the row among its window's
+            key = stream_key("window", self._seed_key, int(epoch), int(w))
+            m = int(starts[w + 1] - starts[w])
+            out[i] = starts[w] + kernels.epoch_positions(np.array([local], np.int64), m, key, 0, True)[0]
+        return out
+
+    def rows_holding(self, documents) -> np.ndarray:
+        """The plan rows (sorted) that hold any token of the store's `documents`: a segment
+        is one document's run of tokens, so a row holds document d where a segment starts
+        within d's tokens. The plan is read in blocks (it may be memory-mapped and large)."""
+        docs = np.unique(np.asarray(documents, np.int64))
+        offsets = self.store.offsets
+        if len(docs) and (docs[0] < 0 or docs[-1] >= len(offsets) - 1):
+            raise IndexError(f"document {int(docs[0] if docs[0] < 0 else docs[-1])} is not in {self.store.path} "
+                             f"({len(offsets) - 1} documents)")
+        lo, hi = np.asarray(offsets[docs], np.int64), np.asarray(offsets[docs + 1], np.int64)
+        plan, hits, block = self.plan, [], 1 << 24
+        for a in range(0, len(plan.seg_start), block):
+            start = np.asarray(plan.seg_start[a : a + block], np.int64)
+            k = np.searchsorted(lo, start, side="right") - 1
+            inside = (k >= 0) & (start < hi[np.maximum(k, 0)])
+            hits.append(a + np.flatnonzero(inside))
+        segments = np.concatenate(hits) if hits else np.zeros(0, np.int64)
+        return np.unique(np.searchsorted(np.asarray(plan.row_ptr), segments, side="right") - 1)
 
     def _epoch_windows(self, e: int):
         """Epoch e's chunk order, the start of each window in the epoch's positions, and each

@@ -102,17 +102,24 @@ def check(history) -> list[dict]:
 
 
 def check_skips(skips) -> list[dict]:
-    """`skips` if it has the structure a pipeline writes ([{at_step, steps}], at_step not
-    decreasing, integers >= 0), else a HistoryError naming what is wrong."""
+    """`skips` if it has the structure a pipeline writes (each {at_step, steps} or {at_step,
+    documents: {source: [document, ...]}}, at_step not decreasing, integers >= 0), else a
+    HistoryError naming what is wrong."""
+    def count(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
     last = 0
     if not isinstance(skips, list):
         raise HistoryError(f"the state's skips are malformed: a list, not {skips!r:.80}")
     for i, s in enumerate(skips):
-        ok = isinstance(s, dict) and set(s) == {"at_step", "steps"} and all(
-            isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0 for k in s)
+        docs = s.get("documents") if isinstance(s, dict) else None
+        ok = isinstance(s, dict) and count(s.get("at_step")) and (
+            (set(s) == {"at_step", "steps"} and count(s["steps"]))
+            or (set(s) == {"at_step", "documents"} and isinstance(docs, dict) and all(
+                isinstance(k, str) and isinstance(v, list) and all(map(count, v)) for k, v in docs.items())))
         if not ok or s["at_step"] < last:
-            raise HistoryError(f"the state's skips are malformed: skip {i} is {s!r:.80}, not "
-                               f"{{at_step, steps}} at or after step {last}")
+            raise HistoryError(f"the state's skips are malformed: skip {i} is {s!r:.80}, not {{at_step, steps}} or "
+                               f"{{at_step, documents}} at or after step {last}")
         last = s["at_step"]
     return skips
 

@@ -27,6 +27,7 @@ from forge_grain.pipeline import history
 from forge_grain.pipeline.config import ConfigError, DataConfig
 from forge_grain.errors import StateError
 from forge_grain.pipeline.mixture import MAX_ROWS, Mixture
+from forge_grain.pipeline.skips import RowMap
 from forge_grain.packing.packed import PackedDataset, empty_rows
 from forge_grain.sources.deferred import SourceRecords, source_key
 from forge_grain.sources.factory import open_source
@@ -87,9 +88,13 @@ class Pipeline:
     shown by shard 0 only, so that ranks do not print interleaved bars.
 
     `skip_steps=N` with `resume_from=state` continues the run without the next N global
-    batches of the uninterrupted stream (rewind past a loss spike): step s >= the state's
-    step trains what the uninterrupted run trained at s + N. The skip is recorded in the
-    states (`skips`), so later resumes, any shard count, `consumed` and `explain` follow it.
+    batches (rewind past a loss spike): step s >= the state's step trains what the
+    uninterrupted run trained at s + N. `skip_documents={source: [document, ...]}` (indices
+    in the source's store, as `explain` names them) continues it without every row that
+    holds one of them, in every epoch from the state's step on; the rows left close up, so
+    each step still has a full batch of what the uninterrupted run trained, in its order.
+    Skips are recorded in the states (`skips`), so later resumes, any shard count,
+    `consumed` and `explain` follow them (see `forge_grain.pipeline.skips`).
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class Pipeline:
         resume_from: dict | None = None,
         allow_mixture_change: bool = False,
         skip_steps: int = 0,
+        skip_documents: dict | None = None,
         progress: bool | None = None,
     ):
         if shard_index is None or shard_count is None:
@@ -157,13 +163,15 @@ class Pipeline:
                 f"global_batch_size {B} is larger than the {self.rows_per_epoch} rows of num_epochs={config.num_epochs}"
             )
         self.history: list[dict] = []  # mixture changes at resume (see `forge_grain.pipeline.history`)
-        self.skips: list[dict] = []  # [{at_step, steps}]: global batches skipped at resume, in trainer steps
+        # [{at_step, steps} or {at_step, documents: {source: [document]}}]: what resumes skipped, in trainer steps
+        self.skips: list[dict] = []
         self._resumed_from: tuple[str, int] | None = None  # (fingerprint, step) of a state resumed with a change
-        self._resume_args = (resume_from, allow_mixture_change, skip_steps)  # for copies rebuilt in worker processes
+        # for copies rebuilt in worker processes
+        self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents)
         if resume_from is not None:
             self._adopt_history(resume_from, allow_mixture_change)
-        if skip_steps:
-            self._skip(resume_from, skip_steps)
+        if skip_steps or skip_documents:
+            self._skip(resume_from, skip_steps, skip_documents)
         self.source_names, phases = history.mixing_schedule(self.history, [s.name for s in config.sources], schedule)
         removed = [_RemovedSource(n, config.seq_len) for n in self.source_names[len(config.sources):]]
         self.mixture = Mixture(
@@ -175,14 +183,46 @@ class Pipeline:
         )
         self.fingerprint, self._summary = self._fingerprint()
         self._warn_unreachable_phases()
-        if self.skips:  # phases and mixture changes stay where the uninterrupted stream has them;
-            # the trainer's steps are that stream's less the skipped ones
-            skipped = sum(s["steps"] for s in self.skips)
-            if self.num_steps is not None and self.num_steps - skipped <= self.skips[-1]["at_step"]:
-                raise ConfigError(f"skipping {skipped} steps leaves no step after the skip: the run has "
-                                  f"{self.num_steps} steps")
-            self.num_steps = None if self.num_steps is None else self.num_steps - skipped
-            self.step_limit -= skipped
+        self.rowmap = self._apply_skips()
+
+    def _apply_skips(self) -> RowMap:
+        """The map from the trainer's rows to the uninterrupted stream's, after the skips;
+        phases and mixture changes stay where the uninterrupted stream has them, and the
+        run's steps are its rows less the skipped ones, in whole batches."""
+        B, rowmap = self.config.global_batch_size, RowMap(self.mixture, self.config.global_batch_size)
+        for s in self.skips:
+            if "steps" in s:
+                rowmap.skip_steps(s["at_step"], s["steps"])
+            else:
+                rowmap.skip_rows(s["at_step"], self._rows_holding(s["documents"]))
+        if self.skips:
+            length = self.step_limit * B
+            self.step_limit = (length - rowmap.removed(length)) // B
+            if self.num_steps is not None:
+                if self.step_limit <= self.skips[-1]["at_step"]:
+                    raise ConfigError(f"the skips leave no step after step {self.skips[-1]['at_step']}: the run has "
+                                      f"{self.num_steps} steps and would keep {self.step_limit}")
+                self.num_steps = self.step_limit
+        return rowmap
+
+    def _rows_holding(self, documents: dict) -> dict:
+        """{source index: plan rows holding any of its `documents`}, by source name."""
+        out = {}
+        for name, docs in documents.items():
+            if name not in self.source_names:
+                raise ConfigError(f"skip_documents: no source named {name!r} (sources: {self.source_names})")
+            i = self.source_names.index(name)
+            d = self.mixture.datasets[i]
+            if isinstance(d, _RemovedSource):
+                continue  # removed by a mixture change: none of its rows come again
+            if not isinstance(d, PackedDataset):
+                raise ConfigError(f"skip_documents: source {name!r} is streaming; documents are skipped in stored "
+                                  "sources only")
+            try:
+                out[i] = d.rows_holding(docs)
+            except IndexError as e:
+                raise ConfigError(f"skip_documents[{name!r}]: {e}") from None
+        return out
 
     def _open_sources(self, plan_workers: int | None) -> list:
         """Each source's packed rows; stored sources whose files match their record are
@@ -325,23 +365,30 @@ class Pipeline:
         if not allow_change:
             return  # strict: check_state names what differs
         self.skips = skips
+        if any("documents" in s for s in self.skips):
+            raise StateError("a mixture change after skipped documents is not supported yet: resume without "
+                             "allow_mixture_change, or change the mixture from a state saved before the skip")
         try:  # the change's step, in the uninterrupted stream's steps (as phases are)
-            at = {**state, "step": self._stream_step_of(state["step"])} if self.skips else state
+            step = state["step"] + sum(s["steps"] for s in self.skips if s["at_step"] <= state["step"])
+            at = {**state, "step": step} if self.skips else state
             self.history = history.extend(at, self._fingerprint(with_history=False)[1])
         except history.HistoryError as e:
             raise StateError(str(e)) from None
         self._resumed_from = (state["fingerprint"], int(state["step"]))
 
-    def _skip(self, state: dict | None, steps: int) -> None:
-        """Record skipping the next `steps` global batches after the step of `state`."""
+    def _skip(self, state: dict | None, steps: int, documents: dict | None) -> None:
+        """Record skipping the next `steps` global batches and the rows holding `documents`
+        after the step of `state`."""
+        what = "skip_steps" if steps else "skip_documents"
         if state is None:
-            raise ConfigError("skip_steps needs resume_from: the state of the step to skip from")
+            raise ConfigError(f"{what} needs resume_from: the state of the step to skip from")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ConfigError(f"skip_steps must be a non-negative integer, not {steps!r}")
+        documents = _document_lists(documents)
         if self.layout is not None:
-            raise ConfigError("skip_steps: streaming sources are read in order and cannot skip steps yet")
+            raise ConfigError(f"{what}: streaming sources are read in order and cannot skip yet")
         if self._resumed_from is None and state["fingerprint"] != self._fingerprint()[0]:
-            raise StateError("skip_steps: the state was saved by a pipeline with another config or other data "
+            raise StateError(f"{what}: the state was saved by a pipeline with another config or other data "
                              "(to change the mixture as well, pass allow_mixture_change=True)")
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -349,22 +396,14 @@ class Pipeline:
         if self.skips and step < self.skips[-1]["at_step"]:
             raise StateError(f"the state's step {step} is before its own last skip (at {self.skips[-1]['at_step']})")
         self._resumed_from = self._resumed_from or (state["fingerprint"], step)
-        self.skips.append({"at_step": step, "steps": steps})
+        if steps:
+            self.skips.append({"at_step": step, "steps": steps})
+        if documents:
+            self.skips.append({"at_step": step, "documents": documents})
 
     def _stream_step_of(self, step: int) -> int:
-        """The step of the uninterrupted stream that step `step` reads (later by the steps skipped)."""
-        return step + sum(s["steps"] for s in self.skips if s["at_step"] <= step)
-
-    def _trained_spans(self, step: int) -> list[tuple[int, int]]:
-        """The ranges of the uninterrupted stream's steps that steps [0, step) trained."""
-        spans, start, offset = [], 0, 0
-        for s in self.skips:
-            if s["at_step"] > step:
-                break
-            spans.append((start, s["at_step"] + offset))
-            offset += s["steps"]
-            start = s["at_step"] + offset
-        return spans + [(start, step + offset)]
+        """The step of the uninterrupted stream that step `step`'s first row comes from."""
+        return self.rowmap.stream_row(step * self.config.global_batch_size) // self.config.global_batch_size
 
     # -- phases -----------------------------------------------------------------------------
 
@@ -384,30 +423,32 @@ class Pipeline:
         """Per source name, what the steps before `step` consumed, in closed form (no batch is
         made): `rows`, `trained_tokens` (loss positions) and `epochs` (passes over its rows;
         both None for a streaming source, whose rows are known only once read). Removed
-        sources of a mixture change are included."""
-        spans = self._span_counts(step)
-        rows = self.consumed_rows(step, spans)
+        sources of a mixture change are included; skipped rows are not counted."""
+        reached = self._reached(step)
+        rows = self.consumed_rows(step, reached)
         out = {}
         for k, (name, d) in enumerate(zip(self.source_names, self.mixture.datasets)):
             packed = isinstance(d, PackedDataset)
-            trained = sum(d.trained_tokens(int(hi[k])) - d.trained_tokens(int(lo[k])) for lo, hi in spans) if packed else None
+            trained = None
+            if packed:
+                j = int(reached[k])
+                trained = d.trained_tokens(j) - self.rowmap.removed_below(k, j, d.loss_positions)
             out[name] = {"rows": int(rows[k]), "trained_tokens": trained,
                          "epochs": int(rows[k]) / d.num_rows if packed else None}
         return out
 
-    def consumed_rows(self, step: int, spans: list | None = None) -> np.ndarray:
+    def consumed_rows(self, step: int, reached: np.ndarray | None = None) -> np.ndarray:
         """The rows each source (in `source_names` order) gave to the steps before `step`:
         `consumed` without its token counts, which read plans (for many steps: a plot)."""
-        spans = self._span_counts(step) if spans is None else spans
-        return sum((hi - lo for lo, hi in spans), np.zeros(len(self.source_names), np.int64))
+        reached = self._reached(step) if reached is None else reached
+        return np.array([int(j) - self.rowmap.removed_below(k, int(j)) for k, j in enumerate(reached)], np.int64)
 
-    def _span_counts(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each source's mixture row count at both ends of each span of the uninterrupted
-        stream that steps [0, step) trained."""
+    def _reached(self, step: int) -> np.ndarray:
+        """Each source's rows of the uninterrupted stream before the row step `step` starts
+        at (trained, or skipped)."""
         if not 0 <= step <= self.step_limit:
             raise IndexError(f"step {step} is outside [0, {self.step_limit}]")
-        B = self.config.global_batch_size
-        return [(self.mixture.counts(a * B), self.mixture.counts(b * B)) for a, b in self._trained_spans(int(step))]
+        return self.mixture.counts(self.rowmap.stream_row(int(step) * self.config.global_batch_size))
 
     def describe(self, steps: int | None = None) -> dict:
         """The run this config describes, from plans and lengths alone (no token is read):
@@ -421,7 +462,7 @@ class Pipeline:
         names = [s.name for s in c.sources]
         phases = [{"start_step": start, "weights": dict(zip(names, weights)),
                    "lr_scale": self._phase(start)["lr_scale"],
-                   "reached": end is None or start < self._stream_step_of(end)}
+                   "reached": end is None or (end > 0 and start * B <= self.rowmap.stream_row(end * B - 1))}
                   for start, weights in c.schedule()]
         sources, warn = [], [f"a phase starting at step {p['start_step']} never takes effect: the run has {end} steps"
                              for p in phases if not p["reached"]]
@@ -509,14 +550,12 @@ class Pipeline:
     def global_rows(self, step: int) -> np.ndarray:
         """The mixture rows of global batch `step`."""
         B = self.config.global_batch_size
-        lo = self._stream_step_of(step) * B
-        return np.arange(lo, lo + B, dtype=np.int64)
+        return self.rowmap.rows(step * B, B)
 
     def shard_rows(self, step: int) -> np.ndarray:
         """The mixture rows of this shard's part of global batch `step`."""
         b = self.local_batch_size
-        lo = self._stream_step_of(step) * self.config.global_batch_size + self.shard_index * b
-        return np.arange(lo, lo + b, dtype=np.int64)
+        return self.rowmap.rows(step * self.config.global_batch_size + self.shard_index * b, b)
 
     def batch(self, step: int) -> dict:
         """This shard's part of global batch `step`: arrays of leading dimension B / shard_count.
@@ -703,10 +742,28 @@ class Pipeline:
 
 
 def _rebuild(config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
-             allow_mixture_change=False, skip_steps=0):
+             allow_mixture_change=False, skip_steps=0, skip_documents=None):
     return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
                     tokenize_threads=tokenize_threads, resume_from=resume_from,
-                    allow_mixture_change=allow_mixture_change, skip_steps=skip_steps, progress=False)
+                    allow_mixture_change=allow_mixture_change, skip_steps=skip_steps,
+                    skip_documents=skip_documents, progress=False)
+
+
+def _document_lists(documents) -> dict:
+    """`skip_documents` as {source name: sorted distinct document indices}, or a clear error."""
+    if not documents:
+        return {}
+    if not isinstance(documents, dict):
+        raise ConfigError(f"skip_documents must map source names to document indices, not {documents!r:.80}")
+    out = {}
+    for name, docs in documents.items():
+        docs = [docs] if isinstance(docs, (int, np.integer)) else docs
+        if not isinstance(name, str) or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                                                and d >= 0 for d in docs):
+            raise ConfigError(f"skip_documents[{name!r}] must be document indices (integers >= 0), not {docs!r:.80}")
+        if docs:
+            out[name] = sorted({int(d) for d in docs})
+    return out
 
 
 def merge_states(states: list[dict]) -> dict:

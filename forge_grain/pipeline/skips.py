@@ -1,0 +1,147 @@
+"""Skipping at resume, exactly: which rows of the uninterrupted stream a run leaves out.
+
+The uninterrupted run trains mixture row h at step h // B. A resume may skip (a) the next N
+global batches, or (b) every later row holding given documents. Either removes rows from
+the stream; the run then trains, at trainer row t (step t // B), the t-th row not removed,
+so everything it does train is what the uninterrupted run trained, in the same order.
+
+Removed rows are kept per source, in that source's own row numbers (the mixture is
+monotone: source i's rows at or after stream row x are its rows from counts(x)[i] on):
+ranges for skipped batches, and for documents the plan rows holding them, each removed in
+every epoch from the skip on. A source row's place in its epoch is a closed form both ways
+(`PackedDataset.rows_of` and `positions_of`), so the number of removed rows below any row is
+a closed form too, and finding any step's rows costs the same at step 10 or 10 million.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RowMap:
+    """Trainer rows -> rows of the uninterrupted stream, after the skips added in order."""
+
+    def __init__(self, mixture, batch_size: int):
+        self.mixture, self.B = mixture, batch_size
+        m = len(mixture.datasets)
+        self.ranges: list[list[tuple[int, int]]] = [[] for _ in range(m)]  # source rows skipped with batches
+        self.docs: list[dict[int, int]] = [{} for _ in range(m)]  # plan row -> first source row it is skipped at
+        self._groups: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(m)]  # (start, plan rows) by start
+        self._positions: dict = {}  # (source, start, epoch) -> positions of that group's rows in the epoch
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.ranges) and not any(self.docs)
+
+    # -- adding skips -----------------------------------------------------------------------
+
+    def skip_steps(self, at_step: int, steps: int) -> None:
+        """Leave out the global batches the run would train at steps [at_step, at_step + steps)."""
+        lo, hi = self.stream_row(at_step * self.B), self.stream_row((at_step + steps) * self.B)
+        a, b = self.mixture.counts(lo), self.mixture.counts(hi)
+        for i in range(len(self.ranges)):
+            if b[i] > a[i]:
+                self.ranges[i].append((int(a[i]), int(b[i])))
+
+    def skip_rows(self, at_step: int, plan_rows: dict[int, np.ndarray]) -> None:
+        """Leave out, from step `at_step` on, every row of source i whose plan row is in
+        `plan_rows[i]` (the rows holding skipped documents), in every epoch."""
+        start = self.mixture.counts(self.stream_row(at_step * self.B))
+        for i, rows in plan_rows.items():
+            for r in np.asarray(rows, np.int64).tolist():
+                self.docs[i][r] = min(self.docs[i].get(r, int(start[i])), int(start[i]))
+            by_start: dict[int, list[int]] = {}
+            for r, s in self.docs[i].items():
+                by_start.setdefault(s, []).append(r)
+            self._groups[i] = [(s, np.array(sorted(rs), np.int64)) for s, rs in sorted(by_start.items())]
+        self._positions.clear()
+
+    # -- counting ---------------------------------------------------------------------------
+
+    def removed_below(self, i: int, j: int, weights=None) -> int:
+        """How many of source i's rows below its row j are removed (with `weights`, a value
+        per plan row: their sum, e.g. trained tokens)."""
+        d = self.mixture.datasets[i]
+        total = 0
+        for lo, hi in self.ranges[i]:
+            if lo < j:
+                hi = min(hi, j)
+                total += (hi - lo) if weights is None else d.trained_tokens(hi) - d.trained_tokens(lo)
+        for start, rows in self._groups[i]:
+            total += self._tally(i, start, rows, start, j, weights)
+            for lo, hi in self.ranges[i]:  # rows a skipped batch already removed count once
+                total -= self._tally(i, start, rows, max(lo, start), min(hi, j), weights)
+        return total
+
+    def _tally(self, i: int, start: int, rows: np.ndarray, lo: int, hi: int, weights) -> int:
+        """Source i's rows in [lo, hi) whose plan row is among `rows` (counted or weighed)."""
+        if hi <= lo:
+            return 0
+        n = self.mixture.datasets[i].num_rows
+        w = np.ones(len(rows), np.int64) if weights is None else np.asarray(weights)[rows]
+        e0, e1 = lo // n, (hi - 1) // n
+        total = 0
+        for e in sorted({e0, e1}):
+            at = self._epoch_positions(i, start, rows, e) + e * n
+            total += int(w[(at >= lo) & (at < hi)].sum())
+        if e1 - e0 > 1:
+            total += (e1 - e0 - 1) * int(w.sum())
+        return total
+
+    def _epoch_positions(self, i: int, start: int, rows: np.ndarray, e: int) -> np.ndarray:
+        key = (i, start, e)
+        if key not in self._positions:
+            if len(self._positions) > 256:
+                self._positions.clear()
+            self._positions[key] = self.mixture.datasets[i].positions_of(rows, e)
+        return self._positions[key]
+
+    def removed(self, x: int) -> int:
+        """Removed rows of the stream below stream row x."""
+        if self.empty:
+            return 0
+        c = self.mixture.counts(x)
+        return sum(self.removed_below(i, int(c[i])) for i in range(len(c)) if self.ranges[i] or self.docs[i])
+
+    # -- mapping ----------------------------------------------------------------------------
+
+    def stream_row(self, t: int) -> int:
+        """The stream row trainer row t reads: the t-th row not removed."""
+        if self.empty:
+            return t
+        y = t + 1  # the smallest y with y - removed(y) = t + 1; never overshot, as y - removed(y) grows by <= 1
+        while (kept := y - self.removed(y)) < t + 1:
+            y += t + 1 - kept
+        return y - 1
+
+    def rows(self, t: int, n: int) -> np.ndarray:
+        """The stream rows of trainer rows [t, t + n)."""
+        if self.empty:
+            return np.arange(t, t + n, dtype=np.int64)
+        out, x = [], self.stream_row(t)
+        need = n
+        while need:
+            cand = np.arange(x, x + need + 64, dtype=np.int64)
+            kept = cand[~self.is_removed(cand)][:need]
+            out.append(kept)
+            need -= len(kept)
+            x = int(cand[-1]) + 1
+        return np.concatenate(out)
+
+    def is_removed(self, stream_rows: np.ndarray) -> np.ndarray:
+        src, rank = self.mixture.locate(stream_rows)
+        gone = np.zeros(len(stream_rows), bool)
+        for i in np.unique(src).tolist():
+            if not (self.ranges[i] or self.docs[i]):
+                continue
+            sel = np.flatnonzero(src == i)
+            j = rank[sel]
+            hit = np.zeros(len(sel), bool)
+            for lo, hi in self.ranges[i]:
+                hit |= (j >= lo) & (j < hi)
+            if self.docs[i]:
+                plan_rows = self.mixture.datasets[i].rows_of(j)
+                first = np.array([self.docs[i].get(r, -1) for r in plan_rows.tolist()], np.int64)
+                hit |= (first >= 0) & (j >= first)
+            gone[sel] = hit
+        return gone
