@@ -158,14 +158,18 @@ def _recorded_pipeline(a, rank: int = 0, world_size: int = 1):
 
 
 def _explain(a) -> None:
-    p, _ = _recorded_pipeline(a, a.rank or 0, a.world_size or 1)
-    rows = p.explain(a.step, shard=a.rank, decode=a.decode)
+    p, state = _recorded_pipeline(a, a.rank or 0, a.world_size or 1)
+    if p.streams:  # a streaming row is known once read: make this rank's steps up to it
+        _made(p, state, range(a.step, a.step + 1))
+    rows = p.explain(a.step, shard=a.rank if a.rank is not None or not p.streams else 0, decode=a.decode)
     if a.json:
         print(json.dumps(rows, indent=2))
         return
     for r in rows:
         where = (f"epoch {r['epoch']}, source row {r['source_row']:,}, plan row {r['plan_row']:,}" if r["segments"]
-                 is not None else f"canonical stream {r.get('canonical_stream')}, source row {r['source_row']:,}")
+                 is not None else f"source row {r['source_row']:,}")
+        if "canonical_stream" in r:
+            where += f", canonical stream {r['canonical_stream']}" + (f" window {r['window']}" if "window" in r else "")
         print(f"step {r['step']}, row {r['row']} (shard {r['shard']}): {r['source']}, {where}")
         for s in r["segments"] or []:
             place = f"{s['file']} #{s['index_in_file']}" if s["file"] else ""
@@ -175,6 +179,15 @@ def _explain(a) -> None:
                 print(f"    {s['text'][:300]!r}")
 
 
+def _made(p, state, steps: range) -> list:
+    """This rank's batches of `steps` of a pipeline with streaming sources, read in order
+    from the state's step (or 0); the batches before are read and dropped."""
+    it = p.iterator(state)
+    if steps.start < it.step:
+        raise ForgeGrainError(f"steps {steps.start}:{steps.stop} start before the state's step {it.step}")
+    return list(itertools.islice(it, steps.start - it.step, steps.stop - it.step))
+
+
 def _replay(a) -> None:
     """The batches rank R of W saw at steps A..B-1, from the config (and a state) alone."""
     import numpy as np
@@ -182,11 +195,8 @@ def _replay(a) -> None:
     from forge_grain.stores.manifest import fsync_rename, temporary
 
     p, state = _recorded_pipeline(a, a.rank, a.world_size or 1)
-    if p.streams:  # read in order, from the state's step (or 0)
-        it = p.iterator(state)
-        if a.steps.start < it.step:
-            raise ForgeGrainError(f"steps {a.steps.start}:{a.steps.stop} start before the state's step {it.step}")
-        batches = list(itertools.islice(it, a.steps.start - it.step, a.steps.stop - it.step))  # earlier ones dropped
+    if p.streams:
+        batches = _made(p, state, a.steps)
     else:
         batches = [p.batch(step) for step in a.steps]
     arrays = {k: np.stack([b[k] for b in batches]) for k in batches[0] if k != "step"}

@@ -206,16 +206,41 @@ def test_the_command_line_explains_replays_and_hashes(tmp_path, unique_stores, c
     assert lines == [x for step in range(3) for x in (str(step), whole.batch_hash(step))]
 
 
-def test_a_streaming_source_is_named_with_its_canonical_stream(tmp_path):
+def check_streaming_rows(explained: list[dict], batch: dict, source, texts: list[str]) -> None:
+    """Every segment is the tokens of the text at the stream row it names, at its slots; every
+    slot is named (the texts tokenized independently of the packing)."""
+    for row, e in enumerate(explained):
+        covered = np.zeros(batch["inputs"].shape[1], bool)
+        for seg in e["segments"]:
+            (lo, hi), (a, b) = seg["tokens"], seg["slots"]
+            tokens = source.tokenize([texts[seg["document"]]])[0]
+            assert np.array_equal(batch["inputs"][row, a:b], tokens[lo:hi]), (e, seg)
+            covered[a:b] = True
+        assert np.array_equal(covered, batch["segment_ids"][row] > 0), e
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_streaming_row_is_explained_once_made(tmp_path, shards):
     from conftest import make_texts, write_jsonl
 
-    write_jsonl(tmp_path / "t.jsonl", make_texts(200, seed=4))
+    texts = make_texts(300, seed=4, empty_every=23)
+    write_jsonl(tmp_path / "t.jsonl", texts)
     cfg = DataConfig(sources=[dict(name="s", hf_dataset=str(tmp_path / "t.jsonl"), hf_streaming=True, window=40)],
                      seq_len=32, global_batch_size=4, canonical_streams=2)
-    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
-    rows = p.explain(0)
-    assert [r["source"] for r in rows] == ["s"] * 4 and {r["canonical_stream"] for r in rows} == {0, 1}
-    assert all(r["segments"] is None for r in rows)
+    parts = [Pipeline(cfg, k, shards, num_threads=0, cache_dir=tmp_path / "cache") for k in range(shards)]
+    assert all(r["segments"] is None for r in parts[0].explain(0))  # not read yet: not known
+    seen = set()
+    for step in range(25):
+        for k, p in enumerate(parts):
+            batch = p.batch(step)
+            rows = p.explain(step, shard=k)
+            assert {r["canonical_stream"] for r in rows} == ({0, 1} if shards == 1 else {k})
+            check_streaming_rows(rows, batch, p.stores[0], texts)
+            assert all(seg["file"] is None for r in rows for seg in r["segments"])  # `datasets` does not say
+            seen |= {seg["document"] for r in rows for seg in r["segments"]}
+    assert len(seen) > 40 and {d % 2 for d in seen} == {0, 1}  # rows r of stream r mod 2, both streams
+    with pytest.raises(Exception, match="streaming: its tokens are not kept"):
+        parts[0].explain(24, shard=0, decode=True)
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4])
@@ -368,6 +393,7 @@ def test_replay_of_a_streaming_run_reads_from_its_saved_state(tmp_path, capsys):
                     f'[[sources]]\nname = "s"\nhf_dataset = "{tmp_path / "t.jsonl"}"\nhf_streaming = true\nwindow = 40\n')
     p = Pipeline(DataConfig.from_toml(toml), 0, 1, num_threads=0, progress=False)
     reference = [{k: v.copy() for k, v in p.batch(step).items()} for step in range(9)]
+    explained = p.explain(6)  # made: recorded
     (tmp_path / "state.json").write_text(json.dumps(p.state_at(2)))
     assert main(["replay", str(toml), "--state", str(tmp_path / "state.json"), "--steps", "4:7",
                  "--out", str(tmp_path / "b.npz")]) == 0
@@ -377,3 +403,9 @@ def test_replay_of_a_streaming_run_reads_from_its_saved_state(tmp_path, capsys):
     assert main(["replay", str(toml), "--state", str(tmp_path / "state.json"), "--steps", "1:3",
                  "--out", str(tmp_path / "c.npz")]) == 2
     assert "steps 1:3 start before the state's step 2" in capsys.readouterr().err
+    # explain reads the steps from the state to the one asked: the same rows as the run made
+    capsys.readouterr()
+    assert main(["explain", str(toml), "--state", str(tmp_path / "state.json"), "--step", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == explained and explained[0]["segments"]
+    assert main(["explain", str(toml), "--state", str(tmp_path / "state.json"), "--step", "6"]) == 0
+    assert "canonical stream 0 window" in capsys.readouterr().out

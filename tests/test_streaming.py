@@ -224,6 +224,27 @@ def test_streaming_from_object_storage_equals_streaming_local_files(tmp_path, pa
     assert same(run(Pipeline(remote, 0, 1, cache_dir=tmp_path / "remote"), state=state), local[9:])
 
 
+def test_streaming_rows_from_object_storage_are_explained_by_file_and_row(tmp_path, s3):
+    """`explain` names each document of a streamed row by the file at its URL and its row
+    there: the text at that place, tokenized, is the row's tokens at the named slots."""
+    texts = make_texts(1500, seed=7, empty_every=41)  # the `parts` fixture's rows: 800 in part-0, 700 in part-1
+    p = Pipeline(config(["s3://texts/json/*.jsonl"], storage_options=s3.options()), 0, 2, num_threads=0,
+                 cache_dir=tmp_path)
+    files = set()
+    for step in range(p.num_steps):
+        batch = p.batch(step)
+        for row, e in enumerate(p.explain(step, shard=0)):
+            for seg in e["segments"]:
+                part = 0 if seg["document"] < 800 else 1
+                assert seg["file"] == f"s3://texts/json/part-{part}.jsonl"
+                assert seg["index_in_file"] == seg["document"] - 800 * part
+                (lo, hi), (a, b) = seg["tokens"], seg["slots"]
+                tokens = p.stores[0].tokenize([texts[seg["document"]]])[0]
+                assert np.array_equal(batch["inputs"][row, a:b], tokens[lo:hi])
+                files.add(part)
+    assert files == {0, 1}
+
+
 def test_streaming_from_object_storage_survives_faults(tmp_path, parts, s3):
     local = run(Pipeline(config(parts["json"]), 0, 1, cache_dir=tmp_path / "local"))
     remote = config(["s3://texts/json/*.jsonl"], storage_options=s3.options(via_proxy=True))

@@ -28,7 +28,13 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
     and `segments`: per run of one document, the `document` (its index in the store), the
     store `file` holding it and the document's `index_in_file`, the `tokens` [lo, hi) of
     the document that fill the row's input `slots` [a, b). `decode=True` adds each
-    segment's `text`, decoded with the source's tokenizer."""
+    segment's `text`, decoded with the source's tokenizer.
+
+    A streaming source's rows are known once read: they are explained for the steps this
+    process made recently (its `canonical_stream`, `epoch`, `window`, and per segment the
+    `document` as the row of the stream's pass that held it, with its `file` and
+    `index_in_file` where the reader knows them: files at URLs), else their segments are
+    None; `forge-grain explain --state` makes the steps from a saved state first."""
     p = pipeline
     T = p.config.seq_len
     if not 0 <= step < p.step_limit:
@@ -49,10 +55,15 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
             if decode and s not in tokenizers:
                 tokenizers[s] = _tokenizer(d.store, p.config.sources[s].tokenizer if s < len(p.config.sources) else None)
             row.update(_packed_row(d, r, T, tokenizers.get(s)))
-        else:  # a streaming source (or one removed by a mixture change): no plan to follow here
+        else:  # a streaming source: known once read, so only for rows this process made
             row.update(epoch=None, plan_row=None, segments=None)
             if hasattr(d, "layout"):
                 row["canonical_stream"] = int(d.layout.stream_of(np.array([h]))[0])
+                row.update(d.explain(h) or {})
+                if decode:
+                    raise ConfigError(f"source '{p.source_names[s]}' is streaming: its tokens are not kept after "
+                                      "the batch is made, so explain cannot decode them; decode the batch's inputs "
+                                      "at the slots explain names (forge-grain replay writes them)")
         out.append(row)
     return out
 

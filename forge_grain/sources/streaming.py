@@ -63,6 +63,7 @@ from forge_grain.tokenizer import load_tokenizer
 
 COUNT_BATCH = 256  # texts per counting-pass task
 AHEAD = 2  # windows a canonical stream reads and tokenizes ahead of the one it emits
+MADE_ROWS = 1 << 14  # rows whose provenance a process keeps for `explain` (the last steps it made)
 START = {"epoch": 0, "window": 0, "stream": "null", "row_index": 0, "emitted": 0}
 
 
@@ -241,7 +242,8 @@ class Dealer:
         self._starts, self._passes = dict(starts), {}
 
     def window(self, stream: int, epoch: int) -> tuple:
-        """(marker, row index, texts, ended) of `stream`'s next window in `epoch`."""
+        """(marker, row index, texts, ended, places) of `stream`'s next window in `epoch`
+        (places: each text's file and row in it, where the reader knows them)."""
         p = self._passes.get(epoch)
         if p is None:  # every stream reads this epoch some time: from its start, or a restored place in it
             members = {c: (m, r) if e == epoch else (None, 0) for c, (e, m, r) in self._starts.items() if e <= epoch}
@@ -258,7 +260,7 @@ class _Member:
     """A stream's share of a pass: its window being filled and its finished windows."""
 
     def __init__(self, marker, row: int):
-        self.marker, self.start, self.texts = marker, row, []
+        self.marker, self.start, self.texts, self.places = marker, row, [], []
         self.ready: collections.deque = collections.deque()
 
 
@@ -293,15 +295,16 @@ class _Pass:
             text = self.it.next(keep)
         except StopIteration:  # every stream's last window (possibly empty) ends the epoch
             for m in self.members.values():
-                m.ready.append((m.marker, m.start, m.texts, True))
-                m.texts = []
+                m.ready.append((m.marker, m.start, m.texts, True, m.places))
+                m.texts, m.places = [], []
             return
         self.row += 1
         if keep:
             m.texts.append(text)
+            m.places.append(self.it.place())
             if len(m.texts) == self.n:
-                m.ready.append((m.marker, m.start, m.texts, False))
-                m.texts, m.start = [], self.row
+                m.ready.append((m.marker, m.start, m.texts, False, m.places))
+                m.texts, m.places, m.start = [], [], self.row
                 self._marking[self.row].append(m)
 
 
@@ -337,11 +340,11 @@ class StreamCursor:
         self._fill()
 
     def _next_window(self) -> tuple:
-        """(epoch, window, marker, row index, texts, last of its epoch) of the next window."""
+        """(epoch, window, marker, row index, texts, last of its epoch, places) of the next window."""
         epoch, window = self._reading
-        marker, row, texts, ended = self.dealer.window(self.index, epoch)
+        marker, row, texts, ended, places = self.dealer.window(self.index, epoch)
         self._reading = (epoch + 1, 0) if ended else (epoch, window + 1)
-        return epoch, window, marker, row, texts, ended
+        return epoch, window, marker, row, texts, ended, places
 
     def _fill(self, cross: bool = False) -> None:
         """Read and submit windows up to `AHEAD` ahead, but not into the next epoch unless
@@ -351,15 +354,15 @@ class StreamCursor:
             if last and not cross:
                 return
             cross = False
-            epoch, window, marker, row, texts, last = self._next_window()
-            self._pending.append((epoch, window, marker, row, self.source.pool.submit(texts), last))
+            epoch, window, marker, row, texts, last, places = self._next_window()
+            self._pending.append((epoch, window, marker, row, self.source.pool.submit(texts), last, places))
 
     def _load_window(self) -> None:
         """Make the next window with rows current (the restored one first)."""
         epochs = set()
         while True:
             self._fill(cross=not self._pending)
-            epoch, window, marker, row, encoded, self._last = self._pending.popleft()
+            epoch, window, marker, row, encoded, self._last, places = self._pending.popleft()
             self._fill()  # keep the pool busy while this window is planned
             epochs.add(epoch)
             if len(epochs) > 2:
@@ -370,17 +373,21 @@ class StreamCursor:
             plan = self.source.plan_window(np.array([len(d) for d in docs], np.int64), epoch, window, self.index)
             if plan is not None and self.emitted < plan.num_rows:
                 self._plan = plan
+                self._record = WindowRecord(self.index, self.count, epoch, window, row,
+                                            np.array([len(d) for d in docs], np.int64), places, plan)
                 self._pieces = kernels.one_piece(np.concatenate([d for d in docs if len(d)]).astype(self.source.dtype))
                 key = stream_key("window-rows", self.source.window_seed(epoch, window, self.index))
                 self._order = kernels.permutation(plan.num_rows, key)
                 return
             self.emitted = 0
 
-    def emit(self, out: dict, dest: int) -> None:
-        """Write this stream's next row into row `dest` of `out`."""
+    def emit(self, out: dict, dest: int) -> tuple:
+        """Write this stream's next row into row `dest` of `out`; returns where the row came
+        from: (its window's `WindowRecord`, its row in the window's plan)."""
         if self._plan is None:
             self._load_window()
         p = self._plan
+        made = (self._record, int(self._order[self.emitted]))
         kernels.fill_rows(self._order[self.emitted : self.emitted + 1], np.array([dest], np.int64), p.row_ptr,
                           p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, *self._pieces, self.seq_len, self.pad_id,
                           *(out[k] for k in ROW_KEYS))
@@ -391,6 +398,41 @@ class StreamCursor:
                 self.epoch, self.window, self._marker, self._row_index = self.epoch + 1, 0, None, 0
             else:
                 self._load_window()  # so that the state is the next window's
+        return made
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowRecord:
+    """What `explain` needs of a window a canonical stream packed: its place in the stream
+    (texts at rows first, first + count, ... of the epoch's pass from `start`), the lengths
+    of its documents, each document's file and row where the reader knows them, its plan."""
+
+    stream: int
+    count: int
+    epoch: int
+    window: int
+    start: int
+    lengths: np.ndarray
+    places: list
+    plan: object
+
+    def explain(self, plan_row: int, seq_len: int) -> dict:
+        """The row's epoch, window, plan row and segments (each: `document`, the row of the
+        stream's pass that held it; its `file` and `index_in_file` where known; `tokens`,
+        `slots`, as for stored sources)."""
+        p, offsets = self.plan, np.concatenate([[0], np.cumsum(self.lengths)])
+        first = self.start + (self.stream - self.start) % self.count  # the window's first text's row
+        segments, slot = [], 0
+        for s in range(int(p.row_ptr[plan_row]), int(p.row_ptr[plan_row + 1])):
+            g, n = int(p.seg_start[s]), int(p.seg_len[s])
+            k = int(np.searchsorted(offsets, g, side="right") - 1)
+            lo, shown = g - int(offsets[k]), max(0, min(n, seq_len - slot))
+            place = self.places[k] if k < len(self.places) else None
+            segments.append({"document": first + k * self.count, "file": place[0] if place else None,
+                             "index_in_file": place[1] if place else None, "tokens": [lo, lo + shown],
+                             "slots": [slot, slot + shown]})
+            slot += n
+        return {"epoch": self.epoch, "window": self.window, "plan_row": plan_row, "segments": segments}
 
 
 class StreamRows:
@@ -406,6 +448,7 @@ class StreamRows:
         self.stats = source.epoch_stats  # fill and crop of its packing, from the counting pass
         self.plan_key = f"stream-{source.key}"
         self.pad_id = source.eos_id if source.eos_id is not None else 0
+        self.made: collections.OrderedDict = collections.OrderedDict()  # global row -> (WindowRecord, plan row)
         self.own(owned)
 
     def own(self, owned: list[int]) -> None:
@@ -447,9 +490,17 @@ class StreamRows:
         streams = self.layout.stream_of(rows)
         for c in np.unique(streams):  # open them all first: their windows tokenize in parallel
             self._cursor(int(c))
-        for c, d in zip(streams.tolist(), np.asarray(dest).tolist()):
-            self._cursors[c].emit(out, d)
+        for h, c, d in zip(np.asarray(rows).tolist(), streams.tolist(), np.asarray(dest).tolist()):
+            self.made[h] = self._cursors[c].emit(out, d)
+        while len(self.made) > MADE_ROWS:
+            self.made.popitem(last=False)
         return out
+
+    def explain(self, row: int) -> dict | None:
+        """Where global row `row` came from, if this process made it recently (a streaming
+        row is known only once read): see `WindowRecord.explain`."""
+        made = self.made.get(int(row))
+        return None if made is None else made[0].explain(made[1], self.seq_len)
 
 
 def rows_per_epoch(source: StreamingSource, layout: StreamLayout, progress: bool = True) -> int:

@@ -96,6 +96,10 @@ class _DatasetIter:
     def marker(self):
         return self._known if self._known is not None else self.ds.state_dict()
 
+    def place(self):
+        """The file and row of the row last read: `datasets` does not say (None)."""
+        return None
+
 
 def _local_files(src) -> list:
     """The local files a streaming source reads (for error messages), or [] for a Hub dataset."""
@@ -180,6 +184,10 @@ class _FilesIter:
 
     def marker(self):
         return [self.file, self.row, self.offset]
+
+    def place(self) -> tuple[str, int]:
+        """(file URL, row in that file) of the row last read."""
+        return self.files.files[self.file], self.row - 1
 
     def next(self, keep: bool = True):
         while True:
