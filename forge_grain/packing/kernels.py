@@ -413,6 +413,17 @@ def _mix64(x):
 
 
 @nb.njit(cache=CACHE, inline="always")
+def _feistel_halves(n):
+    """(bits per half, mask of a half) of the Feistel network over the smallest even bit
+    width covering n."""
+    bits = 2
+    while (np.uint64(1) << np.uint64(bits)) < np.uint64(n):
+        bits += 2
+    half = np.uint64(bits // 2)
+    return half, (np.uint64(1) << half) - np.uint64(1)
+
+
+@nb.njit(cache=CACHE, inline="always")
 def _feistel(x, n, half, mask, k):
     while True:
         left = x >> half
@@ -474,11 +485,7 @@ def epoch_rows(idx, n, seed_key, shuffle):
                 last = e
             out[i] = perm[idx[i] - e * n]
         return out
-    bits = 2
-    while (np.uint64(1) << np.uint64(bits)) < np.uint64(n):
-        bits += 2
-    half = np.uint64(bits // 2)
-    mask = (np.uint64(1) << half) - np.uint64(1)
+    half, mask = _feistel_halves(n)
     un = np.uint64(n)
     for i in range(len(idx)):
         e = idx[i] // n
@@ -519,11 +526,7 @@ def epoch_positions(rows, n, seed_key, e, shuffle):
         for i in range(len(rows)):
             out[i] = inverse[rows[i]]
         return out
-    bits = 2
-    while (np.uint64(1) << np.uint64(bits)) < np.uint64(n):
-        bits += 2
-    half = np.uint64(bits // 2)
-    mask = (np.uint64(1) << half) - np.uint64(1)
+    half, mask = _feistel_halves(n)
     for i in range(len(rows)):
         out[i] = np.int64(_feistel_inverse(np.uint64(rows[i]), np.uint64(n), half, mask, key))
     return out
