@@ -364,6 +364,14 @@ def test_skip_documents_is_checked(unique_stores):
     changed.sources[0].weight = 0.9
     with pytest.raises(Exception, match="mixture change after skipped documents"):
         Pipeline(changed, 0, 1, num_threads=0, resume_from=b.state_at(6), allow_mixture_change=True)
+    # the order that works: the change and the skip at one resume
+    both = Pipeline(changed, 0, 1, num_threads=0, resume_from=a.state_at(3), allow_mixture_change=True,
+                    skip_documents={"web": [4]})
+    rows = [e for step in range(3, 40) for e in both.explain(step)]
+    assert not any(holds(e, {"web": [4]}) for e in rows)
+    plain = Pipeline(changed, 0, 1, num_threads=0, resume_from=a.state_at(3), allow_mixture_change=True)
+    assert any(holds(e, {"web": [4]}) for step in range(3, 40) for e in plain.explain(step))
+    assert both.explain(2) == plain.explain(2) == a.explain(2)
 
 
 @pytest.mark.parametrize("window", [None, 3])
