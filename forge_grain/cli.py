@@ -161,7 +161,8 @@ def _explain(a) -> None:
     p, state = _recorded_pipeline(a, a.rank or 0, a.world_size or 1)
     if p.streams:  # a streaming row is known once read: make this rank's steps up to it
         _made(p, state, range(a.step, a.step + 1))
-    rows = p.explain(a.step, shard=a.rank if a.rank is not None or not p.streams else 0, decode=a.decode)
+    shard = 0 if a.rank is None and p.streams else a.rank  # streaming rows: only this rank's are made
+    rows = p.explain(a.step, shard=shard, decode=a.decode)
     if a.json:
         print(json.dumps(rows, indent=2))
         return

@@ -57,6 +57,18 @@ class PackingPlan:
     def num_rows(self) -> int:
         return len(self.row_ptr) - 1
 
+    def documents_of(self, row: int, offsets) -> list[tuple[int, int, int, int]]:
+        """Per segment of plan row `row`: (document, first token of it, first input slot,
+        tokens in input slots), the documents starting at `offsets` in the planned tokens (a
+        segment may add one target past the row, which fills no input slot)."""
+        out, slot = [], 0
+        for s in range(int(self.row_ptr[row]), int(self.row_ptr[row + 1])):
+            g, n = int(self.seg_start[s]), int(self.seg_len[s])
+            doc = int(np.searchsorted(offsets, g, side="right") - 1)
+            out.append((doc, g - int(offsets[doc]), slot, max(0, min(n, self.seq_len - slot))))
+            slot += n
+        return out
+
     def save(self, directory: Path) -> None:
         """Write atomically: a temporary directory renamed into place (first writer wins).
 

@@ -36,7 +36,6 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
     `index_in_file` where the reader knows them: files at URLs), else their segments are
     None; `forge-grain explain --state` makes the steps from a saved state first."""
     p = pipeline
-    T = p.config.seq_len
     if not 0 <= step < p.step_limit:
         raise IndexError(f"step {step} is outside [0, {p.step_limit})")
     rows, first = p.global_rows(step), 0
@@ -54,7 +53,7 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
         if isinstance(d, PackedDataset):
             if decode and s not in tokenizers:
                 tokenizers[s] = _tokenizer(d.store, p.config.sources[s].tokenizer if s < len(p.config.sources) else None)
-            row.update(_packed_row(d, r, T, tokenizers.get(s)))
+            row.update(_packed_row(d, r, tokenizers.get(s)))
         else:  # a streaming source: known once read, so only for rows this process made
             row.update(epoch=None, plan_row=None, segments=None)
             if hasattr(d, "layout"):
@@ -68,23 +67,16 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
     return out
 
 
-def _packed_row(d: PackedDataset, rank: int, T: int, tok) -> dict:
+def _packed_row(d: PackedDataset, rank: int, tok) -> dict:
     plan_row = int(d.rows_of([rank])[0])
-    plan = d.plan
-    offsets = d.store.offsets
-    segments, slot = [], 0
-    for s in range(int(plan.row_ptr[plan_row]), int(plan.row_ptr[plan_row + 1])):
-        g, n = int(plan.seg_start[s]), int(plan.seg_len[s])
-        doc = int(np.searchsorted(offsets, g, side="right") - 1)
-        lo = g - int(offsets[doc])
-        shown = max(0, min(n, T - slot))  # tokens in input slots; a segment may add one target past the row
+    segments = []
+    for doc, lo, slot, shown in d.plan.documents_of(plan_row, d.store.offsets):
         file, index_in_file = d.store.place_of(doc)
         seg = {"document": doc, "file": None if file is None else str(file), "index_in_file": index_in_file,
                "tokens": [lo, lo + shown], "slots": [slot, slot + shown]}
         if tok is not None:
             seg["text"] = tok.backend.decode(d.store[doc][lo : lo + shown].tolist(), skip_special_tokens=False)
         segments.append(seg)
-        slot += n
     return {"epoch": rank // d.num_rows, "plan_row": plan_row, "segments": segments}
 
 

@@ -28,10 +28,11 @@ class RowMap:
         self.docs: list[dict[int, int]] = [{} for _ in range(m)]  # plan row -> first source row it is skipped at
         self._groups: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(m)]  # (start, plan rows) by start
         self._positions: dict = {}  # (source, start, epoch) -> positions of that group's rows in the epoch
+        self.touched: set[int] = set()  # sources with removed rows (so that a map without skips costs nothing)
 
     @property
     def empty(self) -> bool:
-        return not any(self.ranges) and not any(self.docs)
+        return not self.touched
 
     # -- adding skips -----------------------------------------------------------------------
 
@@ -42,6 +43,7 @@ class RowMap:
         for i in range(len(self.ranges)):
             if b[i] > a[i]:
                 self.ranges[i].append((int(a[i]), int(b[i])))
+                self.touched.add(i)
 
     def skip_rows(self, at_step: int, plan_rows: dict[int, np.ndarray]) -> None:
         """Leave out, from step `at_step` on, every row of source i whose plan row is in
@@ -50,6 +52,7 @@ class RowMap:
         for i, rows in plan_rows.items():
             for r in np.asarray(rows, np.int64).tolist():
                 self.docs[i][r] = min(self.docs[i].get(r, int(start[i])), int(start[i]))
+                self.touched.add(i)
             by_start: dict[int, list[int]] = {}
             for r, s in self.docs[i].items():
                 by_start.setdefault(s, []).append(r)
@@ -101,7 +104,7 @@ class RowMap:
         if self.empty:
             return 0
         c = self.mixture.counts(x)
-        return sum(self.removed_below(i, int(c[i])) for i in range(len(c)) if self.ranges[i] or self.docs[i])
+        return sum(self.removed_below(i, int(c[i])) for i in self.touched)
 
     # -- mapping ----------------------------------------------------------------------------
 
@@ -131,9 +134,7 @@ class RowMap:
     def is_removed(self, stream_rows: np.ndarray) -> np.ndarray:
         src, rank = self.mixture.locate(stream_rows)
         gone = np.zeros(len(stream_rows), bool)
-        for i in np.unique(src).tolist():
-            if not (self.ranges[i] or self.docs[i]):
-                continue
+        for i in self.touched & set(np.unique(src).tolist()):
             sel = np.flatnonzero(src == i)
             j = rank[sel]
             hit = np.zeros(len(sel), bool)

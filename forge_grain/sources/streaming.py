@@ -370,11 +370,11 @@ class StreamCursor:
                                    f"{self.seq_len} tokens in a whole epoch")
             docs = encoded.result()
             self.epoch, self.window, self._marker, self._row_index = epoch, window, marker, row
-            plan = self.source.plan_window(np.array([len(d) for d in docs], np.int64), epoch, window, self.index)
+            lengths = np.array([len(d) for d in docs], np.int64)
+            plan = self.source.plan_window(lengths, epoch, window, self.index)
             if plan is not None and self.emitted < plan.num_rows:
                 self._plan = plan
-                self._record = WindowRecord(self.index, self.count, epoch, window, row,
-                                            np.array([len(d) for d in docs], np.int64), places, plan)
+                self._record = WindowRecord(self.index, self.count, epoch, window, row, lengths, places, plan)
                 self._pieces = kernels.one_piece(np.concatenate([d for d in docs if len(d)]).astype(self.source.dtype))
                 key = stream_key("window-rows", self.source.window_seed(epoch, window, self.index))
                 self._order = kernels.permutation(plan.num_rows, key)
@@ -416,22 +416,18 @@ class WindowRecord:
     places: list
     plan: object
 
-    def explain(self, plan_row: int, seq_len: int) -> dict:
+    def explain(self, plan_row: int) -> dict:
         """The row's epoch, window, plan row and segments (each: `document`, the row of the
         stream's pass that held it; its `file` and `index_in_file` where known; `tokens`,
         `slots`, as for stored sources)."""
-        p, offsets = self.plan, np.concatenate([[0], np.cumsum(self.lengths)])
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         first = self.start + (self.stream - self.start) % self.count  # the window's first text's row
-        segments, slot = [], 0
-        for s in range(int(p.row_ptr[plan_row]), int(p.row_ptr[plan_row + 1])):
-            g, n = int(p.seg_start[s]), int(p.seg_len[s])
-            k = int(np.searchsorted(offsets, g, side="right") - 1)
-            lo, shown = g - int(offsets[k]), max(0, min(n, seq_len - slot))
-            place = self.places[k] if k < len(self.places) else None
+        segments = []
+        for k, lo, slot, shown in self.plan.documents_of(plan_row, offsets):
+            place = self.places[k]  # one per text of the window
             segments.append({"document": first + k * self.count, "file": place[0] if place else None,
                              "index_in_file": place[1] if place else None, "tokens": [lo, lo + shown],
                              "slots": [slot, slot + shown]})
-            slot += n
         return {"epoch": self.epoch, "window": self.window, "plan_row": plan_row, "segments": segments}
 
 
@@ -500,7 +496,7 @@ class StreamRows:
         """Where global row `row` came from, if this process made it recently (a streaming
         row is known only once read): see `WindowRecord.explain`."""
         made = self.made.get(int(row))
-        return None if made is None else made[0].explain(made[1], self.seq_len)
+        return None if made is None else made[0].explain(made[1])
 
 
 def rows_per_epoch(source: StreamingSource, layout: StreamLayout, progress: bool = True) -> int:
