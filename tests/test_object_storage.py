@@ -334,29 +334,107 @@ def test_a_copy_evicted_between_its_fetch_and_its_opening_is_fetched_again(tmp_p
     assert np.array_equal(store[doc], local[doc]) and evicted
 
 
-def test_a_peer_format_in_object_storage_is_named_not_blamed_on_a_missing_manifest(tmp_path, s3):
-    """Only forge-grain stores are read from object storage: an MDS, LitData, Megatron, Arrow or
-    raw dataset there is named, with what to do, instead of 'manifest.json: no such object'."""
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory, s3):
+    """An MDS, LitData, Megatron, Arrow and raw dataset on disk, each uploaded to s3://peers/<name>."""
     from mds_writer import write_mds
-    from test_formats import LITDATA, write_arrow, write_megatron
+    from test_formats import LITDATA, make_docs, write_arrow, write_megatron
 
-    docs = [np.arange(1, n + 1, dtype=np.int32) for n in (5, 9, 30)]
-    (tmp_path / "megatron").mkdir()
+    base = tmp_path_factory.mktemp("peers")
+    docs = make_docs(120)
+    (base / "megatron").mkdir()
+    (base / "raw").mkdir()
+    np.concatenate(docs).astype(np.uint16).tofile(base / "raw" / "part-0.bin")
     local = {
-        "mds": write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs]),
+        "mds": write_mds(base / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs], samples_per_shard=40),
         "litdata": LITDATA / "dataset",
-        "megatron": write_megatron(tmp_path / "megatron" / "c4_text_document", docs).parent,
-        "arrow": write_arrow(tmp_path / "arrow", docs, text=["x"] * len(docs)),
+        "megatron": write_megatron(base / "megatron" / "c4_text_document", docs).parent,
+        "arrow": write_arrow(base / "arrow", docs, text=["x"] * len(docs)),
+        "raw": base / "raw",
     }
-    np.save(tmp_path / "raw.npy", np.concatenate(docs).astype(np.uint16))
-    expected = {"mds": "a MosaicML MDS dataset", "litdata": "a LitData dataset",
-                "megatron": "a Megatron indexed dataset", "arrow": "a Hugging Face save_to_disk dataset"}
     fs = s3.fs()
+    fs.mkdir("peers")
     for name, path in local.items():
-        fs.put(str(path), f"bucket/peers/{name}", recursive=True)
-    fs.put(str(tmp_path / "raw.npy"), "bucket/peers/raw/raw.npy")
-    for name, what in {**expected, "raw": "raw token files"}.items():
-        with pytest.raises(StoreError, match=f"s3://bucket/peers/{name}: this is {what}.*reads from local disk only"):
-            TokenStore.open(f"s3://bucket/peers/{name}", storage_options=s3.options(), object_cache=str(tmp_path / "c"))
+        fs.put(str(path), f"peers/{name}", recursive=True)
+    return local
+
+
+PEER_OPTIONS = {"raw": dict(dtype="uint16", eos_id=1)}
+
+
+@pytest.mark.parametrize("name", ["mds", "litdata", "megatron", "arrow", "raw"])
+def test_a_peer_dataset_in_object_storage_reads_equal_to_its_local_copy(tmp_path, s3, peers, name):
+    """A MosaicML, LitData, Megatron, Hugging Face or raw dataset in a bucket opens in place
+    (its format found from the listing) and gives the documents of the same files on disk,
+    with the same checks; a second open (another process) reuses the copy in the cache."""
+    import pickle
+
+    opts = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "c"), **PEER_OPTIONS.get(name, {}))
+    local = TokenStore.open(peers[name], **PEER_OPTIONS.get(name, {}))
+    before = s3.proxy.gets.copy()
+    remote = TokenStore.open(f"s3://peers/{name}", **opts)
+    assert remote.format == local.format and len(remote) == len(local) and remote.dtype == local.dtype
+    assert remote.fingerprint == local.fingerprint  # the same bytes: a state written on one resumes on the other
+    for i in range(len(local)):
+        assert np.array_equal(remote[i], local[i])
+    assert "s3://peers" in repr(remote)
+    downloaded = sum(s3.proxy.gets.values()) - sum(before.values())
+    assert downloaded > 0
+    again = pickle.loads(pickle.dumps(remote))  # as a DataLoader worker reopens it
+    assert np.array_equal(again[len(local) - 1], local[len(local) - 1])
+    assert sum(s3.proxy.gets.values()) - sum(before.values()) == downloaded  # nothing fetched twice
+
+
+def test_a_peer_dataset_rewritten_in_object_storage_is_copied_again(tmp_path, s3, peers):
+    """The copy is named by the listing: replacing a shard in place is never read from a stale copy."""
+    from mds_writer import write_mds
+    from test_formats import make_docs
+
+    fs, opts = s3.fs(), dict(storage_options=s3.options(), object_cache=str(tmp_path / "c"))
+    fs.put(str(peers["mds"]), "peers/mds-rewritten", recursive=True)
+    first = TokenStore.open("s3://peers/mds-rewritten", **opts)[0]
+    docs = make_docs(120, seed=7)
+    new = write_mds(tmp_path / "new", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs], samples_per_shard=40)
+    for f in new.iterdir():  # in place, same names
+        fs.put_file(str(f), f"peers/mds-rewritten/{f.name}")
+    store = TokenStore.open("s3://peers/mds-rewritten", **opts)
+    assert np.array_equal(store[0], docs[0]) and not np.array_equal(first, docs[0])
+
+
+def test_a_megatron_prefix_in_object_storage_opens_like_its_local_prefix(tmp_path, s3, peers):
+    prefix = peers["megatron"] / "c4_text_document"
+    remote = TokenStore.open("s3://peers/megatron/c4_text_document", storage_options=s3.options(),
+                             object_cache=str(tmp_path / "c"))
+    local = TokenStore.open(prefix)
+    assert len(remote) == len(local) and np.array_equal(remote[5], local[5])
+
+
+def test_a_peer_dataset_source_gives_the_stream_of_its_local_copy(tmp_path, s3, peers):
+    remote = config(source("s3://peers/mds", storage_options=s3.options(), object_cache=str(tmp_path / "c")))
+    local = config(source(peers["mds"]))
+    a, b = Pipeline(local, 0, 1, cache_dir=tmp_path / "p1"), Pipeline(remote, 0, 1, cache_dir=tmp_path / "p2")
+    assert a.num_steps == b.num_steps
+    for step in range(a.num_steps):
+        assert same(a.batch(step), b.batch(step))
+
+
+def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, peers):
+    """What is refused on disk is refused from a bucket, naming the URL: a raw file without a
+    dtype, an MDS shard cut short, a dataset larger than cache_limit (copied whole), and a
+    peer's dataset opened as a forge-grain store."""
+    fs, opts = s3.fs(), dict(storage_options=s3.options(), object_cache=str(tmp_path / "c"))
+    with pytest.raises(StoreError, match="s3://peers/raw.*dtype"):
+        TokenStore.open("s3://peers/raw", **opts)
+    fs.put(str(peers["mds"]), "peers/mds-cut", recursive=True)
+    shard = sorted(f for f in fs.ls("peers/mds-cut") if f.endswith(".mds"))[0]
+    fs.pipe_file(shard, fs.cat_file(shard)[:-3])
+    with pytest.raises(StoreError, match="s3://peers/mds-cut/shard.*truncated"):
+        TokenStore.open("s3://peers/mds-cut", **opts)
+    with pytest.raises(StoreError, match="s3://peers/litdata: a LitData dataset is copied into the cache whole.*"
+                                         "exceed cache_limit 100"):
+        TokenStore.open("s3://peers/litdata", cache_limit=100, **opts)
+    with pytest.raises(StoreError, match="s3://peers/arrow: this is a Hugging Face save_to_disk dataset.*not a "
+                                         "forge-grain store"):
+        TokenStore.open("s3://peers/arrow", format="native", **opts)
     with pytest.raises(StoreError, match="s3://bucket/nothing-here: nothing at this URL"):
-        TokenStore.open("s3://bucket/nothing-here", storage_options=s3.options(), object_cache=str(tmp_path / "c"))
+        TokenStore.open("s3://bucket/nothing-here", **opts)

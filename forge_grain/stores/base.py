@@ -51,7 +51,7 @@ class TokenStore:
 
     def __new__(cls, path=None, **options):
         if cls is TokenStore:
-            cls = TokenStore.resolve(path, options.get("format"))
+            cls = TokenStore.resolve(path, options.get("format"), options)
         return super().__new__(cls)
 
     def __init__(self, path: str | Path, **options):

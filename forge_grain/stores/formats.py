@@ -21,17 +21,19 @@ FORMATS = {
 }
 
 
-def store_class(path, format: str | None = None):
+def store_class(path, format: str | None = None, options: dict | None = None):
     """The `TokenStore` subclass for `path`: `format` when given (it must be one of the formats
-    the directory's marker files show, if any), else the one detected. A URL (`s3://...`)
-    is a forge-grain store in object storage (the one format read remotely)."""
+    the directory's marker files show, if any), else the one detected. A URL (`s3://...`) is
+    detected from its listing (`options`' `storage_options` reach it): a forge-grain store
+    fetches its shards as the plan needs them, a peer's dataset is copied into the cache."""
     if is_url(path):
+        from forge_grain.stores.mirror import mirrored_class, remote_format
         from forge_grain.stores.remote import RemoteStore
 
-        if format not in (None, "native"):
-            raise StoreError(f"{path}: format={format!r} is not read from object storage; only forge-grain stores "
-                             "(format 'native', written by `forge-grain prepare`) are")
-        return RemoteStore
+        if format is not None and format not in FORMATS:
+            raise StoreError(f"{path}: unknown format {format!r}; one of {', '.join(FORMATS)}")
+        name = format or remote_format(str(path), (options or {}).get("storage_options"))
+        return RemoteStore if name == "native" else mirrored_class(_load(name))
     path = local_path(path)
     name = format or detect(path)
     if name not in FORMATS:
@@ -42,6 +44,10 @@ def store_class(path, format: str | None = None):
             f"{path}: format={format!r} was given, but this is "
             f"{' and '.join(f'{what} ({why})' for what, why in found.values())}"
         )
+    return _load(name)
+
+
+def _load(name: str):
     module, cls = FORMATS[name]
     return getattr(importlib.import_module(f".{module}", __package__), cls)
 

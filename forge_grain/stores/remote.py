@@ -151,8 +151,8 @@ class ObjectCache(RemoteDir):
         return self.retry(name, attempt, missing_ok=missing_ok)
 
     def not_a_store(self) -> StoreError:
-        """Why a URL without a manifest cannot be opened: the format its files show, named
-        (read from local disk only), or what is there, or that nothing is."""
+        """Why a URL without a manifest cannot be opened as a forge-grain store: the format its
+        files show (when format="native" was given), or what is there, or that nothing is."""
         listed = self.retry("", lambda: self.fs.ls(self.root, detail=False), missing_ok=True) or []
         names = {str(n).rstrip("/").rsplit("/", 1)[-1] for n in listed}
         if any(n.startswith("shard-") and n.endswith((".bin", ".array_record")) for n in names):
@@ -166,13 +166,10 @@ class ObjectCache(RemoteDir):
         found = identify.formats_named(names, index)
         if not found and any(n.endswith((".bin", ".npy")) for n in names):
             found = {"raw": ("raw token files", ".bin/.npy files")}
-        if found:
+        if found:  # reached with format="native" given: the listing shows another format
             what = " and ".join(f"{w} ({why})" for w, why in found.values())
-            return StoreError(
-                f"{self.url}: this is {what}, which forge-grain reads from local disk only; from object storage "
-                "it reads forge-grain stores (a manifest.json, written by `forge-grain prepare`). Copy it to local "
-                f"disk and open the copy (e.g. `aws s3 sync {self.url} ./data`), or prepare a store from it and "
-                "upload that")
+            return StoreError(f"{self.url}: this is {what}, not a forge-grain store (format='native' was given); "
+                              f"open it without format= (or with format={next(iter(found))!r}) to read it in place")
         if names:
             return StoreError(f"{self.url}: no manifest.json, so not a forge-grain store; it holds "
                               f"{', '.join(sorted(names)[:8])}{', ...' if len(names) > 8 else ''}")

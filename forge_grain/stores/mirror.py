@@ -1,0 +1,147 @@
+"""Peers' datasets in object storage (MosaicML MDS, LitData, Megatron, Hugging Face Arrow,
+raw token files), read through the same local cache as forge-grain stores.
+
+These formats keep where each document starts inside their data files (a sample table at the
+head of every MDS shard and LitData chunk, record batches in Arrow files, one `.bin` per
+Megatron `.idx`), so counting a dataset's documents reads every data file: the dataset is
+copied into the cache whole when it opens (concurrently, each file checked against the size
+the listing gives, written to a temporary name and renamed), then read by the format's own
+local reader with the same checks as on disk. The copy's directory is named by the listing
+(names, sizes, ETags), so a dataset rewritten in place gets a new copy and nothing stale is
+read; a copy made once is reused by every process of the host. A forge-grain store (a
+`manifest.json`) is what fetches shards as the plan needs them: `forge_grain.stores.remote`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+from forge_grain.errors import StoreError
+from forge_grain.stores import identify
+from forge_grain.stores.base import TokenStore
+from forge_grain.stores.remote import MANIFEST_NAME, ObjectCache, RemoteDir
+
+REMOTE_OPTIONS = frozenset({"storage_options", "object_cache", "cache_limit"})
+THREADS = 8  # concurrent downloads while copying a dataset
+
+
+def remote_format(url: str, storage_options: dict | None = None) -> str:
+    """The format of the dataset at `url`, from its listing: "native" for a forge-grain
+    store (or when nothing is recognised: `RemoteStore` then says what is there)."""
+    listing = _listing(RemoteDir(url, storage_options))
+    names = {name.split("/", 1)[0] for name in listing}
+    if MANIFEST_NAME in names:
+        return "native"
+    index = None
+    if "index.json" in listing:
+        remote = RemoteDir(url, storage_options)
+        text = remote.retry("index.json", lambda: remote.fs.cat_file(remote.path("index.json")))
+        try:
+            index = json.loads(text)
+        except ValueError:
+            raise StoreError(f"{url}/index.json: not JSON ({len(text)} bytes): the index of a LitData or MosaicML MDS "
+                             "dataset was not written completely; run optimize() / MDSWriter again")
+    found = identify.formats_named(names, index)
+    if len(found) > 1:
+        raise StoreError(f"{url}: holds the files of {' and of '.join(f'{w} ({why})' for w, why in found.values())}; "
+                         f"it cannot be read both ways: pass format= one of {', '.join(sorted(found))}")
+    if found:
+        return next(iter(found))
+    if not listing and _megatron_prefix(url, storage_options):
+        return "megatron"
+    if any(n.endswith((".bin", ".npy")) for n in names) and not any(n.startswith("shard-") for n in names):
+        return "raw"
+    return "native"
+
+
+@functools.cache
+def mirrored_class(base: type) -> type:
+    """The store class reading `base`'s format at a URL: the local reader, on a copy in the cache."""
+    name = f"Remote{base.__name__}"
+    return type(name, (Mirrored, base), {"OPTIONS": base.OPTIONS | REMOTE_OPTIONS, "__module__": __name__,
+                                         "__qualname__": name})
+
+
+class Mirrored:
+    """Mixed into a local format's store class (`mirrored_class`): `path` is a URL, copied
+    into the cache before the format's reader opens the copy."""
+
+    def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, **options):
+        self.url = str(path).rstrip("/")
+        self._remote = dict(storage_options=storage_options, object_cache=object_cache, cache_limit=cache_limit)
+        home, base, prefix = copy_dataset(self.url, self.description, storage_options, object_cache, cache_limit)
+        try:
+            super().__init__(home / prefix if prefix else home, **options)
+        except StoreError as e:  # name the objects, not their local copies
+            raise StoreError(str(e).replace(str(home), base)) from None
+        self._options = {**options, **{k: v for k, v in self._remote.items() if v is not None}}
+
+    def __reduce__(self):
+        return (_reopen_mirrored, (self.format, self.url, self._options))
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
+
+
+def _reopen_mirrored(format, url, options):
+    return TokenStore.open(url, **{**options, "format": format})
+
+
+def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
+                 cache_limit=None) -> tuple[Path, str, str | None]:
+    """The local copy of the dataset at `url`, downloaded first where the cache lacks it:
+    (the local directory, the URL it copies, the Megatron prefix in it when `url` is one)."""
+    from tqdm.auto import tqdm
+
+    remote = RemoteDir(url, storage_options)
+    listing, prefix = _listing(remote), None
+    if not listing:  # a Megatron prefix: its .idx and .bin beside each other
+        prefix = url.rsplit("/", 1)[-1]
+        url = url.rsplit("/", 1)[0]
+        remote = RemoteDir(url, storage_options)
+        listing = {n: v for n, v in _listing(remote).items() if n in (f"{prefix}.idx", f"{prefix}.bin")}
+    files = sorted((name, size, tag) for name, (size, tag) in listing.items())
+    total = sum(size for _, size, _ in files)
+    if cache_limit is not None and total > cache_limit:
+        raise StoreError(f"{url}: {what} is copied into the cache whole (its documents are found inside its data "
+                         f"files), and its {total} bytes exceed cache_limit {cache_limit}; raise cache_limit, or "
+                         "prepare a forge-grain store from it (read a few shards at a time)")
+    cache = ObjectCache(url, storage_options, object_cache)
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+    home = f"copy-{digest}"
+    missing = [(n, s) for n, s, _ in files if not (cache.dir / home / n).exists()]
+    with tqdm(total=sum(s for _, s in missing), unit="B", unit_scale=True, desc=f"copy {url}", disable=None,
+              leave=False) as bar:
+        def fetch(item):
+            name, size = item
+            cache.get(name, f"{home}/{name}", size=size)
+            bar.update(size)
+
+        with concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="forge-grain-copy") as pool:
+            list(pool.map(fetch, missing))
+    return cache.dir / home, url, prefix
+
+
+def _listing(remote: RemoteDir) -> dict[str, tuple[int, str]]:
+    """Every file under the URL (relative name -> (size, ETag or modification time)), hidden
+    ones (forge-grain's own markers, caches) left out; empty when there is nothing."""
+    remote.fs.invalidate_cache(remote.root)
+    found = remote.retry("", lambda: remote.fs.find(remote.root, detail=True), missing_ok=True) or {}
+    out = {}
+    for path, entry in found.items():
+        name = str(path)[len(remote.root):].lstrip("/")
+        if entry.get("type", "file") != "file" or not name or any(p.startswith(".") for p in name.split("/")):
+            continue
+        tag = entry.get("ETag") or entry.get("etag") or entry.get("LastModified") or entry.get("mtime") or ""
+        out[name] = (int(entry["size"]), str(tag))
+    return out
+
+
+def _megatron_prefix(url: str, storage_options) -> bool:
+    parent, stem = url.rsplit("/", 1)
+    names = _listing(RemoteDir(parent, storage_options))
+    return f"{stem}.idx" in names and f"{stem}.bin" in names
