@@ -10,17 +10,20 @@
    uploaded to a local S3-compatible server (moto in server mode, as the tests use), read
    through s3fs with a cache limit of 10% of the store and the locality order, against the
    same pipeline over the store on disk: time to the first batch and steady tokens/s.
-   moto is a Python server on this 2-core machine, so the ratio is a floor for what a real
-   object store with a fast network gives.
+   The server runs in its own process; its own rate is measured too (every shard read once,
+   one at a time and on 8 connections). moto is a Python server on this 2-core machine,
+   sharing the cores with the loader, so the ratios are a floor for a real object store.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import concurrent.futures
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,17 +69,10 @@ def many_sources(n: int, work: Path) -> list[str]:
     return lines
 
 
-def object_storage(num_docs: int, shards: int, work: Path) -> list[str]:
-    from moto.server import ThreadedMotoServer
+def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | None = None) -> list[str]:
     import s3fs
 
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    port, server = start_server(work)
     try:
         opts = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
         local = resharded(synthetic_store(work / "synthetic", num_docs).path, shards, work)
@@ -90,11 +86,14 @@ def object_storage(num_docs: int, shards: int, work: Path) -> list[str]:
         disk_cfg = config(dict(path=str(local), **common), chunk_docs)
         s3_cfg = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects"),
                              cache_limit=limit, **common), chunk_docs)
+        s3_all = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects-all"),
+                             **common), chunk_docs)
         lines = [f"object storage: {num_docs:,} documents, {size / 1e6:.1f} MB of tokens in {shards} shards; "
                  f"seq_len {SEQ_LEN}, batch {BATCH}, locality order (shuffle_window 1 of {40} chunks), "
                  f"cache_limit {limit / 1e6:.1f} MB (10%)"]
         rates = {}
-        for label, cfg in (("local disk", disk_cfg), ("S3 (moto) through the cache", s3_cfg)):
+        for label, cfg in (("local disk", disk_cfg), ("S3 (moto), cache_limit 10%", s3_cfg),
+                           ("S3 (moto), no cache_limit", s3_all)):
             t = time.perf_counter()
             pipe = Pipeline(cfg, 0, 1, cache_dir=work / "plans" if label == "local disk" else None)
             it = pipe.iterator()
@@ -105,27 +104,82 @@ def object_storage(num_docs: int, shards: int, work: Path) -> list[str]:
             peak = 0
             for k in range(steps):
                 next(it)
-                if label != "local disk" and k % 10 == 0:
+                if "10%" in label and k % 10 == 0:
                     peak = max(peak, pipe.stores[0].cache.used())
             rate = steps * BATCH * SEQ_LEN / (time.perf_counter() - t)
             rates[label] = rate
-            extra = (f", cache peak {peak / 1e6:.2f} MB of {limit / 1e6:.2f}, {pipe.stores[0].cache.downloads} downloads"
-                     if label != "local disk" else "")
+            extra = (f", {pipe.stores[0].cache.downloads} downloads" if label != "local disk" else "")
+            extra += f", cache peak {peak / 1e6:.2f} MB of {limit / 1e6:.2f}" if "10%" in label else ""
             lines.append(f"  {label:<30} first batch {first:6.2f} s, steady {rate / 1e6:7.2f} M tok/s over {steps} "
                          f"steps{extra}")
             print(lines[-1], flush=True)
-        t = time.perf_counter()
-        for f in fs.ls("bench/store"):
-            if f.endswith(".bin"):
-                fs.cat(f)
-        raw = size / 2 / (time.perf_counter() - t)  # uint16 tokens/s the server delivers, plain reads
-        ratio = rates["S3 (moto) through the cache"] / rates["local disk"]
-        lines.append(f"  the server alone (every shard read once with s3fs, one at a time): {raw / 1e6:.2f} M tok/s")
-        lines.append(f"  object storage runs at {ratio:.2f}x local disk and "
-                     f"{rates['S3 (moto) through the cache'] / raw:.2f}x what the server delivers")
+        objects = [f for f in fs.ls("bench/store") if f.endswith(".bin")]
+        server_rates = {}
+        for label, threads in (("sequential", 1), ("8 connections", 8)):
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)  # no connection or listing reused
+            t = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(fs.cat_file, objects))
+            server_rates[label] = size / 2 / (time.perf_counter() - t)  # uint16 tokens/s
+            lines.append(f"  the server alone, every shard read once with s3fs, {label}: "
+                         f"{server_rates[label] / 1e6:.2f} M tok/s")
+            print(lines[-1], flush=True)
+        if peer_python:
+            line, peer = litdata(peer_python, local, port, size // 2 // shards, work)
+            lines.append(line)
+            print(lines[-1], flush=True)
+        fastest = server_rates["8 connections"]
+        for label in ("S3 (moto), cache_limit 10%", "S3 (moto), no cache_limit"):
+            lines.append(f"  {label}: {rates[label] / rates['local disk']:.2f}x local disk, "
+                         f"{rates[label] / server_rates['sequential']:.2f}x the server read sequentially, "
+                         f"{rates[label] / fastest:.2f}x the server read on 8 connections")
+            print(lines[-1], flush=True)
+        if peer_python:
+            lines.append(f"  LitData: {peer / fastest:.2f}x the server read on 8 connections; forge-grain without a "
+                         f"cache limit runs at {rates['S3 (moto), no cache_limit'] / peer:.2f}x LitData")
         return lines
     finally:
-        server.stop()
+        server.terminate()
+        server.wait()
+
+
+def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path) -> tuple[str, float]:
+    """LitData over the same tokens in as many chunks from the same server (`peer_litdata_s3.py`,
+    run by `python`: LitData needs an environment of its own here)."""
+    import json
+
+    from forge_grain import TokenStore
+
+    store = TokenStore.open(local)
+    np.save(work / "tokens.npy", np.concatenate([store[i] for i in range(len(store))]))
+    script = Path(__file__).with_name("peer_litdata_s3.py")
+    done = subprocess.run([python, str(script), str(work / "tokens.npy"), f"http://127.0.0.1:{port}", str(work),
+                           str(SEQ_LEN), str(BATCH), "400", str(chunk_tokens)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"LitData failed: {done.stderr[-3000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return (f"  {'LitData StreamingDataset':<30} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
+            f"M tok/s over {out['steps']} steps ({out['chunks']} chunks written by its optimize(), TokensLoader, "
+            "shuffled, its default cache)"), out["rate"]
+
+
+def start_server(work: Path):
+    """moto's S3 server in its own process (as a real server would be: the loader does not share
+    its interpreter), on a free port of 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1"}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=open(work / "moto.log", "w"))
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            return port, server
+        except OSError:
+            time.sleep(0.05)
+    server.terminate()
+    raise RuntimeError(f"moto server did not start: {(work / 'moto.log').read_text()[-2000:]}")
 
 
 def config(src: dict, chunk_docs: int) -> DataConfig:
@@ -152,12 +206,14 @@ def main() -> None:
     ap.add_argument("--sources", type=int, default=10_000, help="0: skip the many-sources part")
     ap.add_argument("--docs", type=int, default=20_000)
     ap.add_argument("--shards", type=int, default=128)
+    ap.add_argument("--peer-python", help="a Python with litdata installed (its own environment: litdata and "
+                                          "mosaicml-streaming need torchvision): LitData reads the same data too")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "sources").mkdir()
         lines = (many_sources(args.sources, work / "sources") + [""]) if args.sources else []
-        lines += object_storage(args.docs, args.shards, work)
+        lines += object_storage(args.docs, args.shards, work, args.peer_python)
     publish("scale", lines)
 
 

@@ -89,6 +89,48 @@ def test_elastic_resume_from_object_storage_equals_the_disk_stream(tmp_path, s3,
             assert same(joined, disk.global_batch(step))
 
 
+def test_a_long_lookahead_with_a_small_cache_fetches_each_shard_about_once(tmp_path, s3, local_stores):
+    """Shards are hinted in the order the steps read them, and no further ahead than half the
+    cache holds: a lookahead longer than the cache (64 steps, a 20% cache, the locality order
+    one chunk at a time) does not make downloads evict each other before they are read."""
+    s3.proxy.clear()
+    limit = 120_000
+    remote = source("s3://bucket/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "o"),
+                    cache_limit=limit)
+    cfg = lambda src: DataConfig.from_dict(dict(sources=[{**src, "shuffle_window": 1}], seq_len=64,  # noqa: E731
+                                                global_batch_size=8, seed=1, plan_chunk_docs=75, num_epochs=1))
+    disk = Pipeline(cfg(source(local_stores["bin"])), 0, 1, cache_dir=tmp_path / "plans")
+    pipe = Pipeline(cfg(remote), 0, 1, fetch_ahead=64)
+    a, b = disk.iterator(), pipe.iterator()
+    for step in range(disk.num_steps):
+        assert same(next(a), next(b)), step
+        assert pipe.stores[0].cache.used() <= limit
+    shard_gets = sum(n for path, n in s3.proxy.gets.items() if "/bin/shard-" in path and path.endswith(".bin"))
+    starts = pipe.stores[0]._file_doc_starts  # a window reads one chunk's shards; a shard two chunks share may be
+    first_last = [np.searchsorted(starts, [c, min(c + 75, starts[-1]) - 1], side="right") for c in
+                  range(0, int(starts[-1]), 75)]  # read twice
+    per_window = sum(int(b - a) + 1 for a, b in first_last)
+    assert 30 <= shard_gets <= per_window, (shard_gets, per_window)
+
+
+def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_path, s3, local_stores, monkeypatch):
+    from forge_grain.stores import remote
+
+    monkeypatch.setattr(remote, "BLOCK", 4096)
+    s3.proxy.clear()
+    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path))
+    disk = TokenStore.open(local_stores["bin"])
+    doc = int(store._file_doc_starts[3])
+    assert np.array_equal(store[doc], disk[doc])
+    size = (local_stores["bin"] / store.manifest.shards[3].tokens).stat().st_size
+    gets = [n for path, n in s3.proxy.gets.items() if path.endswith(store.manifest.shards[3].tokens)]
+    assert size > 3 * 4096 and gets == [-(-size // 4096)]  # one GET a part
+    s3.proxy.clear()
+    s3.proxy.fail(store.manifest.shards[5].tokens, "truncate", times=1)  # one part cut short: retried, exact
+    doc = int(store._file_doc_starts[5])
+    assert np.array_equal(store[doc], disk[doc])
+
+
 @pytest.mark.parametrize("kind", ["drop", "500", "delay", "truncate"])
 def test_transient_faults_are_retried_and_the_data_is_exact(tmp_path, s3, local_stores, kind):
     s3.proxy.clear()

@@ -420,11 +420,13 @@ class PackedDataset(grain.MapDataset):
         return self.store.pieces
 
     def _arrays_of(self, rows) -> np.ndarray:
-        """The token arrays plan rows `rows` read (a segment never spans two: it lies in one document)."""
+        """The token arrays plan rows `rows` read, once each, in the order the rows first read
+        them (a segment never spans two arrays: it lies in one document)."""
         _, starts, array, _ = self._pieces
         first = np.searchsorted(starts, np.asarray(self.plan.seg_start)[kernels.row_segments(rows, self.plan.row_ptr)],
                                 side="right") - 1
-        return np.unique(array[first])
+        found, at = np.unique(array[first], return_index=True)
+        return found[np.argsort(at)]
 
     def _fetched_pieces(self, rows) -> tuple:
         """For a store whose files are fetched on demand: the pieces with only the arrays
@@ -435,10 +437,12 @@ class PackedDataset(grain.MapDataset):
         local[needed] = np.arange(len(needed))
         return kernels.token_arrays(self.store.arrays_for(needed)), starts, local[array], base
 
-    def prefetch(self, indices) -> None:
-        """Tell the store which token arrays the rows `indices` will read (fetched ahead)."""
+    def arrays_read(self, indices) -> np.ndarray:
+        """The token arrays rows `indices` read, in reading order, for a store that fetches
+        them ahead (`TokenStore.prefetch`); empty for any other store."""
         if self._pieces is not None and self.store.fetches:
-            self.store.prefetch(self._arrays_of(self.rows_of(indices)))
+            return self._arrays_of(self.rows_of(indices))
+        return np.zeros(0, np.int64)
 
     def _read_segments(self, rows):
         """For stores read a document at a time (ArrayRecord, MDS): read the rows' segments

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import sys
+import threading
 import warnings
 import weakref
 from fractions import Fraction
@@ -107,7 +108,7 @@ class Pipeline:
         prefetch: int = 4,
         worker_count: int = 0,
         plan_workers: int | None = None,
-        fetch_ahead: int = 8,
+        fetch_ahead: int = 32,
         tokenize_threads: int | None = None,
         cache_dir: str | Path | None = None,
         dtype=np.int32,
@@ -139,6 +140,8 @@ class Pipeline:
         self._sources = self._open_sources(plan_workers)
         self.datasets = [o.dataset for o in self._sources]
         self._fetching = [i for i, o in enumerate(self._sources) if o.fetches]  # sources in object storage
+        self._hints: dict[int, list] = {}  # step -> the arrays each fetching source reads (`_fetch_ahead`)
+        self._hint_lock = threading.Lock()
         self.streams = [o.stream for o in self._sources if o.stream is not None]
         self._check_tokenizers()
         if self.streams:
@@ -580,13 +583,20 @@ class Pipeline:
 
     def _fetch_ahead(self, step: int) -> None:
         """Tell sources in object storage which shards this step and the next `fetch_ahead`
-        read: they download them in the background and keep them from eviction."""
+        read, in reading order: they download them in the background and keep them from
+        eviction. Each step's shards are found once, as it enters the window."""
         if not self._fetching or not self.fetch_ahead:
             return
-        last = min(step + 1 + self.fetch_ahead, self.step_limit)
-        src, rank = self.mixture.locate(np.concatenate([self.shard_rows(s) for s in range(step, last)]))
-        for i in self._fetching:
-            self.datasets[i].prefetch(rank[src == i])
+        window = range(step, min(step + 1 + self.fetch_ahead, self.step_limit))
+        with self._hint_lock:  # Grain's threads make several steps at once
+            for s in window:
+                if s not in self._hints:
+                    src, rank = self.mixture.locate(self.shard_rows(s))
+                    self._hints[s] = [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching]
+            for s in [s for s in self._hints if s not in window]:
+                del self._hints[s]
+            for j, i in enumerate(self._fetching):
+                self.datasets[i].store.prefetch(np.concatenate([self._hints[s][j] for s in window]))
 
     def seek(self, step: int, streams: list | None = None) -> None:
         """Position streaming sources for `step` (the positions of a state's `streams`, else those

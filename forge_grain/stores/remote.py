@@ -40,7 +40,10 @@ from forge_grain.stores.native import NativeStore
 log = logging.getLogger(__name__)
 
 RETRIES = 5
-BLOCK = 1 << 26  # bytes per ranged read while downloading
+BLOCK = 1 << 24  # bytes per ranged read while downloading; a larger object is read in parts, in parallel
+PARTS = 4  # parts of one object read at once
+FETCH_THREADS = 8  # objects downloaded at once ahead of need (the server's concurrent rate: bench_scale)
+_IN_FLIGHT = threading.BoundedSemaphore(16)  # ranged reads held in memory at once, process-wide (256 MiB)
 # seconds one request (a ranged read of BLOCK bytes at most) may take before it counts as failed:
 # a server that accepts a request and never answers must not block forever (fsspec's own
 # timeouts do not reach every call); FORGE_GRAIN_REMOTE_DEADLINE sets it
@@ -150,6 +153,14 @@ class ObjectCache(RemoteDir):
 
         return self.retry(name, attempt, missing_ok=missing_ok)
 
+    def sizes(self) -> dict[str, int]:
+        """Each object's size directly under the URL, from one listing (empty if it fails: then
+        each download asks for its object's size first)."""
+        try:
+            return _remote_sizes(self)
+        except StoreError:
+            return {}
+
     def not_a_store(self) -> StoreError:
         """Why a URL without a manifest cannot be opened as a forge-grain store: the format its
         files show (when format="native" was given), or what is there, or that nothing is."""
@@ -185,22 +196,27 @@ class ObjectCache(RemoteDir):
             return False
 
         def attempt():
-            h, n = hashlib.sha256(), 0
+            spans = [(a, min(a + BLOCK, size)) for a in range(0, size, BLOCK)]
             with open(tmp, "r+b") as dst:
-                for start in range(0, size, BLOCK):  # ranged GETs: no HEAD first, memory bounded by a block
-                    block = bounded(self.fs.cat_file, self.path(name), start=start, end=min(start + BLOCK, size))
-                    h.update(block)
-                    dst.write(block)
-                    n += len(block)
-                    if len(block) != min(BLOCK, size - start):
-                        break
+                def part(span):  # one ranged GET (no HEAD first), written where it belongs
+                    a, b = span
+                    with _IN_FLIGHT:
+                        block = bounded(self.fs.cat_file, self.path(name), start=a, end=b)
+                        if len(block) != b - a:
+                            raise _Damaged(f"{a + len(block)} bytes arrived of the {size} expected")
+                        os.pwrite(dst.fileno(), block, a)
+                    return block if len(spans) == 1 else None
+
+                if len(spans) > 1:
+                    with concurrent.futures.ThreadPoolExecutor(min(PARTS, len(spans))) as parts:
+                        blocks = list(parts.map(part, spans))
+                else:
+                    blocks = [part(span) for span in spans]
                 os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
-            if n != size:
-                raise _Damaged(f"{n} bytes arrived of the {size} expected")
-            if sha256 is not None and h.hexdigest() != sha256:
-                raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
-            if tmp.stat().st_size != n:  # a retry after a longer, failed attempt
-                os.truncate(tmp, n)
+            if sha256 is not None:
+                digest = hashlib.sha256(blocks[0]).hexdigest() if len(spans) == 1 else sha256_file(tmp)
+                if digest != sha256:
+                    raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
             with self._accounting():  # a rename mid-listing could hide the file from a count
                 os.replace(tmp, local)
 
@@ -248,14 +264,28 @@ class ObjectCache(RemoteDir):
             time.sleep(0.05)  # downloads in progress hold reservations: wait for them to land
 
     def _cached(self):
-        for root, dirs, names in os.walk(self.dir):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]  # `.plans`: packing plans kept beside the copies
-            for n in names:  # downloads in progress too: their temporaries are allocated at full size
+        """(mtime, size, path) of the cache's files: copies, and downloads in progress (their
+        temporaries are allocated at full size); lock files (empty) and `.plans` (packing plans
+        kept beside the copies) are skipped without a stat, as this runs before every download."""
+        pending = [self.dir]
+        while pending:
+            try:
+                entries = list(os.scandir(pending.pop()))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                hidden = e.name.startswith(".")
+                if e.is_dir(follow_symlinks=False):
+                    if not hidden:
+                        pending.append(e.path)
+                    continue
+                if hidden and e.name.endswith(".lock"):
+                    continue
                 try:
-                    st = os.stat(Path(root) / n)
+                    st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:  # evicted or renamed meanwhile
                     continue
-                yield st.st_mtime, st.st_size, Path(root) / n
+                yield st.st_mtime, st.st_size, Path(e.path)
 
     def used(self) -> int:
         """Bytes of the files in the cache directory, downloads in progress at their full size."""
@@ -278,7 +308,7 @@ class RemoteStore(NativeStore):
     Options besides `NativeStore`'s: `storage_options` (for fsspec: credentials,
     `endpoint_url`, ...), `object_cache` (the cache directory; default
     `$FORGE_GRAIN_CACHE/objects`), `cache_limit` (bytes; default unbounded) and
-    `fetch_threads` (parallel downloads ahead of need; default 4).
+    `fetch_threads` (downloads at once ahead of need; default 8).
     """
 
     description = "a forge-grain store in object storage"
@@ -296,7 +326,8 @@ class RemoteStore(NativeStore):
     def _validate(self) -> None:
         """Shards are checked as they are fetched (their checksums), not all fetched at open."""
 
-    def _open(self, dtype=None, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=4) -> None:
+    def _open(self, dtype=None, storage_options=None, object_cache=None, cache_limit=None,
+              fetch_threads=FETCH_THREADS) -> None:
         self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit)
         manifest = self.cache.fresh(MANIFEST_NAME, missing_ok=True)
         if manifest is None:
@@ -313,8 +344,11 @@ class RemoteStore(NativeStore):
             os.replace(tmp, local / MANIFEST_NAME)
         self.path = local
         m = Manifest.load(local)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the indices: small, all needed at open
-            list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256), m.shards))
+        # one listing gives every object's size: no HEAD before each GET of an index or ArrayRecord shard
+        self._sizes = self.cache.sizes()
+        with concurrent.futures.ThreadPoolExecutor(FETCH_THREADS) as pool:  # the indices: small, all needed at open
+            list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
+                                                   self._sizes.get(s.index)), m.shards))
         self._pool = concurrent.futures.ThreadPoolExecutor(fetch_threads, thread_name_prefix="forge-grain-fetch")
         self._lock = threading.Lock()
         self._mapped: dict[int, np.ndarray] = {}
@@ -338,7 +372,7 @@ class RemoteStore(NativeStore):
 
     def _fetch(self, k: int, ahead: bool = False) -> Path | None:
         s = self.manifest.shards[k]
-        size = s.num_tokens * self.dtype.itemsize if self.manifest.layout == "bin" else None
+        size = s.num_tokens * self.dtype.itemsize if self.manifest.layout == "bin" else self._sizes.get(s.tokens)
         return self.cache.get(s.tokens, self._name(k), s.sha256, size, upcoming=self._keep, ahead=ahead)
 
     def _array(self, k: int) -> np.ndarray:
@@ -362,10 +396,21 @@ class RemoteStore(NativeStore):
             self._mapped[k] = arr
         return arr
 
-    def prefetch(self, needed: np.ndarray) -> None:
-        """Download shards `needed` in the background; until the next hint, eviction spares
-        them. Maps of shards no longer needed are dropped, so evicted files free their space."""
-        needed = [int(k) for k in needed]
+    def prefetch(self, needed) -> None:
+        """Download shards `needed` (in the order the next steps read them) in the background,
+        first needed first; until the next hint, eviction spares them. With `cache_limit`, the
+        hint stops where the shards would fill half the cache: shards hinted further ahead would
+        evict each other before they are read. Maps of shards no longer needed are dropped, so
+        evicted files free their space."""
+        needed = list(dict.fromkeys(int(k) for k in needed))
+        if self.cache.limit is not None:
+            room, kept = self.cache.limit // 2, []
+            for k in needed:
+                room -= self.manifest.shards[k].num_tokens * self.dtype.itemsize
+                if room < 0 and kept:
+                    break
+                kept.append(k)
+            needed = kept
         with self._lock:
             self._keep = frozenset(self._name(k) for k in needed)
             for k in [k for k in self._mapped if k not in set(needed)]:

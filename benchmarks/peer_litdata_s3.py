@@ -1,0 +1,71 @@
+"""LitData reading the same tokens from the same S3 server, for `bench_scale.py`.
+
+Runs in a separate environment holding `litdata` (and torch), as `bench_scale.py
+--peer-python PYTHON` starts it:
+
+    PYTHON benchmarks/peer_litdata_s3.py TOKENS.npy ENDPOINT WORK SEQ_LEN BATCH STEPS CHUNK_TOKENS
+
+TOKENS.npy: the corpus's documents back to back (as forge-grain's store holds them). They are
+written by LitData's own `optimize(..., item_loader=TokensLoader())` in chunks of
+CHUNK_TOKENS tokens, uploaded to `s3://bench/litdata`, and read by
+`StreamingDataset(input_dir="s3://bench/litdata", item_loader=TokensLoader(block_size=SEQ_LEN))`
+with a shuffle, in a `StreamingDataLoader` of BATCH rows. Prints one JSON line: time to the
+first batch and tokens/s over the next STEPS batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def pieces(k: int):
+    """Input k of `optimize`: one slice of the corpus, as a torch tensor of ids."""
+    import torch
+
+    tokens = np.load(os.environ["BENCH_TOKENS"], mmap_mode="r")
+    step = int(os.environ["BENCH_PIECE"])
+    yield torch.from_numpy(np.array(tokens[k * step:(k + 1) * step], dtype=np.int32))
+
+
+def main() -> None:
+    tokens_file, endpoint, work, seq_len, batch, steps, chunk_tokens = sys.argv[1:8]
+    seq_len, batch, steps, chunk_tokens = int(seq_len), int(batch), int(steps), int(chunk_tokens)
+    work = Path(work)
+    options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench"}
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_ENDPOINT_URL=endpoint,
+                      AWS_DEFAULT_REGION="us-east-1", BENCH_TOKENS=tokens_file, BENCH_PIECE=str(chunk_tokens))
+    import s3fs
+    from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
+    from litdata.streaming import downloader
+
+    # LitData fetches chunks with obstore, which refuses plain http unless told: the test server
+    # is http on 127.0.0.1 (a real bucket is https and needs no such option)
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+
+    n = len(np.load(tokens_file, mmap_mode="r"))
+    optimize(fn=pieces, inputs=list(range((n + chunk_tokens - 1) // chunk_tokens)), output_dir=str(work / "litdata"),
+             chunk_size=chunk_tokens, item_loader=TokensLoader(), num_workers=1, verbose=False)
+    s3fs.S3FileSystem(**options).put(str(work / "litdata"), "bench/litdata", recursive=True)
+    storage = {"endpoint_url": endpoint, "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+    start = time.perf_counter()
+    ds = StreamingDataset(input_dir="s3://bench/litdata", cache_dir=str(work / "litdata-cache"),
+                          item_loader=TokensLoader(block_size=seq_len), shuffle=True, seed=0, storage_options=storage)
+    it = iter(StreamingDataLoader(ds, batch_size=batch, num_workers=0))
+    next(it)
+    first = time.perf_counter() - start
+    steps = min(steps, len(ds) // batch - 1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(it)
+    rate = steps * batch * seq_len / (time.perf_counter() - start)
+    print(json.dumps({"first": first, "rate": rate, "steps": steps, "chunks": (n + chunk_tokens - 1) // chunk_tokens}))
+
+
+if __name__ == "__main__":
+    main()
