@@ -96,20 +96,20 @@ class RemoteDir:
         """`attempt()`, retried with exponential backoff; a missing object is not retried (and
         gives None with `missing_ok`). Each attempt is `bounded` by the deadline (`bound=False`
         for an attempt of many requests that bounds each itself)."""
+        where = f"{self.url}/{name}" if name else self.url  # the object, or the URL for its listing
         for k in range(self.retries):
             try:
                 return bounded(attempt) if bound else attempt()
             except FileNotFoundError:
                 if missing_ok:
                     return None
-                raise StoreError(f"{self.url}/{name}: FileNotFoundError (no such object); check the URL and "
-                                 "credentials") from None
+                raise StoreError(f"{where}: FileNotFoundError (no such object); check the URL and credentials") from None
             except PermissionError as e:
-                raise StoreError(f"{self.url}/{name}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
+                raise StoreError(f"{where}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
             except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
                 last = e
                 time.sleep(min(0.05 * 2**k, 2.0))
-        raise StoreError(f"{self.url}/{name}: failed after {self.retries} attempts: {last}") from None
+        raise StoreError(f"{where}: failed after {self.retries} attempts: {last}") from None
 
 
 class ObjectCache(RemoteDir):
