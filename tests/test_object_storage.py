@@ -376,6 +376,24 @@ def test_a_copy_evicted_between_its_fetch_and_its_opening_is_fetched_again(tmp_p
     assert np.array_equal(store[doc], local[doc]) and evicted
 
 
+def test_a_copy_evicted_before_every_read_is_an_error_naming_cache_limit(tmp_path, s3, local_stores):
+    """Other downloads evicting a shard each time it lands (a cache_limit smaller than what the
+    steps read at once) end in an error saying to raise cache_limit, not a missing file or a loop."""
+    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path / "o"),
+                            cache_limit=10**7)
+    fetch = store._fetch
+
+    def fetch_then_evict(k, ahead=False):
+        path = fetch(k, ahead)
+        path.unlink()
+        return path
+
+    store._fetch = fetch_then_evict
+    with pytest.raises(StoreError, match=r"s3://bucket/bin/shard-00006.bin: evicted before it could be read, 4 times: "
+                                         r"cache_limit 10000000 bytes cannot hold the shards one step reads"):
+        store[int(store._file_doc_starts[6]) + 3]
+
+
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory, s3):
     """An MDS, LitData, Megatron, Arrow and raw dataset on disk, each uploaded to s3://peers/<name>."""

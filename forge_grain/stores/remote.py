@@ -383,15 +383,24 @@ class RemoteStore(NativeStore):
             future = self._pending.get(k)
         path = future.result() if future is not None else None
         path = path or self._fetch(k)  # not prefetched, or skipped for want of room
-        try:
-            arr = self._map_bin_shard(path, self.manifest.shards[k])
-            os.utime(path)  # recently used: evicted last
-        except (FileNotFoundError, StoreError):
-            if path.exists():  # a damaged copy (a power loss, a disk error): the object is the truth
-                path = self._refetch(k, path)
-            else:  # evicted in between (by a prefetch, or another process): fetch it again
+        shard, evicted = self.manifest.shards[k], 0
+        while True:
+            try:
+                arr = self._map_bin_shard(path, shard)
+                break
+            except (FileNotFoundError, StoreError):
+                if path.exists():  # a damaged copy (a power loss, a disk error): the object is the truth
+                    arr = self._map_bin_shard(self._refetch(k, path), shard)
+                    break
+                evicted += 1  # evicted between its download and its mapping, by another download
+                if evicted > 3:  # ... again and again: the step's shards do not fit together
+                    raise StoreError(
+                        f"{self.url}/{shard.tokens}: evicted before it could be read, {evicted} times: cache_limit "
+                        f"{self.cache.limit} bytes cannot hold the shards one step reads (this one is "
+                        f"{shard.num_tokens * self.dtype.itemsize} bytes); raise cache_limit") from None
                 path = self._fetch(k)
-            arr = self._map_bin_shard(path, self.manifest.shards[k])
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)  # recently used: evicted last
         with self._lock:
             self._mapped[k] = arr
         return arr
