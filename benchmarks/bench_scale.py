@@ -92,7 +92,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
                  f"seq_len {SEQ_LEN}, batch {BATCH}, locality order (shuffle_window 1 of {40} chunks), "
                  f"cache_limit {limit / 1e6:.1f} MB ({100 * limit / size:.0f}%)"]
         rates = {}
-        for label, cfg in (("local disk", disk_cfg), (f"S3 (moto), cache_limit {100 * limit // size}%", s3_cfg),
+        for label, cfg in (("local disk", disk_cfg), (f"S3 (moto), cache_limit {100 * limit / size:.0f}%", s3_cfg),
                            ("S3 (moto), unbounded cache", s3_all)):
             t = time.perf_counter()
             pipe = Pipeline(cfg, 0, 1, cache_dir=work / "plans" if label == "local disk" else None)

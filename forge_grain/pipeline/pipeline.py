@@ -61,6 +61,7 @@ def default_shard() -> tuple[int, int]:
 
 
 REPEAT_WARNING = 4  # `describe` warns about a source read this many times over a run, or more
+FETCH_SHARDS = 16  # shards a source in object storage is told of ahead: twice its default fetch threads
 
 
 class _RemovedSource:
@@ -82,8 +83,8 @@ class Pipeline:
     instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
-    core), nor `fetch_ahead` (steps whose shards sources in object storage download
-    ahead), nor `tokenize_threads` (threads tokenizing streaming sources; default one per
+    core), nor `fetch_ahead` (the most steps whose shards sources in object storage
+    download ahead: the lookahead stops at `FETCH_SHARDS` shards a source), nor `tokenize_threads` (threads tokenizing streaming sources; default one per
     core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     `progress`: progress bars of first-use work (planning, tokenizing, counting); by default
     shown by shard 0 only, so that ranks do not print interleaved bars.
@@ -108,7 +109,7 @@ class Pipeline:
         prefetch: int = 4,
         worker_count: int = 0,
         plan_workers: int | None = None,
-        fetch_ahead: int = 32,
+        fetch_ahead: int = 1024,
         tokenize_threads: int | None = None,
         cache_dir: str | Path | None = None,
         dtype=np.int32,
@@ -582,17 +583,24 @@ class Pipeline:
         return out
 
     def _fetch_ahead(self, step: int) -> None:
-        """Tell sources in object storage which shards this step and the next `fetch_ahead`
-        read, in reading order: they download them in the background and keep them from
-        eviction. Each step's shards are found once, as it enters the window."""
+        """Tell sources in object storage which shards this step and the next ones read, in
+        reading order: they download them in the background and keep them from eviction. The
+        lookahead goes as far as `FETCH_SHARDS` shards of every such source (enough to keep its
+        downloads busy whatever the shard size), at most `fetch_ahead` steps. Each step's
+        shards are found once, as it enters the window."""
         if not self._fetching or not self.fetch_ahead:
             return
-        window = range(step, min(step + 1 + self.fetch_ahead, self.step_limit))
         with self._hint_lock:  # Grain's threads make several steps at once
-            for s in window:
-                if s not in self._hints:
-                    src, rank = self.mixture.locate(self.shard_rows(s))
-                    self._hints[s] = [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching]
+            seen = [set() for _ in self._fetching]
+            end, last = step, min(step + 1 + self.fetch_ahead, self.step_limit)
+            while end < last and (end == step or min(map(len, seen)) < FETCH_SHARDS):
+                if end not in self._hints:
+                    src, rank = self.mixture.locate(self.shard_rows(end))
+                    self._hints[end] = [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching]
+                for j, arrays in enumerate(self._hints[end]):
+                    seen[j].update(arrays.tolist())
+                end += 1
+            window = range(step, end)
             for s in [s for s in self._hints if s not in window]:
                 del self._hints[s]
             for j, i in enumerate(self._fetching):
