@@ -14,7 +14,11 @@ Corpus: the demo corpus (this Python's standard library source) as JSON Lines, r
     a pool reads ahead while rows are emitted, as in a real corpus of many windows (with the
     default 1000 the whole corpus is one window, and nothing overlaps);
   - the counting pass (document lengths only) on one thread and on the pool, as a fraction
-    of one streaming epoch.
+    of one streaming epoch;
+  - egress (`--egress`): the corpus as 16 JSON Lines files on a local S3 server (moto, in its
+    own process), streamed with 4 canonical streams on 1, 2 and 4 shards, files dealt to
+    streams and rows dealt: the bytes each host reads and its tokens/s (the shards of a run
+    are run one after another in this process, each alone).
 The tokenizer's internal parallelism is off throughout (TOKENIZERS_PARALLELISM=false), so
 "one thread" is one thread.
 """
@@ -87,6 +91,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--window", type=int, default=100)
     ap.add_argument("--pools", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--egress", action="store_true", help="also measure egress per host from object storage")
     args = ap.parse_args()
     cores = default_size()
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +143,63 @@ def main():
               + f" (first use only; {rows[f'pool of {best}'][0] / rows[f'pool of {best}'][1]:.0%} of one streaming "
               "epoch on the pool; cached: later runs and epochs pay nothing)",
               f"batches identical across one thread and pools {args.pools}: {same}"]
+    if args.egress:
+        lines += ["", *egress(texts, args)]
     publish("hf", lines)
+
+
+def egress(texts: list[str], args) -> list[str]:
+    """Bytes read from object storage and tokens/s per host, files dealt against rows dealt."""
+    import s3fs
+
+    from bench_scale import start_server
+    from forge_grain.sources import text_streams
+
+    read = [0]
+    readinto = text_streams._RangedFile.readinto
+
+    def counted(self, buffer):  # every byte a stream reads from object storage passes here
+        n = readinto(self, buffer)
+        read[0] += n
+        return n
+
+    text_streams._RangedFile.readinto = counted
+    with tempfile.TemporaryDirectory() as tmp:
+        port, server = start_server(Path(tmp))
+        try:
+            opts = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
+            fs = s3fs.S3FileSystem(**opts)
+            fs.mkdir("corpus")
+            for f in range(16):
+                fs.pipe_file(f"corpus/part-{f:02d}.jsonl", "".join(json.dumps({"text": t}) + "\n"
+                                                                    for t in texts[f::16]).encode())
+            size = sum(fs.size(f"corpus/part-{f:02d}.jsonl") for f in range(16))
+            lines = [f"egress: {size / 1e6:.1f} MB in 16 JSON Lines files on a local S3 server, 4 canonical streams, "
+                     f"window {args.window}; per host: MB read (x one pass of the corpus), M tok/s",
+                     f"{'dealing':<8}{'shards':>7}{'MB a host':>11}{'x corpus':>10}{'all hosts':>11}{'M tok/s a host':>16}"]
+            for dealing in ("files", "rows"):
+                cfg = DataConfig(sources=[dict(name="code", hf_dataset="json", hf_data_files=["s3://corpus/*.jsonl"],
+                                               hf_streaming=True, strategy="bestfit", window=args.window,
+                                               storage_options=opts, dealing=dealing)],
+                                 seq_len=args.seq_len, global_batch_size=args.batch, seed=0, canonical_streams=4)
+                Pipeline(cfg, 0, 1, cache_dir=Path(tmp) / "cache")  # the counting pass, once a host: not measured
+                for n in (1, 2, 4):
+                    hosts = []
+                    for k in range(n):
+                        pipe = Pipeline(cfg, k, n, cache_dir=Path(tmp) / "cache")
+                        read[0] = 0
+                        t = time.perf_counter()
+                        steps = sum(1 for _ in pipe.iterator())
+                        hosts.append((read[0], steps * args.batch // n * args.seq_len / (time.perf_counter() - t)))
+                    mb = sum(h[0] for h in hosts) / n / 1e6
+                    lines.append(f"{dealing:<8}{n:>7}{mb:>11.2f}{mb * 1e6 / size:>10.2f}"
+                                 f"{sum(h[0] for h in hosts) / size:>10.2f}x{sum(h[1] for h in hosts) / n / 1e6:>16.2f}")
+                    print(lines[-1], flush=True)
+            return lines
+        finally:
+            server.terminate()
+            server.wait()
+            text_streams._RangedFile.readinto = readinto
 
 
 if __name__ == "__main__":

@@ -54,13 +54,15 @@ class S3Server:
 class FaultProxy:
     """Forwards HTTP to the server; `fail(part, kind, times, method)` makes the next `times`
     requests (GETs by default) of objects whose path contains `part` fail with `kind`:
-    "drop", "500", "delay", "truncate". `gets` and `puts` count object reads and writes."""
+    "drop", "500", "delay", "truncate". `gets` and `puts` count object reads and writes, `sent`
+    the bytes of the reads served."""
 
     def __init__(self, upstream: int):
         self.upstream = upstream
         self.faults: list[list] = []
         self.gets: collections.Counter = collections.Counter()
         self.puts: collections.Counter = collections.Counter()
+        self.sent: collections.Counter = collections.Counter()  # bytes of object reads served, by path
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -76,6 +78,7 @@ class FaultProxy:
             self.faults.clear()
             self.gets.clear()
             self.puts.clear()
+            self.sent.clear()
 
     def take(self, method: str, path: str) -> str | None:
         with self.lock:
@@ -132,6 +135,9 @@ def _handler(proxy: FaultProxy):
                 return
             if self.command != "HEAD":
                 self.wfile.write(data)
+            if self.command == "GET" and "?" not in self.path and resp_status < 300:
+                with proxy.lock:
+                    proxy.sent[self.path] += len(data)
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 

@@ -256,6 +256,82 @@ def test_streaming_from_object_storage_survives_faults(tmp_path, parts, s3):
     s3.proxy.clear()
 
 
+@pytest.fixture(scope="module")
+def sixteen(s3):
+    """16 JSON Lines files of 120 documents each at s3://texts/many/ (each about the same size)."""
+    texts = make_texts(16 * 120, seed=11, empty_every=53)
+    fs = s3.fs()
+    for f in range(16):
+        fs.pipe_file(f"texts/many/part-{f:02d}.jsonl", b"".join(json.dumps({"text": t}).encode() + b"\n"
+                                                              for t in texts[f * 120:(f + 1) * 120]))
+    return sum(fs.size(f"texts/many/part-{f:02d}.jsonl") for f in range(16))
+
+
+def test_files_dealt_to_canonical_streams_read_each_byte_once_across_the_shards(tmp_path, s3, sixteen):
+    """With 4 canonical streams over 16 files, each stream reads 4 whole files of its own: the
+    bytes all shards GET are one pass of the corpus, the same on 1, 2 and 4 shards (not one
+    pass a shard, as rows dealt read), and the guarantees of canonical streams hold: the global batches do not depend on
+    the shard count, and a state saved on 2 shards resumes on 1 and on 4."""
+    cfg = config(["s3://texts/many/*.jsonl"], canonical=4, storage_options=s3.options(via_proxy=True))
+    rows_cfg = config(["s3://texts/many/*.jsonl"], canonical=4, storage_options=s3.options(via_proxy=True),
+                      dealing="rows")
+    Pipeline(cfg, 0, 1, cache_dir=tmp_path)  # the counting pass (once a host, cached): not what is measured
+
+    def egress(c, n):
+        shards = [Pipeline(c, k, n, cache_dir=tmp_path) for k in range(n)]
+        s3.proxy.clear()
+        batches = [run(p) for p in shards]
+        sent = sum(b for path, b in s3.proxy.sent.items() if "/texts/many/" in path)
+        return joined(batches), sent
+
+    one, once = egress(cfg, 1)
+    # each file once; a stream that ends its epoch reads its next one's first window ahead
+    assert len(one) > 10 and sixteen <= once < 1.25 * sixteen
+    for n in (2, 4):
+        batches, sent = egress(cfg, n)
+        assert same(batches, one) and sent == once, (n, sent, once)
+    by_rows, sent = egress(rows_cfg, 4)
+    assert sent >= 4 * sixteen and not same(by_rows, one)  # rows dealt: every shard reads every byte
+    two = [Pipeline(cfg, k, 2, cache_dir=tmp_path) for k in range(2)]
+    iters = [p.iterator() for p in two]
+    head = [[copy(next(it)) for _ in range(7)] for it in iters]
+    state = merge_states([it.get_state() for it in iters])
+    assert same(joined(head), one[:7])
+    for n in (1, 4):
+        rest = joined([run(Pipeline(cfg, k, n, cache_dir=tmp_path), state=state) for k in range(n)])
+        assert same(rest, one[7:])
+    # the dealing is data: a state of files dealt is refused by rows dealt, naming what differs
+    with pytest.raises(StateError, match="sources"):
+        Pipeline(rows_cfg, 0, 1, cache_dir=tmp_path).iterator(state)
+
+
+def test_streamed_rows_of_files_dealt_are_explained_by_file_and_row(tmp_path, s3, sixteen):
+    texts = make_texts(16 * 120, seed=11, empty_every=53)
+    p = Pipeline(config(["s3://texts/many/*.jsonl"], canonical=4, storage_options=s3.options()), 0, 2,
+                 num_threads=0, cache_dir=tmp_path)
+    files = set()
+    for step in range(6):
+        batch = p.batch(step)
+        for row, e in enumerate(p.explain(step, shard=0)):
+            for seg in e["segments"]:
+                f = int(seg["file"].rsplit("-", 1)[1].split(".")[0])
+                (lo, hi), (a, b) = seg["tokens"], seg["slots"]
+                tokens = p.stores[0].tokenize([texts[f * 120 + seg["index_in_file"]]])[0]
+                assert np.array_equal(batch["inputs"][row, a:b], tokens[lo:hi])
+                files.add(f)
+    assert len(files) >= 2
+
+
+def test_dealing_files_is_refused_where_it_cannot_work(tmp_path, parts, s3):
+    with pytest.raises(ConfigError, match="dealing = 'files' needs files at URLs.*at least as many as the 4"):
+        Pipeline(config(parts["json"], canonical=4, dealing="files"), 0, 1, cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="dealing = 'files' needs files at URLs.*this source has 2"):
+        Pipeline(config(["s3://texts/json/*.jsonl"], canonical=4, dealing="files", storage_options=s3.options()), 0, 1,
+                 cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="dealing: 'auto', 'files' or 'rows'"):
+        config(parts["json"], dealing="shards").validate()
+
+
 def test_bad_files_in_object_storage_are_named(tmp_path, s3):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -241,6 +241,9 @@ class DataConfig:
                     np.dtype(s.dtype)
                 except TypeError:
                     raise ConfigError(f"sources[{i}].dtype: {s.dtype!r} is not a numpy dtype (e.g. 'uint16')") from None
+            if s.dealing is not None and (s.dealing not in ("auto", "files", "rows") or not s.hf_streaming):
+                raise ConfigError(f"sources[{i}].dealing: 'auto', 'files' or 'rows', for streaming sources only "
+                                  f"(hf_streaming = true); got {s.dealing!r}")
             if not (isinstance(s.window, int) and s.window >= 1):
                 raise ConfigError(f"sources[{i}].window: must be a positive integer, got {s.window!r}")
             if s.strategy not in STRATEGIES:

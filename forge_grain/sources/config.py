@@ -108,6 +108,16 @@ class SourceConfig:
     first batch. It is data.
     Example: window = 4000"""
 
+    dealing: str | None = None
+    """Streaming sources: how documents reach the canonical streams. "files": each stream
+    reads whole files of its own, so each byte is read once across all processes (the
+    egress of one pass, whatever the shard count); "rows": row r goes to stream r mod C, so
+    every process reads every row and keeps its share. Unset ("auto"): "files" for files at
+    URLs at least as many as the streams whose sizes deal evenly (within 2%), else "rows".
+    It is data (a state records it).
+    Example: dealing = "files"
+    """
+
     dtype: str | None = None
     """Raw `.bin` files: the width of a token id ("uint16", "uint32", "int32"). forge-grain
     never guesses it from the file: give `dtype`, `vocab_size` or `tokenizer`. A store

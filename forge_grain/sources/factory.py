@@ -60,6 +60,7 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
         from forge_grain.sources.streaming import StreamingSource, StreamRows, rows_per_epoch
 
         source = StreamingSource(src, seq_len, seed, cache_dir, max_segments, tokenize_threads)
+        source.deal(layout.count)
         rows = StreamRows(source, layout, rows_per_epoch(source, layout, progress), layout.owned(shard_index, shard_count))
         return OpenedSource(rows, rows, source)
 

@@ -48,13 +48,13 @@ import numpy as np
 
 from forge_grain.packing import kernels
 from forge_grain.sources.config import SourceConfig
-from forge_grain.errors import PrepareError, StateError
+from forge_grain.errors import ConfigError, PrepareError, StateError
 from forge_grain.sources.hf import _digest, cache_root, path_name
 from forge_grain.locks import file_lock
 from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
 from forge_grain.packing.packed import empty_rows
 from forge_grain.packing.plans import ROW_KEYS, PackingError, joined_stats, plan_offsets, stream_key
-from forge_grain.sources.text_streams import texts_reader
+from forge_grain.sources.text_streams import FileTexts, texts_reader
 from forge_grain.preparation.texts import document_text
 from forge_grain.preparation.tokenize_pool import TokenizePool
 
@@ -109,6 +109,23 @@ class StreamingSource:
         self.key = _digest([*self.reader.identity, self.tok.sha256, src.add_bos, src.add_eos, "special-tokens-as-text"])
         self.tokenize_threads = tokenize_threads
 
+    files_of = None  # with files dealt to canonical streams: each stream's files (`deal`); None: rows dealt
+
+    def deal(self, count: int) -> None:
+        """How the rows reach `count` canonical streams: whole files to each (`files_of`), so
+        that each byte is read once across the processes, or row r to stream r mod count."""
+        self.files_of = dealt_files(self.src, self.reader, count)
+
+    def stream_reader(self, stream: int):
+        """What canonical stream `stream` reads: its own files, or (rows dealt) the whole source."""
+        return self.reader if self.files_of is None else self.reader.subset(self.files_of[stream])
+
+    @property
+    def row_stride(self) -> int | None:
+        """The rows of a stream's reading between two of its own rows: 1 when it reads only its
+        files, else the stream count (`_Pass` passes over the others' rows)."""
+        return 1 if self.files_of is not None else None
+
     @functools.cached_property
     def pool(self) -> TokenizePool:
         return TokenizePool(self.tokenize, self.tokenize_threads)
@@ -156,16 +173,23 @@ class StreamingSource:
             from tqdm.auto import tqdm
 
             t0 = time.perf_counter()
-            lengths = []
+            lengths, file_rows = [], collections.Counter()
             with tqdm(desc=f"count {self.src.name}", unit="doc", disable=not progress) as bar:
-                for docs in self.pool.map(self._batches(COUNT_BATCH)):
+                for docs in self.pool.map(self._batches(COUNT_BATCH, file_rows)):
                     lengths += [len(d) for d in docs]
                     bar.update(len(docs))
             lengths = np.asarray(lengths, np.int64)
             save_npy_atomic(path, lengths)
+            files = len(getattr(self.reader, "files", ())) if isinstance(self.reader, FileTexts) else 0
             write_json_atomic(meta, {"documents": len(lengths), "seconds": time.perf_counter() - t0,
-                                     "key": self.key, "sha256": hashlib.sha256(lengths.tobytes()).hexdigest()})
+                                     "key": self.key, "sha256": hashlib.sha256(lengths.tobytes()).hexdigest(),
+                                     "file_rows": [file_rows[f] for f in range(files)]})
         return lengths
+
+    def file_rows(self) -> list[int]:
+        """Rows of each file of a source of files at URLs, from the counting pass."""
+        self.lengths(progress=False)
+        return json.loads(self._lengths_files()[1].read_text())["file_rows"]
 
     def _cached_lengths(self, path: Path, meta: Path) -> np.ndarray | None:
         """The cached counting pass, if it was made for this stream (its key) and is intact
@@ -175,8 +199,10 @@ class StreamingSource:
         try:
             info = json.loads(meta.read_text())
             lengths = np.load(path, allow_pickle=False)
+            files = len(self.reader.files) if isinstance(self.reader, FileTexts) else 0
             intact = (isinstance(info, dict) and info.get("key") == self.key and len(lengths) == info.get("documents")
-                      and hashlib.sha256(np.ascontiguousarray(lengths, np.int64).tobytes()).hexdigest() == info.get("sha256"))
+                      and hashlib.sha256(np.ascontiguousarray(lengths, np.int64).tobytes()).hexdigest() == info.get("sha256")
+                      and len(info.get("file_rows", ())) == files and sum(info.get("file_rows", ())) in (0, len(lengths)))
         except (OSError, ValueError):
             intact = False
         if not intact:
@@ -185,13 +211,15 @@ class StreamingSource:
             return None
         return lengths.astype(np.int64, copy=False)
 
-    def _batches(self, n: int):
+    def _batches(self, n: int, file_rows: collections.Counter | None = None):
         it, batch = self.reader.open(), []
         while True:
             try:
                 batch.append(it.next())
             except StopIteration:
                 break
+            if file_rows is not None and isinstance(self.reader, FileTexts):
+                file_rows[it.file] += 1
             if len(batch) == n:
                 yield batch
                 batch = []
@@ -206,9 +234,13 @@ class StreamingSource:
         lengths; the packing's figures of that epoch (fill, crop: `plans.joined_stats`) are
         kept in `epoch_stats`, a window too short for a row counting as lost tokens."""
         lengths = self.lengths(progress)
+        if self.files_of is not None:  # a stream's rows: its files' rows, in its files' order
+            ends = np.cumsum(self.file_rows())
+            of_file = [lengths[e - n : e] for e, n in zip(ends, self.file_rows())]
         rows, parts = [], []
         for c in range(count):
-            own = lengths[c::count]
+            own = lengths[c::count] if self.files_of is None else np.concatenate(
+                [of_file[f] for f in self.files_of[c]] or [np.zeros(0, np.int64)])
             n = 0
             for w in range(0, len(own), self.src.window):
                 window = own[w : w + self.src.window]
@@ -243,16 +275,22 @@ class Dealer:
 
     def window(self, stream: int, epoch: int) -> tuple:
         """(marker, row index, texts, ended, places) of `stream`'s next window in `epoch`
-        (places: each text's file and row in it, where the reader knows them)."""
-        p = self._passes.get(epoch)
+        (places: each text's file and row in it, where the reader knows them). With files
+        dealt, each stream reads its own files: a pass of its own, where it is member 0."""
+        files = self.source.files_of is not None
+        key, member = ((epoch, stream), 0) if files else (epoch, stream)
+        p = self._passes.get(key)
         if p is None:  # every stream reads this epoch some time: from its start, or a restored place in it
-            members = {c: (m, r) if e == epoch else (None, 0) for c, (e, m, r) in self._starts.items() if e <= epoch}
-            p = self._passes[epoch] = _Pass(self.source, self.count, members)
-        w = p.window(stream)
+            starts = {stream: self._starts[stream]} if files else self._starts
+            members = {(0 if files else c): (m, r) if e == epoch else (None, 0) for c, (e, m, r) in starts.items()
+                       if e <= epoch}
+            p = self._passes[key] = _Pass(self.source.stream_reader(stream) if files else self.source.reader,
+                                          self.source.src.window, 1 if files else self.count, members)
+        w = p.window(member)
         if w[3]:  # the stream's epoch ended
-            del p.members[stream]
+            del p.members[member]
             if not p.members:
-                del self._passes[epoch]
+                del self._passes[key]
         return w
 
 
@@ -267,15 +305,15 @@ class _Member:
 class _Pass:
     """One epoch's reading of the source, from the earliest start of its streams."""
 
-    def __init__(self, source: "StreamingSource", count: int, members: dict[int, tuple]):
-        self.count, self.n = count, source.src.window
+    def __init__(self, reader, window: int, count: int, members: dict[int, tuple]):
+        self.count, self.n = count, window
         self.members = {c: _Member(m, r) for c, (m, r) in members.items()}
         self._marking = collections.defaultdict(list)  # row -> members whose window starts there, marker unknown
         for m in self.members.values():
             if m.marker is None:
                 self._marking[m.start].append(m)
         first = min(members.values(), key=lambda mr: mr[1])
-        self.it, self.row = source.reader.open(first[0]), first[1]
+        self.it, self.row = reader.open(first[0]), first[1]
 
     def window(self, stream: int) -> tuple:
         m = self.members[stream]
@@ -374,7 +412,8 @@ class StreamCursor:
             plan = self.source.plan_window(lengths, epoch, window, self.index)
             if plan is not None and self.emitted < plan.num_rows:
                 self._plan = plan
-                self._record = WindowRecord(self.index, self.count, epoch, window, row, lengths, places, plan)
+                stride = self.source.row_stride or self.count  # rows of its reading between two of its own
+                self._record = WindowRecord(self.index, stride, epoch, window, row, lengths, places, plan)
                 self._pieces = kernels.one_piece(np.concatenate([d for d in docs if len(d)]).astype(self.source.dtype))
                 key = stream_key("window-rows", self.source.window_seed(epoch, window, self.index))
                 self._order = kernels.permutation(plan.num_rows, key)
@@ -421,7 +460,7 @@ class WindowRecord:
         stream's pass that held it; its `file` and `index_in_file` where known; `tokens`,
         `slots`, as for stored sources)."""
         offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        first = self.start + (self.stream - self.start) % self.count  # the window's first text's row
+        first = self.start + (self.stream - self.start) % self.count if self.count > 1 else self.start  # its first text
         segments = []
         for k, lo, slot, shown in self.plan.documents_of(plan_row, offsets):
             place = self.places[k]  # one per text of the window
@@ -442,7 +481,8 @@ class StreamRows:
         self.source, self.layout = source, layout
         self.seq_len, self.num_rows = source.seq_len, rows_per_epoch  # rows the mixture may count on per epoch
         self.stats = source.epoch_stats  # fill and crop of its packing, from the counting pass
-        self.plan_key = f"stream-{source.key}"
+        # files dealt to streams is other data than rows dealt: a state of one refuses the other
+        self.plan_key = f"stream-{source.key}" + ("-files" if source.files_of is not None else "")
         self.pad_id = source.eos_id if source.eos_id is not None else 0
         self.made: collections.OrderedDict = collections.OrderedDict()  # global row -> (WindowRecord, plan row)
         self.own(owned)
@@ -497,6 +537,36 @@ class StreamRows:
         row is known only once read): see `WindowRecord.explain`."""
         made = self.made.get(int(row))
         return None if made is None else made[0].explain(made[1])
+
+
+BALANCE = 1.02  # files are dealt by themselves ("auto") when the streams' bytes are this even
+
+
+def dealt_files(src: SourceConfig, reader, count: int) -> list[list[int]] | None:
+    """Each canonical stream's files when `src.dealing` (or "auto") deals whole files, else None
+    (row r to stream r mod count). Files go largest first to the stream with the fewest bytes
+    so far; a stream reads its files in the list's order. "auto" deals files when there are at
+    least as many as streams and their bytes come out within 2% of each other: an uneven deal
+    would end some streams' epochs well before others'."""
+    mode = src.dealing or "auto"
+    if mode == "rows" or count == 1:
+        return None
+    if not isinstance(reader, FileTexts) or len(reader.files) < count:
+        if mode == "files":
+            raise ConfigError(
+                f"sources '{src.name}'.dealing = 'files' needs files at URLs (hf_data_files = [\"s3://...\"]), at least "
+                f"as many as the {count} canonical streams; this source has "
+                f"{len(reader.files) if isinstance(reader, FileTexts) else 'a datasets reader'}: use dealing = 'rows'")
+        return None
+    sizes = [int(i[1] or 0) for i in reader.identity]
+    loads, dealt = [0] * count, [[] for _ in range(count)]
+    for f in sorted(range(len(sizes)), key=lambda f: (-sizes[f], f)):
+        c = min(range(count), key=lambda c: (loads[c], c))
+        loads[c] += sizes[f]
+        dealt[c].append(f)
+    if mode == "auto" and max(loads) > BALANCE * min(loads):
+        return None
+    return [sorted(d) for d in dealt]
 
 
 def rows_per_epoch(source: StreamingSource, layout: StreamLayout, progress: bool = True) -> int:

@@ -153,6 +153,15 @@ class FileTexts:
             self.identity.append([f, info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime"))])
         self._check_field()
 
+    def subset(self, indices: list[int]) -> "FileTexts":
+        """The same reader over files `indices` only, in that order (what one canonical stream
+        reads when files are dealt to streams): nothing is listed or read again."""
+        part = object.__new__(FileTexts)
+        part.__dict__.update(self.__dict__)
+        part.files = [self.files[k] for k in indices]
+        part.identity = [self.identity[k] for k in indices]
+        return part
+
     def _remote(self, url: str):
         """(the `RemoteDir` of the file's directory, the file's name in it)."""
         from forge_grain.stores.remote import RemoteDir
