@@ -592,8 +592,9 @@ class Pipeline:
             return
         with self._hint_lock:  # Grain's threads make several steps at once
             seen = [set() for _ in self._fetching]
+            want = [min(FETCH_SHARDS, len(self.datasets[i].store.files)) for i in self._fetching]
             end, last = step, min(step + 1 + self.fetch_ahead, self.step_limit)
-            while end < last and (end == step or min(map(len, seen)) < FETCH_SHARDS):
+            while end < last and (end == step or any(len(h) < w for h, w in zip(seen, want))):
                 if end not in self._hints:
                     src, rank = self.mixture.locate(self.shard_rows(end))
                     self._hints[end] = [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching]
