@@ -72,6 +72,22 @@ def test_a_store_in_object_storage_gives_the_disk_stream_within_its_cache_limit(
     assert store.cache.downloads < 2 * 30 + 30  # each shard about once per pass (indices once), not per batch
 
 
+def test_shards_are_downloaded_by_obstore_where_the_options_allow_and_by_s3fs_otherwise(tmp_path, s3, local_stores):
+    """With explicit credentials (as here) shards come through obstore, the Rust client; options
+    obstore cannot honour (a profile, a requester-pays bucket) or none at all (boto's credential
+    chain) keep s3fs, so no credential that works with s3fs stops working."""
+    from forge_grain.stores.remote import fast_client
+
+    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path))
+    assert store.cache._fast is not None
+    assert np.array_equal(store[100], TokenStore.open(local_stores["bin"])[100])
+    assert fast_client("s3://bucket/bin", {"profile": "research"}) is None
+    assert fast_client("s3://bucket/bin", {"key": "k", "secret": "s", "requester_pays": True}) is None
+    assert fast_client("s3://bucket/bin", None) is None
+    assert fast_client("gs://bucket/bin", {"key": "k", "secret": "s"}) is None
+    assert fast_client("s3://bucket/a/b", {"anon": True})[1] == "a/b/"
+
+
 def test_elastic_resume_from_object_storage_equals_the_disk_stream(tmp_path, s3, local_stores):
     remote = config(source("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path / "objects")))
     disk = Pipeline(config(source(local_stores["bin"])), 0, 1, num_threads=0, cache_dir=tmp_path / "plans")

@@ -142,6 +142,7 @@ class Pipeline:
         self.datasets = [o.dataset for o in self._sources]
         self._fetching = [i for i, o in enumerate(self._sources) if o.fetches]  # sources in object storage
         self._hints: dict[int, list] = {}  # step -> the arrays each fetching source reads (`_fetch_ahead`)
+        self._window = {"start": 0, "end": -1}  # the steps hinted, their shards' counts, the last hint sent
         self._hint_lock = threading.Lock()
         self.streams = [o.stream for o in self._sources if o.stream is not None]
         self._check_tokenizers()
@@ -591,21 +592,30 @@ class Pipeline:
         if not self._fetching or not self.fetch_ahead:
             return
         with self._hint_lock:  # Grain's threads make several steps at once
-            seen = [set() for _ in self._fetching]
+            w = self._window
+            if not w["start"] <= step <= w["end"]:  # the first call, a restore, or steps out of order
+                self._hints.clear()
+                w.update(start=step, end=step, counts=[collections.Counter() for _ in self._fetching], sent=None)
+            for s in range(w["start"], step):  # steps made leave the window
+                for count, arrays in zip(w["counts"], self._hints.pop(s)):
+                    count.subtract(arrays.tolist())
+                    for k in [k for k in arrays.tolist() if count[k] <= 0]:
+                        count.pop(k, None)
+            w["start"] = step
             want = [min(FETCH_SHARDS, len(self.datasets[i].store.files)) for i in self._fetching]
-            end, last = step, min(step + 1 + self.fetch_ahead, self.step_limit)
-            while end < last and (end == step or any(len(h) < w for h, w in zip(seen, want))):
-                if end not in self._hints:
-                    src, rank = self.mixture.locate(self.shard_rows(end))
-                    self._hints[end] = [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching]
-                for j, arrays in enumerate(self._hints[end]):
-                    seen[j].update(arrays.tolist())
-                end += 1
-            window = range(step, end)
-            for s in [s for s in self._hints if s not in window]:
-                del self._hints[s]
+            last = min(step + 1 + self.fetch_ahead, self.step_limit)
+            while w["end"] < last and (w["end"] == step or any(len(c) < n for c, n in zip(w["counts"], want))):
+                src, rank = self.mixture.locate(self.shard_rows(w["end"]))
+                self._hints[w["end"]] = [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching]
+                for count, arrays in zip(w["counts"], self._hints[w["end"]]):
+                    count.update(arrays.tolist())
+                w["end"] += 1
+            shards = [frozenset(c) for c in w["counts"]]
+            if shards == w["sent"]:  # the same shards as the last hint: nothing to tell
+                return
+            w["sent"] = shards
             for j, i in enumerate(self._fetching):
-                self.datasets[i].store.prefetch(np.concatenate([self._hints[s][j] for s in window]))
+                self.datasets[i].store.prefetch(np.concatenate([self._hints[s][j] for s in range(step, w["end"])]))
 
     def seek(self, step: int, streams: list | None = None) -> None:
         """Position streaming sources for `step` (the positions of a state's `streams`, else those

@@ -88,9 +88,28 @@ class RemoteDir:
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.retries = retries
+        self._fast = fast_client(self.url, storage_options)
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of object `name`: through obstore where `fast_client` made one
+        (a Rust client: a fraction of s3fs's CPU a request), else through fsspec."""
+        if self._fast is None:
+            return self.fs.cat_file(self.path(name), start=start, end=end)
+        import obstore
+        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+
+        store, prefix = self._fast
+        try:
+            return bytes(obstore.get_range(store, f"{prefix}{name}", start=start, end=end))
+        except NotFoundError:
+            raise FileNotFoundError(f"{self.url}/{name}") from None
+        except (PermissionDeniedError, UnauthenticatedError) as e:
+            raise PermissionError(str(e).splitlines()[0]) from None
+
+
 
     def retry(self, name: str, attempt, missing_ok: bool = False, bound: bool = True):
         """`attempt()`, retried with exponential backoff; a missing object is not retried (and
@@ -110,6 +129,46 @@ class RemoteDir:
                 last = e
                 time.sleep(min(0.05 * 2**k, 2.0))
         raise StoreError(f"{where}: failed after {self.retries} attempts: {last}") from None
+
+
+FAST_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
+                "skip_instance_cache", "use_listings_cache"}
+
+
+def fast_client(url: str, storage_options: dict | None):
+    """(an obstore `S3Store`, the key prefix) for an `s3://` URL whose storage options say
+    everything obstore needs (explicit `key`/`secret`, or `anon`; `endpoint_url`, the region
+    and timeouts), when obstore is installed; None otherwise (then s3fs reads, with boto's
+    own credential chain). Its own retries are off: `RemoteDir.retry` retries."""
+    opts = dict(storage_options or {})
+    if not url.startswith("s3://") or set(opts) - FAST_OPTIONS or not (opts.get("anon") or
+                                                                       (opts.get("key") and opts.get("secret"))):
+        return None
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        return None
+    import datetime
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    client_kwargs, config_kwargs = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
+    config = {"region": client_kwargs.get("region_name") or os.environ.get("AWS_REGION")
+              or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    if opts.get("anon"):
+        config["skip_signature"] = True
+    else:
+        config.update(access_key_id=opts["key"], secret_access_key=opts["secret"])
+        if opts.get("token"):
+            config["session_token"] = opts["token"]
+    endpoint = opts.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    client = {"timeout": f"{config_kwargs.get('read_timeout', deadline()):g}s",
+              "connect_timeout": f"{config_kwargs.get('connect_timeout', 60):g}s"}
+    if endpoint:
+        config.update(endpoint=endpoint, virtual_hosted_style_request=False)
+        client["allow_http"] = endpoint.startswith("http://")
+    retry = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=deadline())}
+    store = S3Store(bucket, config=config, client_options=client, retry_config=retry)
+    return store, f"{prefix.strip('/')}/" if prefix.strip("/") else ""
 
 
 class ObjectCache(RemoteDir):
@@ -201,7 +260,7 @@ class ObjectCache(RemoteDir):
                 def part(span):  # one ranged GET (no HEAD first), written where it belongs
                     a, b = span
                     with _IN_FLIGHT:
-                        block = bounded(self.fs.cat_file, self.path(name), start=a, end=b)
+                        block = bounded(self.read_range, name, a, b)
                         if len(block) != b - a:
                             raise _Damaged(f"{a + len(block)} bytes arrived of the {size} expected")
                         os.pwrite(dst.fileno(), block, a)
