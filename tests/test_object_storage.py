@@ -496,11 +496,21 @@ def test_a_peer_dataset_source_gives_the_stream_of_its_local_copy(tmp_path, s3, 
 
 def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, peers):
     """What is refused on disk is refused from a bucket, naming the URL: a raw file without a
-    dtype, an MDS shard cut short, a dataset larger than cache_limit (copied whole), and a
-    peer's dataset opened as a forge-grain store."""
+    dtype, a declared dtype the data disagrees with, a Parquet file among raw token files, an
+    MDS shard cut short, a dataset larger than cache_limit (copied whole), and a peer's
+    dataset opened as a forge-grain store."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     fs, opts = s3.fs(), dict(storage_options=s3.options(), object_cache=str(tmp_path / "c"))
     with pytest.raises(StoreError, match="s3://peers/raw.*dtype"):
         TokenStore.open("s3://peers/raw", **opts)
+    with pytest.raises(StoreError, match="s3://peers/mds/.*int32.*uint16|s3://peers/mds/.*uint16.*int32"):
+        TokenStore.open("s3://peers/mds", dtype="uint16", **opts)
+    pq.write_table(pa.table({"text": ["a document"] * 50}), tmp_path / "part.parquet")
+    fs.put_file(str(tmp_path / "part.parquet"), "peers/raw-parquet/part-0.bin")
+    with pytest.raises(StoreError, match="s3://peers/raw-parquet/part-0.bin: this is a Parquet file"):
+        TokenStore.open("s3://peers/raw-parquet", dtype="uint16", **opts)
     fs.put(str(peers["mds"]), "peers/mds-cut", recursive=True)
     shard = sorted(f for f in fs.ls("peers/mds-cut") if f.endswith(".mds"))[0]
     fs.pipe_file(shard, fs.cat_file(shard)[:-3])

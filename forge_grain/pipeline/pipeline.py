@@ -84,8 +84,8 @@ class Pipeline:
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
     core), nor `fetch_ahead` (the most steps whose shards sources in object storage
-    download ahead: the lookahead stops at `FETCH_SHARDS` shards a source), nor `tokenize_threads` (threads tokenizing streaming sources; default one per
-    core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
+    download ahead: the lookahead stops at `FETCH_SHARDS` shards a source), nor
+    `tokenize_threads` (threads tokenizing streaming sources; default one per core). `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     `progress`: progress bars of first-use work (planning, tokenizing, counting); by default
     shown by shard 0 only, so that ranks do not print interleaved bars.
 
@@ -596,11 +596,9 @@ class Pipeline:
             if not w["start"] <= step <= w["end"]:  # the first call, a restore, or steps out of order
                 self._hints.clear()
                 w.update(start=step, end=step, counts=[collections.Counter() for _ in self._fetching], sent=None)
-            for s in range(w["start"], step):  # steps made leave the window
+            for s in range(w["start"], step):  # steps made leave the window (`-=` drops counts at 0)
                 for count, arrays in zip(w["counts"], self._hints.pop(s)):
-                    count.subtract(arrays.tolist())
-                    for k in [k for k in arrays.tolist() if count[k] <= 0]:
-                        count.pop(k, None)
+                    count -= collections.Counter(arrays.tolist())
             w["start"] = step
             want = [min(FETCH_SHARDS, len(self.datasets[i].store.files)) for i in self._fetching]
             last = min(step + 1 + self.fetch_ahead, self.step_limit)

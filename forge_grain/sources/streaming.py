@@ -120,11 +120,15 @@ class StreamingSource:
         """What canonical stream `stream` reads: its own files, or (rows dealt) the whole source."""
         return self.reader if self.files_of is None else self.reader.subset(self.files_of[stream])
 
-    @property
-    def row_stride(self) -> int | None:
+    def row_stride(self, count: int) -> int:
         """The rows of a stream's reading between two of its own rows: 1 when it reads only its
         files, else the stream count (`_Pass` passes over the others' rows)."""
-        return 1 if self.files_of is not None else None
+        return 1 if self.files_of is not None else count
+
+    @property
+    def _file_count(self) -> int:
+        """Files of a source of files at URLs (whose counting pass records each one's rows), else 0."""
+        return len(self.reader.files) if isinstance(self.reader, FileTexts) else 0
 
     @functools.cached_property
     def pool(self) -> TokenizePool:
@@ -175,15 +179,14 @@ class StreamingSource:
             t0 = time.perf_counter()
             lengths, file_rows = [], collections.Counter()
             with tqdm(desc=f"count {self.src.name}", unit="doc", disable=not progress) as bar:
-                for docs in self.pool.map(self._batches(COUNT_BATCH, file_rows)):
+                for docs in self.pool.map(self._batches(COUNT_BATCH, file_rows if self._file_count else None)):
                     lengths += [len(d) for d in docs]
                     bar.update(len(docs))
             lengths = np.asarray(lengths, np.int64)
             save_npy_atomic(path, lengths)
-            files = len(getattr(self.reader, "files", ())) if isinstance(self.reader, FileTexts) else 0
             write_json_atomic(meta, {"documents": len(lengths), "seconds": time.perf_counter() - t0,
                                      "key": self.key, "sha256": hashlib.sha256(lengths.tobytes()).hexdigest(),
-                                     "file_rows": [file_rows[f] for f in range(files)]})
+                                     "file_rows": [file_rows[f] for f in range(self._file_count)]})
         return lengths
 
     def file_rows(self) -> list[int]:
@@ -199,7 +202,7 @@ class StreamingSource:
         try:
             info = json.loads(meta.read_text())
             lengths = np.load(path, allow_pickle=False)
-            files = len(self.reader.files) if isinstance(self.reader, FileTexts) else 0
+            files = self._file_count
             intact = (isinstance(info, dict) and info.get("key") == self.key and len(lengths) == info.get("documents")
                       and hashlib.sha256(np.ascontiguousarray(lengths, np.int64).tobytes()).hexdigest() == info.get("sha256")
                       and len(info.get("file_rows", ())) == files and sum(info.get("file_rows", ())) in (0, len(lengths)))
@@ -218,7 +221,7 @@ class StreamingSource:
                 batch.append(it.next())
             except StopIteration:
                 break
-            if file_rows is not None and isinstance(self.reader, FileTexts):
+            if file_rows is not None:  # files at URLs: `it.file` is the row's file
                 file_rows[it.file] += 1
             if len(batch) == n:
                 yield batch
@@ -235,8 +238,8 @@ class StreamingSource:
         kept in `epoch_stats`, a window too short for a row counting as lost tokens."""
         lengths = self.lengths(progress)
         if self.files_of is not None:  # a stream's rows: its files' rows, in its files' order
-            ends = np.cumsum(self.file_rows())
-            of_file = [lengths[e - n : e] for e, n in zip(ends, self.file_rows())]
+            per_file = self.file_rows()
+            of_file = np.split(lengths, np.cumsum(per_file)[:-1])
         rows, parts = [], []
         for c in range(count):
             own = lengths[c::count] if self.files_of is None else np.concatenate(
@@ -412,8 +415,8 @@ class StreamCursor:
             plan = self.source.plan_window(lengths, epoch, window, self.index)
             if plan is not None and self.emitted < plan.num_rows:
                 self._plan = plan
-                stride = self.source.row_stride or self.count  # rows of its reading between two of its own
-                self._record = WindowRecord(self.index, stride, epoch, window, row, lengths, places, plan)
+                self._record = WindowRecord(self.index, self.source.row_stride(self.count), epoch, window, row,
+                                            lengths, places, plan)
                 self._pieces = kernels.one_piece(np.concatenate([d for d in docs if len(d)]).astype(self.source.dtype))
                 key = stream_key("window-rows", self.source.window_seed(epoch, window, self.index))
                 self._order = kernels.permutation(plan.num_rows, key)
@@ -460,7 +463,7 @@ class WindowRecord:
         stream's pass that held it; its `file` and `index_in_file` where known; `tokens`,
         `slots`, as for stored sources)."""
         offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        first = self.start + (self.stream - self.start) % self.count if self.count > 1 else self.start  # its first text
+        first = self.start + (self.stream - self.start) % self.count  # the window's first text's row
         segments = []
         for k, lo, slot, shown in self.plan.documents_of(plan_row, offsets):
             place = self.places[k]  # one per text of the window

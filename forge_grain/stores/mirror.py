@@ -23,7 +23,7 @@ from pathlib import Path
 from forge_grain.errors import StoreError
 from forge_grain.stores import identify
 from forge_grain.stores.base import TokenStore
-from forge_grain.stores.remote import MANIFEST_NAME, ObjectCache, RemoteDir
+from forge_grain.stores.remote import MANIFEST_NAME, ObjectCache, RemoteDir, listing
 
 REMOTE_OPTIONS = frozenset({"storage_options", "object_cache", "cache_limit"})
 THREADS = 8  # concurrent downloads while copying a dataset
@@ -32,13 +32,13 @@ THREADS = 8  # concurrent downloads while copying a dataset
 def remote_format(url: str, storage_options: dict | None = None) -> str:
     """The format of the dataset at `url`, from its listing: "native" for a forge-grain
     store (or when nothing is recognised: `RemoteStore` then says what is there)."""
-    listing = _listing(RemoteDir(url, storage_options))
-    names = {name.split("/", 1)[0] for name in listing}
+    remote = RemoteDir(url, storage_options)
+    files = listing(remote)
+    names = {name.split("/", 1)[0] for name in files}
     if MANIFEST_NAME in names:
         return "native"
     index = None
-    if "index.json" in listing:
-        remote = RemoteDir(url, storage_options)
+    if "index.json" in files:
         text = remote.retry("index.json", lambda: remote.fs.cat_file(remote.path("index.json")))
         try:
             index = json.loads(text)
@@ -51,7 +51,7 @@ def remote_format(url: str, storage_options: dict | None = None) -> str:
                          f"it cannot be read both ways: pass format= one of {', '.join(sorted(found))}")
     if found:
         return next(iter(found))
-    if not listing and _megatron_prefix(url, storage_options):
+    if not files and _megatron_prefix(url, storage_options):
         return "megatron"
     if any(n.endswith((".bin", ".npy")) for n in names) and not any(n.startswith("shard-") for n in names):
         return "raw"
@@ -72,13 +72,13 @@ class Mirrored:
 
     def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, **options):
         self.url = str(path).rstrip("/")
-        self._remote = dict(storage_options=storage_options, object_cache=object_cache, cache_limit=cache_limit)
+        remote = dict(storage_options=storage_options, object_cache=object_cache, cache_limit=cache_limit)
         home, base, prefix = copy_dataset(self.url, self.description, storage_options, object_cache, cache_limit)
         try:
             super().__init__(home / prefix if prefix else home, **options)
         except StoreError as e:  # name the objects, not their local copies
             raise StoreError(str(e).replace(str(home), base)) from None
-        self._options = {**options, **{k: v for k, v in self._remote.items() if v is not None}}
+        self._options = {**options, **{k: v for k, v in remote.items() if v is not None}}
 
     def __reduce__(self):
         return (_reopen_mirrored, (self.format, self.url, self._options))
@@ -97,14 +97,12 @@ def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
     (the local directory, the URL it copies, the Megatron prefix in it when `url` is one)."""
     from tqdm.auto import tqdm
 
-    remote = RemoteDir(url, storage_options)
-    listing, prefix = _listing(remote), None
-    if not listing:  # a Megatron prefix: its .idx and .bin beside each other
-        prefix = url.rsplit("/", 1)[-1]
-        url = url.rsplit("/", 1)[0]
-        remote = RemoteDir(url, storage_options)
-        listing = {n: v for n, v in _listing(remote).items() if n in (f"{prefix}.idx", f"{prefix}.bin")}
-    files = sorted((name, size, tag) for name, (size, tag) in listing.items())
+    found, prefix = listing(RemoteDir(url, storage_options)), None
+    if not found:  # a Megatron prefix: its .idx and .bin beside each other
+        url, prefix = url.rsplit("/", 1)
+        found = {n: v for n, v in listing(RemoteDir(url, storage_options)).items()
+                 if n in (f"{prefix}.idx", f"{prefix}.bin")}
+    files = sorted((name, size, tag) for name, (size, tag) in found.items())
     total = sum(size for _, size, _ in files)
     if cache_limit is not None and total > cache_limit:
         raise StoreError(f"{url}: {what} is copied into the cache whole (its documents are found inside its data "
@@ -126,22 +124,7 @@ def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
     return cache.dir / home, url, prefix
 
 
-def _listing(remote: RemoteDir) -> dict[str, tuple[int, str]]:
-    """Every file under the URL (relative name -> (size, ETag or modification time)), hidden
-    ones (forge-grain's own markers, caches) left out; empty when there is nothing."""
-    remote.fs.invalidate_cache(remote.root)
-    found = remote.retry("", lambda: remote.fs.find(remote.root, detail=True), missing_ok=True) or {}
-    out = {}
-    for path, entry in found.items():
-        name = str(path)[len(remote.root):].lstrip("/")
-        if entry.get("type", "file") != "file" or not name or any(p.startswith(".") for p in name.split("/")):
-            continue
-        tag = entry.get("ETag") or entry.get("etag") or entry.get("LastModified") or entry.get("mtime") or ""
-        out[name] = (int(entry["size"]), str(tag))
-    return out
-
-
 def _megatron_prefix(url: str, storage_options) -> bool:
     parent, stem = url.rsplit("/", 1)
-    names = _listing(RemoteDir(parent, storage_options))
+    names = listing(RemoteDir(parent, storage_options))
     return f"{stem}.idx" in names and f"{stem}.bin" in names

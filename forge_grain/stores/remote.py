@@ -109,8 +109,6 @@ class RemoteDir:
         except (PermissionDeniedError, UnauthenticatedError) as e:
             raise PermissionError(str(e).splitlines()[0]) from None
 
-
-
     def retry(self, name: str, attempt, missing_ok: bool = False, bound: bool = True):
         """`attempt()`, retried with exponential backoff; a missing object is not retried (and
         gives None with `missing_ok`). Each attempt is `bounded` by the deadline (`bound=False`
@@ -627,8 +625,21 @@ def read_or_none(remote: RemoteDir, name: str) -> bytes | None:
     return remote.retry(name, lambda: remote.fs.cat_file(remote.path(name)), missing_ok=True)
 
 
+def listing(remote: RemoteDir) -> dict[str, tuple[int, str]]:
+    """Every file under the URL (relative name -> (size, ETag or modification time)), hidden
+    ones (forge-grain's own markers, caches) left out; empty when there is nothing."""
+    remote.fs.invalidate_cache(remote.root)
+    found = remote.retry("", lambda: remote.fs.find(remote.root, detail=True), missing_ok=True) or {}
+    out = {}
+    for path, entry in found.items():
+        name = str(path)[len(remote.root):].lstrip("/")
+        if entry.get("type", "file") != "file" or not name or any(p.startswith(".") for p in name.split("/")):
+            continue
+        tag = entry.get("ETag") or entry.get("etag") or entry.get("LastModified") or entry.get("mtime") or ""
+        out[name] = (int(entry["size"]), str(tag))
+    return out
+
+
 def _remote_sizes(remote: RemoteDir) -> dict[str, int]:
     """Size of each object directly under the URL."""
-    remote.fs.invalidate_cache(remote.root)
-    listing = remote.retry("", lambda: remote.fs.ls(remote.root, detail=True))
-    return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in listing if e.get("type") == "file"}
+    return {name: size for name, (size, _) in listing(remote).items() if "/" not in name}
