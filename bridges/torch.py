@@ -49,6 +49,8 @@ from forge_grain.pipeline.pipeline import STATE_VERSION
 from forge_grain.sources.streaming import START
 from forge_grain.packing.varlen import varlen
 
+from bridges.torch_slots import worker_ring
+
 # torchdata's StatefulDataLoader (the loader this bridge is made for) calls a torch API
 # torch has deprecated, on every iter(): a warning per epoch its user cannot act on
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -68,8 +70,11 @@ def _rank_and_world(rank, world_size) -> tuple[int, int]:
 
 def to_torch(batch: dict, convention: str = "forge", dtype: torch.dtype = torch.int64) -> dict:
     """A pipeline batch as torch tensors, in forge-grain's or Hugging Face's convention."""
-    ids = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dtype)  # noqa: E731
-    out = {"source_id": ids(batch["source_id"]), "step": torch.tensor(int(batch["step"]), dtype=torch.int64)}
+    def ids(a):
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if t.dtype == dtype else t.to(dtype)  # the pipeline made it in `dtype`: no call
+
+    out = {"source_id": ids(batch["source_id"]), "step": torch.from_numpy(np.array(batch["step"], np.int64))}
     if convention == "forge":
         for k in ("inputs", "targets", "segment_ids", "positions"):
             out[k] = ids(batch[k])
@@ -241,10 +246,19 @@ class GrainIterableDataset(IterableDataset):
                 yield from ({k: v if v.dim() == 0 else v[i] for k, v in batch.items() if k != "stream_states"}
                             for i in range(self.pipeline.local_batch_size))
             else:
-                yield batch
+                yield self._sent(batch) if get_worker_info() is not None else batch
+            # hold no batch while making the next: the pool then refills the block the caller just
+            # released (still in the CPU's cache) instead of a third one (a quarter of the rate)
+            del batch
         if self.pipeline.streams and end < self.pipeline.step_limit:
             # the pass is done here: hand this process's streams to whichever processes start the next
             self._channel.hand_over(end, self.pipeline.stream_positions(step))
+
+    @staticmethod
+    def _sent(batch: dict) -> dict:
+        """In a DataLoader worker: the batch in a reused shared-memory slot (`bridges.torch_slots`)."""
+        ring = worker_ring(batch)
+        return ring.send(batch) if ring is not None else batch
 
     def _tensors(self, batch: dict) -> dict:
         out = to_torch(batch, self.convention, self.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,67 @@ def test_a_resume_inside_a_later_pass_runs_to_that_pass_end(stores):
     again = GrainIterableDataset(cfg, rank=0, world_size=1)  # a restarted job that forgot set_epoch
     again.tracker().load_state_dict(state)
     assert [int(b["step"]) for b in DataLoader(again, batch_size=None)] == list(range(n + 4, 2 * n))
+
+
+def large(stores):
+    """Batches whose id tensors reach 64 KiB: those go through the workers' shared-memory slots."""
+    return config(stores, seq_len=512, global_batch_size=16, num_epochs=None, max_steps=40)
+
+
+def test_worker_batches_through_shared_memory_slots_are_never_overwritten_while_held(stores):
+    from bridges import torch_slots
+
+    cfg = large(stores)
+    ref = Pipeline(cfg, 0, 1, num_threads=0, dtype=np.int64)
+    mapped_before = set(torch_slots._RINGS)
+    it = iter(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1), batch_size=None, num_workers=2))
+    held = [next(it) for _ in range(3)]  # kept while the workers refill their other slots many times over
+    later = [(int(b["step"]), b["inputs"].numpy().copy(), b["loss_mask"].numpy().copy()) for b in it]
+    rings = set(torch_slots._RINGS) - mapped_before
+    assert len(rings) == 2  # one ring a worker, mapped by this process ...
+    assert not any(os.path.exists(p) for p in rings)  # ... and its name removed once mapped
+    assert [int(b["step"]) for b in held] + [s for s, _, _ in later] == list(range(ref.num_steps))
+    assert ref.num_steps - 3 > 2 * torch_slots.SLOTS
+    for b in held:
+        want = ref.batch(int(b["step"]))
+        assert np.array_equal(b["inputs"].numpy(), want["inputs"])
+        assert np.array_equal(b["positions"].numpy(), want["positions"])
+    for s, inputs, mask in later:
+        want = ref.batch(s)
+        assert np.array_equal(inputs, want["inputs"]) and np.array_equal(mask, want["loss_mask"])
+
+
+def test_a_caller_holding_every_batch_gets_them_all_intact(stores):
+    """More batches held than a worker has slots: the rest go torch's own way, none overwritten."""
+    cfg = large(stores)
+    ref = Pipeline(cfg, 0, 1, num_threads=0, dtype=np.int64)
+    got = list(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1, convention="hf"), batch_size=None,
+                          num_workers=2))
+    assert len(got) == ref.num_steps
+    for b in got:
+        assert np.array_equal(b["input_ids"].numpy(), ref.batch(int(b["step"]))["inputs"])
+
+
+def test_without_dev_shm_worker_batches_go_torch_s_way(stores, tmp_path, monkeypatch):
+    from bridges import torch_slots
+
+    monkeypatch.setattr(torch_slots, "SHM_DIR", str(tmp_path / "no-shm"))  # forked workers see it too
+    cfg = large(stores)
+    ref = Pipeline(cfg, 0, 1, num_threads=0, dtype=np.int64)
+    got = steps_and_inputs(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1), batch_size=None,
+                                      num_workers=2))
+    assert_same(got, [(s, ref.batch(s)["inputs"]) for s in range(ref.num_steps)])
+
+
+def test_rings_of_exited_workers_are_swept(tmp_path, monkeypatch):
+    from bridges import torch_slots
+
+    monkeypatch.setattr(torch_slots, "SHM_DIR", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{torch_slots.PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{torch_slots.PREFIX}{os.getpid()}-abc"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    ring = torch_slots.SlotRing(1 << 16)  # a new ring sweeps first
+    assert not stale.exists() and live.exists() and Path(ring.path).exists()
