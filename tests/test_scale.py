@@ -208,3 +208,70 @@ def test_the_locality_order_is_a_permutation_per_epoch_reading_few_chunks_at_a_t
     assert np.array_equal(same.rows_of(np.arange(3 * n)), np.concatenate(epochs))  # a pure function of the index
     parts = np.concatenate([ds.rows_of(np.arange(k, 3 * n, 7)) for k in range(7)])  # any order of asking
     assert np.array_equal(np.sort(parts), np.sort(np.concatenate(epochs)))
+
+
+def disk_bytes(root: Path) -> int:
+    total = 0
+    for path in root.rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except FileNotFoundError:
+            pass  # removed while walking
+    return total
+
+
+def test_chunked_planning_peaks_near_the_final_plan_on_disk(tmp_path):
+    """No copy of the offsets, and the chunks removed as they are joined: planning a corpus does
+    not need twice its plan's size free on disk."""
+    import threading
+
+    offsets = lognormal_offsets(400_000, seed=3)
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], disk_bytes(tmp_path / "out"))
+            time.sleep(0.002)
+
+    (tmp_path / "out").mkdir()
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    real_parts = chunked._parts
+
+    def parts(files, name, dtype):  # measured at every step of the join, not only when sampled
+        for part in real_parts(files, name, dtype):
+            yield part
+            peak[0] = max(peak[0], disk_bytes(tmp_path / "out"))
+
+    chunked._parts = parts
+    try:
+        p = plan_chunked(offsets, 512, "bestfit", tmp_path / "out" / "plan", chunk_docs=50_000, workers=2,
+                         progress=False)
+    finally:
+        chunked._parts = real_parts
+        done.set()
+        sampler.join()
+    final = disk_bytes(tmp_path / "out")
+    assert p.stats["chunks"] == 8 and final > 1_000_000
+    assert peak[0] <= 1.2 * final, (peak[0], final)
+
+
+def test_a_chunked_plan_whose_join_was_cut_short_completes_on_a_rerun(tmp_path, monkeypatch):
+    offsets = lognormal_offsets(40_000, seed=4)
+    real_parts = chunked._parts
+
+    def dies(files, name, dtype):
+        for i, part in enumerate(real_parts(files, name, dtype)):
+            if name == "seg_start" and i == 2:
+                raise OSError("disk full")
+            yield part
+
+    monkeypatch.setattr(chunked, "_parts", dies)
+    with pytest.raises(OSError, match="disk full"):
+        plan_chunked(offsets, 1024, "bestfit", tmp_path / "p", chunk_docs=5000, workers=1, progress=False)
+    assert not (tmp_path / "p").exists()
+    monkeypatch.undo()
+    again = plan_chunked(offsets, 1024, "bestfit", tmp_path / "p", chunk_docs=5000, workers=2, progress=False)
+    fresh = plan_chunked(offsets, 1024, "bestfit", tmp_path / "q", chunk_docs=5000, workers=1, progress=False)
+    assert all(np.array_equal(a, b) for a, b in zip(plan_arrays(again), plan_arrays(fresh)))
+    assert PackingPlan.load(tmp_path / "p").checksum() == fresh.checksum()

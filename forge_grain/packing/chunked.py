@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
     job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name, max_segments=max_segments)
     dirs = [_chunk_dir(parts, offsets, a, b, k, job) for k, a, b in jobs]
     todo = [(k, a, b, str(d)) for (k, a, b), d in zip(jobs, dirs) if _load_chunk(d) is None]
+    for *_, d in todo:  # what a run cut short left of it (a join removes chunks' arrays as it goes)
+        shutil.rmtree(d, ignore_errors=True)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
     with _bar(len(jobs), len(jobs) - len(todo), f"plan {name}", progress) as bar:
         if workers == 1:
@@ -68,7 +71,9 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
     chunks = [_load_chunk(d, verify=False) for d in dirs]  # verified above, or written just now
     if any(c is None for c in chunks):
         raise PackingError(f"{name}: a chunk's plan in {parts} vanished or was damaged while planning; run again")
-    _join(chunks, seq_len, strategy, directory, time.perf_counter() - t0)
+    stats = _join_stats(chunks, seq_len, strategy, time.perf_counter() - t0)
+    del chunks  # their maps: the join removes each chunk's arrays as it copies them
+    _join(dirs, seq_len, strategy, directory, stats)
     shutil.rmtree(parts, ignore_errors=True)
     p = PackingPlan.load(directory, verify=False)
     if p.num_rows == 0:
@@ -89,19 +94,23 @@ def _chunk_dir(parts: Path, offsets: np.ndarray, a: int, b: int, k: int, job: di
 def _run_workers(offsets: np.ndarray, todo: list, workers: int, job: dict, parts: Path, bar) -> None:
     """Plan the chunks `todo` in `workers` processes, chunk k in worker k % workers.
 
-    Workers are fresh interpreters (`python -m forge_grain.packing.chunked JOB`) that map the
-    offsets from a file: no `if __name__ == "__main__"` guard is needed in the caller's
-    script (multiprocessing's spawn would re-run it), and nothing is forked from a parent
-    that may hold Grain or JAX threads."""
-    np.save(parts / "offsets.npy", offsets)
-    procs = []
+    Workers are fresh interpreters (`python -m forge_grain.packing.chunked JOB`): no
+    `if __name__ == "__main__"` guard is needed in the caller's script (multiprocessing's
+    spawn would re-run it), and nothing is forked from a parent that may hold Grain or JAX
+    threads. Each reads its chunks' offsets from its stdin, one chunk at a time as it gets to
+    it (a thread a worker writes them; the pipe holds the writer back): no copy of the
+    offsets on disk (8 bytes a document: 8 GB at a billion), and a worker holds one chunk's."""
+    procs, feeders = [], []
     try:
         for w in range(workers):
             spec = parts / f"worker-{w}.json"
-            spec.write_text(json.dumps({**job, "offsets": str(parts / "offsets.npy"), "chunks": todo[w::workers]}))
+            spec.write_text(json.dumps({**job, "chunks": todo[w::workers]}))
             with open(parts / f"worker-{w}.log", "w") as log:  # a file, not a pipe that could fill and block
                 procs.append(subprocess.Popen([sys.executable, "-m", "forge_grain.packing.chunked", str(spec)],
-                                              stdout=log, stderr=subprocess.STDOUT))
+                                              stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT))
+            feeders.append(threading.Thread(target=_feed, args=(procs[-1].stdin, offsets, todo[w::workers]),
+                                            daemon=True))
+            feeders[-1].start()
         done = 0
         while any(p.poll() is None for p in procs):
             time.sleep(0.2)
@@ -118,6 +127,19 @@ def _run_workers(offsets: np.ndarray, todo: list, workers: int, job: dict, parts
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for f in feeders:  # a killed worker's pipe is broken: its feeder ends
+            f.join()
+
+
+def _feed(pipe, offsets: np.ndarray, chunks: list) -> None:
+    """Write each chunk's offsets to a worker's stdin, in the order it plans them."""
+    try:
+        with pipe:
+            for _, a, b, _ in chunks:
+                for at in range(a, b + 1, 1 << 20):  # a mapped slice at a time: no copy of the chunk here
+                    pipe.write(memoryview(np.ascontiguousarray(offsets[at : min(b + 1, at + (1 << 20))])).cast("B"))
+    except (BrokenPipeError, ValueError, OSError):
+        pass  # the worker died or was killed: its exit status says why
 
 
 def _plan_chunk(offsets, k, directory: Path, *, seq_len, strategy, seed, stride, name, max_segments=None) -> None:
@@ -140,42 +162,55 @@ def _load_chunk(directory: Path, verify: bool = True) -> PackingPlan | None:
         return None
 
 
-def _join(chunks: list[PackingPlan], seq_len: int, strategy: str, directory: Path, seconds: float) -> None:
-    """Write the chunks' plans as one, array by array in chunk order (memory: one chunk's
-    array at a time; the checksum is hashed as the bytes are written), with the stats they
-    add up to; renamed into place when complete."""
+def _join(dirs: list[Path], seq_len: int, strategy: str, directory: Path, stats: dict) -> None:
+    """Write the chunks' plans (in `dirs`) as one, array by array in chunk order (the checksum
+    is hashed as the bytes are written), renamed into place when complete. Each chunk's part
+    of an array is removed once copied, so the disk holds the joined plan and one part more,
+    not the plan twice; a join cut short leaves chunks without some arrays, which a re-run
+    plans again (`_load_chunk` refuses them)."""
     tmp = temporary(directory)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    for d in dirs:  # from here on the chunks are being consumed: none is a finished plan any more
+        (d / "plan.json").unlink()
     h = checksum_start(strategy, seq_len)
     for name in PLAN_ARRAYS:
-        dtype = getattr(chunks[0], name).dtype
-        total = sum(len(getattr(c, name)) for c in chunks) - (len(chunks) - 1 if name == "row_ptr" else 0)
+        files = [d / f"{name}.npy" for d in dirs]
+        dtype = map_npy(files[0]).dtype
+        total = sum(_length(f) for f in files) - (len(files) - 1 if name == "row_ptr" else 0)
         checksum_array(h, name, dtype, total)
         with open(tmp / f"{name}.npy", "wb") as f:
             np.lib.format.write_array_header_2_0(f, {"descr": dtype.str, "fortran_order": False, "shape": (total,)})
-            for part in _parts(chunks, name, dtype):
+            for part in _parts(files, name, dtype):
                 f.write(part)
                 h.update(part)
-    meta = {"strategy": strategy, "seq_len": seq_len, "stats": _join_stats(chunks, seq_len, strategy, seconds),
-            "version": PLAN_VERSION, "checksum": h.hexdigest()}
+    meta = {"strategy": strategy, "seq_len": seq_len, "stats": stats, "version": PLAN_VERSION,
+            "checksum": h.hexdigest()}
     (tmp / "plan.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(directory, ignore_errors=True)
     os.rename(tmp, directory)
 
 
-def _parts(chunks: list[PackingPlan], name: str, dtype: np.dtype):
-    """The bytes of array `name` of the joined plan, a chunk at a time: row pointers
-    continue from the previous chunk's segments; the rest is the chunks' arrays in order."""
-    if name != "row_ptr":
-        for c in chunks:
-            yield np.ascontiguousarray(getattr(c, name), dtype).tobytes()
-        return
-    yield np.zeros(1, dtype).tobytes()
+def _length(file: Path) -> int:
+    return len(map_npy(file))
+
+
+def _parts(files: list[Path], name: str, dtype: np.dtype):
+    """The bytes of array `name` of the joined plan, a chunk at a time, each chunk's file
+    removed once read: row pointers continue from the previous chunk's segments; the rest is
+    the chunks' arrays in order."""
     base = 0
-    for c in chunks:
-        yield (np.asarray(c.row_ptr[1:]) + base).astype(dtype).tobytes()
-        base += int(c.row_ptr[-1])
+    if name == "row_ptr":
+        yield np.zeros(1, dtype).tobytes()
+    for file in files:
+        part = map_npy(file)
+        if name == "row_ptr":
+            yield (np.asarray(part[1:]) + base).astype(dtype).tobytes()
+            base += int(part[-1])
+        else:
+            yield np.ascontiguousarray(part, dtype).tobytes()
+        del part
+        file.unlink()
 
 
 def _join_stats(chunks: list[PackingPlan], seq_len: int, strategy: str, seconds: float) -> dict:
@@ -192,11 +227,17 @@ def _bar(total: int, done: int, desc: str, progress: bool):
 
 
 def _worker(spec: Path) -> None:
-    """A planning worker: plan the chunks its job file lists."""
+    """A planning worker: plan the chunks its job file lists, their offsets read from stdin."""
     job = json.loads(spec.read_text())
-    offsets = map_npy(job.pop("offsets"))
     for k, a, b, directory in job.pop("chunks"):
-        _plan_chunk(offsets[a : b + 1], k, Path(directory), **job)
+        offsets = np.empty(b - a + 1, np.int64)
+        view, got = memoryview(offsets).cast("B"), 0
+        while got < len(view):
+            n = sys.stdin.buffer.readinto(view[got:])
+            if not n:
+                raise SystemExit(f"chunk {k}: the planner's offsets ended after {got} of {len(view)} bytes")
+            got += n
+        _plan_chunk(offsets, k, Path(directory), **job)
 
 
 if __name__ == "__main__":

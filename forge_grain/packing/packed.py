@@ -236,6 +236,16 @@ class PackedDataset(grain.MapDataset):
         self._plan_sha256 = plan_sha256
         return self
 
+    @property
+    def is_open(self) -> bool:
+        """False for a deferred dataset not read yet."""
+        return self._plan is not None
+
+    def open(self) -> None:
+        """Open a deferred dataset's store and plan now (a background opener runs ahead of reads)."""
+        if self._plan is None:
+            self._open()
+
     def _open(self) -> None:
         with _OPENING:  # one lock for all: a lock per dataset costs more than thousands of sources' build
             if self._plan is None:

@@ -28,6 +28,7 @@ from forge_grain.pipeline import history
 from forge_grain.pipeline.config import ConfigError, DataConfig
 from forge_grain.errors import StateError
 from forge_grain.pipeline.mixture import MAX_ROWS, Mixture
+from forge_grain.pipeline.opening import AheadOpener
 from forge_grain.pipeline.skips import RowMap
 from forge_grain.packing.packed import PackedDataset, empty_rows
 from forge_grain.sources.deferred import SourceRecords, source_key
@@ -189,6 +190,8 @@ class Pipeline:
         self.fingerprint, self._summary = self._fingerprint()
         self._warn_unreachable_phases()
         self.rowmap = self._apply_skips()
+        start = resume_from.get("step") if isinstance(resume_from, dict) else 0
+        self._opener = AheadOpener(self, start if isinstance(start, int) and start >= 0 else 0)
 
     def _apply_skips(self) -> RowMap:
         """The map from the trainer's rows to the uninterrupted stream's, after the skips;
@@ -574,7 +577,8 @@ class Pipeline:
         if self.streams and self.epoch_aligned:
             self._align_streams(step)
         self._fetch_ahead(step)
-        out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
+        with self._opener.making(step):
+            out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         if self.streams:
             # the next step this process makes: the next of its class when it owns one class in `stride`

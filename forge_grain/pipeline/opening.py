@@ -1,0 +1,80 @@
+"""Opening deferred sources ahead of the steps that read them.
+
+A pipeline built from its source record (`forge_grain.sources.deferred`) opens each
+source when a batch first reads it: about a millisecond a source, paid by whichever
+batch gets there first. The steps to come are known (the mixture says which source
+every row comes from), so a background thread opens the sources of the next steps, in
+the order the steps read them, while the caller builds its model or trains. It only
+moves work earlier: an open is the same full open, under the same lock, and a source
+that fails to open stops the opener and is left for the batch that reads it to report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import numpy as np
+
+AHEAD = 256  # steps the opener runs ahead of the last step made
+_IDLE_S = 1.0  # how often a waiting opener checks that its pipeline still exists
+
+
+class AheadOpener:
+    """The background opener of one pipeline's deferred sources."""
+
+    def __init__(self, pipeline, first_step: int = 0):
+        self._pipeline = weakref.ref(pipeline)
+        self._pending = {i for i, d in enumerate(pipeline.datasets) if not getattr(d, "is_open", True)}
+        self._made = first_step  # the consumer's position: the last step made, or where it will start
+        self._busy = 0  # batches being made
+        self._wake = threading.Condition()
+        self.thread = threading.Thread(target=self._run, args=(first_step,), name="forge-grain-opener", daemon=True)
+        if self._pending:
+            self.thread.start()
+
+    @contextlib.contextmanager
+    def making(self, step: int):
+        """The consumer makes `step` inside this: the opener keeps within `AHEAD` steps of it, and
+        pauses meanwhile (two threads opening at once, under one lock and the GIL, were slower
+        than one: the opener only fills the time between batches)."""
+        if not (self._pending and self.thread.is_alive()):
+            yield
+            return
+        with self._wake:
+            self._made = step
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._busy -= 1
+                self._wake.notify()
+
+    def _run(self, step: int) -> None:
+        while self._pending:
+            step = self._wait(step)
+            pipeline = self._pipeline()
+            if step is None or pipeline is None or step >= pipeline.step_limit:
+                return
+            sources, _ = pipeline.mixture.locate(pipeline.shard_rows(step))
+            first = np.unique(sources, return_index=True)[1]
+            for i in sources[np.sort(first)].tolist():  # in the order the step reads them
+                if i in self._pending and self._wait(step) is not None:
+                    self._pending.discard(i)
+                    try:
+                        pipeline.datasets[i].open()
+                    except Exception:  # noqa: BLE001 -- the batch that reads it opens it again and reports it
+                        return  # a record that disagrees with its store: leave the rest to the reads
+            del pipeline
+            step += 1
+
+    def _wait(self, step: int) -> int | None:
+        """The step to open for next, once no batch is being made and it is within `AHEAD`; None
+        when the pipeline is gone."""
+        with self._wake:
+            while self._busy or step > self._made + AHEAD:
+                if not self._wake.wait(_IDLE_S) and self._pipeline() is None:
+                    return None
+            return max(step, self._made)  # fallen behind: no use opening what was already read
