@@ -21,15 +21,19 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import socket
 import uuid
 import weakref
 
 import numpy as np
 import torch
 
+from forge_grain.locks import process_alive
+
 SHM_DIR = "/dev/shm"
 PREFIX = "forge-grain-slots-"
 SLOTS = 8  # per worker: the DataLoader's prefetch (2 by default), the batch in use, pinning, spare
+_HOST = "".join(c for c in socket.gethostname() if c.isalnum())[:32] or "host"  # containers may share /dev/shm
 _ALIGN = 64
 _BIG = 1 << 16  # tensors from 64 KiB go through the slot; smaller ones (step, source_id, stream_states) by value
 _HEADER = 4096  # one flag byte a slot: 1 while the main process may read it, 0 when free
@@ -45,7 +49,7 @@ class SlotRing:
     def __init__(self, slot_bytes: int, count: int = SLOTS):
         sweep_stale()
         self.slot_bytes, self.count = slot_bytes, count
-        self.path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.path = os.path.join(SHM_DIR, f"{PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             size = _HEADER + slot_bytes * count
@@ -139,7 +143,7 @@ def _release(ring: mmap.mmap, slot: int) -> None:
 def _close_finished() -> None:
     """Unmap the rings of workers that have exited and whose tensors are all gone."""
     for path, ring in list(_RINGS.items()):
-        if not _alive(_worker_pid(path)):
+        if not process_alive(_worker_pid(path)):
             try:
                 ring.close()
             except BufferError:  # a batch from it is still referenced
@@ -148,25 +152,15 @@ def _close_finished() -> None:
 
 
 def _worker_pid(path: str) -> int:
-    return int(os.path.basename(path)[len(PREFIX):].split("-")[0])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return int(os.path.basename(path)[len(PREFIX):].split("-")[1])
 
 
 def sweep_stale() -> None:
     """Remove rings whose worker has exited before the main process mapped them (a loader
     abandoned mid-pass, a killed worker): nothing can reach them any more."""
-    for path in glob.glob(os.path.join(SHM_DIR, PREFIX + "*")):
+    for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{_HOST}-*")):  # this host's: its pids mean something here
         try:
-            if not _alive(_worker_pid(path)):
+            if not process_alive(_worker_pid(path)):
                 os.unlink(path)
         except (ValueError, FileNotFoundError, PermissionError):
             pass

@@ -21,6 +21,17 @@ from pathlib import Path
 from forge_grain.errors import ForgeGrainError
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (one of another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class LockedError(ForgeGrainError):
     """Another process holds the lock on what this one wants to write."""
 

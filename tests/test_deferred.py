@@ -159,3 +159,28 @@ def test_sources_are_opened_ahead_of_the_steps_that_read_them_without_a_batch_ma
         time.sleep(0.01)
     assert all(again.datasets[i].is_open for i in read)  # no batch asked for them
     assert same(batches(again, 0, 8), want)
+
+
+def test_a_process_forked_while_sources_open_in_the_background_makes_its_batches(tmp_path):
+    """DataLoader workers are forked from a pipeline whose opener may be mid-open: a fork must
+    not leave the child waiting on a lock held by a thread it does not have."""
+    import time
+
+    cfg = config(small_stores(tmp_path, 60), seq_len=32, global_batch_size=16, seed=3)
+    first = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)
+    want = [first.batch(s)["inputs"] for s in range(6)]
+    for trial in range(5):
+        again = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "cache", num_threads=0)  # its opener starts now
+        time.sleep(0.002 * trial)
+        pid = os.fork()
+        if pid == 0:
+            ok = all(np.array_equal(again.batch(s)["inputs"], want[s]) for s in range(6))
+            os._exit(0 if ok else 3)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked process hung (trial {trial})")
+        assert os.waitstatus_to_exitcode(done[1]) == 0

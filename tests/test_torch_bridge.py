@@ -324,9 +324,10 @@ def test_rings_of_exited_workers_are_swept(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_slots, "SHM_DIR", str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"{torch_slots.PREFIX}{dead.pid}-abc"
-    live = tmp_path / f"{torch_slots.PREFIX}{os.getpid()}-abc"
-    stale.write_bytes(b"x")
-    live.write_bytes(b"x")
+    stale = tmp_path / f"{torch_slots.PREFIX}{torch_slots._HOST}-{dead.pid}-abc"
+    live = tmp_path / f"{torch_slots.PREFIX}{torch_slots._HOST}-{os.getpid()}-abc"
+    elsewhere = tmp_path / f"{torch_slots.PREFIX}otherhost-{dead.pid}-abc"  # another container's pid space
+    for f in (stale, live, elsewhere):
+        f.write_bytes(b"x")
     ring = torch_slots.SlotRing(1 << 16)  # a new ring sweeps first
-    assert not stale.exists() and live.exists() and Path(ring.path).exists()
+    assert not stale.exists() and live.exists() and elsewhere.exists() and Path(ring.path).exists()

@@ -11,8 +11,10 @@ changes which documents can share a row (never two from different chunks) and no
 else; with chunks of millions of documents the fill and crop are those of the whole
 corpus to within a few thousandths of a percent (`benchmarks/bench_planning.py`).
 
-Peak memory is one chunk's planning per worker plus the store's offsets; the result does
-not depend on the number of workers.
+Peak memory is one chunk's planning and offsets per worker (they come through a pipe); the
+parent maps the store's offsets. Peak disk is the final plan plus one chunk's part of one
+array: the join removes each chunk's arrays as it copies them. The result does not depend on
+the number of workers.
 """
 
 from __future__ import annotations

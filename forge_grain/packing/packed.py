@@ -29,6 +29,11 @@ from forge_grain.stores import TokenStore
 log = logging.getLogger(__name__)
 MASK_KEYS = ("loss_mask", "natural_stop")
 _OPENING = threading.Lock()  # held while a deferred dataset opens its store and plan
+# A process forked while another thread opens a dataset (the background opener, Grain's threads)
+# would start with this lock, and whatever the open holds below it, taken by a thread it does
+# not have: its first open would wait forever (a DataLoader worker hung so). A fork waits for
+# the open in progress instead, and both sides go on with the lock free.
+os.register_at_fork(before=_OPENING.acquire, after_in_parent=_OPENING.release, after_in_child=_OPENING.release)
 
 
 def empty_rows(n: int, seq_len: int, id_dtype=np.int32, pool: BufferPool | None = None) -> dict:

@@ -31,7 +31,10 @@ class AheadOpener:
         self._busy = 0  # batches being made
         self._wake = threading.Condition()
         self.thread = threading.Thread(target=self._run, args=(first_step,), name="forge-grain-opener", daemon=True)
-        if self._pending:
+        if self._pending and first_step < pipeline.step_limit:
+            # the kernels the thread calls are loaded here first: a process forked while the thread
+            # loaded one would wait forever on numba's lock (opens are covered: see packed._OPENING)
+            pipeline.mixture.locate(pipeline.shard_rows(first_step))
             self.thread.start()
 
     @contextlib.contextmanager

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from forge_grain.errors import StoreError
+from forge_grain.locks import process_alive
 
 FORMAT = "forge-grain-token-store"
 VERSION = 1
@@ -71,7 +72,7 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
         return removed
     for entry in entries:
         m = _TEMPORARY.match(entry.name)
-        if not m or (m["host"] or _HOST) != _HOST or _alive(int(m["pid"])):
+        if not m or (m["host"] or _HOST) != _HOST or process_alive(int(m["pid"])):
             continue
         try:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
@@ -79,16 +80,6 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
         except OSError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_text_atomic(path: Path, text: str) -> None:
