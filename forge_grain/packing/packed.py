@@ -28,11 +28,12 @@ from forge_grain.stores import TokenStore
 
 log = logging.getLogger(__name__)
 MASK_KEYS = ("loss_mask", "natural_stop")
-_OPENING = threading.Lock()  # held while a deferred dataset opens its store and plan
+_OPENING = threading.RLock()  # held while a deferred dataset opens its store and plan
 # A process forked while another thread opens a dataset (the background opener, Grain's threads)
 # would start with this lock, and whatever the open holds below it, taken by a thread it does
 # not have: its first open would wait forever (a DataLoader worker hung so). A fork waits for
-# the open in progress instead, and both sides go on with the lock free.
+# the open in progress instead, and both sides go on with the lock as it was before the open
+# (reentrant: a fork from within an open, by the thread that holds it, goes through).
 os.register_at_fork(before=_OPENING.acquire, after_in_parent=_OPENING.release, after_in_child=_OPENING.release)
 
 
