@@ -27,6 +27,7 @@ import grain
 import numpy as np
 
 from corpora import demo_store, lognormal_lengths, synthetic_store
+from report import kept
 from forge_grain import pack, plan_offsets
 from forge_grain.packing.plans import min_crop_share
 
@@ -170,7 +171,7 @@ def main():
     ap.add_argument("--corpus", nargs="+", default=["synthetic", "demo"], choices=["synthetic", "demo"])
     ap.add_argument("--plan-docs", type=int, default=10_000_000, help="documents for the planning benchmark (0: skip)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, kept("packing"):
         work = Path(tmp)
         stores = {}
         if "synthetic" in args.corpus:

@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corpora import synthetic_store  # noqa: E402
+from report import kept  # noqa: E402
 
 
 def forge_config(paths, seq_len, batch, num_sources=2):
@@ -175,7 +176,7 @@ def two_sources(tmp: str, docs: int) -> list[Path]:
 
 def main():
     args = parse_args(__doc__)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, kept("pipeline"):
         paths = two_sources(tmp, args.docs)
         throughput(paths, args)
         restore(paths, args)

@@ -27,6 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import forge_config, parse_args, two_sources  # noqa: E402
+from report import kept  # noqa: E402
 
 from bridges.torch import GrainIterableDataset  # noqa: E402
 from forge_grain import Pipeline, TokenStore  # noqa: E402
@@ -168,23 +169,24 @@ def main():
             loader = StatefulDataLoader(ds, batch_size=args.batch, num_workers=workers, shuffle=False)
             rows.append((f"StatefulDataLoader(nanochat-style map dataset), {workers} workers",
                          rate(lambda: loader, max(3, args.steps // 50), repeats=1)))
-    tokens = args.batch * args.seq_len
-    print(f"\nseq_len {args.seq_len}, batch {args.batch} (per rank); 'vs raw': against the raw pipeline of the same dtype;")
-    print("one-process rows are medians of 30 interleaved rounds of 50 batches, worker rows best of 3 runs")
-    print(f"{'loader':<68}{'batches/s':>11}{'M tok/s':>10}{'vs raw':>9}")
-    base = rows[0][1]
-    for name, bps in rows:
-        base = bps if name.startswith("raw") else base
-        print(f"{name:<68}{bps:>11.1f}{bps * tokens / 1e6:>10.1f}{bps / base:>8.2f}x")
-    for name, direct, loader, floor in costs:
-        print(f"bridge cost, {name}, one process: {direct:.1%} iterated directly, {loader:.1%} through a 0-worker "
-              f"DataLoader (whose own work is {floor * 1e6:.0f} us a batch)")
-    print(f"\na training loop whose step takes 10 ms (a sleep), {args.steps} steps; at most 100 steps/s")
-    print(f"{'loader':<68}{'steps/s':>11}{'p99 next()':>12}")
-    for name, (sps, p99) in loops:
-        print(f"{name:<68}{sps:>11.1f}{p99:>9.2f} ms")
-    nano = max(r[1] for r in rows if r[0].startswith("Stateful"))
-    print(f"best bridge vs best nanochat-style loader: {max(r[1] for r in rows if 'Grain' in r[0]) / nano:.0f}x")
+    with kept("torch"):
+        tokens = args.batch * args.seq_len
+        print(f"\nseq_len {args.seq_len}, batch {args.batch} (per rank); 'vs raw': against the raw pipeline of the same dtype;")
+        print("one-process rows are medians of 30 interleaved rounds of 50 batches, worker rows best of 3 runs")
+        print(f"{'loader':<68}{'batches/s':>11}{'M tok/s':>10}{'vs raw':>9}")
+        base = rows[0][1]
+        for name, bps in rows:
+            base = bps if name.startswith("raw") else base
+            print(f"{name:<68}{bps:>11.1f}{bps * tokens / 1e6:>10.1f}{bps / base:>8.2f}x")
+        for name, direct, loader, floor in costs:
+            print(f"bridge cost, {name}, one process: {direct:.1%} iterated directly, {loader:.1%} through a 0-worker "
+                  f"DataLoader (whose own work is {floor * 1e6:.0f} us a batch)")
+        print(f"\na training loop whose step takes 10 ms (a sleep), {args.steps} steps; at most 100 steps/s")
+        print(f"{'loader':<68}{'steps/s':>11}{'p99 next()':>12}")
+        for name, (sps, p99) in loops:
+            print(f"{name:<68}{sps:>11.1f}{p99:>9.2f} ms")
+        nano = max(r[1] for r in rows if r[0].startswith("Stateful"))
+        print(f"best bridge vs best nanochat-style loader: {max(r[1] for r in rows if 'Grain' in r[0]) / nano:.0f}x")
 
 
 if __name__ == "__main__":

@@ -14,3 +14,33 @@ def publish(name: str, lines: list[str]) -> str:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.txt").write_text(text + "\n")
     return text
+
+
+class kept:
+    """`with kept(NAME):` prints as usual and also keeps what was printed in
+    `results/NAME.txt`, for benchmarks that print as they go."""
+
+    def __init__(self, name: str):
+        self.name, self.lines = name, []
+
+    def __enter__(self):
+        import sys
+
+        self._stdout = sys.stdout
+        sys.stdout = self
+        return self
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        return self._stdout.write(text)
+
+    def flush(self) -> None:
+        self._stdout.flush()
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.stdout = self._stdout
+        if exc[0] is None:
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / f"{self.name}.txt").write_text("".join(self.lines))
