@@ -22,6 +22,7 @@ import numpy as np
 from forge_grain import TokenStore, prepare
 from forge_grain.demo import write_demo_corpus
 from forge_grain.tokenizer import load_tokenizer
+from report import kept
 
 
 def timed(fn):
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument("--max-files", type=int, default=800)
     ap.add_argument("--reads", type=int, default=200_000)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, kept("prepare"):
         work = Path(tmp)
         corpus = write_demo_corpus(work / "corpus", args.max_files)["code"]
         print(f"corpus: {corpus.stat().st_size / 1e6:.1f} MB of Python source ({args.max_files} files)\n")
