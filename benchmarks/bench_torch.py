@@ -77,10 +77,6 @@ def rate(make, steps, repeats=3):
     return best
 
 
-def to_torch_batch(ds) -> dict:
-    return next(iter(ds))
-
-
 class Repeat(IterableDataset):
     """The DataLoader's own work a batch: the same batch object, yielded again and again."""
 
@@ -142,7 +138,7 @@ def main():
             name = np.dtype(np_dtype).name
             raw = Pipeline(cfg, 0, 1, num_threads=0, dtype=np_dtype)
             ds = GrainIterableDataset(cfg, rank=0, world_size=1, dtype=dtype)
-            held = to_torch_batch(ds)
+            held = next(iter(ds))  # a batch of the bridge, for the DataLoader floor
             one = interleaved({
                 f"raw pipeline, {name} (numpy, one process)": lambda: (raw.batch(s) for s in range(10**9)),
                 f"GrainIterableDataset, {name}, iterated directly": lambda: ds,

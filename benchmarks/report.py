@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -24,8 +25,6 @@ class kept:
         self.name, self.lines = name, []
 
     def __enter__(self):
-        import sys
-
         self._stdout = sys.stdout
         sys.stdout = self
         return self
@@ -38,8 +37,6 @@ class kept:
         self._stdout.flush()
 
     def __exit__(self, *exc):
-        import sys
-
         sys.stdout = self._stdout
         if exc[0] is None:
             RESULTS.mkdir(exist_ok=True)

@@ -166,14 +166,17 @@ def sweep_stale() -> None:
             pass
 
 
-def worker_ring(tensors: dict, _cache={}) -> SlotRing | None:
+_WORKER_RINGS: dict[int, SlotRing | None] = {}  # in a worker (by pid: forked workers make their own)
+
+
+def worker_ring(tensors: dict) -> SlotRing | None:
     """This worker's ring, made on its first batch and sized for it; None where it cannot be."""
     pid = os.getpid()
-    if pid not in _cache:
+    if pid not in _WORKER_RINGS:
         size = sum(_aligned(v.numel() * v.element_size()) for v in tensors.values()
                    if torch.is_tensor(v) and v.numel() * v.element_size() >= _BIG)
         try:
-            _cache[pid] = SlotRing(_aligned(size)) if size and os.path.isdir(SHM_DIR) else None
+            _WORKER_RINGS[pid] = SlotRing(_aligned(size)) if size and os.path.isdir(SHM_DIR) else None
         except OSError:  # /dev/shm full or not writable: torch's own way
-            _cache[pid] = None
-    return _cache[pid]
+            _WORKER_RINGS[pid] = None
+    return _WORKER_RINGS[pid]

@@ -331,3 +331,21 @@ def test_rings_of_exited_workers_are_swept(tmp_path, monkeypatch):
         f.write_bytes(b"x")
     ring = torch_slots.SlotRing(1 << 16)  # a new ring sweeps first
     assert not stale.exists() and live.exists() and elsewhere.exists() and Path(ring.path).exists()
+
+
+def test_a_full_dev_shm_makes_worker_batches_go_torch_s_way(stores, monkeypatch):
+    """The ring's pages are reserved when it is made: no room is an error there (and torch's own
+    way), never a SIGBUS on a later write."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # forked workers see it too
+    cfg = large(stores)
+    ref = Pipeline(cfg, 0, 1, num_threads=0, dtype=np.int64)
+    got = steps_and_inputs(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1), batch_size=None,
+                                      num_workers=2))
+    assert_same(got, [(s, ref.batch(s)["inputs"]) for s in range(ref.num_steps)])
+    from bridges import torch_slots
+    assert not list(Path(torch_slots.SHM_DIR).glob(f"{torch_slots.PREFIX}{torch_slots._HOST}-*"))  # none left
