@@ -134,6 +134,9 @@ class GrainIterableDataset(IterableDataset):
             np_dtype = torch.empty(0, dtype=dtype).numpy().dtype  # batches come out in it: no conversion pass
             self.pipeline = Pipeline(source, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
                                      dtype=np_dtype)
+        if rows and not self.pipeline.batches.constant:
+            raise ValueError("rows=True is for trainers that batch rows at one fixed size; under a batch-size "
+                             "schedule (batch_sizes, batch_ramp) yield whole batches (rows=False)")
         self.convention, self.dtype, self.varlen, self.rows = convention, dtype, varlen, rows
         self._resume: dict | None = None  # a per-worker state: applies to the next pass of this process only
         self._channel = ResumeChannel()  # a global (tracker) state: applies to the next pass, wherever it runs
@@ -150,9 +153,11 @@ class GrainIterableDataset(IterableDataset):
         """Steps of one DataLoader pass: one epoch of the pipeline (`steps_per_epoch`), or all of
         its steps when it has less than an epoch or only `max_steps`. With `num_epochs = E`
         the pipeline has exactly E · steps_per_epoch steps, so E passes tile it: a trainer
-        configured for E epochs sees every step (a fractional E leaves a shorter last pass)."""
+        configured for E epochs sees every step (a fractional E leaves a shorter last pass).
+        Under a batch-size schedule epochs are not the same number of steps: one pass is
+        all the steps."""
         p, epochs = self.pipeline, self.pipeline.config.num_epochs
-        if epochs is None:
+        if epochs is None or not p.batches.constant:
             if p.num_steps is None:
                 raise TypeError("an unlimited pipeline has no length: set num_epochs or max_steps")
             return p.num_steps
@@ -246,7 +251,7 @@ class GrainIterableDataset(IterableDataset):
                 yield from ({k: v if v.dim() == 0 else v[i] for k, v in batch.items() if k != "stream_states"}
                             for i in range(self.pipeline.local_batch_size))
             else:
-                yield self._sent(batch) if get_worker_info() is not None else batch
+                yield self._sent(batch, self._growth(step - W)) if get_worker_info() is not None else batch
             # hold no batch while making the next: the pool then refills the block the caller just
             # released (still in the CPU's cache) instead of a third one (a quarter of the rate)
             del batch
@@ -255,10 +260,16 @@ class GrainIterableDataset(IterableDataset):
             self._channel.hand_over(end, self.pipeline.stream_positions(step))
 
     @staticmethod
-    def _sent(batch: dict) -> dict:
-        """In a DataLoader worker: the batch in a reused shared-memory slot (`bridges.torch_slots`)."""
-        ring = worker_ring(batch)
+    def _sent(batch: dict, growth: float = 1.0) -> dict:
+        """In a DataLoader worker: the batch in a reused shared-memory slot (`bridges.torch_slots`),
+        its slots made `growth` times this batch (the largest batch of a batch-size schedule)."""
+        ring = worker_ring(batch, growth)
         return ring.send(batch) if ring is not None else batch
+
+    def _growth(self, step: int) -> float:
+        """How many times step `step`'s batch the largest batch is."""
+        p = self.pipeline
+        return max(p.batches.sizes_used) / p.batches.size(step)
 
     def _tensors(self, batch: dict) -> dict:
         out = to_torch(batch, self.convention, self.dtype)

@@ -19,6 +19,7 @@ own way: slower, never wrong, never blocking.
 from __future__ import annotations
 
 import glob
+import math
 import mmap
 import os
 import socket
@@ -169,11 +170,12 @@ def sweep_stale() -> None:
 _WORKER_RINGS: dict[int, SlotRing | None] = {}  # in a worker (by pid: forked workers make their own)
 
 
-def worker_ring(tensors: dict) -> SlotRing | None:
-    """This worker's ring, made on its first batch and sized for it; None where it cannot be."""
+def worker_ring(tensors: dict, growth: float = 1.0) -> SlotRing | None:
+    """This worker's ring, made on its first batch and sized for `growth` times it (batches
+    that grow under a batch-size schedule); None where it cannot be."""
     pid = os.getpid()
     if pid not in _WORKER_RINGS:
-        size = sum(_aligned(v.numel() * v.element_size()) for v in tensors.values()
+        size = sum(_aligned(math.ceil(v.numel() * v.element_size() * growth)) for v in tensors.values()
                    if torch.is_tensor(v) and v.numel() * v.element_size() >= _BIG)
         try:
             _WORKER_RINGS[pid] = SlotRing(_aligned(size)) if size and os.path.isdir(SHM_DIR) else None

@@ -109,8 +109,13 @@ def _plan(a) -> None:
 
 def format_plan(path, d: dict) -> str:
     steps = "unlimited" if d["steps"] is None else f"{d['steps']:,}"
-    lines = [f"{path}: {steps} steps of {d['global_batch_size']} rows x {d['seq_len']} tokens "
+    full = "up to " if len(d["batch_sizes"]) > 1 else ""
+    lines = [f"{path}: {steps} steps of {full}{d['global_batch_size']} rows x {d['seq_len']} tokens "
              f"({d['tokens_per_step']:,} tokens a step; an epoch of all sources' rows is {d['steps_per_epoch']:,} steps)"]
+    if len(d["batch_sizes"]) > 1:
+        sizes = ", ".join(f"{b:,} from step {s:,}" for s, b in d["batch_sizes"])
+        tokens = "" if d["tokens"] is None else f"; {d['tokens']:,} tokens in all"
+        lines.append(f"\nbatch sizes (rows a step): {sizes}{tokens}")
     if len(d["phases"]) > 1:
         lines.append("\nphases:")
         for p in d["phases"]:
@@ -200,14 +205,19 @@ def _replay(a) -> None:
         batches = _made(p, state, a.steps)
     else:
         batches = [p.batch(step) for step in a.steps]
-    arrays = {k: np.stack([b[k] for b in batches]) for k in batches[0] if k != "step"}
+    sizes = sorted({len(b["inputs"]) for b in batches})
+    if len(sizes) == 1:  # [steps, rows, seq_len]
+        arrays = {k: np.stack([b[k] for b in batches]) for k in batches[0] if k != "step"}
+    else:  # a batch-size schedule: the steps' rows one after another, and how many each step has
+        arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0] if k != "step"}
+        arrays["rows_per_step"] = np.array([len(b["inputs"]) for b in batches], np.int64)
     out = Path(a.out)
     tmp = temporary(out)
     with open(tmp, "wb") as f:
         np.savez(f, step=np.array(list(a.steps), np.int64), **arrays)
     fsync_rename(tmp, out)
     print(f"{out}: steps {a.steps.start}..{a.steps.stop - 1} of rank {a.rank} of {a.world_size or 1}, "
-          f"{len(batches)} batches of {p.local_batch_size} rows x {p.config.seq_len}")
+          f"{len(batches)} batches of {'/'.join(map(str, sizes))} rows x {p.config.seq_len}")
 
 
 def _hashes(a) -> None:

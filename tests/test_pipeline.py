@@ -308,6 +308,8 @@ def pinned_config(tmp_path):
 
 
 PINNED = {0: "cd6f7e39a9399e2e", 1: "f11453f50e9d4760", 57: "45d0f9f85dfa6dbb"}  # recorded 2026-11-22
+# its states' fingerprint, recorded before batch-size schedules: states saved then still resume
+PINNED_FINGERPRINT = "5312bbad61d3832b3989e367e2cb3141eb2012fd7f26cbdbda2f0ae4dbc1de11"
 
 
 def test_the_stream_is_pinned_to_recorded_batches(tmp_path):
@@ -318,6 +320,7 @@ def test_the_stream_is_pinned_to_recorded_batches(tmp_path):
         b = p.global_batch(step)
         h = hashlib.sha256(b"".join(np.ascontiguousarray(b[k]).tobytes() for k in sorted(b) if k != "step"))
         assert h.hexdigest()[:16] == want, step
+    assert p.fingerprint == PINNED_FINGERPRINT
 
 
 def test_a_different_plan_under_the_same_key_is_refused(tmp_path, monkeypatch):

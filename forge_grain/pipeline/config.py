@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from forge_grain.errors import ConfigError
+from forge_grain.pipeline.batches import ScheduleError, check_segments, ramp_segments
 from forge_grain.packing.plans import STRATEGIES
 from forge_grain.sources.config import SourceConfig
 
@@ -116,6 +117,21 @@ class DataConfig:
     max_steps: int | None = None
     """Stop after this many steps, or at the end of `num_epochs`, whichever comes first.
     Example: max_steps = 100000"""
+
+    batch_sizes: list[list[int]] | None = None
+    """A batch-size schedule: [start_step, global batch size] pairs, the first at step 0,
+    the last at `global_batch_size` (the full batch). The rows and their order do not
+    change, only how many a step takes: step s covers rows [R(s), R(s + 1)), R the sum of
+    the sizes before it. Every size must divide among the shards (see
+    `forge_grain.pipeline.batches`).
+    Example: batch_sizes = [[0, 128], [1000, 256], [2000, 512]]"""
+
+    batch_ramp: dict[str, int] | None = None
+    """A batch-size ramp in tokens (Megatron's `rampup_batch_size`): from `start` rows a
+    step, `increment` more each time another equal part of `tokens` tokens is trained,
+    up to `global_batch_size`; `increment` must divide the difference. Each size holds
+    for whole steps. Give this or `batch_sizes`, not both.
+    Example: batch_ramp = { start = 128, increment = 128, tokens = 2_000_000_000 }"""
 
     plan_chunk_docs: int | None = None
     """A store of more documents is planned a chunk of this many at a time (default about
@@ -259,6 +275,7 @@ class DataConfig:
             _positive_int("max_steps", self.max_steps)
         if self.plan_chunk_docs is not None:
             _positive_int("plan_chunk_docs", self.plan_chunk_docs)
+        self._check_batch_schedule()
         if self.max_segments_per_row is not None:
             _positive_int("max_segments_per_row", self.max_segments_per_row)
         if self.canonical_streams is not None:
@@ -293,6 +310,39 @@ class DataConfig:
                 _weight(f"{where}.weights.{name}", w)
             if sum(p.weights.values()) <= 0:
                 raise ConfigError(f"{where}.weights: the weights are all zero")
+
+    def _check_batch_schedule(self) -> None:
+        if self.batch_sizes is not None and self.batch_ramp is not None:
+            raise ConfigError("batch_sizes and batch_ramp: give one schedule, not both")
+        if self.batch_sizes is not None:
+            try:
+                segments = check_segments(self.batch_sizes)
+            except ScheduleError as e:
+                raise ConfigError(str(e)) from None
+            if segments[-1][1] != self.global_batch_size:
+                raise ConfigError(f"batch_sizes ends at {segments[-1][1]} rows a step (from step {segments[-1][0]}); "
+                                  f"its last size must be global_batch_size ({self.global_batch_size}), the full batch")
+        if self.batch_ramp is not None:
+            r = self.batch_ramp
+            if not isinstance(r, dict) or set(r) != {"start", "increment", "tokens"}:
+                raise ConfigError(f"batch_ramp: {{start = rows, increment = rows, tokens = N}}, not {r!r:.100}")
+            for key in ("start", "increment", "tokens"):
+                _positive_int(f"batch_ramp.{key}", r[key])
+            if r["start"] >= self.global_batch_size or (self.global_batch_size - r["start"]) % r["increment"]:
+                raise ConfigError(
+                    f"batch_ramp: from start {r['start']} the increment {r['increment']} must reach "
+                    f"global_batch_size {self.global_batch_size} exactly (start below it, increment dividing "
+                    f"{self.global_batch_size - r['start']})")
+
+    def batch_schedule(self) -> list[tuple[int, int]]:
+        """[(start_step, global batch size)]: the config's batch sizes by step (one entry
+        without a schedule)."""
+        if self.batch_sizes is not None:
+            return check_segments(self.batch_sizes)
+        if self.batch_ramp is not None:
+            r = self.batch_ramp
+            return ramp_segments(r["start"], r["increment"], r["tokens"], self.global_batch_size, self.seq_len)
+        return [(0, self.global_batch_size)]
 
     def all_phases(self) -> list[Phase]:
         """The phases, with the anneal shortcut appended as one more."""

@@ -42,13 +42,13 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
     if shard is not None:
         if not 0 <= shard < p.shard_count:
             raise IndexError(f"shard {shard} is outside [0, {p.shard_count})")
-        first = shard * p.local_batch_size
-        rows = rows[first : first + p.local_batch_size]
+        first = shard * p.local_size(step)
+        rows = rows[first : first + p.local_size(step)]
     src, rank = p.mixture.locate(rows)
     out, tokenizers = [], {}
     for i, (h, s, r) in enumerate(zip(rows.tolist(), src.tolist(), rank.tolist()), start=first):
         d = p.mixture.datasets[s]
-        row = {"step": step, "row": i, "shard": i // p.local_batch_size, "source": p.source_names[s],
+        row = {"step": step, "row": i, "shard": i // p.local_size(step), "source": p.source_names[s],
                "source_row": r}
         if isinstance(d, PackedDataset):
             if decode and s not in tokenizers:

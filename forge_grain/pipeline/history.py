@@ -19,9 +19,11 @@ import hashlib
 import json
 
 from forge_grain.errors import ForgeGrainError
+from forge_grain.pipeline.batches import ScheduleError, check_segments
 
-# what a mixture change may not touch: the rows of every source and the batch geometry
-FIXED_KEYS = ("stream_version", "seq_len", "global_batch_size", "seed", "num_epochs")
+# what a mixture change may not touch: the rows of every source and the row length (a change of
+# batch size is checked before, and allowed on its own terms: see `batch_change`)
+FIXED_KEYS = ("stream_version", "seq_len", "seed", "num_epochs")
 SOURCE_KEYS = ("strategy", "stride", "window", "plan", "plan_sha256", "data")
 
 
@@ -99,6 +101,50 @@ def check(history) -> list[dict]:
                               or not all(isinstance(n, str) for n in seg["tree"])):
             fail(i, f"mixes over {seg['tree']!r:.80}, not names among its sources {names}")
     return history
+
+
+def saved_batches(saved: dict) -> list[list[int]]:
+    """The [start_step, size] pairs of a saved summary's config (its `global_batch_size` alone
+    when it had no schedule)."""
+    return saved.get("batch_sizes") or [[0, saved.get("global_batch_size")]]
+
+
+def batch_change(state: dict, batch_history: list[dict]) -> list[dict]:
+    """The batch history of a pipeline that resumes `state` with other batch sizes: the saved
+    one plus the saved config's sizes up to the saved step (steps before it keep the sizes
+    they were trained with; the rows after it continue in the new sizes)."""
+    saved = state.get("config")
+    if not isinstance(saved, dict) or digest(saved) != state.get("fingerprint"):
+        raise HistoryError("the state's config does not match its fingerprint: it was changed after it was saved")
+    if "streams" in state:
+        raise HistoryError("streaming sources resume only with the batch sizes they were saved with")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise HistoryError(f"the state's step {step!r} is not a step")
+    if batch_history and step < batch_history[-1]["until_step"]:
+        raise HistoryError(f"the state's step {step} is before its own last batch-size change")
+    return check_batches([*batch_history, {"until_step": step, "batches": saved_batches(saved)}])
+
+
+def check_batches(batch_history) -> list[dict]:
+    """`batch_history` if it has the structure a pipeline writes (a list of {until_step,
+    batches: [[start_step, size], ...]}, until_step not decreasing), else a HistoryError."""
+    if not isinstance(batch_history, list):
+        raise HistoryError(f"the state's batch history is malformed: a list, not {batch_history!r:.80}")
+    last = 0
+    for i, seg in enumerate(batch_history):
+        until = seg.get("until_step") if isinstance(seg, dict) else None
+        ok = isinstance(seg, dict) and set(seg) == {"until_step", "batches"} and isinstance(until, int) and not \
+            isinstance(until, bool) and until >= last
+        try:
+            ok = ok and bool(check_segments(seg["batches"]))
+        except ScheduleError:
+            ok = False
+        if not ok:
+            raise HistoryError(f"the state's batch history is malformed: segment {i} is {seg!r:.100}, not "
+                               f"{{until_step, batches: [[start_step, size], ...]}} ending at or after step {last}")
+        last = until
+    return batch_history
 
 
 def check_skips(skips) -> list[dict]:

@@ -1,8 +1,10 @@
 """`Pipeline`: global batches of the mixed, packed stream; this shard's slice; exact resume.
 
-Global batch s is mixture rows [s·B, (s+1)·B). Shard k of n receives rows
-[k·B/n, (k+1)·B/n) of it, so the global batch does not depend on the number of shards,
-and the iterator state is one integer (the next step) plus a fingerprint.
+Global batch s is mixture rows [s·B, (s+1)·B); under a batch-size schedule [R(s), R(s+1)),
+R(s) the sizes of the steps before it (`forge_grain.pipeline.batches`). Shard k of n
+receives rows [k·b/n, (k+1)·b/n) of a batch of b rows, so the global batch does not depend
+on the number of shards, and the iterator state is one integer (the next step) plus a
+fingerprint.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from forge_grain.pipeline import explain as flight
 from forge_grain.pipeline import history
+from forge_grain.pipeline.batches import BatchSchedule, combined as batch_plan
 from forge_grain.pipeline.config import ConfigError, DataConfig
 from forge_grain.errors import StateError
 from forge_grain.pipeline.mixture import MAX_ROWS, Mixture
@@ -99,6 +102,11 @@ class Pipeline:
     each step still has a full batch of what the uninterrupted run trained, in its order.
     Skips are recorded in the states (`skips`), so later resumes, any shard count,
     `consumed` and `explain` follow them (see `forge_grain.pipeline.skips`).
+
+    `allow_batch_size_change=True` with `resume_from=state` lets the config's batch sizes
+    (`global_batch_size`, `batch_sizes`, `batch_ramp`) differ from the state's: the steps
+    before the state's step keep the sizes they had (`batch_history` in the states), and
+    the rows after it continue the same row sequence in the new sizes.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class Pipeline:
         dtype=np.int32,
         resume_from: dict | None = None,
         allow_mixture_change: bool = False,
+        allow_batch_size_change: bool = False,
         skip_steps: int = 0,
         skip_documents: dict | None = None,
         progress: bool | None = None,
@@ -124,14 +133,9 @@ class Pipeline:
         if shard_index is None or shard_count is None:
             shard_index, shard_count = default_shard()
         self.config = config
-        B = config.global_batch_size
-        if not 0 <= shard_index < shard_count or B % shard_count:
-            raise ConfigError(
-                f"global_batch_size {B} must divide evenly among {shard_count} shards, and the shard index "
-                f"{shard_index} must be in [0, {shard_count})"
-            )
         self.shard_index, self.shard_count = shard_index, shard_count
-        self.local_batch_size = B // shard_count
+        self.batches = BatchSchedule(config.batch_schedule())  # the config's; with the resumed history below
+        self._check_shards(self.batches)
         self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
         self.cache_dir = cache_dir
         self.fetch_ahead = fetch_ahead
@@ -156,27 +160,20 @@ class Pipeline:
             self._stream_states = {0: [r.states() for r in self.streams]}
         schedule = config.schedule()
         self.rows_per_epoch = sum(d.num_rows for d in self.datasets)
-        # whole steps of one epoch: num_epochs of them, so that whole epochs tile the steps (a trainer's
-        # len() x epochs is every step); the epochs as written (0.29 is 29/100, not the float below it)
-        self.steps_per_epoch = self.rows_per_epoch // B
-        self.num_steps = (None if config.num_epochs is None
-                          else math.floor(Fraction(str(float(config.num_epochs))) * self.steps_per_epoch))
-        if config.max_steps is not None:
-            self.num_steps = config.max_steps if self.num_steps is None else min(self.num_steps, config.max_steps)
-        # the last step the mixing arithmetic can reach (unlimited epochs end there)
-        self.step_limit = self.num_steps if self.num_steps is not None else MAX_ROWS // B
-        if self.num_steps == 0:
-            raise ConfigError(
-                f"global_batch_size {B} is larger than the {self.rows_per_epoch} rows of num_epochs={config.num_epochs}"
-            )
+        self._count_steps()
         self.history: list[dict] = []  # mixture changes at resume (see `forge_grain.pipeline.history`)
+        self.batch_history: list[dict] = []  # batch-size changes at resume: [{until_step, batches}]
         # [{at_step, steps} or {at_step, documents: {source: [document]}}]: what resumes skipped, in trainer steps
         self.skips: list[dict] = []
         self._resumed_from: tuple[str, int] | None = None  # (fingerprint, step) of a state resumed with a change
         # for copies rebuilt in worker processes
-        self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents)
+        self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents, allow_batch_size_change)
         if resume_from is not None:
-            self._adopt_history(resume_from, allow_mixture_change)
+            self._adopt_history(resume_from, allow_mixture_change, allow_batch_size_change)
+            if self.batch_history:  # the sizes each earlier run trained, then the config's
+                self.batches = BatchSchedule(batch_plan(self.batch_history, config.batch_schedule()))
+                self._check_shards(self.batches)
+                self._count_steps()
         if skip_steps or skip_documents:
             self._skip(resume_from, skip_steps, skip_documents)
         self.source_names, phases = history.mixing_schedule(self.history, [s.name for s in config.sources], schedule)
@@ -184,8 +181,8 @@ class Pipeline:
         self.mixture = Mixture(
             self.datasets + removed,
             phases[0][2],
-            phases=[(step * B, w) for step, _, w in phases[1:]],
-            length=None if self.num_steps is None else self.num_steps * B,
+            phases=[(self.batches.row(step), w) for step, _, w in phases[1:]],
+            length=None if self.num_steps is None else self.batches.row(self.num_steps),
             leaves=[leaves for _, leaves, _ in phases],
         )
         self.fingerprint, self._summary = self._fingerprint()
@@ -194,19 +191,61 @@ class Pipeline:
         start = resume_from.get("step") if isinstance(resume_from, dict) else 0
         self._opener = AheadOpener(self, start if isinstance(start, int) and start >= 0 else 0)
 
+    def _check_shards(self, batches: BatchSchedule) -> None:
+        n, bad = self.shard_count, batches.indivisible(self.shard_count)
+        if not 0 <= self.shard_index < n:
+            raise ConfigError(f"the shard index {self.shard_index} must be in [0, {n})")
+        if bad is not None and batches.constant:
+            raise ConfigError(f"global_batch_size {bad[1]} must divide evenly among {n} shards")
+        if bad is not None:
+            raise ConfigError(f"the batch size {bad[1]} from step {bad[0]} must divide evenly among {n} shards "
+                              f"(the schedule's sizes: {batches.to_list()})")
+
+    def _count_steps(self) -> None:
+        """`steps_per_epoch`, `num_steps` and `step_limit` under the batch schedule."""
+        c, batches = self.config, self.batches
+        # whole steps of one epoch (the first, under a schedule)
+        self.steps_per_epoch = batches.steps_within(self.rows_per_epoch)
+        epochs = None if c.num_epochs is None else Fraction(str(float(c.num_epochs)))  # as written: 0.29 is 29/100
+        if epochs is None:
+            self.num_steps = None
+        elif batches.constant:  # num_epochs of whole epochs' steps, so that whole epochs tile the steps
+            self.num_steps = math.floor(epochs * self.steps_per_epoch)
+        else:  # the steps whose rows fit in num_epochs of rows
+            self.num_steps = batches.steps_within(math.floor(epochs * self.rows_per_epoch))
+        if c.max_steps is not None:
+            self.num_steps = c.max_steps if self.num_steps is None else min(self.num_steps, c.max_steps)
+        # the last step the mixing arithmetic can reach (unlimited epochs end there)
+        self.step_limit = self.num_steps if self.num_steps is not None else batches.steps_within(MAX_ROWS)
+        if self.num_steps == 0:
+            raise ConfigError(f"global_batch_size {batches.size(0)} is larger than the {self.rows_per_epoch} rows of "
+                              f"num_epochs={c.num_epochs}")
+
+    @property
+    def local_batch_size(self) -> int:
+        """Rows of this shard's part of every batch (see `local_size` under a batch-size schedule)."""
+        if not self.batches.constant:
+            raise ConfigError(f"the batch size changes with the step ({self.batches.to_list()}): use "
+                              "local_size(step)")
+        return self.batches.size(0) // self.shard_count
+
+    def local_size(self, step: int) -> int:
+        """Rows of this shard's part of global batch `step`."""
+        return self.batches.size(step) // self.shard_count
+
     def _apply_skips(self) -> RowMap:
         """The map from the trainer's rows to the uninterrupted stream's, after the skips;
         phases and mixture changes stay where the uninterrupted stream has them, and the
         run's steps are its rows less the skipped ones, in whole batches."""
-        B, rowmap = self.config.global_batch_size, RowMap(self.mixture, self.config.global_batch_size)
+        rowmap = RowMap(self.mixture, self.batches.row)
         for s in self.skips:
             if "steps" in s:
                 rowmap.skip_steps(s["at_step"], s["steps"])
             else:
                 rowmap.skip_rows(s["at_step"], self._rows_holding(s["documents"]))
         if self.skips:
-            length = self.step_limit * B
-            self.step_limit = (length - rowmap.removed(length)) // B
+            length = self.batches.row(self.step_limit)
+            self.step_limit = self.batches.steps_within(length - rowmap.removed(length))
             if self.num_steps is not None:
                 if self.step_limit <= self.skips[-1]["at_step"]:
                     raise ConfigError(f"the skips leave no step after step {self.skips[-1]['at_step']}: the run has "
@@ -259,14 +298,17 @@ class Pipeline:
 
         saved = resume_from.get("canonical") if isinstance(resume_from, dict) else None
         groups = c.canonical_streams or (saved[0] if isinstance(saved, list) and saved else None) or self.shard_count
-        if groups % self.shard_count or c.global_batch_size % groups:
+        sizes = self.batches.sizes_used
+        if groups % self.shard_count or any(b % groups for b in sizes):
+            whole = math.gcd(*sizes)
+            what = f"global_batch_size ({c.global_batch_size})" if len(sizes) == 1 else f"every batch size {sizes}"
             raise ConfigError(
                 f"canonical_streams {groups}: streaming sources need the shard count ({self.shard_count}) to divide "
-                f"it and it to divide global_batch_size ({c.global_batch_size}). A state resumes on any shard count "
-                "dividing the canonical_streams it was saved with; set canonical_streams in the config (or pass "
-                "resume_from=state) to choose it"
+                f"it and it to divide {what}, e.g. canonical_streams = {whole} (any multiple of the shard count "
+                f"dividing {whole}). A state resumes on any shard count dividing the canonical_streams it was saved "
+                "with; set canonical_streams in the config (or pass resume_from=state) to choose it"
             )
-        return StreamLayout(groups, c.canonical_workers, c.global_batch_size)
+        return StreamLayout(groups, c.canonical_workers, self.batches)
 
     def start_streams(self, step: int, workers: int = 1, streams: list | None = None) -> None:
         """Make this process read steps `step`, `step + workers`, ...: it reads only the canonical
@@ -307,7 +349,7 @@ class Pipeline:
     def _read_streams_to(self, step: int) -> None:
         """Read this process's streams through the steps before `step` without making batches (a
         stream's place is known only by reading up to it)."""
-        scratch = empty_rows(self.local_batch_size, self.config.seq_len, self.dtype)
+        scratch = empty_rows(max(self.batches.sizes_used) // self.shard_count, self.config.seq_len, self.dtype)
         which = {id(d): i for i, d in enumerate(self.mixture.datasets)}
         for t in range(self._stream_step, step):
             rows = self.shard_rows(t)
@@ -339,7 +381,8 @@ class Pipeline:
         steps: every canonical stream starts its epoch e at step e · steps_per_epoch (the rows
         a stream has left of epoch e - 1, fewer than a step's share, are not read), so a pass
         starts without reading the passes before it."""
-        return bool(self.streams) and len(self.config.sources) == 1 and self.steps_per_epoch > 0
+        return (bool(self.streams) and len(self.config.sources) == 1 and self.batches.constant
+                and self.steps_per_epoch > 0)
 
     def _align_streams(self, step: int) -> None:
         """Move the streams still in an earlier epoch to the start of `step`'s epoch."""
@@ -358,32 +401,64 @@ class Pipeline:
         """Each source's documents (a `TokenStore`, or a streaming source); opens deferred sources."""
         return [o.store for o in self._sources]
 
-    def _adopt_history(self, state: dict, allow_change: bool) -> None:
-        """The mixture history and skips of `state`, extended by a change to this config if allowed."""
+    def _adopt_history(self, state: dict, allow_change: bool, allow_batches: bool = False) -> None:
+        """The mixture and batch histories and skips of `state`, extended by a change to this
+        config if allowed."""
         if not isinstance(state, dict) or "fingerprint" not in state:
             raise StateError(f"resume_from: not a forge-grain pipeline state: {str(state)[:200]}")
         saved = state.get("config")
+        saved = saved if isinstance(saved, dict) else {}
         try:
-            self.history = list(history.check(saved.get("history", []) if isinstance(saved, dict) else []))
-            self.skips = list(history.check_skips(saved.get("skips", []) if isinstance(saved, dict) else []))
+            self.history = list(history.check(saved.get("history", [])))
+            self.skips = list(history.check_skips(saved.get("skips", [])))
+            self.batch_history = list(history.check_batches(saved.get("batch_history", [])))
         except history.HistoryError as e:
             raise StateError(str(e)) from None
         if state["fingerprint"] == self._fingerprint()[0]:
-            return  # the same mixture: an ordinary resume
-        skips, self.history, self.skips = self.skips, [], []
-        if not allow_change:
+            return  # the same mixture and batch sizes: an ordinary resume
+        kept, self.history, self.skips, self.batch_history = (self.history, self.batch_history), [], [], []
+        if not (allow_change or allow_batches):
             return  # strict: check_state names what differs
-        self.skips = skips
-        if any("documents" in s for s in self.skips):
-            raise StateError("a mixture change after skipped documents is not supported yet: resume without "
-                             "allow_mixture_change, or change the mixture from a state saved before the skip")
-        try:  # the change's step, in the uninterrupted stream's steps (as phases are)
+        mixtures, self.batch_history = kept
+        self.skips = list(history.check_skips(saved.get("skips", [])))
+        try:
+            if saved and history.saved_batches(saved) != self._config_batches():
+                if not allow_batches:
+                    raise StateError("the batch size differs from the state's (global_batch_size, batch_sizes or "
+                                     "batch_ramp): pass allow_batch_size_change=True to continue its rows in the new "
+                                     "sizes")
+                self.batch_history = history.batch_change(state, self.batch_history)
+            self.history = mixtures
+            if self._same_mixture(saved):
+                self._resumed_from = (state["fingerprint"], int(state["step"]))
+                return  # only the batch size changed
+            if not allow_change:
+                return  # strict: check_state names what differs
+            if any("documents" in s for s in self.skips):
+                raise StateError("a mixture change after skipped documents is not supported yet: resume without "
+                                 "allow_mixture_change, or change the mixture from a state saved before the skip")
+            if self.skips and not BatchSchedule(batch_plan(self.batch_history, self.config.batch_schedule())).constant:
+                raise StateError("a mixture change after skipped steps under a batch-size schedule is not supported "
+                                 "yet: change the mixture from a state saved before the skip")
+            # the change's step, in the uninterrupted stream's steps (as phases are)
             step = state["step"] + sum(s["steps"] for s in self.skips if s["at_step"] <= state["step"])
             at = {**state, "step": step} if self.skips else state
             self.history = history.extend(at, self._fingerprint(with_history=False)[1])
         except history.HistoryError as e:
             raise StateError(str(e)) from None
         self._resumed_from = (state["fingerprint"], int(state["step"]))
+
+    def _same_mixture(self, saved: dict) -> bool:
+        """Whether the saved summary is this pipeline's but for the batch sizes."""
+        ours = self._fingerprint()[1]
+        batch_keys = ("global_batch_size", "batch_sizes", "batch_history")
+        def plain(summary):  # tuples as lists, as a state that went through JSON has them
+            return json.loads(json.dumps({k: v for k, v in summary.items() if k not in batch_keys}, default=str))
+        return plain(saved) == plain(ours)
+
+    def _config_batches(self) -> list[list[int]]:
+        """The config's batch sizes as [start_step, size] pairs (as summaries record them)."""
+        return [[s, b] for s, b in self.config.batch_schedule()]
 
     def _skip(self, state: dict | None, steps: int, documents: dict | None) -> None:
         """Record skipping the next `steps` global batches and the rows holding `documents`
@@ -412,7 +487,7 @@ class Pipeline:
 
     def _stream_step_of(self, step: int) -> int:
         """The step of the uninterrupted stream that step `step`'s first row comes from."""
-        return self.rowmap.stream_row(step * self.config.global_batch_size) // self.config.global_batch_size
+        return int(self.batches.step_of(self.rowmap.stream_row(self.batches.row(step))))
 
     # -- phases -----------------------------------------------------------------------------
 
@@ -457,7 +532,7 @@ class Pipeline:
         at (trained, or skipped)."""
         if not 0 <= step <= self.step_limit:
             raise IndexError(f"step {step} is outside [0, {self.step_limit}]")
-        return self.mixture.counts(self.rowmap.stream_row(int(step) * self.config.global_batch_size))
+        return self.mixture.counts(self.rowmap.stream_row(self.batches.row(int(step))))
 
     def describe(self, steps: int | None = None) -> dict:
         """The run this config describes, from plans and lengths alone (no token is read):
@@ -471,7 +546,8 @@ class Pipeline:
         names = [s.name for s in c.sources]
         phases = [{"start_step": start, "weights": dict(zip(names, weights)),
                    "lr_scale": self._phase(start)["lr_scale"],
-                   "reached": end is None or (end > 0 and start * B <= self.rowmap.stream_row(end * B - 1))}
+                   "reached": end is None or (end > 0 and self.batches.row(start)
+                                              <= self.rowmap.stream_row(self.batches.row(end) - 1))}
                   for start, weights in c.schedule()]
         sources, warn = [], [f"a phase starting at step {p['start_step']} never takes effect: the run has {end} steps"
                              for p in phases if not p["reached"]]
@@ -495,7 +571,9 @@ class Pipeline:
                 warn.append(f"source '{name}' is read {epochs:.1f} times over the run ({got['rows']:,} rows of "
                             f"{rows_per_epoch:,}): lower its weight or the step count, or give it more data")
         return {"steps": end, "steps_per_epoch": self.steps_per_epoch, "global_batch_size": B, "seq_len": c.seq_len,
-                "tokens_per_step": B * c.seq_len, "phases": phases, "sources": sources, "warnings": warn}
+                "tokens_per_step": B * c.seq_len, "batch_sizes": self.batches.to_list(),
+                "tokens": None if end is None else self.batches.row(end) * c.seq_len,
+                "phases": phases, "sources": sources, "warnings": warn}
 
     def _warn_unreachable_phases(self) -> None:
         if self.num_steps is None:
@@ -534,6 +612,7 @@ class Pipeline:
             "stream_version": STREAM_VERSION,
             "seq_len": c.seq_len,
             "global_batch_size": c.global_batch_size,
+            **({"batch_sizes": self._config_batches()} if len(c.batch_schedule()) > 1 else {}),
             "seed": c.seed,
             "num_epochs": c.num_epochs,
             "mix_temperature": c.mix_temperature,
@@ -550,6 +629,8 @@ class Pipeline:
         }
         if with_history:
             summary["history"] = self.history
+            if self.batch_history:  # (absent without: fingerprints of runs that never changed it are unchanged)
+                summary["batch_history"] = self.batch_history
             if self.skips:  # (absent without: the fingerprints of runs that never skipped are unchanged)
                 summary["skips"] = self.skips
         return history.digest(summary), summary
@@ -558,13 +639,12 @@ class Pipeline:
 
     def global_rows(self, step: int) -> np.ndarray:
         """The mixture rows of global batch `step`."""
-        B = self.config.global_batch_size
-        return self.rowmap.rows(step * B, B)
+        return self.rowmap.rows(self.batches.row(step), self.batches.size(step))
 
     def shard_rows(self, step: int) -> np.ndarray:
         """The mixture rows of this shard's part of global batch `step`."""
-        b = self.local_batch_size
-        return self.rowmap.rows(step * self.config.global_batch_size + self.shard_index * b, b)
+        b = self.local_size(step)
+        return self.rowmap.rows(self.batches.row(step) + self.shard_index * b, b)
 
     def batch(self, step: int) -> dict:
         """This shard's part of global batch `step`: arrays of leading dimension B / shard_count.
@@ -715,8 +795,8 @@ class Pipeline:
                 "this state was saved by a pipeline with another config or other data; differing: "
                 f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "
                 "weights, phases, temperature and the set of sources with Pipeline(config, resume_from=state, "
-                "allow_mixture_change=True). What may not: a source's data or packing, seq_len, "
-                "global_batch_size, seed, num_epochs."
+                "allow_mixture_change=True); the batch sizes with allow_batch_size_change=True. What may not: "
+                "a source's data or packing, seq_len, seed, num_epochs."
             )
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
@@ -774,11 +854,11 @@ class Pipeline:
 
 
 def _rebuild(config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
-             allow_mixture_change=False, skip_steps=0, skip_documents=None):
+             allow_mixture_change=False, skip_steps=0, skip_documents=None, allow_batch_size_change=False):
     return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
                     tokenize_threads=tokenize_threads, resume_from=resume_from,
                     allow_mixture_change=allow_mixture_change, skip_steps=skip_steps,
-                    skip_documents=skip_documents, progress=False)
+                    skip_documents=skip_documents, allow_batch_size_change=allow_batch_size_change, progress=False)
 
 
 def _document_lists(documents) -> dict:

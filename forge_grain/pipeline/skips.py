@@ -1,6 +1,7 @@
 """Skipping at resume, exactly: which rows of the uninterrupted stream a run leaves out.
 
-The uninterrupted run trains mixture row h at step h // B. A resume may skip (a) the next N
+The uninterrupted run trains mixture row h at the step whose rows hold it (h // B at a
+fixed batch size B; see `forge_grain.pipeline.batches`). A resume may skip (a) the next N
 global batches, or (b) every later row holding given documents. Either removes rows from
 the stream; the run then trains, at trainer row t (step t // B), the t-th row not removed,
 so everything it does train is what the uninterrupted run trained, in the same order.
@@ -21,8 +22,9 @@ import numpy as np
 class RowMap:
     """Trainer rows -> rows of the uninterrupted stream, after the skips added in order."""
 
-    def __init__(self, mixture, batch_size: int):
-        self.mixture, self.B = mixture, batch_size
+    def __init__(self, mixture, row_of_step):
+        # row_of_step(s): the first trainer row of step s (s · B; a batch-size schedule's R(s))
+        self.mixture, self.row_of = mixture, row_of_step
         m = len(mixture.datasets)
         self.ranges: list[list[tuple[int, int]]] = [[] for _ in range(m)]  # source rows skipped with batches
         self.docs: list[dict[int, int]] = [{} for _ in range(m)]  # plan row -> first source row it is skipped at
@@ -38,7 +40,7 @@ class RowMap:
 
     def skip_steps(self, at_step: int, steps: int) -> None:
         """Leave out the global batches the run would train at steps [at_step, at_step + steps)."""
-        lo, hi = self.stream_row(at_step * self.B), self.stream_row((at_step + steps) * self.B)
+        lo, hi = self.stream_row(self.row_of(at_step)), self.stream_row(self.row_of(at_step + steps))
         a, b = self.mixture.counts(lo), self.mixture.counts(hi)
         for i in range(len(self.ranges)):
             if b[i] > a[i]:
@@ -48,7 +50,7 @@ class RowMap:
     def skip_rows(self, at_step: int, plan_rows: dict[int, np.ndarray]) -> None:
         """Leave out, from step `at_step` on, every row of source i whose plan row is in
         `plan_rows[i]` (the rows holding skipped documents), in every epoch."""
-        start = self.mixture.counts(self.stream_row(at_step * self.B))
+        start = self.mixture.counts(self.stream_row(self.row_of(at_step)))
         for i, rows in plan_rows.items():
             for r in np.asarray(rows, np.int64).tolist():
                 self.docs[i][r] = min(self.docs[i].get(r, int(start[i])), int(start[i]))

@@ -73,16 +73,32 @@ class StreamLayout:
 
     groups: int  # G: position groups of a batch (shard counts dividing it resume exactly)
     classes: int  # P: sets of streams steps take turns over (DataLoader worker counts dividing it)
-    batch: int  # B: the global batch size
+    batches: object  # the `BatchSchedule`: each step's rows (G divides every size)
 
     @property
     def count(self) -> int:
         return self.groups * self.classes
 
     def stream_of(self, rows: np.ndarray) -> np.ndarray:
-        """The canonical stream of global rows (step s = row // B, position j = row % B)."""
-        rows = np.asarray(rows, np.int64)
-        return (rows // self.batch % self.classes) * self.groups + rows % self.batch // (self.batch // self.groups)
+        """The canonical stream of global rows: by its step's class (step mod P) and the group
+        of its position in the step's batch (G equal parts)."""
+        step, position, size = self.batches.place(rows)
+        return (step % self.classes) * self.groups + position // (size // self.groups)
+
+    def steps_fitting(self, rows: np.ndarray) -> int:
+        """The steps made from step 0 before a stream would need more rows than `rows` [P, G]
+        (a stream of class p gives size/G rows to each step s = p mod P)."""
+        cap = rows.min(axis=1)  # a class's steps take the same share of each of its G streams
+        used = np.zeros(self.classes, np.int64)
+        ends = [s for s, _ in self.batches.segments[1:]] + [None]
+        for (a, size), e in zip(self.batches.segments, ends):
+            share = size // self.groups
+            first = a + (np.arange(self.classes) - a) % self.classes  # each class's first step from a
+            fit = (cap - used) // share  # steps each class can still take
+            fail = first + fit * self.classes  # the step that would take one share too many
+            if e is None or (fail < e).any():
+                return int(fail.min())
+            used += (np.maximum(e - first, 0) + self.classes - 1) // self.classes * share
 
     def owned(self, shard: int, shards: int, worker: int = 0, workers: int = 1) -> list[int]:
         """The streams shard `shard` of `shards` reads; of those, worker `worker` of `workers`'s."""
@@ -573,13 +589,11 @@ def dealt_files(src: SourceConfig, reader, count: int) -> list[list[int]] | None
 
 
 def rows_per_epoch(source: StreamingSource, layout: StreamLayout, progress: bool = True) -> int:
-    """Rows of one epoch the mixture may count on: B times the steps made before any stream
-    would start its second epoch (a stream of class p gives B/G rows to each step s = p mod
-    P). With one source, `num_epochs=1` is exactly those steps."""
-    share = layout.batch // layout.groups
+    """Rows of one epoch the mixture may count on: the rows of the steps made before any
+    stream would start its second epoch (`StreamLayout.steps_fitting`). With one source,
+    `num_epochs=1` is exactly those steps."""
     rows = np.array(source.rows_per_stream(layout.count, progress)).reshape(layout.classes, layout.groups)
-    steps = min(layout.classes * int(rows[p].min() // share) + p for p in range(layout.classes))
-    return steps * layout.batch
+    return layout.batches.row(layout.steps_fitting(rows))
 
 
 class StreamingRows(grain.IterDataset):

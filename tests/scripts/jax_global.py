@@ -19,7 +19,7 @@ def main(port, process_id, config_path, steps, out):
     saved = {}
     for i in range(int(steps)):
         batch = next(it)
-        assert batch["inputs"].shape[0] == it.pipeline.config.global_batch_size  # global, not local
+        assert batch["inputs"].shape[0] == it.pipeline.batches.size(i)  # global, not local (a schedule's size)
         for key in ("inputs", "loss_mask", "source_id"):
             saved[f"{key}_{i}"] = multihost_utils.process_allgather(batch[key], tiled=True)
     if jax.process_index() == 0:
