@@ -18,7 +18,7 @@ from forge_grain import ConfigError, DataConfig, Pipeline, StateError
 from forge_grain.pipeline.batches import BatchSchedule, ramp_segments
 
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "source_id")
-SCHEDULE = [[0, 2], [3, 4], [6, 8]]  # R(s): 0 2 4 6 10 14 18 26 34 ...
+SCHEDULE = [[0, 4], [3, 8], [6, 16]]  # R(s): 0 4 8 12 20 28 36 52 68 ...
 
 
 def sources(stores, strategy):
@@ -37,19 +37,19 @@ def global_batches(cfg, shards: int, steps: range, **kw) -> list[dict]:
 
 
 @pytest.mark.parametrize("strategy", ["bestfit", "bos_bestfit", "concat"])
-@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("shards", [1, 2, 4])
 def test_scheduled_batches_concatenate_to_the_unscheduled_row_sequence(stores, strategy, shards):
-    """Phases stay at steps: the scheduled run changes the mix at its step 7, row R(7) = 26;
-    the unscheduled reference, at a fixed batch of 2, at its step 13, the same row."""
+    """Phases stay at steps: the scheduled run changes the mix at its step 7, row R(7) = 52;
+    the unscheduled reference, at a fixed batch of 4, at its step 13, the same row."""
     phase = lambda step: [dict(start_step=step, weights={"web": 0.1, "code": 0.9})]  # noqa: E731
-    scheduled = config(stores, sources=sources(stores, strategy), batch_sizes=SCHEDULE, phases=phase(7),
-                       num_epochs=None)
-    plain = config(stores, sources=sources(stores, strategy), global_batch_size=2, phases=phase(13), num_epochs=None)
+    scheduled = config(stores, sources=sources(stores, strategy), batch_sizes=SCHEDULE, global_batch_size=16,
+                       phases=phase(7), num_epochs=None)
+    plain = config(stores, sources=sources(stores, strategy), global_batch_size=4, phases=phase(13), num_epochs=None)
     got = global_batches(scheduled, shards, range(12))
-    assert [len(b["inputs"]) for b in got] == [2, 2, 2, 4, 4, 4] + [8] * 6
+    assert [len(b["inputs"]) for b in got] == [4, 4, 4, 8, 8, 8] + [16] * 6
     reference = Pipeline(plain, 0, 1, num_threads=0)
     rows = sum(len(b["inputs"]) for b in got)
-    expected = concat([reference.batch(s) for s in range(rows // 2)])
+    expected = concat([reference.batch(s) for s in range(rows // 4)])
     whole = concat(got)
     for k in KEYS:
         assert np.array_equal(whole[k], expected[k]), k
@@ -269,7 +269,7 @@ def locate(p, steps):
     return [[(p.source_names[i], int(r)) for i, r in zip(*p.mixture.locate(p.global_rows(s)))] for s in steps]
 
 
-@settings(max_examples=150 if SLOW else 10, deadline=None, derandomize=not SLOW,
+@settings(max_examples=500 if SLOW else 40, deadline=None, derandomize=not SLOW,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(plan=edits())
 def test_batch_size_and_mixture_changes_at_resume_repeat_and_skip_no_row(four_stores, plan):
@@ -303,14 +303,31 @@ def test_batch_size_and_mixture_changes_at_resume_repeat_and_skip_no_row(four_st
 
 
 def test_skipping_steps_under_a_schedule_skips_exactly_those_steps_rows(stores):
-    """skip_steps=2 at step 3 leaves out the rows of steps 3 and 4 (R(3) = 6 to R(5) = 14); the
+    """skip_steps=2 at step 3 leaves out the rows of steps 3 and 4 (R(3) = 12 to R(5) = 28); the
     run goes on in its own sizes from the row after them."""
-    cfg = config(stores, batch_sizes=SCHEDULE, num_epochs=None)
+    cfg = config(stores, batch_sizes=SCHEDULE, global_batch_size=16, num_epochs=None)
     a = Pipeline(cfg, 0, 1, num_threads=0)
     uninterrupted = concat([a.batch(s) for s in range(10)])
     b = Pipeline(cfg, 0, 2, num_threads=0, resume_from=a.state_at(3), skip_steps=2)
     c = Pipeline(cfg, 1, 2, num_threads=0, resume_from=a.state_at(3), skip_steps=2)
-    got = concat([concat([b.batch(s), c.batch(s)]) for s in range(3, 8)])  # sizes 4 4 4 8 8: 28 rows
+    got = concat([concat([b.batch(s), c.batch(s)]) for s in range(3, 8)])  # sizes 8 8 8 16 16: 56 rows
     for k in KEYS:
-        assert np.array_equal(got[k], uninterrupted[k][14:42]), k
+        assert np.array_equal(got[k], uninterrupted[k][28:84]), k
     assert b.phase_at(3)["start_step"] == 0 and b.consumed(3) == a.consumed(3)
+
+
+def test_grain_worker_processes_follow_the_schedule(stores):
+    """Worker processes rebuild the pipeline from its config: the schedule comes with it."""
+    cfg = config(stores, batch_sizes=SCHEDULE, global_batch_size=16, max_steps=8)
+    ref = Pipeline(cfg, 1, 2, num_threads=0)
+    got = list(Pipeline(cfg, 1, 2, worker_count=2))
+    assert [len(b["inputs"]) for b in got] == [2, 2, 2, 4, 4, 4, 8, 8]
+    assert all(np.array_equal(b[k], ref.batch(s)[k]) for s, b in enumerate(got) for k in KEYS)
+    # and after a batch-size change at resume (the workers rebuild it from the state and the flag)
+    state = ref.state_at(4)
+    bigger = config(stores, global_batch_size=32, max_steps=8)
+    changed = Pipeline(bigger, 1, 2, num_threads=0, resume_from=state, allow_batch_size_change=True)
+    workers = Pipeline(bigger, 1, 2, worker_count=2, resume_from=state, allow_batch_size_change=True)
+    got = list(workers.iterator(state))
+    assert [len(b["inputs"]) for b in got] == [16] * 4
+    assert all(np.array_equal(b["inputs"], changed.batch(4 + i)["inputs"]) for i, b in enumerate(got))
