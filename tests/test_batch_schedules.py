@@ -89,7 +89,7 @@ def test_a_ramp_in_tokens_grows_to_the_full_batch_after_its_share_of_tokens(stor
 
 
 def test_schedules_that_cannot_work_are_refused_by_name(stores):
-    with pytest.raises(ConfigError, match=r"batch size 6 from step 4 must divide evenly among 4 shards"):
+    with pytest.raises(ConfigError, match=r"batch size 6 at step 4 must divide evenly among 4 shards"):
         Pipeline(config(stores, batch_sizes=[[0, 4], [4, 6], [8, 8]]), 0, 4, num_threads=0)
     with pytest.raises(ConfigError, match=r"last size must be global_batch_size \(8\)"):
         config(stores, batch_sizes=[[0, 4], [4, 16]])
@@ -101,6 +101,25 @@ def test_schedules_that_cannot_work_are_refused_by_name(stores):
         config(stores, batch_ramp=dict(start=2, increment=2, tokens=1000), batch_sizes=[[0, 4], [4, 8]])
     with pytest.raises(ConfigError, match="local_size"):
         Pipeline(config(stores, batch_sizes=[[0, 4], [4, 8]]), 0, 1, num_threads=0).local_batch_size
+
+
+def test_a_ramp_resumes_on_more_shards_once_its_sizes_divide_among_them(stores):
+    """Elastic as without a schedule: a state resumes on any shard count dividing every size
+    from its step on, though the ramp's first sizes do not divide among that many."""
+    cfg = config(stores, batch_sizes=[[0, 4], [3, 8], [6, 16]], global_batch_size=16, num_epochs=None)
+    with pytest.raises(ConfigError, match=r"batch size 4 at step 0 must divide evenly among 8 shards"):
+        Pipeline(cfg, 0, 8, num_threads=0)
+    one = Pipeline(cfg, 0, 1, num_threads=0)
+    for at, shards in ((3, 8), (6, 16)):
+        state = one.state_at(at)
+        parts = [Pipeline(cfg, k, shards, num_threads=0, resume_from=state) for k in range(shards)]
+        its = [p.iterator(state) for p in parts]
+        for s in range(at, at + 4):
+            joined = concat([next(it) for it in its])
+            assert all(np.array_equal(joined[k], one.global_batch(s)[k]) for k in KEYS), (at, s)
+    late = Pipeline(cfg, 0, 8, num_threads=0, resume_from=one.state_at(3))
+    with pytest.raises(StateError, match=r"batch size 4 at step 2 does not divide among 8 shards"):
+        late.iterator(one.state_at(2))
 
 
 def test_changing_the_batch_size_at_resume_continues_the_row_sequence(stores):

@@ -78,9 +78,10 @@ class BatchSchedule:
         offset = rows - self.rows_at[k]
         return self.steps[k] + offset // self.sizes[k], offset % self.sizes[k], self.sizes[k]
 
-    def indivisible(self, n: int) -> tuple[int, int] | None:
-        """The first (start_step, size) whose size `n` does not divide, else None."""
-        return next(((s, b) for s, b in self.segments if b % n), None)
+    def indivisible(self, n: int, from_step: int = 0) -> tuple[int, int] | None:
+        """The first (step, size) at or after `from_step` whose size `n` does not divide, else None."""
+        k = self._segment(from_step)
+        return next(((max(s, from_step), b) for s, b in self.segments[k:] if b % n), None)
 
     def _segment(self, step: int) -> int:
         if step < 0:

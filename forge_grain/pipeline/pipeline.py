@@ -135,7 +135,9 @@ class Pipeline:
         self.config = config
         self.shard_index, self.shard_count = shard_index, shard_count
         self.batches = BatchSchedule(config.batch_schedule())  # the config's; with the resumed history below
-        self._check_shards(self.batches)
+        start = resume_from.get("step") if isinstance(resume_from, dict) else 0
+        start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
+        self._check_shards(self.batches, start)
         self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
         self.cache_dir = cache_dir
         self.fetch_ahead = fetch_ahead
@@ -172,7 +174,7 @@ class Pipeline:
             self._adopt_history(resume_from, allow_mixture_change, allow_batch_size_change)
             if self.batch_history:  # the sizes each earlier run trained, then the config's
                 self.batches = BatchSchedule(batch_plan(self.batch_history, config.batch_schedule()))
-                self._check_shards(self.batches)
+                self._check_shards(self.batches, start)
                 self._count_steps()
         if skip_steps or skip_documents:
             self._skip(resume_from, skip_steps, skip_documents)
@@ -188,17 +190,18 @@ class Pipeline:
         self.fingerprint, self._summary = self._fingerprint()
         self._warn_unreachable_phases()
         self.rowmap = self._apply_skips()
-        start = resume_from.get("step") if isinstance(resume_from, dict) else 0
-        self._opener = AheadOpener(self, start if isinstance(start, int) and start >= 0 else 0)
+        self._opener = AheadOpener(self, start)
 
-    def _check_shards(self, batches: BatchSchedule) -> None:
-        n, bad = self.shard_count, batches.indivisible(self.shard_count)
+    def _check_shards(self, batches: BatchSchedule, from_step: int = 0) -> None:
+        """Every batch size from `from_step` on (where this pipeline starts) divides among the
+        shards: earlier, smaller batches of a ramp may not, as the run resumes on more hosts."""
+        n, bad = self.shard_count, batches.indivisible(self.shard_count, from_step)
         if not 0 <= self.shard_index < n:
             raise ConfigError(f"the shard index {self.shard_index} must be in [0, {n})")
         if bad is not None and batches.constant:
             raise ConfigError(f"global_batch_size {bad[1]} must divide evenly among {n} shards")
         if bad is not None:
-            raise ConfigError(f"the batch size {bad[1]} from step {bad[0]} must divide evenly among {n} shards "
+            raise ConfigError(f"the batch size {bad[1]} at step {bad[0]} must divide evenly among {n} shards "
                               f"(the schedule's sizes: {batches.to_list()})")
 
     def _count_steps(self) -> None:
@@ -231,7 +234,11 @@ class Pipeline:
 
     def local_size(self, step: int) -> int:
         """Rows of this shard's part of global batch `step`."""
-        return self.batches.size(step) // self.shard_count
+        size = self.batches.size(step)
+        if size % self.shard_count:
+            raise ConfigError(f"the batch size {size} at step {step} does not divide among {self.shard_count} "
+                              f"shards (the schedule's sizes: {self.batches.to_list()})")
+        return size // self.shard_count
 
     def _apply_skips(self) -> RowMap:
         """The map from the trainer's rows to the uninterrupted stream's, after the skips;
@@ -804,6 +811,11 @@ class Pipeline:
         step = int(step)
         if not 0 <= step <= self.step_limit:
             raise StateError(f"state step {step} is outside [0, {self.step_limit}]")
+        bad = self.batches.indivisible(self.shard_count, step)
+        if bad is not None:
+            raise StateError(f"the batch size {bad[1]} at step {bad[0]} does not divide among {self.shard_count} "
+                             f"shards: resume this state on a shard count dividing every size from step {step} "
+                             f"on (the schedule's sizes: {self.batches.to_list()})")
         if self.streams:
             self._check_stream_state(state)
         return step
