@@ -129,6 +129,32 @@ def test_a_long_lookahead_with_a_small_cache_fetches_each_shard_about_once(tmp_p
     assert 30 <= shard_gets <= per_window, (shard_gets, per_window)
 
 
+def test_an_iterator_downloads_the_first_steps_shards_before_its_first_batch(tmp_path, s3, local_stores):
+    """Made to be read, an iterator starts the downloads of the steps it starts at (from a state,
+    too) while the trainer sets up; a pipeline built only to describe the run downloads none."""
+    s3.proxy.clear()
+    remote = source("s3://bucket/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "o"))
+
+    def shard_gets():
+        return sum(n for path, n in s3.proxy.gets.items() if "/bin/shard-" in path and path.endswith(".bin"))
+
+    planner = Pipeline(config(remote), 0, 1)
+    planner.describe()
+    time.sleep(0.5)
+    assert shard_gets() == 0
+    pipe = Pipeline(config(remote), 0, 1)
+    it = pipe.iterator(pipe.state_at(3))
+    needed = set(pipe.datasets[0].arrays_read(pipe.mixture.locate(pipe.shard_rows(3))[1]).tolist())
+    cached = lambda: {int(p.name[6:11]) for p in (tmp_path / "o").rglob("shard-*.bin")}  # noqa: E731
+    for _ in range(100):
+        if needed <= cached():
+            break
+        time.sleep(0.05)
+    assert needed <= cached() and shard_gets() >= len(needed)  # downloaded, no batch made yet
+    disk = Pipeline(config(source(local_stores["bin"])), 0, 1, cache_dir=tmp_path / "plans")
+    assert same(next(it), disk.global_batch(3))
+
+
 def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_path, s3, local_stores, monkeypatch):
     from forge_grain.stores import remote
 

@@ -949,6 +949,15 @@ class PipelineIterator(grain.DatasetIterator):
         self._pending: collections.deque = collections.deque()
         self._pool = None
         self._mp_iter = None
+        self._fetch_first()
+
+    def _fetch_first(self) -> None:
+        """Start downloading the shards of the first steps of sources in object storage now: an
+        iterator is made to be read, and the trainer's own setup (model, compilation) then hides
+        the downloads. (A pipeline built only to describe or explain the run downloads nothing.)"""
+        p = self.pipeline
+        if p._fetching and p.worker_count == 0 and self._step < p.step_limit:
+            p._fetch_ahead(self._step)
 
     def __next__(self) -> dict:
         p = self.pipeline
@@ -993,6 +1002,7 @@ class PipelineIterator(grain.DatasetIterator):
         self.close()
         self.pipeline.seek(step, state.get("streams"))
         self._step = step
+        self._fetch_first()
 
     @property
     def step(self) -> int:
