@@ -77,7 +77,8 @@ def many_sources(n: int, work: Path, setup: float = 10) -> list[str]:
     return lines
 
 
-def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | None = None) -> list[str]:
+def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | None = None,
+                   steps_wanted: int = 400) -> list[str]:
     import s3fs
 
     port, server = start_server(work)
@@ -90,14 +91,19 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
         size = sum(f.stat().st_size for f in local.iterdir() if f.suffix == ".bin")
         limit = max(size // 10, 3 * size // shards)  # 10%, or 3 shards where shards are larger than 3%
         common = dict(name="web", strategy="bos_bestfit", shuffle_window=1)
-        chunk_docs = max(1, num_docs // 40)
+        # planning chunks of whole shards' documents (about 40 of them), as the README advises for
+        # object storage: a window then downloads only the shards it reads (LitData's chunk is its
+        # unit of both download and shuffle); 2.5 shards a chunk downloaded a chunk's shards twice over
+        per_chunk = max(1, round(shards / 40))
+        chunk_docs = max(1, round(num_docs / shards * per_chunk))
         disk_cfg = config(dict(path=str(local), **common), chunk_docs)
         s3_cfg = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects"),
                              cache_limit=limit, **common), chunk_docs)
         s3_all = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects-all"),
                              **common), chunk_docs)
         lines = [f"object storage: {num_docs:,} documents, {size / 1e6:.1f} MB of tokens in {shards} shards; "
-                 f"seq_len {SEQ_LEN}, batch {BATCH}, locality order (shuffle_window 1 of {40} chunks), "
+                 f"seq_len {SEQ_LEN}, batch {BATCH}, locality order (shuffle_window 1 of {-(-num_docs // chunk_docs)} "
+                 f"chunks of {per_chunk} shard(s)' documents), "
                  f"cache_limit {limit / 1e6:.1f} MB ({100 * limit / size:.0f}%)"]
         rates = {}
         for label, cfg in (("local disk", disk_cfg), (f"S3 (moto), cache_limit {100 * limit / size:.0f}%", s3_cfg),
@@ -107,7 +113,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
             it = pipe.iterator()
             next(it)
             first = time.perf_counter() - t
-            steps = min(pipe.num_steps - 1, 400)
+            steps = min(pipe.num_steps - 1, steps_wanted)
             t = time.perf_counter()
             peak = 0
             for k in range(steps):
@@ -133,7 +139,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
                          f"{server_rates[label] / 1e6:.2f} M tok/s")
             print(lines[-1], flush=True)
         if peer_python:
-            line, peer = litdata(peer_python, local, port, size // 2 // shards, work)
+            line, peer = litdata(peer_python, local, port, size // 2 // shards, work, steps_wanted)
             lines.append(line)
             print(lines[-1], flush=True)
         from forge_grain.stores.remote import RemoteDir  # obstore, as forge-grain downloads shards
@@ -163,7 +169,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
         server.wait()
 
 
-def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path) -> tuple[str, float]:
+def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path, steps: int) -> tuple[str, float]:
     """LitData over the same tokens in as many chunks from the same server (`peer_litdata_s3.py`,
     run by `python`: LitData needs an environment of its own here)."""
     import json
@@ -174,7 +180,7 @@ def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path) 
     np.save(work / "tokens.npy", np.concatenate([store[i] for i in range(len(store))]))
     script = Path(__file__).with_name("peer_litdata_s3.py")
     done = subprocess.run([python, str(script), str(work / "tokens.npy"), f"http://127.0.0.1:{port}", str(work),
-                           str(SEQ_LEN), str(BATCH), "400", str(chunk_tokens)], capture_output=True, text=True)
+                           str(SEQ_LEN), str(BATCH), str(steps), str(chunk_tokens)], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"LitData failed: {done.stderr[-3000:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -228,6 +234,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=128, help="0: skip the object-storage part")
     ap.add_argument("--setup", type=float, default=10.0,
                     help="seconds between building from the record and the first batch, in its last run")
+    ap.add_argument("--steps", type=int, default=400, help="steps measured after the first batch (object storage)")
     ap.add_argument("--peer-python", help="a Python with litdata installed (its own environment: litdata and "
                                           "mosaicml-streaming need torchvision): LitData reads the same data too")
     args = ap.parse_args()
@@ -236,13 +243,13 @@ def main() -> None:
         (work / "sources").mkdir()
         lines = (many_sources(args.sources, work / "sources", args.setup) + [""]) if args.sources else []
         if args.shards:
-            lines += object_storage(args.docs, args.shards, work, args.peer_python)
+            lines += object_storage(args.docs, args.shards, work, args.peer_python, args.steps)
     if not args.shards:
         name = "scale-sources"
     elif args.sources and args.shards == 128:
         name = "scale"
     else:
-        name = f"scale-s3-{args.shards}-shards"
+        name = f"scale-s3-{args.shards}-shards" + (f"-{args.docs // 1000}k-docs" if args.docs != 20_000 else "")
     publish(name, lines)
 
 

@@ -173,6 +173,24 @@ def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_p
     assert np.array_equal(store[doc], disk[doc])
 
 
+def test_ranged_reads_run_in_order_of_need():
+    """A read for a batch waiting now runs before queued prefetches, and the parts of a shard
+    asked for earlier before those of one asked for later (so the next shard arrives with all
+    the connections' bandwidth), however the jobs were queued."""
+    from forge_grain.stores.remote import Requests
+
+    pool, ran, gate = Requests(1), [], threading.Event()
+    blocker = pool.submit(True, pool.job(), gate.wait)  # the one worker is busy while the queue fills
+    first, second = pool.job(), pool.job()
+    futures = [pool.submit(False, second, ran.append, ("second", k)) for k in range(3)]
+    futures += [pool.submit(False, first, ran.append, ("first", k)) for k in range(3)]
+    futures.append(pool.submit(True, pool.job(), ran.append, ("now", 0)))
+    gate.set()
+    for f in [blocker, *futures]:
+        f.result(timeout=10)
+    assert ran == [("now", 0), *(("first", k) for k in range(3)), *(("second", k) for k in range(3))]
+
+
 @pytest.mark.parametrize("kind", ["drop", "500", "delay", "truncate"])
 def test_transient_faults_are_retried_and_the_data_is_exact(tmp_path, s3, local_stores, kind):
     s3.proxy.clear()

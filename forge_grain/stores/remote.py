@@ -19,10 +19,13 @@ import contextlib
 import hashlib
 import json
 import logging
+import itertools
 import os
+import queue
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +43,10 @@ from forge_grain.stores.native import NativeStore
 log = logging.getLogger(__name__)
 
 RETRIES = 5
-BLOCK = 1 << 24  # bytes per ranged read while downloading; a larger object is read in parts, in parallel
-PARTS = 4  # parts of one object read at once
-FETCH_THREADS = 8  # objects downloaded at once ahead of need (the server's concurrent rate: bench_scale)
+BLOCK = 1 << 24  # the most bytes one ranged read asks for (and holds in memory)
+PART_MIN = 1 << 20  # an object is read in up to SPLIT ranged parts of at least this many bytes
+SPLIT = 8
+FETCH_THREADS = 8  # ranged reads at once (the server's concurrent rate: bench_scale), and objects in progress
 _IN_FLIGHT = threading.BoundedSemaphore(16)  # ranged reads held in memory at once, process-wide (256 MiB)
 # seconds one request (a ranged read of BLOCK bytes at most) may take before it counts as failed:
 # a server that accepts a request and never answers must not block forever (fsspec's own
@@ -79,6 +83,72 @@ def bounded(fn, *args, **kwargs):
     return box["value"]
 
 
+class Requests:
+    """Worker threads running ranged reads in order of need: a read for a batch waiting now
+    first, then prefetches in the order they were asked for (the order the steps read them),
+    the parts of one object before the next object's. So the shard the consumer reads next
+    arrives with all the connections' bandwidth instead of sharing it with the shards after
+    it, and the connections stay busy whatever the object sizes."""
+
+    def __init__(self, workers: int):
+        self.workers, self._order = workers, itertools.count()
+        self._reset()
+        _ALL_REQUESTS.add(self)
+
+    def _reset(self) -> None:
+        """No workers yet (and, in a forked child, none of the parent's queue or lock state)."""
+        self._queue, self._lock, self._started = queue.PriorityQueue(), threading.Lock(), False
+
+    def submit(self, urgent: bool, job: int, fn, *args) -> concurrent.futures.Future:
+        """Run `fn(*args)` on a worker; `job` orders the jobs of equal urgency (earlier first)."""
+        with self._lock:
+            if not self._started:
+                self._started = True
+                for _ in range(self.workers):
+                    threading.Thread(target=self._work, args=(self._queue,), daemon=True,
+                                     name="forge-grain-get").start()
+        future = concurrent.futures.Future()
+        self._queue.put(((0 if urgent else 1, job, next(self._order)), future, fn, args))
+        return future
+
+    def job(self) -> int:
+        """A number for a new job, after those of the jobs asked for before."""
+        return next(self._order)
+
+    @staticmethod
+    def _work(jobs: queue.PriorityQueue) -> None:
+        while True:
+            _, future, fn, args = jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to the waiting download
+                    future.set_exception(e)
+
+
+_REQUESTS: dict[int, Requests] = {}  # by worker count: shared by every cache of the process
+_REQUESTS_LOCK = threading.Lock()
+_ALL_REQUESTS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """A forked child has none of its parent's worker threads, and a lock or queue the parent
+    held mid-operation would block it forever: every pool starts afresh there."""
+    global _REQUESTS_LOCK
+    _REQUESTS_LOCK = threading.Lock()
+    for pool in list(_ALL_REQUESTS):
+        pool._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def shared_requests(workers: int) -> Requests:
+    """The process's pool of `workers` request threads (one per count, however many sources)."""
+    with _REQUESTS_LOCK:
+        return _REQUESTS.setdefault(workers, Requests(workers))
+
+
 class RemoteDir:
     """A directory at an fsspec URL, and the retrying every request to it goes through."""
 
@@ -93,9 +163,11 @@ class RemoteDir:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of object `name`: through obstore where `fast_client` made one
-        (a Rust client: a fraction of s3fs's CPU a request), else through fsspec."""
+    def read_range(self, name: str, start: int, end: int):
+        """Bytes [start, end) of object `name`, as a bytes-like buffer: through obstore where
+        `fast_client` made one (a Rust client: a fraction of s3fs's CPU a request; its buffer
+        is written and hashed as it is, not copied into `bytes` under the GIL first), else
+        through fsspec."""
         if self._fast is None:
             return self.fs.cat_file(self.path(name), start=start, end=end)
         import obstore
@@ -103,7 +175,7 @@ class RemoteDir:
 
         store, prefix = self._fast
         try:
-            return bytes(obstore.get_range(store, f"{prefix}{name}", start=start, end=end))
+            return memoryview(obstore.get_range(store, f"{prefix}{name}", start=start, end=end))
         except NotFoundError:
             raise FileNotFoundError(f"{self.url}/{name}") from None
         except (PermissionDeniedError, UnauthenticatedError) as e:
@@ -173,13 +245,14 @@ class ObjectCache(RemoteDir):
     """Local copies of one remote directory's files, shared by the processes of a host."""
 
     def __init__(self, url: str, storage_options: dict | None = None, directory=None, limit: int | None = None,
-                 retries: int = RETRIES):
+                 retries: int = RETRIES, requests: int = FETCH_THREADS):
         super().__init__(url, storage_options, retries)
         tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.dir = private_cache(Path(directory or cache_root() / "objects")) / tag
         self.dir.mkdir(parents=True, exist_ok=True)
         self.limit = limit
         self.downloads = 0  # objects this process downloaded (the rest were cached)
+        self.requests = shared_requests(requests)
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
             upcoming=frozenset(), ahead: bool = False) -> Path | None:
@@ -252,23 +325,28 @@ class ObjectCache(RemoteDir):
         elif not self._make_room(size, upcoming, tmp, ahead):
             return False
 
+        job = self.requests.job()  # its parts are read before those of any object asked for later
+
         def attempt():
-            spans = [(a, min(a + BLOCK, size)) for a in range(0, size, BLOCK)]
+            step = min(BLOCK, max(PART_MIN, -(-size // SPLIT)))
+            spans = [(a, min(a + step, size)) for a in range(0, size, step)]
             with open(tmp, "r+b") as dst:
                 def part(span):  # one ranged GET (no HEAD first), written where it belongs
                     a, b = span
                     with _IN_FLIGHT:
-                        block = bounded(self.read_range, name, a, b)
-                        if len(block) != b - a:
-                            raise _Damaged(f"{a + len(block)} bytes arrived of the {size} expected")
+                        block = memoryview(bounded(self.read_range, name, a, b))
+                        if block.nbytes != b - a:
+                            raise _Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
                         os.pwrite(dst.fileno(), block, a)
                     return block if len(spans) == 1 else None
 
-                if len(spans) > 1:
-                    with concurrent.futures.ThreadPoolExecutor(min(PARTS, len(spans))) as parts:
-                        blocks = list(parts.map(part, spans))
-                else:
-                    blocks = [part(span) for span in spans]
+                parts = [self.requests.submit(not ahead, job, part, span) for span in spans]
+                try:
+                    blocks = [f.result() for f in parts]
+                finally:  # a failed part: the others are not left writing into the file being retried
+                    for f in parts:
+                        f.cancel()
+                    concurrent.futures.wait(parts)
                 os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
             if sha256 is not None:
                 digest = hashlib.sha256(blocks[0]).hexdigest() if len(spans) == 1 else sha256_file(tmp)
@@ -385,7 +463,7 @@ class RemoteStore(NativeStore):
 
     def _open(self, dtype=None, storage_options=None, object_cache=None, cache_limit=None,
               fetch_threads=FETCH_THREADS) -> None:
-        self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit)
+        self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit, requests=fetch_threads)
         manifest = self.cache.fresh(MANIFEST_NAME, missing_ok=True)
         if manifest is None:
             raise self.cache.not_a_store()
