@@ -485,6 +485,9 @@ class DeviceLoader:
             if len(buffers) < 2:
                 buffers.append({k: torch.empty_like(v, device=self.device) for k, v in tensors.items()})
             buf = buffers[i % 2]
+            for k, v in tensors.items():  # batches that grow (a batch-size schedule) get buffers of their size
+                if k not in buf or buf[k].shape != v.shape:
+                    buf[k] = torch.empty_like(v, device=self.device)
             buf.update({k: v for k, v in host.items() if k not in tensors})  # e.g. stream_states: as they are
             stream.wait_stream(torch.cuda.current_stream(self.device))  # compute on buf is done
             with torch.cuda.stream(stream):
