@@ -312,11 +312,14 @@ class Pipeline:
         if groups % self.shard_count or any(b % groups for b in sizes):
             whole = math.gcd(*sizes)
             what = f"global_batch_size ({c.global_batch_size})" if len(sizes) == 1 else f"every batch size {sizes}"
+            works = (f"e.g. canonical_streams = {whole} (any multiple of the shard count dividing {whole})"
+                     if whole % self.shard_count == 0 else
+                     f"none does on {self.shard_count} shards, which do not divide every batch size")
             raise ConfigError(
                 f"canonical_streams {groups}: streaming sources need the shard count ({self.shard_count}) to divide "
-                f"it and it to divide {what}, e.g. canonical_streams = {whole} (any multiple of the shard count "
-                f"dividing {whole}). A state resumes on any shard count dividing the canonical_streams it was saved "
-                "with; set canonical_streams in the config (or pass resume_from=state) to choose it"
+                f"it and it to divide {what}: {works}. A state resumes on any shard count dividing the "
+                "canonical_streams it was saved with; set canonical_streams in the config (or pass "
+                "resume_from=state) to choose it"
             )
         return StreamLayout(groups, c.canonical_workers, self.batches)
 
@@ -426,11 +429,11 @@ class Pipeline:
             raise StateError(str(e)) from None
         if state["fingerprint"] == self._fingerprint()[0]:
             return  # the same mixture and batch sizes: an ordinary resume
-        kept, self.history, self.skips, self.batch_history = (self.history, self.batch_history), [], [], []
+        kept = self.history, self.skips, self.batch_history
+        self.history, self.skips, self.batch_history = [], [], []
         if not (allow_change or allow_batches):
             return  # strict: check_state names what differs
-        mixtures, self.batch_history = kept
-        self.skips = list(history.check_skips(saved.get("skips", [])))
+        mixtures, self.skips, self.batch_history = kept
         try:
             if saved and history.saved_batches(saved) != self._config_batches():
                 if not allow_batches:
@@ -460,11 +463,7 @@ class Pipeline:
 
     def _same_mixture(self, saved: dict) -> bool:
         """Whether the saved summary is this pipeline's but for the batch sizes."""
-        ours = self._fingerprint()[1]
-        batch_keys = ("global_batch_size", "batch_sizes", "batch_history")
-        def plain(summary):  # tuples as lists, as a state that went through JSON has them
-            return json.loads(json.dumps({k: v for k, v in summary.items() if k not in batch_keys}, default=str))
-        return plain(saved) == plain(ours)
+        return _without_batches(saved) == _without_batches(self._fingerprint()[1])
 
     def _config_batches(self) -> list[list[int]]:
         """The config's batch sizes as [start_step, size] pairs (as summaries record them)."""
@@ -657,7 +656,7 @@ class Pipeline:
         return self.rowmap.rows(self.batches.row(step) + self.shard_index * b, b)
 
     def batch(self, step: int) -> dict:
-        """This shard's part of global batch `step`: arrays of leading dimension B / shard_count.
+        """This shard's part of global batch `step`: arrays of leading dimension `local_size(step)`.
 
         With streaming sources, steps must come in order (restore a state to go back).
         """
@@ -918,6 +917,13 @@ def merge_states(states: list[dict]) -> dict:
                 if mine.setdefault(c, st) != st:
                     raise StateError(f"merge_states: two states give canonical stream {c} different positions")
     return {**first, "streams": joined, "streams_sha256": history.digest(joined)}
+
+
+def _without_batches(summary: dict) -> dict:
+    """A pipeline summary without its batch sizes, tuples as lists (as a state that went
+    through JSON has them)."""
+    keys = ("global_batch_size", "batch_sizes", "batch_history")
+    return json.loads(json.dumps({k: v for k, v in summary.items() if k not in keys}, default=str))
 
 
 def _where(src) -> str:
