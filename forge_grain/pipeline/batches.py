@@ -67,9 +67,7 @@ class BatchSchedule:
 
     def step_of(self, rows) -> np.ndarray:
         """The step whose global batch holds each row (vectorized)."""
-        rows = np.asarray(rows, np.int64)
-        k = np.searchsorted(self.rows_at, rows, side="right") - 1
-        return self.steps[k] + (rows - self.rows_at[k]) // self.sizes[k]
+        return self.place(rows)[0]
 
     def place(self, rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(step, position in its batch, that batch's size) of each row (vectorized)."""
