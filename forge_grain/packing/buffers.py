@@ -11,6 +11,7 @@ ever overwritten.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 
@@ -45,7 +46,7 @@ class BufferPool:
         for key, (shape, dtype) in specs.items():
             dtype = np.dtype(dtype)
             layout[key] = (offset, shape, dtype)
-            offset += -(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+            offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
         block = self.block(offset)
         return {
             key: np.ndarray(shape, dtype, buffer=block, offset=off) for key, (off, shape, dtype) in layout.items()

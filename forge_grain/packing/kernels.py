@@ -349,6 +349,24 @@ def row_segments(rows, row_ptr):
     return out
 
 
+
+@nb.njit(cache=CACHE, nogil=True)
+def arrays_read(rows, row_ptr, seg_start, piece_starts, piece_array, num_arrays):
+    """The token arrays (of a store's pieces) plan rows `rows` read, once each, in the order
+    the rows first read them: what a store fetched from object storage must have mapped
+    before the gather, and what the next steps' downloads are ordered by."""
+    seen = np.zeros(num_arrays, np.bool_)
+    out = np.empty(num_arrays, np.int64)
+    n = 0
+    for r in rows:
+        for s in range(row_ptr[r], row_ptr[r + 1]):
+            a = piece_array[np.searchsorted(piece_starts, seg_start[s], side="right") - 1]
+            if not seen[a]:
+                seen[a] = True
+                out[n] = a
+                n += 1
+    return out[:n]
+
 def one_piece(tokens: np.ndarray) -> tuple:
     """`fill_rows`'s pieces for a single array of tokens."""
     return token_arrays([tokens]), np.array([0, len(tokens)], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)

@@ -217,6 +217,8 @@ class PackedDataset(grain.MapDataset):
         self.shuffle_window = shuffle_window
         self._chunk_rows = np.asarray(chunk_rows or [num_rows], np.int64)
         self._windows: dict = {}  # epoch -> its chunk order and window starts (`_window_rows`)
+        self._window_parts: dict = {}  # (epoch, window) -> what its rows are found from (`_window`)
+        self._last_fetched = None  # the last gather's fetched arrays and pieces (`_fetched_pieces`)
         self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
         self._plan_sha256 = None
 
@@ -332,23 +334,45 @@ class PackedDataset(grain.MapDataset):
         and elastic resume hold as for the global shuffle.
         """
         n = self.num_rows
+        if len(idx):  # the usual batch lies in one window of one epoch: no grouping
+            e = int(idx[0]) // n
+            starts = self._epoch_windows(e)[1]
+            w = int(np.searchsorted(starts, int(idx[0]) - e * n, side="right")) - 1
+            lo, hi = e * n + int(starts[w]), e * n + int(starts[w + 1])
+            if lo <= int(idx.min()) and int(idx.max()) < hi:
+                return self._rows_in_window(e, w, idx - lo)
         out = np.empty(len(idx), np.int64)
         epochs = idx // n
         for e in np.unique(epochs):
-            order, starts, firsts = self._epoch_windows(int(e))
+            starts = self._epoch_windows(int(e))[1]
             sel = np.flatnonzero(epochs == e)
             pos = idx[sel] - e * n
             win = np.searchsorted(starts, pos, side="right") - 1
             for w in np.unique(win):
-                at = sel[win == w]
-                m = int(starts[w + 1] - starts[w])
-                key = stream_key("window", self._seed_key, int(e), int(w))
-                local = kernels.epoch_rows(pos[win == w] - starts[w], m, key, True)
-                chunks = order[w * self.shuffle_window : (w + 1) * self.shuffle_window]
-                cum = np.concatenate([[0], np.cumsum(self._chunk_rows[chunks])])
-                c = np.searchsorted(cum, local, side="right") - 1
-                out[at] = firsts[chunks[c]] + local - cum[c]
+                out[sel[win == w]] = self._rows_in_window(int(e), int(w), pos[win == w] - starts[w])
         return out
+
+    def _rows_in_window(self, e: int, w: int, local) -> np.ndarray:
+        """Plan rows of positions `local` among window w's rows in epoch e."""
+        key, m, cum, first = self._window(e, w)
+        local = kernels.epoch_rows(np.asarray(local, np.int64), m, key, True)
+        c = np.searchsorted(cum, local, side="right") - 1
+        return first[c] + local - cum[c]
+
+    def _window(self, e: int, w: int) -> tuple:
+        """Window w of epoch e: its shuffle key, row count, its chunks' cumulative rows and
+        first plan rows (cached: every batch of the window asks)."""
+        cached = self._window_parts.get((e, w))
+        if cached is None:
+            order, starts, firsts = self._epoch_windows(e)
+            chunks = order[w * self.shuffle_window : (w + 1) * self.shuffle_window]
+            cum = np.concatenate([[0], np.cumsum(self._chunk_rows[chunks])])
+            cached = (stream_key("window", self._seed_key, e, w), int(starts[w + 1] - starts[w]), cum,
+                      firsts[chunks])
+            if len(self._window_parts) > 64:
+                self._window_parts = {}
+            self._window_parts[(e, w)] = cached
+        return cached
 
     def positions_of(self, plan_rows, epoch: int) -> np.ndarray:
         """The inverse of `rows_of` within one epoch: where in epoch `epoch` (dataset index
@@ -447,20 +471,24 @@ class PackedDataset(grain.MapDataset):
     def _arrays_of(self, rows) -> np.ndarray:
         """The token arrays plan rows `rows` read, once each, in the order the rows first read
         them (a segment never spans two arrays: it lies in one document)."""
-        _, starts, array, _ = self._pieces
-        first = np.searchsorted(starts, np.asarray(self.plan.seg_start)[kernels.row_segments(rows, self.plan.row_ptr)],
-                                side="right") - 1
-        found, at = np.unique(array[first], return_index=True)
-        return found[np.argsort(at)]
+        arrays, starts, array, _ = self._pieces
+        return kernels.arrays_read(np.asarray(rows, np.int64), self.plan.row_ptr, self.plan.seg_start, starts, array,
+                                   len(arrays))
 
     def _fetched_pieces(self, rows) -> tuple:
         """For a store whose files are fetched on demand: the pieces with only the arrays
         these rows read (fetched and mapped now), renumbered for this gather."""
         _, starts, array, base = self._pieces
         needed = self._arrays_of(rows)
+        arrays = self.store.arrays_for(needed)
+        last = self._last_fetched  # consecutive batches mostly read the same shards: building the
+        if last is not None and len(last[0]) == len(arrays) and all(a is b for a, b in zip(last[0], arrays)):
+            return last[1]  # compiled gather's typed list costs more than the gather itself
         local = np.zeros(int(array.max()) + 1, np.int64)
         local[needed] = np.arange(len(needed))
-        return kernels.token_arrays(self.store.arrays_for(needed)), starts, local[array], base
+        pieces = kernels.token_arrays(arrays), starts, local[array], base
+        self._last_fetched = (arrays, pieces)
+        return pieces
 
     def arrays_read(self, indices) -> np.ndarray:
         """The token arrays rows `indices` read, in reading order, for a store that fetches

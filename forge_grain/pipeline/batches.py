@@ -14,6 +14,7 @@ are trained (n: the increments up to the full batch), each size kept for whole s
 
 from __future__ import annotations
 
+import bisect
 import math
 from fractions import Fraction
 
@@ -41,6 +42,10 @@ class BatchSchedule:
         self.rows_at = np.zeros(len(merged), np.int64)  # R at each segment's first step
         for k in range(1, len(merged)):
             self.rows_at[k] = self.rows_at[k - 1] + (self.steps[k] - self.steps[k - 1]) * self.sizes[k - 1]
+        # plain ints for the per-step lookups: a numpy search of one scalar costs microseconds,
+        # and every batch asks several times
+        self._starts, self._size_list = self.steps.tolist(), self.sizes.tolist()
+        self._row_list = self.rows_at.tolist()
 
     @property
     def constant(self) -> bool:
@@ -53,12 +58,12 @@ class BatchSchedule:
 
     def size(self, step: int) -> int:
         """Rows of global batch `step`."""
-        return int(self.sizes[self._segment(step)])
+        return self._size_list[self._segment(step)]
 
     def row(self, step: int) -> int:
         """R(step): the first row of global batch `step` (the rows of all steps before it)."""
         k = self._segment(step)
-        return int(self.rows_at[k] + (step - self.steps[k]) * self.sizes[k])
+        return int(self._row_list[k] + (step - self._starts[k]) * self._size_list[k])
 
     def steps_within(self, rows: int) -> int:
         """The most steps whose rows fit in the first `rows` rows: the largest s with R(s) <= rows."""
@@ -84,7 +89,7 @@ class BatchSchedule:
     def _segment(self, step: int) -> int:
         if step < 0:
             raise IndexError(f"step {step} is negative")
-        return int(np.searchsorted(self.steps, step, side="right")) - 1
+        return bisect.bisect_right(self._starts, step) - 1
 
     def to_list(self) -> list[list[int]]:
         return [[int(s), int(b)] for s, b in self.segments]

@@ -152,8 +152,9 @@ class Mixture(grain.MapDataset):
         src, rank = self.locate(indices)
         out = out if out is not None else empty_rows(len(src), self.seq_len, id_dtype, self._pool)
         idx = np.asarray(indices, np.int64).reshape(-1)
-        for i in np.unique(src):
-            sel = np.flatnonzero(src == i)
+        one = len(self.datasets) == 1  # (no grouping to do: every row is the one source's)
+        for i in [0] if one else np.unique(src):
+            sel = np.arange(len(src)) if one else np.flatnonzero(src == i)
             d = self.datasets[i]
             if getattr(d, "sequential", False):  # a streaming source: its rows' place in the batch decides their stream
                 d.get_batch(rank[sel], out=out, dest=sel, rows=idx[sel])
