@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numba as nb
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
+
 from forge_grain.stores.mapping import token_arrays
 
 NATURAL_END = np.uint8(1)
@@ -372,6 +375,24 @@ def one_piece(tokens: np.ndarray) -> tuple:
     return token_arrays([tokens]), np.array([0, len(tokens)], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
 
 
+@intrinsic
+def _pointer(typingctx, address, like):
+    """`address` (an integer) as a pointer to items of `like`'s dtype: how a gather reaches
+    the token arrays of a `TokenArrays`."""
+    sig = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@nb.njit(cache=CACHE, inline="always")
+def _tokens(arrays, k):
+    """Array k of a `TokenArrays`, as an array (read only: the gather never writes it)."""
+    return nb.carray(_pointer(arrays.addresses[k], arrays.like), arrays.lengths[k])
+
+
 @nb.njit(cache=CACHE, nogil=True)
 def fill_rows(
     rows, dest, row_ptr, seg_start, seg_len, seg_skip, seg_flags, arrays, piece_starts, piece_array, piece_base,
@@ -396,7 +417,7 @@ def fill_rows(
             g = seg_start[s]
             length = seg_len[s]
             pc = np.searchsorted(piece_starts, g, side="right") - 1
-            tok = arrays[piece_array[pc]]
+            tok = _tokens(arrays, piece_array[pc])
             loc = g - piece_starts[pc] + piece_base[pc]
             hi = min(p + length, T)  # input slots [p, hi)
             if hi > p:

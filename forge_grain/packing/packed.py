@@ -76,7 +76,8 @@ def pack(
     at a time (see `PackedDataset.rows_of`).
 
     A store of more than `chunk_docs` documents (default `chunked.CHUNK_DOCS`, about 4 M)
-    is planned a chunk at a time in `plan_workers` processes (default: one per core); see
+    is planned a chunk at a time in `plan_workers` processes (default: one per core past
+    `chunked.IN_PROCESS_DOCS` documents, else in this process); see
     `forge_grain.packing.chunked` for what that changes (nothing a trainer sees but the plan's
     memory and time). `max_segments`: at most this many segments (documents or parts of
     one) a row, for attention kernels that need a bound; rows that reach it are padded.
@@ -473,7 +474,7 @@ class PackedDataset(grain.MapDataset):
         them (a segment never spans two arrays: it lies in one document)."""
         arrays, starts, array, _ = self._pieces
         return kernels.arrays_read(np.asarray(rows, np.int64), self.plan.row_ptr, self.plan.seg_start, starts, array,
-                                   len(arrays))
+                                   len(arrays.addresses))
 
     def _fetched_pieces(self, rows) -> tuple:
         """For a store whose files are fetched on demand: the pieces with only the arrays

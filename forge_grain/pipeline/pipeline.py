@@ -69,6 +69,7 @@ FETCH_SHARDS = 16  # shards a source in object storage is told of ahead: twice i
 # a step this far behind the hinted window's start is one the prefetch threads made out of order,
 # not a restore: it leaves the window as it is (recomputing a window of 1,024 steps took ~40 ms)
 BEHIND = 64
+HINT_STEPS = 16  # steps whose shards are found together (one lookup for 16 steps, not one a step)
 
 
 class _RemovedSource:
@@ -90,7 +91,7 @@ class Pipeline:
     instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
-    core), nor `fetch_ahead` (the most steps whose shards sources in object storage
+    core past 2 M documents, else this process), nor `fetch_ahead` (the most steps whose shards sources in object storage
     download ahead: the lookahead stops at `FETCH_SHARDS` shards a source), nor
     `tokenize_threads` (threads tokenizing streaming sources; default one per core).
     `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
@@ -152,7 +153,7 @@ class Pipeline:
         self._sources = self._open_sources(plan_workers)
         self.datasets = [o.dataset for o in self._sources]
         self._fetching = [i for i, o in enumerate(self._sources) if o.fetches]  # sources in object storage
-        self._hints: dict[int, list] = {}  # step -> the arrays each fetching source reads (`_fetch_ahead`)
+        self._hints: dict[int, tuple] = {}  # first step -> (end, the arrays each fetching source reads)
         self._window = {"start": 0, "end": -1}  # the steps hinted, their shards' counts, the last hint sent
         self._hint_lock = threading.Lock()
         self.streams = [o.stream for o in self._sources if o.stream is not None]
@@ -681,35 +682,38 @@ class Pipeline:
         """Tell sources in object storage which shards this step and the next ones read, in
         reading order: they download them in the background and keep them from eviction. The
         lookahead goes as far as `FETCH_SHARDS` shards of every such source (enough to keep its
-        downloads busy whatever the shard size), at most `fetch_ahead` steps. Each step's
-        shards are found once, as it enters the window."""
+        downloads busy whatever the shard size), `fetch_ahead` steps at most (rounded up to a
+        block). Steps enter the window `HINT_STEPS` at a time (their shards found by one lookup)
+        and leave it when all of them are made."""
         if not self._fetching or not self.fetch_ahead:
             return
         with self._hint_lock:  # Grain's threads make several steps at once
-            w = self._window
+            w, hints = self._window, self._hints
             if w["start"] - BEHIND <= step < w["start"]:
                 return  # another thread's step, just behind one made already: the window has passed it
             if not w["start"] <= step <= w["end"]:  # the first call, a restore, or a jump
-                self._hints.clear()
+                hints.clear()
                 w.update(start=step, end=step, counts=[collections.Counter() for _ in self._fetching], sent=None)
-            for s in range(w["start"], step):  # steps made leave the window (`-=` drops counts at 0)
-                for count, arrays in zip(w["counts"], self._hints.pop(s)):
+            while hints and next(iter(hints.values()))[0] <= step:  # blocks made leave (`-=` drops counts at 0)
+                for count, arrays in zip(w["counts"], hints.pop(next(iter(hints)))[1]):
                     count -= collections.Counter(arrays.tolist())
             w["start"] = step
             want = [min(FETCH_SHARDS, len(self.datasets[i].store.files)) for i in self._fetching]
             last = min(step + 1 + self.fetch_ahead, self.step_limit)
-            while w["end"] < last and (w["end"] == step or any(len(c) < n for c, n in zip(w["counts"], want))):
-                src, rank = self.mixture.locate(self.shard_rows(w["end"]))
-                self._hints[w["end"]] = [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching]
-                for count, arrays in zip(w["counts"], self._hints[w["end"]]):
+            while w["end"] < last and (w["end"] <= step or any(len(c) < n for c, n in zip(w["counts"], want))):
+                a = w["end"]  # (a block may reach up to HINT_STEPS - 1 steps past `fetch_ahead`)
+                b = min(a + min(HINT_STEPS, self.fetch_ahead), self.step_limit)
+                src, rank = self.mixture.locate(np.concatenate([self.shard_rows(s) for s in range(a, b)]))
+                hints[a] = (b, [self.datasets[i].arrays_read(rank[src == i]) for i in self._fetching])
+                for count, arrays in zip(w["counts"], hints[a][1]):
                     count.update(arrays.tolist())
-                w["end"] += 1
+                w["end"] = b
             shards = [frozenset(c) for c in w["counts"]]
             if shards == w["sent"]:  # the same shards as the last hint: nothing to tell
                 return
             w["sent"] = shards
             for j, i in enumerate(self._fetching):
-                self.datasets[i].store.prefetch(np.concatenate([self._hints[s][j] for s in range(step, w["end"])]))
+                self.datasets[i].store.prefetch(np.concatenate([arrays[j] for _, arrays in hints.values()]))
 
     def seek(self, step: int, streams: list | None = None) -> None:
         """Position streaming sources for `step` (the positions of a state's `streams`, else those

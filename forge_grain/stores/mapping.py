@@ -10,6 +10,7 @@ is garbage-collected, so views handed out stay valid.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import mmap
@@ -136,18 +137,22 @@ def _explained(e: OSError, path) -> OSError:
                    "(sysctl -w vm.max_map_count=262144) or use fewer, larger shards or sources", str(path))
 
 
-def token_arrays(arrays):
-    """The token arrays `fill_rows` reads, as one typed list: one compiled gather serves any
-    number of arrays (a tuple compiled anew for each count, and not at all past 1,000).
-    Arrays must share one type: if a header left any misaligned (LitData int64 chunks),
-    all are marked unaligned, which numpy allows; all are read-only views."""
-    from numba.typed import List  # numba loads only when a gather needs it
+class TokenArrays(collections.namedtuple("TokenArrays", "addresses lengths like")):
+    """The token arrays `fill_rows` reads, given to it by address: where each array's first
+    token is, its length, and a zero-length array of their (shared) dtype. One compiled
+    gather then serves any number of arrays (a tuple is compiled anew for each count, and
+    numba's typed list compiles its methods for half a second in every process that makes
+    one). `arrays` (not passed to the kernel) keeps them alive while the addresses are used."""
 
+
+def token_arrays(arrays) -> TokenArrays:
+    """`TokenArrays` of `arrays` (one dtype: a gather writes one id type)."""
     arrays = [np.asarray(a) for a in arrays]
-    aligned = all(a.flags.aligned for a in arrays)
-    views = []
-    for a in arrays:
-        v = a.view()
-        v.setflags(write=False, align=aligned)
-        views.append(v)
-    return List(views)
+    if len({a.dtype for a in arrays}) > 1:
+        raise TypeError(f"token arrays of one gather must share a dtype, not {sorted({str(a.dtype) for a in arrays})}")
+    if any(a.ndim != 1 or not a.flags.c_contiguous for a in arrays):
+        raise TypeError("token arrays must be one-dimensional and contiguous")
+    out = TokenArrays(np.array([a.ctypes.data for a in arrays], np.int64), np.array([len(a) for a in arrays], np.int64),
+                      arrays[0][:0] if arrays else np.zeros(0, np.uint16))
+    out.arrays = arrays
+    return out
