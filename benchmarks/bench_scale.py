@@ -11,7 +11,9 @@
 2. A synthetic store (log-normal documents, as the other benchmarks) in `--shards` shards,
    uploaded to a local S3-compatible server (moto in server mode, as the tests use), read
    through s3fs with a cache limit of 10% of the store (at least 3 shards) and the locality order, against the
-   same pipeline over the store on disk: time to the first batch and steady tokens/s.
+   same pipeline over the store on disk: time to the first batch and steady tokens/s, batches
+   made in the consumer's thread (`num_threads=0`, as LitData's loader with `num_workers=0`
+   makes them) and, once more from S3, with the default 2 batch threads.
    The server runs in its own process; its own rate is measured too (every shard read once
    with s3fs, one at a time and on 8 connections, and with obstore on 8 connections). moto is a Python server on this 2-core machine,
    sharing the cores with the loader, so the ratios are a floor for a real object store.
@@ -106,10 +108,16 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
                  f"chunks of {per_chunk} shard(s)' documents), "
                  f"cache_limit {limit / 1e6:.1f} MB ({100 * limit / size:.0f}%)"]
         rates = {}
-        for label, cfg in (("local disk", disk_cfg), (f"S3 (moto), cache_limit {100 * limit / size:.0f}%", s3_cfg),
-                           ("S3 (moto), unbounded cache", s3_all)):
+        s3_threads = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects-t"),
+                                 **common), chunk_docs)
+        # batches made in the consumer's thread (num_threads=0), as LitData's loader with num_workers=0
+        # makes them: this loop of next() never releases the GIL, so batch threads (the default,
+        # there for a trainer whose step waits on the accelerator) only hand batches across it
+        for label, cfg, threads in (
+                ("local disk", disk_cfg, 0), (f"S3 (moto), cache_limit {100 * limit / size:.0f}%", s3_cfg, 0),
+                ("S3 (moto), unbounded cache", s3_all, 0), ("S3 (moto), unbounded, 2 batch threads", s3_threads, 2)):
             t = time.perf_counter()
-            pipe = Pipeline(cfg, 0, 1, cache_dir=work / "plans" if label == "local disk" else None)
+            pipe = Pipeline(cfg, 0, 1, cache_dir=work / "plans" if label == "local disk" else None, num_threads=threads)
             it = pipe.iterator()
             next(it)
             first = time.perf_counter() - t
@@ -124,7 +132,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
             rates[label] = rate
             extra = (f", {pipe.stores[0].cache.downloads} downloads" if label != "local disk" else "")
             extra += f", cache peak {peak / 1e6:.2f} MB of {limit / 1e6:.2f}" if "cache_limit" in label else ""
-            lines.append(f"  {label:<30} first batch {first:6.2f} s, steady {rate / 1e6:7.2f} M tok/s over {steps} "
+            lines.append(f"  {label:<38} first batch {first:6.2f} s, steady {rate / 1e6:7.2f} M tok/s over {steps} "
                          f"steps{extra}")
             print(lines[-1], flush=True)
         objects = [f for f in fs.ls("bench/store") if f.endswith(".bin")]
@@ -184,7 +192,7 @@ def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path, 
     if done.returncode:
         raise RuntimeError(f"LitData failed: {done.stderr[-3000:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return (f"  {'LitData StreamingDataset':<30} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
+    return (f"  {'LitData StreamingDataset':<38} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
             f"M tok/s over {out['steps']} steps ({out['chunks']} chunks written by its optimize(), TokensLoader, "
             "shuffled, its default cache)"), out["rate"]
 
