@@ -352,7 +352,6 @@ def row_segments(rows, row_ptr):
     return out
 
 
-
 @nb.njit(cache=CACHE, nogil=True)
 def arrays_read(rows, row_ptr, seg_start, piece_starts, piece_array, num_arrays):
     """The token arrays (of a store's pieces) plan rows `rows` read, once each, in the order
@@ -369,6 +368,7 @@ def arrays_read(rows, row_ptr, seg_start, piece_starts, piece_array, num_arrays)
                 out[n] = a
                 n += 1
     return out[:n]
+
 
 def one_piece(tokens: np.ndarray) -> tuple:
     """`fill_rows`'s pieces for a single array of tokens."""

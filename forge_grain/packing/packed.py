@@ -219,7 +219,6 @@ class PackedDataset(grain.MapDataset):
         self._chunk_rows = np.asarray(chunk_rows or [num_rows], np.int64)
         self._windows: dict = {}  # epoch -> its chunk order and window starts (`_window_rows`)
         self._window_parts: dict = {}  # (epoch, window) -> what its rows are found from (`_window`)
-        self._last_fetched = None  # the last gather's fetched arrays and pieces (`_fetched_pieces`)
         self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
         self._plan_sha256 = None
 
@@ -481,15 +480,9 @@ class PackedDataset(grain.MapDataset):
         these rows read (fetched and mapped now), renumbered for this gather."""
         _, starts, array, base = self._pieces
         needed = self._arrays_of(rows)
-        arrays = self.store.arrays_for(needed)
-        last = self._last_fetched  # consecutive batches mostly read the same shards: building the
-        if last is not None and len(last[0]) == len(arrays) and all(a is b for a, b in zip(last[0], arrays)):
-            return last[1]  # compiled gather's typed list costs more than the gather itself
         local = np.zeros(int(array.max()) + 1, np.int64)
         local[needed] = np.arange(len(needed))
-        pieces = kernels.token_arrays(arrays), starts, local[array], base
-        self._last_fetched = (arrays, pieces)
-        return pieces
+        return kernels.token_arrays(self.store.arrays_for(needed)), starts, local[array], base
 
     def arrays_read(self, indices) -> np.ndarray:
         """The token arrays rows `indices` read, in reading order, for a store that fetches

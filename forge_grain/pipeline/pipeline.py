@@ -91,8 +91,9 @@ class Pipeline:
     instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
-    core past 2 M documents, else this process), nor `fetch_ahead` (the most steps whose shards sources in object storage
-    download ahead: the lookahead stops at `FETCH_SHARDS` shards a source), nor
+    core past 2 M documents, else this process), nor `fetch_ahead` (the most steps whose
+    shards sources in object storage download ahead: the lookahead stops at `FETCH_SHARDS`
+    shards a source), nor
     `tokenize_threads` (threads tokenizing streaming sources; default one per core).
     `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     `progress`: progress bars of first-use work (planning, tokenizing, counting); by default
@@ -694,8 +695,9 @@ class Pipeline:
             if not w["start"] <= step <= w["end"]:  # the first call, a restore, or a jump
                 hints.clear()
                 w.update(start=step, end=step, counts=[collections.Counter() for _ in self._fetching], sent=None)
-            while hints and next(iter(hints.values()))[0] <= step:  # blocks made leave (`-=` drops counts at 0)
-                for count, arrays in zip(w["counts"], hints.pop(next(iter(hints)))[1]):
+            # blocks whose steps are all made leave the window (`-=` drops counts at 0)
+            for a in [a for a, (end, _) in hints.items() if end <= step]:
+                for count, arrays in zip(w["counts"], hints.pop(a)[1]):
                     count -= collections.Counter(arrays.tolist())
             w["start"] = step
             want = [min(FETCH_SHARDS, len(self.datasets[i].store.files)) for i in self._fetching]
