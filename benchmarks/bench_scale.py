@@ -107,7 +107,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
                  f"seq_len {SEQ_LEN}, batch {BATCH}, locality order (shuffle_window 1 of {-(-num_docs // chunk_docs)} "
                  f"chunks of {per_chunk} shard(s)' documents), "
                  f"cache_limit {limit / 1e6:.1f} MB ({100 * limit / size:.0f}%)"]
-        rates = {}
+        rates, whole = {}, {}  # steady tokens/s; tokens/s from the request, the first batch included
         s3_threads = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects-t"),
                                  **common), chunk_docs)
         # batches made in the consumer's thread (num_threads=0), as LitData's loader with num_workers=0
@@ -128,12 +128,13 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
                 next(it)
                 if "cache_limit" in label and k % 10 == 0:
                     peak = max(peak, pipe.stores[0].cache.used())
-            rate = steps * BATCH * SEQ_LEN / (time.perf_counter() - t)
-            rates[label] = rate
+            elapsed = time.perf_counter() - t
+            rate = steps * BATCH * SEQ_LEN / elapsed
+            rates[label], whole[label] = rate, (steps + 1) * BATCH * SEQ_LEN / (first + elapsed)
             extra = (f", {pipe.stores[0].cache.downloads} downloads" if label != "local disk" else "")
             extra += f", cache peak {peak / 1e6:.2f} MB of {limit / 1e6:.2f}" if "cache_limit" in label else ""
             lines.append(f"  {label:<38} first batch {first:6.2f} s, steady {rate / 1e6:7.2f} M tok/s over {steps} "
-                         f"steps{extra}")
+                         f"steps ({whole[label] / 1e6:.2f} from the request){extra}")
             print(lines[-1], flush=True)
         objects = [f for f in fs.ls("bench/store") if f.endswith(".bin")]
         server_rates = {}
@@ -147,7 +148,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
                          f"{server_rates[label] / 1e6:.2f} M tok/s")
             print(lines[-1], flush=True)
         if peer_python:
-            line, peer = litdata(peer_python, local, port, size // 2 // shards, work, steps_wanted)
+            line, peer, peer_whole = litdata(peer_python, local, port, size // 2 // shards, work, steps_wanted)
             lines.append(line)
             print(lines[-1], flush=True)
         from forge_grain.stores.remote import RemoteDir  # obstore, as forge-grain downloads shards
@@ -170,14 +171,16 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
             print(lines[-1], flush=True)
         if peer_python and peer:
             lines.append(f"  LitData: {peer / fastest:.2f}x the server's fastest rate; forge-grain without a "
-                         f"cache limit runs at {rates['S3 (moto), unbounded cache'] / peer:.2f}x LitData")
+                         f"cache limit runs at {rates['S3 (moto), unbounded cache'] / peer:.2f}x LitData steady, "
+                         f"{whole['S3 (moto), unbounded cache'] / peer_whole:.2f}x from the request")
         return lines
     finally:
         server.terminate()
         server.wait()
 
 
-def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path, steps: int) -> tuple[str, float | None]:
+def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path,
+            steps: int) -> tuple[str, float | None, float | None]:
     """LitData over the same tokens in as many chunks from the same server (`peer_litdata_s3.py`,
     run by `python`: LitData needs an environment of its own here)."""
     import json
@@ -197,11 +200,13 @@ def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path, 
         print(f"LitData failed (attempt {attempt + 1}): {done.stderr[-3000:]}", file=sys.stderr)
     else:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return f"  {'LitData StreamingDataset':<38} failed twice in its own code ({last})", None
+        return f"  {'LitData StreamingDataset':<38} failed twice in its own code ({last})", None, None
     out = json.loads(done.stdout.strip().splitlines()[-1])
+    tokens = out["steps"] * BATCH * SEQ_LEN
+    whole = (tokens + BATCH * SEQ_LEN) / (out["first"] + tokens / out["rate"])
     return (f"  {'LitData StreamingDataset':<38} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
-            f"M tok/s over {out['steps']} steps ({out['chunks']} chunks written by its optimize(), TokensLoader, "
-            "shuffled, its default cache)"), out["rate"]
+            f"M tok/s over {out['steps']} steps ({whole / 1e6:.2f} from the request; {out['chunks']} chunks written "
+            "by its optimize(), TokensLoader, shuffled, its default cache)"), out["rate"], whole
 
 
 def start_server(work: Path):
