@@ -208,6 +208,9 @@ def test_the_locality_order_is_a_permutation_per_epoch_reading_few_chunks_at_a_t
     assert np.array_equal(same.rows_of(np.arange(3 * n)), np.concatenate(epochs))  # a pure function of the index
     parts = np.concatenate([ds.rows_of(np.arange(k, 3 * n, 7)) for k in range(7)])  # any order of asking
     assert np.array_equal(np.sort(parts), np.sort(np.concatenate(epochs)))
+    # asked a batch at a time, as a trainer asks (most batches lie in one window: found without grouping)
+    batches = np.concatenate([ds.rows_of(np.arange(a, min(a + 5, 3 * n))) for a in range(0, 3 * n, 5)])
+    assert np.array_equal(batches, np.concatenate(epochs))
 
 
 def disk_bytes(root: Path) -> int:
