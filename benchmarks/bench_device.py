@@ -9,7 +9,9 @@ Needs a CUDA GPU (torch) and a JAX GPU backend; run it where one is. On a synthe
    buffers) against the plain loop every tutorial writes (`.to(device)` per tensor), each
    followed by the same GPU work per step (a bf16 matrix product chain standing in for a
    model). Every batch placed on the GPU is checked equal to the host batch, bit for bit.
-2. JAX: `JaxIterator` global arrays on the GPU against `jax.device_put` of each host
+2. torch: `DeviceLoader` over a batch-size schedule (batches that grow and shrink), each
+   batch checked equal to the host's.
+3. JAX: `JaxIterator` global arrays on the GPU against `jax.device_put` of each host
    batch, with the same check.
 
 Ratios are within this run; the figures are this machine's.
@@ -80,6 +82,32 @@ def torch_part(cfg: DataConfig, steps: int, work: int) -> list[str]:
     return out
 
 
+def schedule_part(cfg: DataConfig) -> list[str]:
+    """`DeviceLoader` over a batch-size schedule: its device buffers are sized for the batch
+    it gets, so a batch that grows (or shrinks) must arrive whole and equal to the host's."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from bridges.torch import DeviceLoader, GrainIterableDataset
+
+    sizes = [[0, 16], [10, 64], [20, 32], [30, cfg.global_batch_size]]
+    sched = DataConfig.from_dict({**cfg.to_dict(), "batch_sizes": sizes})
+    steps = 40
+
+    def loader():
+        return DataLoader(GrainIterableDataset(Pipeline(sched, 0, 1, num_threads=2)), batch_size=None,
+                          num_workers=0, pin_memory=True)
+
+    host = [b for _, b in zip(range(steps), loader())]
+    seen, equal = [], True
+    for i, batch in zip(range(steps), DeviceLoader(loader(), torch.device("cuda"))):
+        seen.append(len(batch["inputs"]))
+        equal &= all(torch.equal(batch[k].cpu(), host[i][k]) for k in host[i])
+    want = [next(b for s, b in reversed(sizes) if s <= i) for i in range(steps)]
+    return [f"  DeviceLoader over batch_sizes {sizes}: {steps} steps, sizes as scheduled: {seen == want}, "
+            f"every batch equal to the host's: {equal}"]
+
+
 def jax_part(cfg: DataConfig, steps: int) -> list[str]:
     import jax
 
@@ -124,7 +152,7 @@ def main() -> None:
     store = synthetic(Path(tempfile.mkdtemp(prefix="forge-grain-device-")) / "s", a.docs)
     cfg = DataConfig.from_dict(dict(sources=[dict(name="s", path=str(store), strategy="bos_bestfit")],
                                     seq_len=a.seq_len, global_batch_size=a.batch, num_epochs=None))
-    lines = torch_part(cfg, a.steps, a.work) + jax_part(cfg, a.steps)
+    lines = torch_part(cfg, a.steps, a.work) + schedule_part(cfg) + jax_part(cfg, a.steps)
     publish("device", lines)
 
 
