@@ -15,7 +15,9 @@
    made in the consumer's thread (`num_threads=0`, as LitData's loader with `num_workers=0`
    makes them) and, once more from S3, with the default 2 batch threads.
    The server runs in its own process; its own rate is measured too (every shard read once
-   with s3fs, one at a time and on 8 connections, and with obstore on 8 connections). moto is a Python server on this 2-core machine,
+   with s3fs, one at a time and on 8 connections, and with obstore on 8 connections), and the
+   peers reading the same tokens from it (`--peer-python`: LitData; with `--mosaic`, MosaicML
+   Streaming too). moto is a Python server on this 2-core machine,
    sharing the cores with the loader, so the ratios are a floor for a real object store.
 """
 
@@ -79,7 +81,7 @@ def many_sources(n: int, work: Path, setup: float = 10) -> list[str]:
     return lines
 
 
-def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | None = None,
+def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | None = None, mosaic: bool = False,
                    steps_wanted: int = 400) -> list[str]:
     import s3fs
 
@@ -147,8 +149,10 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
             lines.append(f"  the server alone, every shard read once with s3fs, {label}: "
                          f"{server_rates[label] / 1e6:.2f} M tok/s")
             print(lines[-1], flush=True)
-        if peer_python:
-            line, peer, peer_whole = litdata(peer_python, local, port, size // 2 // shards, work, steps_wanted)
+        peers = {}  # name -> (steady, from the request)
+        for name in (["LitData"] if peer_python else []) + (["MosaicML Streaming"] if mosaic else []):
+            part = size // 2 // shards if name == "LitData" else size * 2 // shards  # as many parts as shards
+            line, *peers[name] = peer(name, peer_python, local, port, part, work, steps_wanted)
             lines.append(line)
             print(lines[-1], flush=True)
         from forge_grain.stores.remote import RemoteDir  # obstore, as forge-grain downloads shards
@@ -169,44 +173,57 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
                          f"{rates[label] / server_rates['sequential']:.2f}x the server read sequentially, "
                          f"{rates[label] / fastest:.2f}x the server's fastest rate above")
             print(lines[-1], flush=True)
-        if peer_python and peer:
-            lines.append(f"  LitData: {peer / fastest:.2f}x the server's fastest rate; forge-grain without a "
-                         f"cache limit runs at {rates['S3 (moto), unbounded cache'] / peer:.2f}x LitData steady, "
-                         f"{whole['S3 (moto), unbounded cache'] / peer_whole:.2f}x from the request")
+        for name, (steady, from_request) in peers.items():
+            if steady:
+                lines.append(f"  {name}: {steady / fastest:.2f}x the server's fastest rate; forge-grain without a "
+                             f"cache limit runs at {rates['S3 (moto), unbounded cache'] / steady:.2f}x {name} steady, "
+                             f"{whole['S3 (moto), unbounded cache'] / from_request:.2f}x from the request")
         return lines
     finally:
         server.terminate()
         server.wait()
 
 
-def litdata(python: str, local: Path, port: int, chunk_tokens: int, work: Path,
-            steps: int) -> tuple[str, float | None, float | None]:
-    """LitData over the same tokens in as many chunks from the same server (`peer_litdata_s3.py`,
-    run by `python`: LitData needs an environment of its own here)."""
+# the peers read by `peer`: their script, what they hold of the tokens, and the directories a retry clears
+PEERS = {
+    "LitData": ("peer_litdata_s3.py", lambda o: f"{o['chunks']} chunks written by its optimize(), TokensLoader, "
+                                                "shuffled, its default cache", ("litdata", "litdata-cache")),
+    "MosaicML Streaming": ("peer_mds_s3.py", lambda o: f"{o['shards']} shards written by its MDSWriter, samples of "
+                                                       f"{SEQ_LEN} tokens, shuffled", ("mds", "mds-cache")),
+}
+
+
+def peer(name: str, python: str, local: Path, port: int, part: int, work: Path,
+         steps: int) -> tuple[str, float | None, float | None]:
+    """A peer (`PEERS`) reading the same tokens from the same server, in parts of about `part`
+    tokens (LitData's chunks) or bytes (Streaming's shards), run by `python`: the peers need an
+    environment of their own here. (line, steady rate, rate from the request)."""
     import json
 
     from forge_grain import TokenStore
 
-    store = TokenStore.open(local)
-    np.save(work / "tokens.npy", np.concatenate([store[i] for i in range(len(store))]))
-    script = Path(__file__).with_name("peer_litdata_s3.py")
+    if not (work / "tokens.npy").exists():
+        store = TokenStore.open(local)
+        np.save(work / "tokens.npy", np.concatenate([store[i] for i in range(len(store))]))
+    script, what, dirs = PEERS[name]
+    label = f"{name} StreamingDataset"
     for attempt in range(2):  # LitData's reader has failed now and then here (a KeyError closing a chunk)
-        for d in ("litdata", "litdata-cache"):
+        for d in dirs:
             shutil.rmtree(work / d, ignore_errors=True)
-        done = subprocess.run([python, str(script), str(work / "tokens.npy"), f"http://127.0.0.1:{port}", str(work),
-                               str(SEQ_LEN), str(BATCH), str(steps), str(chunk_tokens)], capture_output=True, text=True)
+        done = subprocess.run([python, str(Path(__file__).with_name(script)), str(work / "tokens.npy"),
+                               f"http://127.0.0.1:{port}", str(work), str(SEQ_LEN), str(BATCH), str(steps), str(part)],
+                              capture_output=True, text=True)
         if not done.returncode:
             break
-        print(f"LitData failed (attempt {attempt + 1}): {done.stderr[-3000:]}", file=sys.stderr)
+        print(f"{name} failed (attempt {attempt + 1}): {done.stderr[-3000:]}", file=sys.stderr)
     else:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return f"  {'LitData StreamingDataset':<38} failed twice in its own code ({last})", None, None
+        return f"  {label:<38} failed twice in its own code ({last})", None, None
     out = json.loads(done.stdout.strip().splitlines()[-1])
     tokens = out["steps"] * BATCH * SEQ_LEN
     whole = (tokens + BATCH * SEQ_LEN) / (out["first"] + tokens / out["rate"])
-    return (f"  {'LitData StreamingDataset':<38} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
-            f"M tok/s over {out['steps']} steps ({whole / 1e6:.2f} from the request; {out['chunks']} chunks written "
-            "by its optimize(), TokensLoader, shuffled, its default cache)"), out["rate"], whole
+    return (f"  {label:<38} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
+            f"M tok/s over {out['steps']} steps ({whole / 1e6:.2f} from the request; {what(out)})"), out["rate"], whole
 
 
 def start_server(work: Path):
@@ -257,13 +274,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="steps measured after the first batch (object storage)")
     ap.add_argument("--peer-python", help="a Python with litdata installed (its own environment: litdata and "
                                           "mosaicml-streaming need torchvision): LitData reads the same data too")
+    ap.add_argument("--mosaic", action="store_true", help="MosaicML Streaming reads the same data too, run by "
+                                                              "--peer-python (where `streaming` imports)")
     args = ap.parse_args()
+    if args.mosaic and not args.peer_python:
+        ap.error("--mosaic runs MosaicML Streaming with --peer-python: give that too")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "sources").mkdir()
         lines = (many_sources(args.sources, work / "sources", args.setup) + [""]) if args.sources else []
         if args.shards:
-            lines += object_storage(args.docs, args.shards, work, args.peer_python, args.steps)
+            lines += object_storage(args.docs, args.shards, work, args.peer_python, args.mosaic, args.steps)
     if not args.shards:
         name = "scale-sources"
     elif args.sources and args.shards == 128:

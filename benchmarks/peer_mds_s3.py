@@ -1,0 +1,62 @@
+"""MosaicML Streaming reading the same tokens from the same S3 server, for `bench_scale.py`.
+
+Runs in an environment where `mosaicml-streaming` imports (it needs torchvision built for the
+installed torch: not this project's test environment), as `bench_scale.py --peer-python
+PYTHON --mosaic` starts it:
+
+    PYTHON benchmarks/peer_mds_s3.py TOKENS.npy ENDPOINT WORK SEQ_LEN BATCH STEPS SHARD_BYTES
+
+TOKENS.npy: the corpus's documents back to back. They are cut into samples of SEQ_LEN tokens
+(int32), as LLM Foundry's `concat_tokens` conversion stores a pre-training corpus, written by
+Streaming's own `MDSWriter` in shards of about SHARD_BYTES, uploaded to `s3://bench/mds`, and
+read by `StreamingDataset(remote="s3://bench/mds", local=..., shuffle=True)` in a
+`StreamingDataLoader` of BATCH samples. Prints one JSON line: time to the first batch and
+tokens/s over the next STEPS batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    tokens_file, endpoint, work, seq_len, batch, steps, shard_bytes = sys.argv[1:8]
+    seq_len, batch, steps, shard_bytes = int(seq_len), int(batch), int(steps), int(shard_bytes)
+    work = Path(work)
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", S3_ENDPOINT_URL=endpoint,
+                      AWS_DEFAULT_REGION="us-east-1")
+    import s3fs
+    from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    tokens = np.load(tokens_file, mmap_mode="r")
+    samples = len(tokens) // seq_len
+    with MDSWriter(out=str(work / "mds"), columns={"tokens": "ndarray:int32"}, size_limit=shard_bytes) as out:
+        for i in range(samples):
+            out.write({"tokens": np.asarray(tokens[i * seq_len:(i + 1) * seq_len], np.int32)})
+    shards = len(list((work / "mds").glob("shard.*.mds")))
+    s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=endpoint).put(str(work / "mds"), "bench/mds",
+                                                                             recursive=True)
+    clean_stale_shared_memory()
+    start = time.perf_counter()
+    ds = StreamingDataset(remote="s3://bench/mds", local=str(work / "mds-cache"), shuffle=True, shuffle_seed=0,
+                          batch_size=batch)
+    it = iter(StreamingDataLoader(ds, batch_size=batch, num_workers=0))
+    next(it)
+    first = time.perf_counter() - start
+    steps = min(steps, samples // batch - 1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(it)
+    rate = steps * batch * seq_len / (time.perf_counter() - start)
+    print(json.dumps({"first": first, "rate": rate, "steps": steps, "shards": shards}))
+
+
+if __name__ == "__main__":
+    main()
