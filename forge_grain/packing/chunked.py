@@ -53,8 +53,9 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
                  stride: int | None = None, chunk_docs: int = CHUNK_DOCS, workers: int | None = None,
                  name: str = "documents", progress: bool = True, max_segments: int | None = None) -> PackingPlan:
     """Plan `offsets` chunk by chunk in `workers` processes (default: in this process up to
-    `IN_PROCESS_DOCS` documents, else one per core, at most one per chunk), and save the store's plan to `directory` (atomically); returns it,
-    memory-mapped. Chunks finished by an earlier, interrupted run are reused."""
+    `IN_PROCESS_DOCS` documents, else one per core, at most one per chunk), and save the
+    store's plan to `directory` (atomically); returns it, memory-mapped. Chunks finished by an
+    earlier, interrupted run are reused."""
     t0 = time.perf_counter()
     offsets = np.asarray(offsets, np.int64)
     bounds = chunk_bounds(len(offsets) - 1, chunk_docs)
