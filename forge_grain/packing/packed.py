@@ -316,13 +316,14 @@ class PackedDataset(grain.MapDataset):
     def rows_of(self, indices) -> np.ndarray:
         """Plan rows of dataset indices: epoch e = i // num_rows, permuted by (seed, e)."""
         idx = np.asarray(indices, np.int64).reshape(-1)
-        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+        first, last = (int(idx.min()), int(idx.max())) if len(idx) else (0, -1)
+        if first < 0 or last >= len(self):
             raise IndexError(f"index out of range for a packed dataset of {len(self)} rows")
         if self.shuffle and self.shuffle_window:
-            return self._window_rows(idx)
+            return self._window_rows(idx, first, last)
         return kernels.epoch_rows(idx, self.num_rows, self._seed_key, self.shuffle)
 
-    def _window_rows(self, idx: np.ndarray) -> np.ndarray:
+    def _window_rows(self, idx: np.ndarray, first: int, last: int) -> np.ndarray:
         """The locality order: each epoch visits the plan's chunks in a seeded order,
         `shuffle_window` chunks at a time, and shuffles the rows of those chunks together.
 
@@ -334,13 +335,12 @@ class PackedDataset(grain.MapDataset):
         and elastic resume hold as for the global shuffle.
         """
         n = self.num_rows
-        if len(idx):  # the usual batch lies in one window of one epoch: no grouping
-            e = int(idx[0]) // n
+        if len(idx):  # the usual batch lies in one window of one epoch (that of its first index): no grouping
+            e = first // n
             starts = self._epoch_windows(e)[1]
-            w = int(np.searchsorted(starts, int(idx[0]) - e * n, side="right")) - 1
-            lo, hi = e * n + int(starts[w]), e * n + int(starts[w + 1])
-            if lo <= int(idx.min()) and int(idx.max()) < hi:
-                return self._rows_in_window(e, w, idx - lo)
+            w = int(np.searchsorted(starts, first - e * n, side="right")) - 1
+            if last < e * n + int(starts[w + 1]):
+                return self._rows_in_window(e, w, idx - (e * n + int(starts[w])))
         out = np.empty(len(idx), np.int64)
         epochs = idx // n
         for e in np.unique(epochs):
@@ -387,10 +387,8 @@ class PackedDataset(grain.MapDataset):
         out = np.empty(len(rows), np.int64)
         for i, (c, r) in enumerate(zip(chunk.tolist(), rows.tolist())):
             w, k = divmod(int(rank[c]), self.shuffle_window)
-            before = order[w * self.shuffle_window : w * self.shuffle_window + k]
-            local = int(self._chunk_rows[before].sum()) + r - int(firsts[c])  # the row among its window's
-            key = stream_key("window", self._seed_key, int(epoch), int(w))
-            m = int(starts[w + 1] - starts[w])
+            key, m, cum, _ = self._window(int(epoch), w)
+            local = int(cum[k]) + r - int(firsts[c])  # the row among its window's (cum[k]: the chunks before)
             out[i] = starts[w] + kernels.epoch_positions(np.array([local], np.int64), m, key, 0, True)[0]
         return out
 

@@ -93,8 +93,8 @@ class Pipeline:
     `plan_workers` (processes planning the chunks of a large store; default one per
     core past 2 M documents, else this process), nor `fetch_ahead` (the most steps whose
     shards sources in object storage download ahead: the lookahead stops at `FETCH_SHARDS`
-    shards a source), nor
-    `tokenize_threads` (threads tokenizing streaming sources; default one per core).
+    shards a source), nor `tokenize_threads` (threads tokenizing streaming sources; default
+    one per core).
     `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
     `progress`: progress bars of first-use work (planning, tokenizing, counting); by default
     shown by shard 0 only, so that ranks do not print interleaved bars.
