@@ -106,6 +106,22 @@ def plan_arrays(p) -> list[np.ndarray]:
     return [np.asarray(getattr(p, name)) for name in PLAN_ARRAYS]
 
 
+
+def test_a_small_store_is_planned_in_process_and_a_large_one_in_workers(tmp_path, monkeypatch):
+    """The default worker count (the README: one per core past 2 M documents, in the process
+    itself below that, where a worker's start costs more than the plan), with the same plan."""
+    offsets = lognormal_offsets(8_000)
+    started = []
+    real = chunked._run_workers
+    monkeypatch.setattr(chunked, "_run_workers", lambda *a: (started.append(a[2]), real(*a))[1])
+    small = plan_chunked(offsets, 1024, "bestfit", tmp_path / "a", chunk_docs=2000, progress=False)
+    assert started == [] and small.stats["chunks"] == 4
+    monkeypatch.setattr(chunked, "IN_PROCESS_DOCS", 5_000)  # the same store counted as large
+    large = plan_chunked(offsets, 1024, "bestfit", tmp_path / "b", chunk_docs=2000, progress=False)
+    cores = min(os.cpu_count() or 1, 4)  # one worker per core, at most one per chunk (one core: in process)
+    assert started == ([cores] if cores > 1 else [])
+    assert all(np.array_equal(a, b) for a, b in zip(plan_arrays(small), plan_arrays(large)))
+
 @pytest.mark.parametrize("strategy", ["bestfit", "bos_bestfit", "concat"])
 def test_chunked_plans_match_the_whole_corpus_quality_whatever_the_workers(tmp_path, strategy):
     offsets = lognormal_offsets(20_000)
