@@ -393,6 +393,20 @@ def _tokens(arrays, k):
     return nb.carray(_pointer(arrays.addresses[k], arrays.like), arrays.lengths[k])
 
 
+@nb.njit(cache=CACHE, nogil=True, inline="always")
+def _copy(dst, src):
+    """dst[:] = src[:], converting: a loop over two contiguous views vectorizes (numba's
+    slice assignment between dtypes is a generic strided loop, half the speed)."""
+    for j in range(len(dst)):
+        dst[j] = src[j]
+
+
+@nb.njit(cache=CACHE, nogil=True, inline="always")
+def _fill(dst, value):
+    for j in range(len(dst)):
+        dst[j] = value
+
+
 @nb.njit(cache=CACHE, nogil=True)
 def fill_rows(
     rows, dest, row_ptr, seg_start, seg_len, seg_skip, seg_flags, arrays, piece_starts, piece_array, piece_base,
@@ -403,16 +417,18 @@ def fill_rows(
     Token g of the store is in the run (piece) p with piece_starts[p] <= g: at
     piece_base[p] + g - piece_starts[p] of arrays[piece_array[p]] (a store's `pieces`).
 
-    Each segment is written as a few contiguous range copies and fills (no per-token
-    branches), so the compiler vectorizes them.
+    Each segment is written as a few contiguous range copies and fills of row views (no
+    per-token branches, every slot written once but natural_stop's), so the compiler
+    vectorizes them (slice assignments took 2.4x as long: 67 against 28 us for 16 rows of
+    2048 tokens).
     """
     T = seq_len
     for k in range(len(rows)):
         r = rows[k]
         i = dest[k]
+        inp, tgt, seg, pos, mask, stop = inputs[i], targets[i], segment_ids[i], positions[i], loss_mask[i], natural_stop[i]
+        _fill(stop, False)
         p = 0
-        loss_mask[i, :] = False
-        natural_stop[i, :] = False
         for s in range(row_ptr[r], row_ptr[r + 1]):
             g = seg_start[s]
             length = seg_len[s]
@@ -421,24 +437,29 @@ def fill_rows(
             loc = g - piece_starts[pc] + piece_base[pc]
             hi = min(p + length, T)  # input slots [p, hi)
             if hi > p:
-                n = hi - p
-                inputs[i, p:hi] = tok[loc : loc + n]
-                segment_ids[i, p:hi] = s - row_ptr[r] + 1
-                for j in range(n):
-                    positions[i, p + j] = j
-                loss_mask[i, p + seg_skip[s] : min(p + length - 1, T)] = True
+                _copy(inp[p:hi], tok[loc : loc + hi - p])
+                _fill(seg[p:hi], s - row_ptr[r] + 1)
+                out = pos[p:hi]
+                for j in range(len(out)):
+                    out[j] = j
+                a = min(p + seg_skip[s], hi)  # loss on [a, e): the masked head, then up to the segment's last target
+                e = max(min(p + length - 1, T), a)
+                _fill(mask[p:a], False)
+                _fill(mask[a:e], True)
+                _fill(mask[e:hi], False)
             lo_t, hi_t = max(p, 1), min(p + length, T + 1)  # target slots: targets[q - 1] = slot q
             if hi_t > lo_t:
-                targets[i, lo_t - 1 : hi_t - 1] = tok[loc + lo_t - p : loc + hi_t - p]
+                _copy(tgt[lo_t - 1 : hi_t - 1], tok[loc + lo_t - p : loc + hi_t - p])
             if seg_flags[s] & NATURAL_END and length >= 2 and p + length - 2 < T:
-                natural_stop[i, p + length - 2] = True
+                stop[p + length - 2] = True
             p += length
         if p < T:
-            inputs[i, p:] = pad_id
-            segment_ids[i, p:] = 0
-            positions[i, p:] = 0
+            _fill(inp[p:], pad_id)
+            _fill(seg[p:], 0)
+            _fill(pos[p:], 0)
+            _fill(mask[p:], False)
         if p < T + 1:
-            targets[i, max(p, 1) - 1 :] = pad_id
+            _fill(tgt[max(p, 1) - 1 :], pad_id)
 
 
 # -- index shuffle --------------------------------------------------------------------------
