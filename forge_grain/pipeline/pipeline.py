@@ -695,10 +695,13 @@ class Pipeline:
             if not w["start"] <= step <= w["end"]:  # the first call, a restore, or a jump
                 hints.clear()
                 w.update(start=step, end=step, counts=[collections.Counter() for _ in self._fetching], sent=None)
-            # blocks whose steps are all made leave the window (`-=` drops counts at 0)
-            for a in [a for a, (end, _) in hints.items() if end <= step]:
-                for count, arrays in zip(w["counts"], hints.pop(a)[1]):
+            changed = w["sent"] is None
+            for a in list(hints):  # blocks whose steps are all made leave the window, oldest first
+                if hints[a][0] > step:
+                    break
+                for count, arrays in zip(w["counts"], hints.pop(a)[1]):  # (`-=` drops counts at 0)
                     count -= collections.Counter(arrays.tolist())
+                changed = True
             w["start"] = step
             want = [min(FETCH_SHARDS, len(self.datasets[i].store.files)) for i in self._fetching]
             last = min(step + 1 + self.fetch_ahead, self.step_limit)
@@ -710,6 +713,9 @@ class Pipeline:
                 for count, arrays in zip(w["counts"], hints[a][1]):
                     count.update(arrays.tolist())
                 w["end"] = b
+                changed = True
+            if not changed:
+                return  # no block came or went: the shards told of last time stand
             shards = [frozenset(c) for c in w["counts"]]
             if shards == w["sent"]:  # the same shards as the last hint: nothing to tell
                 return
