@@ -128,7 +128,7 @@ def nanochat_loop(store, seq_len, buffer_size=1000):
 
 
 def numpy_copy(store, seq_len):
-    src = store.pieces[0][0]
+    src = store.pieces[0].arrays[0]  # the first token array (a one-file store: all of it)
     dst = np.empty(BATCH * seq_len, np.int32)
     n_tok = BATCH * seq_len
     starts = np.random.default_rng(0).integers(0, len(src) - n_tok, 50)
