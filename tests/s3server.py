@@ -55,7 +55,7 @@ class FaultProxy:
     """Forwards HTTP to the server; `fail(part, kind, times, method)` makes the next `times`
     requests (GETs by default) of objects whose path contains `part` fail with `kind`:
     "drop", "500", "delay", "truncate". `gets` and `puts` count object reads and writes, `sent`
-    the bytes of the reads served."""
+    the bytes of the reads served, `lists` the listing requests."""
 
     def __init__(self, upstream: int):
         self.upstream = upstream
@@ -63,6 +63,7 @@ class FaultProxy:
         self.gets: collections.Counter = collections.Counter()
         self.puts: collections.Counter = collections.Counter()
         self.sent: collections.Counter = collections.Counter()  # bytes of object reads served, by path
+        self.lists = 0
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -79,9 +80,12 @@ class FaultProxy:
             self.gets.clear()
             self.puts.clear()
             self.sent.clear()
+            self.lists = 0
 
     def take(self, method: str, path: str) -> str | None:
         with self.lock:
+            if method == "GET" and ("list-type=" in path or "prefix=" in path):
+                self.lists += 1
             if method not in ("GET", "PUT") or "?" in path:  # object reads and writes, not listings
                 return None
             (self.gets if method == "GET" else self.puts)[path] += 1

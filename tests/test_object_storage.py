@@ -377,6 +377,37 @@ def test_a_reservation_of_a_process_that_died_is_reclaimed(tmp_path, s3, local_s
     assert not reader.is_alive() and len(got) == 1 and not stale.exists()
 
 
+def test_opening_a_store_lists_nothing_and_reads_each_index_once(tmp_path, s3, local_stores):
+    """A manifest found by name makes the URL a forge-grain store, and its indices are read whole
+    and checked by their sha256: no listing (20 requests for a store of 10,000 shards, in every
+    process that opens it) and no HEAD. A store whose manifest predates the indices' checksums
+    is listed once for their sizes, and reads the same."""
+    disk = TokenStore.open(local_stores["bin"])
+    s3.proxy.clear()
+    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "objects"))
+    assert s3.proxy.lists == 0
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.proxy.gets if p.endswith(".idx.npy")) == sorted(
+        s.index for s in disk.manifest.shards)
+    assert all(n == 1 for p, n in s3.proxy.gets.items() if p.endswith(".idx.npy"))
+    assert np.array_equal(store.offsets, disk.offsets)
+    assert all(np.array_equal(store[i], disk[i]) for i in range(0, len(disk), 97))
+
+    fs = s3.fs()
+    fs.put(str(local_stores["bin"]), "bucket/older", recursive=True)
+    manifest = json.loads((local_stores["bin"] / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        del shard["index_sha256"]
+    fs.pipe("bucket/older/manifest.json", json.dumps(manifest).encode())
+    s3.proxy.clear()
+    older = TokenStore.open("s3://bucket/older", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "objects"))
+    assert s3.proxy.lists == 1
+    assert np.array_equal(older.offsets, disk.offsets)
+    assert all(np.array_equal(older[i], disk[i]) for i in range(0, len(disk), 97))
+    s3.proxy.clear()
+
+
 def test_an_index_changed_in_object_storage_fails_its_checksum(tmp_path, s3, local_stores):
     fs = s3.fs()
     fs.put(str(local_stores["bin"]), "bucket/moved", recursive=True)

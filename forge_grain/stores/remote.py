@@ -182,6 +182,21 @@ class RemoteDir:
         except (PermissionDeniedError, UnauthenticatedError) as e:
             raise PermissionError(str(e).splitlines()[0]) from None
 
+    def read_all(self, name: str):
+        """All of object `name`, in one GET (its size need not be known first)."""
+        if self._fast is None:
+            return self.fs.cat_file(self.path(name))
+        import obstore
+        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+
+        store, prefix = self._fast
+        try:
+            return memoryview(obstore.get(store, f"{prefix}{name}").bytes())
+        except NotFoundError:
+            raise FileNotFoundError(f"{self.url}/{name}") from None
+        except (PermissionDeniedError, UnauthenticatedError) as e:
+            raise PermissionError(str(e).splitlines()[0]) from None
+
     def retry(self, name: str, attempt, missing_ok: bool = False, bound: bool = True):
         """`attempt()`, retried with exponential backoff; a missing object is not retried (and
         gives None with `missing_ok`). Each attempt is `bounded` by the deadline (`bound=False`
@@ -319,8 +334,12 @@ class ObjectCache(RemoteDir):
 
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead) -> bool:
         tmp = temporary(local)
-        if size is None:  # the manifest does not say (indices, ArrayRecord shards): ask, so a cut-off
-            size = self.retry(name, lambda: self.fs.size(self.path(name)))  # read is never taken
+        whole = []  # an object got in one GET before its size was known
+        if size is None and sha256 is not None:  # (an index) its sha256 checks it: no listing or HEAD first
+            whole.append(memoryview(self.retry(name, lambda: self.read_all(name))))
+            size = whole[0].nbytes
+        elif size is None:  # neither the manifest nor the listing says: ask, so a cut-off read is never taken
+            size = self.retry(name, lambda: self.fs.size(self.path(name)))
         if self.limit is None:
             tmp.write_bytes(b"")
         elif not self._make_room(size, upcoming, tmp, ahead):
@@ -330,12 +349,12 @@ class ObjectCache(RemoteDir):
 
         def attempt():
             step = min(BLOCK, max(PART_MIN, -(-size // SPLIT)))
-            spans = [(a, min(a + step, size)) for a in range(0, size, step)]
+            spans = [(0, size)] if whole else [(a, min(a + step, size)) for a in range(0, size, step)]
             with open(tmp, "r+b") as dst:
                 def part(span):  # one ranged GET (no HEAD first), written where it belongs
                     a, b = span
-                    with _IN_FLIGHT:
-                        block = memoryview(bounded(self.read_range, name, a, b))
+                    with _IN_FLIGHT:  # (a retry reads ranges: the whole object's bytes are used once)
+                        block = whole.pop() if whole else memoryview(bounded(self.read_range, name, a, b))
                         if block.nbytes != b - a:
                             raise _Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
                         os.pwrite(dst.fileno(), block, a)
@@ -489,8 +508,10 @@ class RemoteStore(NativeStore):
             os.replace(tmp, local / MANIFEST_NAME)
         self.path = local
         m = Manifest.load(local)
-        # one listing gives every object's size: no HEAD before each GET of an index or ArrayRecord shard
-        self._sizes = self.cache.sizes()
+        # the shards' sizes come from the manifest and the indices are got whole and checked by their
+        # sha256; otherwise one listing gives every object's size (no HEAD before each GET of an index
+        # or ArrayRecord shard). A store of 10,000 shards takes 20 list requests (1,000 objects each).
+        self._sizes = {} if m.layout == "bin" and all(s.index_sha256 for s in m.shards) else self.cache.sizes()
         with concurrent.futures.ThreadPoolExecutor(FETCH_THREADS) as pool:  # the indices: small, all needed at open
             list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
                                                    self._sizes.get(s.index)), m.shards))
