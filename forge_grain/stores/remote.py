@@ -520,6 +520,8 @@ class RemoteStore(NativeStore):
         self._mapped: dict[int, np.ndarray] = {}
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._keep: frozenset = frozenset()
+        self._hinted: dict[int, int] = {}  # the last hint's shards -> their places in it
+        self._reached = 0  # the latest place in the hint a gather has read (`arrays_for`)
         super()._open(dtype)
         if self._records is not None:
             self._records = arrayrecord.Records(self._files, self._file_docs, fetch=self._fetch)
@@ -574,15 +576,24 @@ class RemoteStore(NativeStore):
     def prefetch(self, needed) -> None:
         """Download shards `needed` (in the order the next steps read them) in the background,
         first needed first; until the next hint, eviction spares them. With `cache_limit`, the
-        hint stops where the shards would fill half the cache: shards hinted further ahead would
-        evict each other before they are read. Maps of shards no longer needed are dropped, so
-        evicted files free their space."""
+        hint is cut where the shards would fill half the cache (shards hinted further ahead
+        would evict each other's, or other processes', before they are read), but takes the
+        shard read next as well as the one read now wherever the two fit the limit: with one
+        alone, every shard boundary waits for a download. As gathers reach later shards of
+        the hint (`arrays_for`), the cut moves with them. Maps of shards no longer needed are
+        dropped, so evicted files free their space."""
         needed = list(dict.fromkeys(int(k) for k in needed))
+        with self._lock:
+            self._hinted, self._reached = {k: i for i, k in enumerate(needed)}, 0
+        self._fetch_from(needed)
+
+    def _fetch_from(self, needed: list[int]) -> None:
+        """Start the downloads of hinted shards `needed` (the hint from the place reached on)."""
         if self.cache.limit is not None:
-            room, kept = self.cache.limit // 2, []
+            total, kept = 0, []
             for k in needed:
-                room -= self.manifest.shards[k].num_tokens * self.dtype.itemsize
-                if room < 0 and kept:
+                total += self.manifest.shards[k].num_tokens * self.dtype.itemsize
+                if kept and total > self.cache.limit // 2 and (len(kept) >= 2 or total > self.cache.limit):
                     break
                 kept.append(k)
             needed = kept
@@ -595,6 +606,21 @@ class RemoteStore(NativeStore):
                     self._pending[k] = self._pool.submit(self._fetch, k, True)
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
+
+    def arrays_for(self, needed: np.ndarray) -> list[np.ndarray]:
+        """Token arrays `needed`, for one gather; with `cache_limit`, a gather that reaches a
+        later shard of the hint moves the hint's cut past the shards before it."""
+        arrays = [self._array(int(k)) for k in needed]
+        if self.cache.limit is not None and len(needed):
+            place = self._hinted.get(int(needed[0]), 0)
+            if place > self._reached:
+                with self._lock:
+                    if place <= self._reached:
+                        return arrays
+                    self._reached = place
+                    rest = [k for k, i in self._hinted.items() if i >= place]
+                self._fetch_from(rest)
+        return arrays
 
     def _refetch(self, k: int, path: Path) -> Path:
         """Shard `k` downloaded again, its cached copy at `path` having failed a check."""
