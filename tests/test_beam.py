@@ -25,6 +25,16 @@ from forge_grain.tokenizer import DEFAULT_TOKENIZER  # noqa: E402
 MULTI = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]  # two worker processes
 
 
+@pytest.fixture(autouse=True)
+def beam_temporaries(tmp_path, monkeypatch):
+    """Beam's local runner leaves an empty `beam-temp*` directory in the system's temporary
+    directory for every job it runs: the tests' go under their own tmp_path instead."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # and the jobs run in child processes
+
+
 @pytest.fixture(scope="module")
 def jsonl_dir(tmp_path_factory):
     """Three JSON Lines files with blank lines between some rows and a few empty documents."""
