@@ -164,8 +164,9 @@ class RemoteDir:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def read_range(self, name: str, start: int, end: int):
-        """Bytes [start, end) of object `name`, as a bytes-like buffer: through obstore where
+    def read_range(self, name: str, start: int, end: int | None = None):
+        """Bytes [start, end) of object `name` (`read_range(name, 0)`: all of it, in one GET
+        whose size need not be known first), as a bytes-like buffer: through obstore where
         `fast_client` made one (a Rust client: a fraction of s3fs's CPU a request; its buffer
         is written and hashed as it is, not copied into `bytes` under the GIL first), else
         through fsspec."""
@@ -176,22 +177,9 @@ class RemoteDir:
 
         store, prefix = self._fast
         try:
+            if end is None:
+                return memoryview(obstore.get(store, f"{prefix}{name}").bytes())[start:]
             return memoryview(obstore.get_range(store, f"{prefix}{name}", start=start, end=end))
-        except NotFoundError:
-            raise FileNotFoundError(f"{self.url}/{name}") from None
-        except (PermissionDeniedError, UnauthenticatedError) as e:
-            raise PermissionError(str(e).splitlines()[0]) from None
-
-    def read_all(self, name: str):
-        """All of object `name`, in one GET (its size need not be known first)."""
-        if self._fast is None:
-            return self.fs.cat_file(self.path(name))
-        import obstore
-        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
-
-        store, prefix = self._fast
-        try:
-            return memoryview(obstore.get(store, f"{prefix}{name}").bytes())
         except NotFoundError:
             raise FileNotFoundError(f"{self.url}/{name}") from None
         except (PermissionDeniedError, UnauthenticatedError) as e:
@@ -336,7 +324,7 @@ class ObjectCache(RemoteDir):
         tmp = temporary(local)
         whole = []  # an object got in one GET before its size was known
         if size is None and sha256 is not None:  # (an index) its sha256 checks it: no listing or HEAD first
-            whole.append(memoryview(self.retry(name, lambda: self.read_all(name))))
+            whole.append(memoryview(self.retry(name, lambda: self.read_range(name, 0))))
             size = whole[0].nbytes
         elif size is None:  # neither the manifest nor the listing says: ask, so a cut-off read is never taken
             size = self.retry(name, lambda: self.fs.size(self.path(name)))
