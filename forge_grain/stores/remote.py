@@ -508,8 +508,6 @@ class RemoteStore(NativeStore):
         self._mapped: dict[int, np.ndarray] = {}
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._keep: frozenset = frozenset()
-        self._hinted: dict[int, int] = {}  # the last hint's shards -> their places in it
-        self._reached = 0  # the latest place in the hint a gather has read (`arrays_for`)
         super()._open(dtype)
         if self._records is not None:
             self._records = arrayrecord.Records(self._files, self._file_docs, fetch=self._fetch)
@@ -565,18 +563,11 @@ class RemoteStore(NativeStore):
         """Download shards `needed` (in the order the next steps read them) in the background,
         first needed first; until the next hint, eviction spares them. With `cache_limit`, the
         hint is cut where the shards would fill half the cache (shards hinted further ahead
-        would evict each other's, or other processes', before they are read), but takes the
-        shard read next as well as the one read now wherever the two fit the limit: with one
-        alone, every shard boundary waits for a download. As gathers reach later shards of
-        the hint (`arrays_for`), the cut moves with them. Maps of shards no longer needed are
+        would evict each other's, or other processes', before they are read), but keeps the
+        shard read next along with the one read now wherever the two fit the limit: with one
+        alone, every shard boundary waited for a download. Maps of shards no longer needed are
         dropped, so evicted files free their space."""
         needed = list(dict.fromkeys(int(k) for k in needed))
-        with self._lock:
-            self._hinted, self._reached = {k: i for i, k in enumerate(needed)}, 0
-        self._fetch_from(needed)
-
-    def _fetch_from(self, needed: list[int]) -> None:
-        """Start the downloads of hinted shards `needed` (the hint from the place reached on)."""
         if self.cache.limit is not None:
             total, kept = 0, []
             for k in needed:
@@ -594,21 +585,6 @@ class RemoteStore(NativeStore):
                     self._pending[k] = self._pool.submit(self._fetch, k, True)
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
-
-    def arrays_for(self, needed: np.ndarray) -> list[np.ndarray]:
-        """Token arrays `needed`, for one gather; with `cache_limit`, a gather that reaches a
-        later shard of the hint moves the hint's cut past the shards before it."""
-        arrays = [self._array(int(k)) for k in needed]
-        if self.cache.limit is not None and len(needed):
-            place = self._hinted.get(int(needed[0]), 0)
-            if place > self._reached:
-                with self._lock:
-                    if place <= self._reached:
-                        return arrays
-                    self._reached = place
-                    rest = [k for k, i in self._hinted.items() if i >= place]
-                self._fetch_from(rest)
-        return arrays
 
     def _refetch(self, k: int, path: Path) -> Path:
         """Shard `k` downloaded again, its cached copy at `path` having failed a check."""
