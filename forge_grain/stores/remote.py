@@ -444,8 +444,10 @@ class ObjectCache(RemoteDir):
 
 def _mapped(path: Path) -> mmap.mmap:
     """A download's own temporary file (no other process writes it: the object's lock is held),
-    mapped for its checksum: hashing the pages just written, without reading them into a copy,
-    is a third faster."""
+    mapped for its checksum: hashing the pages just written, without reading them into 16 MiB
+    copies, is 1.65x `sha256_file`'s rate on a process's first file and 1.07x after (a 24 MB
+    file in the page cache). `sha256_file` keeps reading: a file another process truncates
+    while it is mapped would kill the reader (SIGBUS) instead of failing its check."""
     with open(path, "rb") as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
