@@ -48,6 +48,7 @@ from forge_grain.locks import file_lock
 from forge_grain.pipeline.pipeline import STATE_VERSION
 from forge_grain.sources.streaming import START
 from forge_grain.packing.varlen import varlen
+from forge_grain.processes import exit_with_parent
 
 from bridges.torch_slots import worker_ring
 
@@ -237,6 +238,8 @@ class GrainIterableDataset(IterableDataset):
         return self._channel.handed_over(start) or self.pipeline.known_streams(start)
 
     def __iter__(self):
+        if get_worker_info() is not None:
+            exit_with_parent()  # a worker outliving a killed training process would hold its memory and locks
         w, W = self._worker()
         self._num_workers = W
         step, end = self._first_step(w, W)

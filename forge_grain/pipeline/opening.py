@@ -17,6 +17,8 @@ import weakref
 
 import numpy as np
 
+from forge_grain.processes import EXITING, stop_at_exit
+
 AHEAD = 256  # steps the opener runs ahead of the last step made
 _IDLE_S = 1.0  # how often a waiting opener checks that its pipeline still exists
 
@@ -36,6 +38,7 @@ class AheadOpener:
             # loaded one would wait forever on numba's lock (opens are covered: see packed._OPENING)
             pipeline.mixture.locate(pipeline.shard_rows(first_step))
             self.thread.start()
+            stop_at_exit(self.thread)  # not left inside a native open while the interpreter exits
 
     @contextlib.contextmanager
     def making(self, step: int):
@@ -64,7 +67,7 @@ class AheadOpener:
             sources, _ = pipeline.mixture.locate(pipeline.shard_rows(step))
             first = np.unique(sources, return_index=True)[1]
             for i in sources[np.sort(first)].tolist():  # in the order the step reads them
-                if i in self._pending and self._wait(step) is not None:
+                if i in self._pending and self._wait(step) is not None and not EXITING.is_set():
                     self._pending.discard(i)
                     try:
                         pipeline.datasets[i].open()
@@ -78,6 +81,6 @@ class AheadOpener:
         when the pipeline is gone."""
         with self._wake:
             while self._busy or step > self._made + AHEAD:
-                if not self._wake.wait(_IDLE_S) and self._pipeline() is None:
+                if EXITING.is_set() or (not self._wake.wait(_IDLE_S) and self._pipeline() is None):
                     return None
             return max(step, self._made)  # fallen behind: no use opening what was already read

@@ -161,6 +161,8 @@ class Spec:
             "layout": self.layout,
             "num_shards": num_shards,
         }
+        if self.layout == "arrayrecord":  # a prepare resumed by an older version must not mix record kinds
+            settings["records"] = RECORD_OPTIONS
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
         job = Job(
             str(self.out), key, self.token_field or self.text_field, tokens, self.list_separator, self.layout,
@@ -173,6 +175,8 @@ class Spec:
             "eos_id": eos if self.add_eos or job.ends_with is not None else None,
             "tokenizer": self.tok.identity if self.tok else {"path": None, "sha256": None, "vocab_size": self.vocab_size},
         }
+        if self.layout == "arrayrecord":
+            recorded["compression"] = "none"
         return job, settings, recorded
 
 
@@ -527,11 +531,17 @@ class _BinSink:
         self.f.close()
 
 
+# One record per document, uncompressed: ArrayRecord's zstd reader keeps a background thread
+# (riegeli's recycling-pool cleaner) that a forked DataLoader worker does not have, and a worker
+# forked after its parent read compressed records crashes decoding its own (stores/arrayrecord.py)
+RECORD_OPTIONS = "group_size:1,uncompressed"
+
+
 class _RecordSink:
     def __init__(self, path: Path):
         from array_record.python.array_record_module import ArrayRecordWriter
 
-        self.w = ArrayRecordWriter(str(path), "group_size:1")
+        self.w = ArrayRecordWriter(str(path), RECORD_OPTIONS)
 
     def write(self, tokens: np.ndarray) -> None:
         self.w.write(tokens.tobytes())

@@ -3,10 +3,19 @@
 Records are read one at a time (no memory map), so these stores gather rows a document
 at a time; each shard is checked against the manifest and index at open, so a truncated
 or swapped shard is named there.
+
+Forked processes: `prepare` writes records uncompressed. ArrayRecord decodes compressed
+(zstd) records through riegeli, which parks each decompressor in a pool cleaned by a
+background thread; a process forked while that thread waits (a DataLoader worker started
+within a minute of its parent reading a compressed record) inherits the pool without the
+thread, and its own first decode crashes the process (a segfault). Stores prepared before
+the compression was recorded hold zstd records: in such a child they are refused with an
+error that says what to do, instead of crashing.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +31,9 @@ class Records:
     holds at most the pool's cap of descriptors (Grain's `ArrayRecordDataSource` keeps a
     reader per shard it has touched)."""
 
-    def __init__(self, files: list[Path], counts: list[int], fetch=None):
+    def __init__(self, files: list[Path], counts: list[int], fetch=None, compressed: bool = False):
         self._files = [str(f) for f in files]
+        self._compressed = compressed
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._fetch = fetch  # shard index -> local path, for shards fetched on demand (object storage)
 
@@ -38,7 +48,7 @@ class Records:
 
             def open_reader():
                 opened.append(self._path(s))
-                return _reader(opened[-1])
+                return _reader(opened[-1], self._compressed)
 
             reader = handles.POOL.get(key, open_reader)
             try:
@@ -54,10 +64,25 @@ class Records:
         return str(self._fetch(s)) if self._fetch else self._files[s]
 
 
-def _reader(file: str):
+_ZSTD_PID: int | None = None  # the process whose memory holds riegeli's zstd pool, once one decoded
+
+
+def _reader(file: str, compressed: bool, options: str = "readahead_buffer_size:0"):
+    """An ArrayRecord reader of `file` (by default for random access: no read-ahead), refused
+    for a compressed file in a child forked after its parent decoded compressed records."""
+    global _ZSTD_PID
     from array_record.python.array_record_module import ArrayRecordReader
 
-    return ArrayRecordReader(file, "readahead_buffer_size:0")  # random access: no read-ahead
+    if compressed:
+        if _ZSTD_PID not in (None, os.getpid()):
+            raise StoreError(
+                f"{file}: this store's records are zstd-compressed (it was prepared before forge-grain wrote "
+                "them uncompressed), and ArrayRecord cannot decode compressed records in a process forked after "
+                "its parent did (a DataLoader worker: it would crash with a segfault). Prepare the store again "
+                "(`forge-grain prepare ... --layout arrayrecord --overwrite` writes uncompressed records), use the "
+                "bin layout, or start the workers with DataLoader(..., multiprocessing_context='spawn')")
+        _ZSTD_PID = os.getpid()
+    return ArrayRecordReader(file, options)
 
 
 def read_document(records: Records, i: int, dtype: np.dtype, file: Path) -> np.ndarray:
@@ -67,16 +92,20 @@ def read_document(records: Records, i: int, dtype: np.dtype, file: Path) -> np.n
         raise StoreError(f"{file}: cannot read document {i} ({e})") from None
 
 
-def check_records(file: Path, shard, offsets: np.ndarray, dtype: np.dtype) -> None:
-    """The record count, and the first and last records' sizes, agree with the manifest and
-    index: a truncated, damaged or swapped shard is named at open, not at gather time."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
+def check_records(file: Path, shard, offsets: np.ndarray, dtype: np.dtype, compressed: bool) -> None:
+    """The record count, the first and last records' sizes and the compression agree with
+    the manifest and index: a truncated, damaged or swapped shard is named at open, not at
+    gather time."""
     try:
-        reader = ArrayRecordReader(str(file))
+        reader = _reader(str(file), compressed, "")
     except RuntimeError as e:
         raise StoreError(f"{file}: unreadable ArrayRecord shard ({e})") from None
     try:
+        options = reader.writer_options_string() or ""
+        if compressed == ("uncompressed" in options.split(",")):
+            raise StoreError(
+                f"{file}: its records are {'not ' if compressed else ''}compressed, but {MANIFEST_NAME} says "
+                f"{'they are' if compressed else 'not'}; the shard is another store's (re-run `forge-grain prepare`)")
         n = reader.num_records()
         if n != shard.num_documents:
             raise StoreError(
@@ -84,7 +113,9 @@ def check_records(file: Path, shard, offsets: np.ndarray, dtype: np.dtype) -> No
                 "the shard is truncated, damaged or another shard's (re-run `forge-grain prepare`)"
             )
         if n:
-            first, last = reader.read([0, n - 1])
+            # one record a call: a read of two far apart would hand work to ArrayRecord's thread
+            # pool, whose threads a forked child does not have
+            (first,), (last,) = reader.read([0]), reader.read([n - 1])
             item = dtype.itemsize
             sizes = (int(offsets[1] - offsets[0]) * item, int(offsets[-1] - offsets[-2]) * item)
             if (len(first), len(last)) != sizes:

@@ -31,6 +31,7 @@ VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LAYOUTS = ("bin", "arrayrecord")
 DTYPES = ("<u2", "<u4")  # what `token_dtype` writes
+COMPRESSIONS = ("none", "zstd")  # of the arrayrecord layout's records
 _HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
 _TEMPORARY = re.compile(r"^\..+\.(?:tmp|stale)-(?:(?P<host>[A-Za-z0-9_]+)-)?(?P<pid>\d+)$")
 
@@ -122,9 +123,14 @@ class Manifest:
     shards: tuple[ShardInfo, ...]
     source: dict = dataclasses.field(default_factory=dict)
     version: int = VERSION
+    # the `arrayrecord` layout's record compression: "none" (what prepare writes), or absent in
+    # stores prepared before it was recorded, whose records are zstd-compressed (ArrayRecord's default)
+    compression: str | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
+        if d["compression"] is None:
+            del d["compression"]
         d["shards"] = [{k: v for k, v in dataclasses.asdict(s).items() if not (k == "index_sha256" and v is None)}
                        for s in self.shards]
         return {"format": FORMAT, **d}
@@ -143,7 +149,7 @@ class Manifest:
                 f"(this forge-grain reads version {VERSION}); re-run `forge-grain prepare` or upgrade forge-grain"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
-        missing = fields - set(d) - {"source"}
+        missing = fields - set(d) - {"source", "compression"}
         if missing:
             raise StoreError(f"{where}: manifest lacks {sorted(missing)}")
         extra = set(d) - fields - {"format"}
@@ -151,6 +157,8 @@ class Manifest:
             raise StoreError(f"{where}: manifest has unknown key(s) {sorted(extra)}")
         check = _Checker(where)
         check.choice("layout", d["layout"], LAYOUTS)
+        if "compression" in d:
+            check.choice("compression", d["compression"], COMPRESSIONS if d["layout"] == "arrayrecord" else ())
         check.choice("dtype", d["dtype"], DTYPES)
         check.count("vocab_size", d["vocab_size"], minimum=1)
         for key in ("bos_id", "eos_id"):

@@ -39,7 +39,8 @@ class NativeStore(TokenStore):
         self._records = None
         offsets = self._map_shards(m)
         if m.layout == "arrayrecord":
-            self._records = arrayrecord.Records(self._files, [s.num_documents for s in m.shards])
+            self._records = arrayrecord.Records(self._files, [s.num_documents for s in m.shards],
+                                                compressed=self.compressed)
         self._file_docs = [s.num_documents for s in m.shards]
         self._offsets = join_offsets(offsets, self._offsets_cache(m))
         # the shards' checksums, and their indices' where recorded (older stores keep their fingerprint)
@@ -88,8 +89,14 @@ class NativeStore(TokenStore):
                 self._arrays.append(self._map_bin_shard(file, shard))
             offsets.append(self._load_index(self.path / shard.index, shard))
             if m.layout == "arrayrecord":
-                arrayrecord.check_records(file, shard, offsets[-1], self.dtype)
+                arrayrecord.check_records(file, shard, offsets[-1], self.dtype, self.compressed)
         return offsets
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the arrayrecord layout's records are compressed (stores prepared before the
+        manifest recorded it hold zstd records)."""
+        return self.manifest.compression != "none"
 
     def _map_bin_shard(self, file: Path, shard) -> np.ndarray:
         size = file.stat().st_size

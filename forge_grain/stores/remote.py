@@ -35,6 +35,7 @@ from forge_grain.errors import StoreError
 from forge_grain.locks import LockedError, file_lock
 from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, temporary
 from forge_grain.paths import cache_root, private_cache
+from forge_grain.processes import at_fork, per_process, without_per_process
 from forge_grain.stores import arrayrecord
 from forge_grain.stores import checks
 from forge_grain.stores import handles
@@ -48,26 +49,38 @@ BLOCK = 1 << 24  # the most bytes one ranged read asks for (and holds in memory)
 PART_MIN = 1 << 20  # an object is read in up to SPLIT ranged parts of at least this many bytes
 SPLIT = 8
 FETCH_THREADS = 8  # ranged reads at once (the server's concurrent rate: bench_scale), and objects in progress
-_IN_FLIGHT = threading.BoundedSemaphore(16)  # ranged reads held in memory at once, process-wide (256 MiB)
-# seconds one request (a ranged read of BLOCK bytes at most) may take before it counts as failed:
-# a server that accepts a request and never answers must not block forever (fsspec's own
-# timeouts do not reach every call); FORGE_GRAIN_REMOTE_DEADLINE sets it
+IN_FLIGHT = 16  # ranged reads held in memory at once, process-wide (256 MiB)
+_IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
+# seconds an object may take to arrive, every attempt included, before it is an error naming it:
+# a server that accepts requests and never answers must not block a job for long (fsspec's own
+# timeouts do not reach every call). One request may take a quarter of it (REQUEST_SHARE), so a
+# request that hangs leaves time for three more attempts. FORGE_GRAIN_REMOTE_DEADLINE sets it.
 DEADLINE = 120.0
+REQUEST_SHARE = 4
 
 
 def deadline() -> float:
+    """Seconds an object may take, all attempts included (FORGE_GRAIN_REMOTE_DEADLINE)."""
     text = os.environ.get("FORGE_GRAIN_REMOTE_DEADLINE")
     try:
-        return float(text) if text else DEADLINE
+        value = float(text) if text else DEADLINE
     except ValueError:
-        raise StoreError(f"FORGE_GRAIN_REMOTE_DEADLINE={text!r} is not a number of seconds") from None
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise StoreError(f"FORGE_GRAIN_REMOTE_DEADLINE={text!r} is not a positive number of seconds")
+    return value
+
+
+def request_deadline() -> float:
+    """Seconds one request may take before it counts as failed (and is retried)."""
+    return deadline() / REQUEST_SHARE
 
 
 def bounded(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)`, or TimeoutError once `deadline()` seconds pass without an answer.
-    The call runs on a daemon thread, so one stuck in a network library is abandoned (it ends
-    with the process) instead of blocking the caller or the interpreter's exit."""
-    limit, box, done = deadline(), {}, threading.Event()
+    """`fn(*args, **kwargs)`, or TimeoutError once `request_deadline()` seconds pass without
+    an answer. The call runs on a daemon thread, so one stuck in a network library is
+    abandoned (it ends with the process) instead of blocking the caller or the interpreter's exit."""
+    limit, box, done = request_deadline(), {}, threading.Event()
 
     def run():
         try:
@@ -78,7 +91,7 @@ def bounded(fn, *args, **kwargs):
 
     threading.Thread(target=run, daemon=True, name="forge-grain-remote").start()
     if not done.wait(limit):
-        raise TimeoutError(f"no answer within {limit:g} s (FORGE_GRAIN_REMOTE_DEADLINE)")
+        raise TimeoutError(f"no answer within {limit:g} s")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -133,15 +146,16 @@ _ALL_REQUESTS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _after_fork() -> None:
-    """A forked child has none of its parent's worker threads, and a lock or queue the parent
-    held mid-operation would block it forever: every pool starts afresh there."""
-    global _REQUESTS_LOCK
+    """A forked child has none of its parent's worker threads, and a lock, queue or read slot
+    the parent's threads held mid-operation would stay taken forever: each starts afresh."""
+    global _REQUESTS_LOCK, _IN_FLIGHT
     _REQUESTS_LOCK = threading.Lock()
+    _IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
     for pool in list(_ALL_REQUESTS):
         pool._reset()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+at_fork(_after_fork)
 
 
 def shared_requests(workers: int) -> Requests:
@@ -157,9 +171,27 @@ class RemoteDir:
         import fsspec
 
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.storage_options = dict(storage_options or {})
+        fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        RemoteDir.fs.keep(self, fs)  # made here already; a forked child makes its own
         self.retries = retries
-        self._fast = fast_client(self.url, storage_options)
+
+    @per_process
+    def fs(self):
+        """This process's fsspec file system (s3fs's refuses to work in a forked child:
+        its event loop and connections are the parent's)."""
+        import fsspec
+
+        return fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+
+    @per_process
+    def _fast(self):
+        """This process's obstore client, or None (its runtime's threads are the parent's in a
+        forked child: a request there never returns)."""
+        return fast_client(self.url, self.storage_options)
+
+    def __getstate__(self):
+        return without_per_process(self.__dict__)
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -186,11 +218,15 @@ class RemoteDir:
             raise PermissionError(str(e).splitlines()[0]) from None
 
     def retry(self, name: str, attempt, missing_ok: bool = False, bound: bool = True):
-        """`attempt()`, retried with exponential backoff; a missing object is not retried (and
-        gives None with `missing_ok`). Each attempt is `bounded` by the deadline (`bound=False`
-        for an attempt of many requests that bounds each itself)."""
+        """`attempt()`, retried with exponential backoff until `retries` attempts or `deadline()`
+        seconds are spent; a missing object is not retried (and gives None with `missing_ok`).
+        Each attempt is `bounded` (`bound=False` for an attempt of many requests that bounds
+        each itself)."""
         where = f"{self.url}/{name}" if name else self.url  # the object, or the URL for its listing
+        start, limit = time.monotonic(), deadline()
         for k in range(self.retries):
+            if k and time.monotonic() - start + request_deadline() > limit:
+                break  # another attempt that hangs would end past the deadline
             try:
                 return bounded(attempt) if bound else attempt()
             except FileNotFoundError:
@@ -202,9 +238,12 @@ class RemoteDir:
             except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
                 last = e
                 time.sleep(min(0.05 * 2**k, 2.0))
-        raise StoreError(f"{where}: failed after {self.retries} attempts: {last}") from None
+        spent = time.monotonic() - start
+        raise StoreError(f"{where}: failed after {k + 1} attempts in {spent:.0f} s: {last.__class__.__name__}: {last} "
+                         f"(FORGE_GRAIN_REMOTE_DEADLINE={limit:g} s bounds an object's attempts)") from None
 
 
+_OBSTORE_PID: int | None = None  # the process whose obstore runtime this memory holds, if any
 FAST_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
                 "skip_instance_cache", "use_listings_cache"}
 
@@ -213,16 +252,27 @@ def fast_client(url: str, storage_options: dict | None):
     """(an obstore `S3Store`, the key prefix) for an `s3://` URL whose storage options say
     everything obstore needs (explicit `key`/`secret`, or `anon`; `endpoint_url`, the region
     and timeouts), when obstore is installed; None otherwise (then s3fs reads, with boto's
-    own credential chain). Its own retries are off: `RemoteDir.retry` retries."""
+    own credential chain). Its own retries are off: `RemoteDir.retry` retries.
+
+    None too in a process forked from one that made an obstore client: obstore runs its
+    requests on one tokio runtime per process, whose threads a forked child does not have,
+    and a request there never returns (tokio does not support fork). Such a child (a
+    DataLoader worker) reads through s3fs, which starts afresh after a fork; a worker started
+    by "spawn" or "forkserver" uses obstore."""
+    global _OBSTORE_PID
     opts = dict(storage_options or {})
     if not url.startswith("s3://") or set(opts) - FAST_OPTIONS or not (opts.get("anon") or
                                                                        (opts.get("key") and opts.get("secret"))):
+        return None
+    if _OBSTORE_PID not in (None, os.getpid()):
         return None
     try:
         from obstore.store import S3Store
     except ImportError:
         return None
     import datetime
+
+    _OBSTORE_PID = os.getpid()
 
     bucket, _, prefix = url[len("s3://"):].partition("/")
     client_kwargs, config_kwargs = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
@@ -235,12 +285,12 @@ def fast_client(url: str, storage_options: dict | None):
         if opts.get("token"):
             config["session_token"] = opts["token"]
     endpoint = opts.get("endpoint_url") or client_kwargs.get("endpoint_url")
-    client = {"timeout": f"{config_kwargs.get('read_timeout', deadline()):g}s",
+    client = {"timeout": f"{config_kwargs.get('read_timeout', request_deadline()):g}s",
               "connect_timeout": f"{config_kwargs.get('connect_timeout', 60):g}s"}
     if endpoint:
         config.update(endpoint=endpoint, virtual_hosted_style_request=False)
         client["allow_http"] = endpoint.startswith("http://")
-    retry = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=deadline())}
+    retry = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=request_deadline())}
     store = S3Store(bucket, config=config, client_options=client, retry_config=retry)
     return store, f"{prefix.strip('/')}/" if prefix.strip("/") else ""
 
@@ -505,14 +555,31 @@ class RemoteStore(NativeStore):
         with concurrent.futures.ThreadPoolExecutor(FETCH_THREADS) as pool:  # the indices: small, all needed at open
             list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
                                                    self._sizes.get(s.index)), m.shards))
-        self._pool = concurrent.futures.ThreadPoolExecutor(fetch_threads, thread_name_prefix="forge-grain-fetch")
-        self._lock = threading.Lock()
+        self._fetch_threads = fetch_threads
         self._mapped: dict[int, np.ndarray] = {}
-        self._pending: dict[int, concurrent.futures.Future] = {}
         self._keep: frozenset = frozenset()
         super()._open(dtype)
         if self._records is not None:
-            self._records = arrayrecord.Records(self._files, self._file_docs, fetch=self._fetch)
+            self._records = arrayrecord.Records(self._files, self._file_docs, fetch=self._fetch,
+                                                compressed=self.compressed)
+
+    @per_process
+    def _pool(self):
+        """This process's download threads (a forked child has none of the parent's: work
+        queued to the parent's executor there would never run)."""
+        return concurrent.futures.ThreadPoolExecutor(self._fetch_threads, thread_name_prefix="forge-grain-fetch")
+
+    @per_process
+    def _pending(self) -> dict[int, concurrent.futures.Future]:
+        """Downloads this process asked for, by shard (the parent's futures never complete in a
+        forked child: its threads are not there)."""
+        return {}
+
+    @per_process
+    def _lock(self):
+        """This process's lock over the maps and pending downloads (the parent's may be held by
+        one of its threads at the fork, forever in the child)."""
+        return threading.Lock()
 
     def _map_shards(self, m: Manifest) -> list[np.ndarray]:
         """Indices only: shards are fetched when a batch or a prefetch needs them."""
@@ -615,7 +682,9 @@ class RemoteStore(NativeStore):
     def close(self) -> None:
         super().close()
         self._mapped.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        pool = RemoteStore._pool.made(self)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _reopen_remote(url, options):

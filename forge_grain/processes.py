@@ -1,0 +1,133 @@
+"""What each process must own itself: objects that hold a thread, a lock, a native handle or
+a network client.
+
+`fork` (how a DataLoader starts its workers by default) copies a process's memory but only
+the thread that called it. A forked child inherits objects whose threads do not exist
+there, locks that a vanished thread held, and clients whose connections and event loops
+belong to the parent. Used in the child they hang (work queued for threads that never run,
+a lock never released) or crash (a native lock waking a thread that is gone). So each such
+object is made per process, by one of three means:
+
+- `per_process(make)`: an attribute made on first use in each process (a network client, a
+  thread pool); a forked child makes its own instead of using the parent's.
+- `at_fork(fn)`: `fn()` runs in every forked child before any of its own code (module-level
+  locks, semaphores and request queues start afresh).
+- `exit_with_parent()`: a worker process whose parent is gone ends within a second, also when
+  it is blocked in a download or a lock (an orphaned worker otherwise lives on).
+
+At interpreter exit, `stop_at_exit(thread)` threads are told to stop (`EXITING`) and joined
+before the interpreter tears down: a daemon thread still inside native code then (an
+ArrayRecord read) would be unwound by the interpreter's exit and abort the process
+(`terminate called without an active exception`). docs/architecture.md lists which objects
+use which means.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+
+_LOCK = threading.Lock()  # guards the making of per-process values (reset in a child: see below)
+EXITING = threading.Event()  # set when the interpreter begins to exit: background threads stop
+_STOPPED_AT_EXIT: weakref.WeakSet = weakref.WeakSet()
+_JOIN_AT_EXIT_S = 5.0  # how long exit waits for a background thread to finish what it is doing
+
+
+class per_process:
+    """A descriptor: `obj.<name>` is `make(obj)`, made on first use in each process.
+
+    The value is kept in the instance's `__dict__` with the pid that made it; a forked child
+    sees another pid and makes its own (the parent's is left alone: closing it there could
+    close what the parent still uses, such as a shared socket)."""
+
+    def __init__(self, make):
+        self.make = make
+        self.__doc__ = make.__doc__
+
+    def __set_name__(self, owner, name):
+        self.slot = f"_{name}_per_process"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        pid, held = os.getpid(), obj.__dict__.get(self.slot)
+        if held is not None and held[0] == pid:
+            return held[1]
+        with _LOCK:
+            held = obj.__dict__.get(self.slot)
+            if held is None or held[0] != pid:
+                held = (pid, self.make(obj))
+                obj.__dict__[self.slot] = held
+        return held[1]
+
+    def keep(self, obj, value) -> None:
+        """Take `value` as this process's (made along with something else)."""
+        obj.__dict__[self.slot] = (os.getpid(), value)
+
+    def made(self, obj):
+        """The value if this process made it already, else None (nothing is made)."""
+        held = obj.__dict__.get(self.slot)
+        return held[1] if held is not None and held[0] == os.getpid() else None
+
+
+def without_per_process(state: dict) -> dict:
+    """An instance's `__dict__` for pickling: values made per process stay in their process."""
+    return {k: v for k, v in state.items() if not k.endswith("_per_process")}
+
+
+def at_fork(fn) -> None:
+    """Run `fn()` in every forked child, before the child's own code."""
+    os.register_at_fork(after_in_child=fn)
+
+
+def _reset_lock() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+at_fork(_reset_lock)
+
+
+def stop_at_exit(thread: threading.Thread) -> None:
+    """Join `thread` when the interpreter exits (it must return soon after `EXITING` is set)."""
+    _STOPPED_AT_EXIT.add(thread)
+
+
+@atexit.register
+def _stop_threads() -> None:
+    EXITING.set()
+    for thread in list(_STOPPED_AT_EXIT):
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(_JOIN_AT_EXIT_S)
+
+
+def _clear_exiting() -> None:
+    EXITING.clear()  # a child forked during exit handlers is a new process, not exiting
+
+
+at_fork(_clear_exiting)
+
+_WATCHED: set[int] = set()  # pids of processes that already watch their parent
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process when its parent ends: a DataLoader worker whose training process was
+    killed must not live on (holding memory, /dev/shm and the cache's locks). A daemon thread
+    polls the parent pid; Linux's PR_SET_PDEATHSIG is not used because it fires when the
+    *thread* that forked the worker ends, which need not be the end of the process."""
+    pid = os.getpid()
+    if pid in _WATCHED:
+        return
+    _WATCHED.add(pid)
+    parent = os.getppid()
+    if parent == 1:  # already orphaned
+        os._exit(1)
+
+    def watch():
+        while not EXITING.wait(poll_s):
+            if os.getppid() != parent:
+                os._exit(1)  # no clean-up: the process it served is gone
+
+    threading.Thread(target=watch, name="forge-grain-parent-watch", daemon=True).start()
