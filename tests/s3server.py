@@ -54,7 +54,7 @@ class S3Server:
 class FaultProxy:
     """Forwards HTTP to the server; `fail(part, kind, times, method)` makes the next `times`
     requests (GETs by default) of objects whose path contains `part` fail with `kind`:
-    "drop", "500", "delay", "truncate". `gets` and `puts` count object reads and writes, `sent`
+    "drop", "500", "delay", "truncate", "hang" (a minute without an answer). `gets` and `puts` count object reads and writes, `sent`
     the bytes of the reads served, `lists` the listing requests."""
 
     def __init__(self, upstream: int):
@@ -67,6 +67,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
+        self.server.handle_error = lambda *_: None  # a client gone while a fault held its answer
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -114,6 +115,8 @@ def _handler(proxy: FaultProxy):
                 return
             if fault == "delay":
                 time.sleep(3)  # past the client's read timeout
+            if fault == "hang":
+                time.sleep(60)  # a server that never answers, as far as a test can tell
             if fault != "500":  # a failing server does not store or serve anything
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=30)
                 conn.request(self.command, self.path, body=body, headers=dict(self.headers))

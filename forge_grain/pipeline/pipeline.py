@@ -29,7 +29,7 @@ from forge_grain.pipeline import explain as flight
 from forge_grain.pipeline import history
 from forge_grain.pipeline.batches import BatchSchedule, combined as batch_plan
 from forge_grain.pipeline.config import ConfigError, DataConfig
-from forge_grain.errors import StateError
+from forge_grain.errors import StateError, StoreError
 from forge_grain.pipeline.mixture import MAX_ROWS, Mixture
 from forge_grain.pipeline.opening import AheadOpener
 from forge_grain.pipeline.skips import RowMap
@@ -193,6 +193,7 @@ class Pipeline:
             leaves=[leaves for _, leaves, _ in phases],
         )
         self.fingerprint, self._summary = self._fingerprint()
+        self._not_as_sent: StoreError | None = None  # set where a process rebuilt it on other data (_rebuild)
         self._warn_unreachable_phases()
         self.rowmap = self._apply_skips()
         self._opener = AheadOpener(self, start)
@@ -664,6 +665,8 @@ class Pipeline:
         """
         if step < 0 or step >= self.step_limit:
             raise IndexError(f"step {step} is outside [0, {self.step_limit})")
+        if self._not_as_sent is not None:
+            raise self._not_as_sent
         if self.streams and step != self._stream_step:
             raise StateError(f"streaming sources are read in order: the next step is {self._stream_step}, not {step}")
         if self.streams and self.epoch_aligned:
@@ -876,17 +879,29 @@ class Pipeline:
 
     def __reduce__(self):
         # worker processes rebuild it from the config (plans come from the on-disk cache) and,
-        # after a mixture change, from the state it resumed
-        return (_rebuild, (self.config, self.shard_index, self.shard_count, self.cache_dir, self.dtype,
-                           self.tokenize_threads, *self._resume_args))
+        # after a mixture change, from the state it resumed; what they build must be this pipeline
+        return (_rebuild, ((self.fingerprint, self._summary["sources"]), self.config, self.shard_index,
+                           self.shard_count, self.cache_dir, self.dtype, self.tokenize_threads, *self._resume_args))
 
 
-def _rebuild(config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
+def _rebuild(sent, config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
              allow_mixture_change=False, skip_steps=0, skip_documents=None, allow_batch_size_change=False):
-    return Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
-                    tokenize_threads=tokenize_threads, resume_from=resume_from,
-                    allow_mixture_change=allow_mixture_change, skip_steps=skip_steps,
-                    skip_documents=skip_documents, allow_batch_size_change=allow_batch_size_change, progress=False)
+    """The pipeline sent to this process (a spawned DataLoader worker), built again from its
+    config, or an error naming the sources whose data changed since it was sent: a worker
+    reading other data than its parent would give batches that no state describes."""
+    p = Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
+                 tokenize_threads=tokenize_threads, resume_from=resume_from,
+                 allow_mixture_change=allow_mixture_change, skip_steps=skip_steps,
+                 skip_documents=skip_documents, allow_batch_size_change=allow_batch_size_change, progress=False)
+    fingerprint, sources = sent
+    if p.fingerprint != fingerprint:  # raised by its first batch: an error while unpickling kills a worker unheard
+        changed = [_where(src) for src, mine, theirs in zip(config.sources, p._summary["sources"], sources)
+                   if mine != theirs] or ["the sources' plans or data"]
+        p._not_as_sent = StoreError(
+            f"{', '.join(changed)}: the data changed after the pipeline was built in the process that sent it here "
+            "(rewritten in place); this process would make other batches than the pipeline's plan and states "
+            "describe. Build the pipeline again, and resume only from a state saved with the data there now")
+    return p
 
 
 def _document_lists(documents) -> dict:

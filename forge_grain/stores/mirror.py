@@ -23,7 +23,7 @@ from pathlib import Path
 from forge_grain.errors import StoreError
 from forge_grain.stores import identify
 from forge_grain.stores.base import TokenStore
-from forge_grain.stores.remote import MANIFEST_NAME, ObjectCache, RemoteDir, listing
+from forge_grain.stores.remote import MANIFEST_NAME, ObjectCache, RemoteDir, changed_under, listing
 
 REMOTE_OPTIONS = frozenset({"storage_options", "object_cache", "cache_limit"})
 THREADS = 8  # concurrent downloads while copying a dataset
@@ -82,16 +82,23 @@ class Mirrored:
         except StoreError as e:  # name the objects, not their local copies
             raise StoreError(str(e).replace(str(home), base)) from None
         self._options = {**options, **{k: v for k, v in remote.items() if v is not None}}
+        self._copy = home.name  # named by the listing (names, sizes, ETags): a rewritten dataset gets another
 
     def __reduce__(self):
-        return (_reopen_mirrored, (self.format, self.url, self._options))
+        return (_reopen_mirrored, (self.format, self.url, self._options, self._copy))
 
     def __repr__(self) -> str:
         return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
 
 
-def _reopen_mirrored(format, url, options):
-    return TokenStore.open(url, **{**options, "format": format})
+def _reopen_mirrored(format, url, options, copy=None):
+    """The dataset at `url` opened again in another process (a spawned DataLoader worker), only
+    if it is still the one the pipeline opened (its listing names the same copy)."""
+    store = TokenStore.open(url, **{**options, "format": format})
+    if copy is not None and store._copy != copy:
+        raise changed_under(url)
+    return store
+
 
 
 def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,

@@ -674,7 +674,7 @@ class RemoteStore(NativeStore):
                     raise StoreError(f"{self.url}/{shard.tokens}: its sha256 does not match the manifest's")
 
     def __reduce__(self):
-        return (_reopen_remote, (self.url, self._options))
+        return (_reopen_remote, (self.url, self._options, str(self.mirror)))
 
     def __repr__(self) -> str:
         return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
@@ -687,8 +687,20 @@ class RemoteStore(NativeStore):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _reopen_remote(url, options):
-    return RemoteStore(url, **options)
+def _reopen_remote(url, options, mirror=None):
+    """The store at `url` opened again in another process (a spawned DataLoader worker), only if
+    its manifest is still the one the pipeline opened."""
+    store = RemoteStore(url, **options)
+    if mirror is not None and str(store.mirror) != mirror:
+        raise changed_under(url)
+    return store
+
+
+def changed_under(url: str) -> StoreError:
+    """The error of a process that finds other data at a URL than the pipeline it serves opened."""
+    return StoreError(f"{url}: the data at this URL changed after the pipeline opened it (it was rewritten in "
+                      "place); this process would read other documents than the pipeline's plan and states describe. "
+                      "Build the pipeline again, and resume only from a state saved with the data there now")
 
 
 UPLOAD_MARKER = ".forge-grain-upload.json"  # names the manifest an unfinished upload is writing

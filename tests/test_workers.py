@@ -1,0 +1,267 @@
+"""Every store, every worker: the torch bridge under DataLoader workers gives exactly the batches
+of no workers, for every kind of data forge-grain reads (its bin and ArrayRecord layouts, a
+peer's format, a store in object storage, streaming files on disk and at URLs), with every
+start method (fork, spawn, forkserver), persistent workers or not, and with or without a pause
+before the first batch (a trainer building its model while the parent's background threads
+open sources and download shards); and a state taken under workers resumes. Also: a process
+exits cleanly without closing anything, workers die with their parent, and data rewritten
+under a URL is refused rather than read.
+
+The grid runs a seeded subset by default and all of it with FORGE_GRAIN_SLOW=1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SLOW, make_texts, trials, write_jsonl
+from torch.utils.data import DataLoader
+
+from bridges.torch import GrainIterableDataset
+from forge_grain import DataConfig, Pipeline, StateError, prepare
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+from s3server import S3Server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ["bin", "arrayrecord", "megatron", "s3", "streaming", "streaming_s3"]
+LOADERS = [(0, None, False)] + [(2, ctx, persistent) for ctx in ("fork", "spawn", "forkserver")
+                                for persistent in (False, True)]
+PAUSES = [0.0, 1.0]
+TIMEOUT_S = 120  # a DataLoader that waits longer for a batch fails: a hang is an error, not a stuck suite
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    server.fs().mkdir("bucket")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, s3):
+    """One corpus in every kind of data; in object storage under s3://bucket/."""
+    from test_formats import make_docs, write_megatron
+
+    base = tmp_path_factory.mktemp("workers")
+    texts = make_texts(240, seed=11, empty_every=37)
+    corpus = write_jsonl(base / "corpus.jsonl", texts)
+    files = [write_jsonl(base / "s0.jsonl", texts[:120]), write_jsonl(base / "s1.jsonl", texts[120:])]
+    out = {"cache": base / "cache", "objects": base / "objects", "files": [str(f) for f in files]}
+    out["bin"] = prepare(corpus, base / "bin", num_shards=3, progress=False)
+    out["arrayrecord"] = prepare(corpus, base / "ar", layout="arrayrecord", num_shards=2, progress=False)
+    (base / "meg").mkdir()
+    out["megatron"] = write_megatron(base / "meg" / "text_document", make_docs(200, seed=3))
+    fs = s3.fs()
+    fs.put(str(out["bin"]), "bucket/nat", recursive=True)
+    for f in files:
+        fs.put(str(f), f"bucket/texts/{f.name}")
+    out["options"] = s3.options()
+    return out
+
+
+def source(data, kind: str) -> dict:
+    streaming = dict(name="t", hf_dataset="json", hf_streaming=True, window=20)
+    return {
+        "bin": dict(name="t", path=str(data["bin"]), strategy="bos_bestfit"),
+        "arrayrecord": dict(name="t", path=str(data["arrayrecord"]), strategy="bestfit"),
+        "megatron": dict(name="t", path=str(data["megatron"]), strategy="bestfit"),
+        "s3": dict(name="t", path="s3://bucket/nat", strategy="bestfit", storage_options=data["options"],
+                   object_cache=str(data["objects"])),
+        "streaming": dict(streaming, hf_data_files=data["files"]),
+        "streaming_s3": dict(streaming, hf_data_files=["s3://bucket/texts/s0.jsonl", "s3://bucket/texts/s1.jsonl"],
+                             storage_options=data["options"]),
+    }[kind]
+
+
+def config(data, kind: str) -> DataConfig:
+    return DataConfig(sources=[source(data, kind)], seq_len=32, global_batch_size=4, seed=2, num_epochs=1,
+                      canonical_streams=4, canonical_workers=2)
+
+
+def dataset(data, kind: str) -> GrainIterableDataset:
+    return GrainIterableDataset(config(data, kind), rank=0, world_size=1, cache_dir=data["cache"])
+
+
+def loader(ds, workers: int, context: str | None, persistent: bool) -> DataLoader:
+    if not workers:
+        return DataLoader(ds, batch_size=None)
+    return DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context,
+                      persistent_workers=persistent, timeout=TIMEOUT_S)
+
+
+_REFERENCE: dict = {}
+
+
+def reference(data, kind: str) -> list[np.ndarray]:
+    """Every batch's inputs, made in order by one pipeline in this process."""
+    if kind not in _REFERENCE:
+        p = Pipeline(config(data, kind), 0, 1, num_threads=0, cache_dir=data["cache"])
+        _REFERENCE[kind] = [p.batch(s)["inputs"].copy() for s in range(p.num_steps)]
+    return _REFERENCE[kind]
+
+
+GRID = list(itertools.product(KINDS, LOADERS, PAUSES))
+# by default: every kind under forked workers after a pause (the default start method, where the
+# parent's threads and clients meet the fork), and two seeded cases of the rest
+FORKED = [(kind, (2, "fork", False), 1.0) for kind in KINDS]
+DEFAULT = FORKED + random.Random(44).sample([c for c in GRID if c not in FORKED], 2)
+
+
+@pytest.mark.parametrize("kind, how, pause", GRID if SLOW else DEFAULT,
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_workers_give_the_batches_of_no_workers_and_their_state_resumes(data, kind, how, pause):
+    workers, context, persistent = how
+    want = reference(data, kind)
+    k = len(want) // 2 + 1  # an odd step: the state falls between the workers' turns
+    ds = dataset(data, kind)
+    time.sleep(pause)  # the parent's opener and downloads run meanwhile
+    tracker, seen, state = ds.tracker(), [], None
+    for batch in loader(ds, workers, context, persistent):
+        tracker.update(batch)
+        seen.append((int(batch["step"]), batch["inputs"].numpy().copy()))
+        if len(seen) == k:
+            state = tracker.state_dict()
+    assert [s for s, _ in seen] == list(range(len(want)))
+    assert all(np.array_equal(x, want[s]) for s, x in seen)
+    again = dataset(data, kind)
+    again.tracker().load_state_dict(state)
+    got = [(int(b["step"]), b["inputs"].numpy()) for b in loader(again, workers, context, persistent)]
+    assert [s for s, _ in got] == list(range(k, len(want)))
+    assert all(np.array_equal(x, want[s]) for s, x in got)
+
+
+# -- a user's script, in its own interpreter --------------------------------------------------------
+
+
+def run_script(tmp_path: Path, body: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nsys.path[:0] = [%r, %r]\n%s" % (str(ROOT), str(ROOT / "tests"), textwrap.dedent(body)))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path)
+
+
+def test_a_script_that_closes_nothing_exits_cleanly_every_time(tmp_path, data):
+    """Over an ArrayRecord store and a store at an s3:// URL: batches taken, DataLoader workers
+    left running mid-pass and the process left to exit as scripts do: exit code 0 and no C++
+    `terminate` (a background thread inside native code at exit aborts the process)."""
+    configs = [json.dumps(config(data, kind).to_dict()) for kind in ("arrayrecord", "s3")]
+    body = f"""
+        import json
+        from torch.utils.data import DataLoader
+        from bridges.torch import GrainIterableDataset
+        from forge_grain import DataConfig
+        kept = []
+        for text in {configs!r}:
+            ds = GrainIterableDataset(DataConfig.from_dict(json.loads(text)), rank=0, world_size=1,
+                                      cache_dir={str(data["cache"])!r})
+            it = iter(ds)
+            for _ in range(3):
+                next(it)
+            workers = iter(DataLoader(ds, batch_size=None, num_workers=2))
+            next(workers)
+            kept += [it, workers]
+        print("done")
+    """
+    for trial in trials(3, 20):
+        r = run_script(tmp_path, body)
+        assert (r.returncode, "terminate called" in r.stderr) == (0, False), (trial, r.stderr[-3000:])
+        assert "done" in r.stdout
+
+
+def test_workers_of_a_killed_training_process_exit(tmp_path, data, s3):
+    """The training process is killed (SIGKILL: no clean-up runs) while its two workers wait in a
+    download that never arrives (forge-grain code, not torch's loop, which checks its parent):
+    they are gone within 10 s."""
+    proxy_options = s3.options(via_proxy=True)
+    s3.proxy.fail("nat/shard-00000.bin", "hang", times=100)  # the indices arrive, the pipeline builds
+    cfg = config(data, "s3").to_dict()
+    cfg["sources"][0].update(storage_options=proxy_options, object_cache=str(tmp_path / "objects"))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""\
+        import json, os, sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+        from torch.utils.data import DataLoader
+        from bridges.torch import GrainIterableDataset
+        from forge_grain import DataConfig
+        ds = GrainIterableDataset(DataConfig.from_dict(json.loads({json.dumps(cfg)!r})), rank=0, world_size=1)
+        def note(_):
+            open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+        for batch in DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=note):
+            pass
+        """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = [int(p.name) for p in pids.iterdir()]
+        assert len(workers) == 2
+        time.sleep(1)  # inside the download now
+        assert all(alive(w) for w in workers)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        gone_by = time.monotonic() + 10
+        while any(alive(w) for w in workers) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        assert not any(alive(w) for w in workers)
+    finally:
+        proc.kill()
+        s3.proxy.clear()
+        for w in [int(p.name) for p in pids.iterdir()]:
+            if alive(w):
+                os.kill(w, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# -- data rewritten under a URL ----------------------------------------------------------------------
+
+
+def test_a_peer_dataset_rewritten_under_its_url_is_refused_by_a_spawned_worker(tmp_path, s3):
+    """An MDS dataset at a URL rewritten after the pipeline opened it: a worker that opens it again
+    (spawn pickles the dataset) finds the other data and refuses it, naming the URL."""
+    from mds_writer import write_mds
+
+    def mds(seed):
+        rng = np.random.default_rng(seed)
+        samples = [{"tokens": rng.integers(2, 1000, int(rng.integers(5, 60))).astype(np.int32)} for _ in range(120)]
+        out = write_mds(tmp_path / f"mds{seed}", {"tokens": "ndarray:int32"}, samples, samples_per_shard=40)
+        s3.fs().put(str(out), "bucket/mds", recursive=True)
+
+    mds(1)
+    src = dict(name="m", path="s3://bucket/mds", strategy="bestfit", storage_options=s3.options(),
+               object_cache=str(tmp_path / "objects"), vocab_size=1000)
+    cfg = DataConfig(sources=[src], seq_len=32, global_batch_size=4, seed=2, num_epochs=1)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path / "plans")
+    s3.fs().rm("bucket/mds", recursive=True)
+    mds(2)
+    with pytest.raises(Exception, match=r"s3://bucket/mds: the data changed after the pipeline was built"):
+        list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn", timeout=TIMEOUT_S))
+    again = GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path / "plans")
+    with pytest.raises(StateError, match="another config or other data"):  # a resumed process: other data
+        again.tracker().load_state_dict(ds.tracker().state_dict())
