@@ -71,6 +71,10 @@ class per_process:
         held = obj.__dict__.get(self.slot)
         return held[1] if held is not None and held[0] == os.getpid() else None
 
+    def forget(self, obj) -> None:
+        """Drop the value (closed by its owner): the next use makes another."""
+        obj.__dict__.pop(self.slot, None)
+
 
 def without_per_process(state: dict) -> dict:
     """An instance's `__dict__` for pickling: values made per process stay in their process."""

@@ -25,12 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import SLOW, make_texts, trials, write_jsonl
 from torch.utils.data import DataLoader
 
 from bridges.torch import GrainIterableDataset
-from forge_grain import DataConfig, Pipeline, StateError, prepare
+from forge_grain import DataConfig, Pipeline, StateError, StoreError, prepare
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -265,3 +264,70 @@ def test_a_peer_dataset_rewritten_under_its_url_is_refused_by_a_spawned_worker(t
     again = GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path / "plans")
     with pytest.raises(StateError, match="another config or other data"):  # a resumed process: other data
         again.tracker().load_state_dict(ds.tracker().state_dict())
+
+
+# -- ArrayRecord records: uncompressed now, zstd in older stores ---------------------------------------
+
+
+def as_older_store(store: Path) -> Path:
+    """The store as forge-grain wrote it before recording the compression: zstd records, and a
+    manifest without "compression"."""
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    from forge_grain.stores.manifest import sha256_file
+
+    manifest = json.loads((store / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        path = store / shard["tokens"]
+        reader = ArrayRecordReader(str(path))
+        records = reader.read_all()
+        reader.close()
+        writer = ArrayRecordWriter(str(path), "group_size:1")
+        for r in records:
+            writer.write(r)
+        writer.close()
+        shard["sha256"] = sha256_file(path)
+    del manifest["compression"]
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    return store
+
+
+def test_prepare_writes_uncompressed_records_and_the_manifest_says_so(data):
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    manifest = json.loads((data["arrayrecord"] / "manifest.json").read_text())
+    assert manifest["compression"] == "none"
+    reader = ArrayRecordReader(str(data["arrayrecord"] / manifest["shards"][0]["tokens"]))
+    assert "uncompressed" in reader.writer_options_string().split(",")
+    reader.close()
+
+
+def test_an_older_zstd_store_is_refused_by_name_in_a_forked_worker_and_read_by_a_spawned_one(tmp_path, data):
+    """Its parent read a zstd record: riegeli's decoder pool would crash the forked worker's own
+    first decode (a segfault), so the worker says what to do instead; spawned workers read it."""
+    import shutil
+
+    store = as_older_store(Path(shutil.copytree(data["arrayrecord"], tmp_path / "old")))
+    src = dict(name="t", path=str(store), strategy="bestfit")
+    cfg = DataConfig(sources=[src], seq_len=32, global_batch_size=4, seed=2, num_epochs=1)
+    make = lambda: GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path / "plans")  # noqa: E731
+    want = [b["inputs"].numpy() for b in make()]  # this process decodes zstd records
+    with pytest.raises(Exception, match=r"shard-0000\d\.array_record: this store's records are zstd-compressed"):
+        list(DataLoader(make(), batch_size=None, num_workers=2, timeout=TIMEOUT_S))
+    got = [b["inputs"].numpy() for b in DataLoader(make(), batch_size=None, num_workers=2, timeout=TIMEOUT_S,
+                                                   multiprocessing_context="spawn")]
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_shard_whose_compression_disagrees_with_the_manifest_is_named_at_open(tmp_path, data):
+    import shutil
+
+    from forge_grain import TokenStore
+
+    store = as_older_store(Path(shutil.copytree(data["arrayrecord"], tmp_path / "mixed")))
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["compression"] = "none"
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=r"shard-00000\.array_record: its records are compressed, but manifest\.json "
+                                         r"says not"):
+        TokenStore.open(store)

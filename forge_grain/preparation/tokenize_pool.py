@@ -21,6 +21,8 @@ from typing import Callable
 
 import numpy as np
 
+from forge_grain.processes import per_process
+
 BATCH = 32  # texts a task encodes: small enough to spread a window over the threads
 
 
@@ -41,22 +43,19 @@ class TokenizePool:
         self.size = default_size() if size is None else size
         if self.size < 0:
             raise ValueError(f"tokenize pool size must be >= 0, got {self.size}")
-        self._executor, self._pid = None, None
         if self.size:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    @per_process
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
         """This process's threads: a forked child (a DataLoader worker) inherits the parent's
         executor without its threads, and work submitted there would wait forever."""
-        if self._pid != os.getpid():
-            self._executor = concurrent.futures.ThreadPoolExecutor(self.size, thread_name_prefix="forge-grain-tok")
-            self._pid = os.getpid()
-        return self._executor
+        return concurrent.futures.ThreadPoolExecutor(self.size, thread_name_prefix="forge-grain-tok")
 
     def submit(self, texts: list) -> "Encoded":
         if not self.size:
             return Encoded([], lambda: self.encode(texts))
-        pool = self._threads()
+        pool = self._threads
         return Encoded([pool.submit(self.encode, texts[i : i + BATCH]) for i in range(0, len(texts), BATCH)])
 
     def map(self, batches, ahead: int = 4):
@@ -70,9 +69,10 @@ class TokenizePool:
             yield p.result()
 
     def close(self) -> None:
-        if self._executor is not None and self._pid == os.getpid():
-            self._executor.shutdown(wait=True, cancel_futures=True)
-        self._executor, self._pid = None, None
+        executor = TokenizePool._threads.made(self)
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+            TokenizePool._threads.forget(self)
 
     def __getstate__(self):  # a copy in another process makes its own threads
         return {"encode": self.encode, "size": self.size}

@@ -101,17 +101,16 @@ def check_records(file: Path, shard, offsets: np.ndarray, dtype: np.dtype, compr
     except RuntimeError as e:
         raise StoreError(f"{file}: unreadable ArrayRecord shard ({e})") from None
     try:
-        options = reader.writer_options_string() or ""
-        if compressed == ("uncompressed" in options.split(",")):
-            raise StoreError(
-                f"{file}: its records are {'not ' if compressed else ''}compressed, but {MANIFEST_NAME} says "
-                f"{'they are' if compressed else 'not'}; the shard is another store's (re-run `forge-grain prepare`)")
         n = reader.num_records()
         if n != shard.num_documents:
             raise StoreError(
                 f"{file}: holds {n} records, but {MANIFEST_NAME} lists {shard.num_documents} for this shard; "
                 "the shard is truncated, damaged or another shard's (re-run `forge-grain prepare`)"
             )
+        if compressed == ("uncompressed" in (reader.writer_options_string() or "").split(",")):
+            raise StoreError(
+                f"{file}: its records are {'not ' if compressed else ''}compressed, but {MANIFEST_NAME} says "
+                f"{'they are' if compressed else 'not'}; the shard is another store's (re-run `forge-grain prepare`)")
         if n:
             # one record a call: a read of two far apart would hand work to ArrayRecord's thread
             # pool, whose threads a forked child does not have

@@ -15,6 +15,8 @@ import os
 import threading
 from typing import Callable
 
+from forge_grain.processes import per_process
+
 DEFAULT_MAX_OPEN_FILES = 128
 
 
@@ -23,16 +25,20 @@ class HandlePool:
 
     def __init__(self, capacity: int | None = None):
         self.capacity = capacity or int(os.environ.get("FORGE_GRAIN_MAX_OPEN_FILES", DEFAULT_MAX_OPEN_FILES))
-        self._open: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
+
+    @per_process
+    def _open(self) -> collections.OrderedDict:
+        """This process's handles (a forked child's parent's share their file positions, and their
+        native state may refer to threads the child does not have)."""
+        return collections.OrderedDict()
+
+    @per_process
+    def _lock(self) -> threading.Lock:
+        return threading.Lock()
 
     def get(self, key, opener: Callable[[], object]):
         """The open handle for `key`, opened by `opener()` when the pool holds none."""
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's handles share its file positions
-                self._open.clear()
-                self._pid = os.getpid()
             handle = self._open.get(key)
             if handle is not None:
                 self._open.move_to_end(key)
