@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -257,8 +258,11 @@ def test_a_peer_dataset_rewritten_under_its_url_is_refused_by_a_spawned_worker(t
                object_cache=str(tmp_path / "objects"), vocab_size=1000)
     cfg = DataConfig(sources=[src], seq_len=32, global_batch_size=4, seed=2, num_epochs=1)
     ds = GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path / "plans")
+    store = pickle.dumps(ds.pipeline.stores[0])  # a store sent alone pins its listing
     s3.fs().rm("workers/mds", recursive=True)
     mds(2)
+    with pytest.raises(StoreError, match=r"s3://workers/mds: the data at this URL changed after the pipeline opened"):
+        pickle.loads(store)
     with pytest.raises(Exception, match=r"s3://workers/mds: the data changed after the pipeline was built"):
         list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn", timeout=TIMEOUT_S))
     again = GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=tmp_path / "plans")

@@ -100,7 +100,6 @@ def _reopen_mirrored(format, url, options, copy=None):
     return store
 
 
-
 def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
                  cache_limit=None) -> tuple[Path, str, str | None]:
     """The local copy of the dataset at `url`, downloaded first where the cache lacks it:

@@ -227,6 +227,7 @@ class RemoteDir:
         for k in range(self.retries):
             if k and time.monotonic() - start + request_deadline() > limit:
                 break  # another attempt that hangs would end past the deadline
+            tried = k + 1
             try:
                 return bounded(attempt) if bound else attempt()
             except FileNotFoundError:
@@ -239,7 +240,7 @@ class RemoteDir:
                 last = e
                 time.sleep(min(0.05 * 2**k, 2.0))
         spent = time.monotonic() - start
-        raise StoreError(f"{where}: failed after {k + 1} attempts in {spent:.0f} s: {last.__class__.__name__}: {last} "
+        raise StoreError(f"{where}: failed after {tried} attempts in {spent:.0f} s: {last.__class__.__name__}: {last} "
                          f"(FORGE_GRAIN_REMOTE_DEADLINE={limit:g} s bounds an object's attempts)") from None
 
 
