@@ -52,8 +52,8 @@ class per_process:
     def __get__(self, obj, owner=None):
         if obj is None:
             return self
-        pid, held = os.getpid(), obj.__dict__.get(self.slot)
-        if held is not None and held[0] == pid:
+        held, pid = obj.__dict__.get(self.slot), os.getpid()
+        if held is not None and held[0] == pid:  # the common case: one lookup and one getpid
             return held[1]
         with _LOCK:
             held = obj.__dict__.get(self.slot)

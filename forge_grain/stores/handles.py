@@ -27,37 +27,35 @@ class HandlePool:
         self.capacity = capacity or int(os.environ.get("FORGE_GRAIN_MAX_OPEN_FILES", DEFAULT_MAX_OPEN_FILES))
 
     @per_process
-    def _open(self) -> collections.OrderedDict:
-        """This process's handles (a forked child's parent's share their file positions, and their
-        native state may refer to threads the child does not have)."""
-        return collections.OrderedDict()
-
-    @per_process
-    def _lock(self) -> threading.Lock:
-        return threading.Lock()
+    def _mine(self) -> tuple[collections.OrderedDict, threading.Lock]:
+        """This process's handles and their lock (a forked child's parent's handles share their
+        file positions, and their native state may refer to threads the child does not have)."""
+        return collections.OrderedDict(), threading.Lock()
 
     def get(self, key, opener: Callable[[], object]):
         """The open handle for `key`, opened by `opener()` when the pool holds none."""
-        with self._lock:
-            handle = self._open.get(key)
+        handles, lock = self._mine
+        with lock:
+            handle = handles.get(key)
             if handle is not None:
-                self._open.move_to_end(key)
+                handles.move_to_end(key)
                 return handle
         handle = opener()
-        with self._lock:
-            handle = self._open.setdefault(key, handle)
-            self._open.move_to_end(key)
-            while len(self._open) > self.capacity:
-                self._open.popitem(last=False)
+        with lock:
+            handle = handles.setdefault(key, handle)
+            handles.move_to_end(key)
+            while len(handles) > self.capacity:
+                handles.popitem(last=False)
         return handle
 
     def drop(self, key) -> None:
         """Forget `key`'s handle (its file was removed): it closes once no reader holds it."""
-        with self._lock:
-            self._open.pop(key, None)
+        handles, lock = self._mine
+        with lock:
+            handles.pop(key, None)
 
     def __len__(self) -> int:
-        return len(self._open)
+        return len(self._mine[0])
 
 
 POOL = HandlePool()
