@@ -29,7 +29,7 @@ import os
 import threading
 import weakref
 
-_LOCK = threading.Lock()  # guards the making of per-process values (reset in a child: see below)
+_LOCK = threading.RLock()  # guards the making of per-process values (reset in a child: see below)
 EXITING = threading.Event()  # set when the interpreter begins to exit: background threads stop
 _STOPPED_AT_EXIT: weakref.WeakSet = weakref.WeakSet()
 _JOIN_AT_EXIT_S = 5.0  # how long exit waits for a background thread to finish what it is doing
@@ -88,7 +88,7 @@ def at_fork(fn) -> None:
 
 def _reset_lock() -> None:
     global _LOCK
-    _LOCK = threading.Lock()
+    _LOCK = threading.RLock()
 
 
 at_fork(_reset_lock)
