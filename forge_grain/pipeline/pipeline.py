@@ -887,8 +887,9 @@ class Pipeline:
 def _rebuild(sent, config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
              allow_mixture_change=False, skip_steps=0, skip_documents=None, allow_batch_size_change=False):
     """The pipeline sent to this process (a spawned DataLoader worker), built again from its
-    config, or an error naming the sources whose data changed since it was sent: a worker
-    reading other data than its parent would give batches that no state describes."""
+    config. Where the data changed since it was sent, its first batch raises an error naming
+    the sources: a worker reading other data than its parent would give batches that no state
+    describes."""
     p = Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
                  tokenize_threads=tokenize_threads, resume_from=resume_from,
                  allow_mixture_change=allow_mixture_change, skip_steps=skip_steps,

@@ -161,7 +161,7 @@ class Spec:
             "layout": self.layout,
             "num_shards": num_shards,
         }
-        if self.layout == "arrayrecord":  # a prepare resumed by an older version must not mix record kinds
+        if self.layout == "arrayrecord":  # shards an older version began (zstd) are not resumed into this store
             settings["records"] = RECORD_OPTIONS
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
         job = Job(
