@@ -75,6 +75,7 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(store_copy):
     (lambda m: {**m, "shards": "shard-00000.bin"}, r"shards must be a list"),
     (lambda m: {**m, "eos_id": 10**6}, r"eos_id 1000000 is not below vocab_size"),
     (lambda m: {**m, "tokenizer": None}, r"tokenizer must be a dict"),
+    (lambda m: {**m, "compression": "none"}, r"compression applies to the arrayrecord layout only, not 'bin'"),
 ])
 def test_malformed_manifests_name_the_key(store_copy, change, match):
     edit_manifest(store_copy, change)
@@ -89,6 +90,13 @@ def test_an_index_that_is_a_pickle_is_refused(store_copy):
 
 
 # -- ArrayRecord damage ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["lz4", 3, None])
+def test_an_arrayrecord_manifest_with_an_unknown_compression_names_the_key(ar_copy, value):
+    edit_manifest(ar_copy, lambda m: {**m, "compression": value})
+    with pytest.raises(StoreError, match=r"manifest\.json: compression is .*; this forge-grain reads \['none', 'zstd'\]"):
+        TokenStore.open(ar_copy)
 
 
 def test_a_truncated_arrayrecord_shard_is_named_at_open(ar_copy):

@@ -158,7 +158,9 @@ class Manifest:
         check = _Checker(where)
         check.choice("layout", d["layout"], LAYOUTS)
         if "compression" in d:
-            check.choice("compression", d["compression"], COMPRESSIONS if d["layout"] == "arrayrecord" else ())
+            if d["layout"] != "arrayrecord":
+                check.fail("compression", f"applies to the arrayrecord layout only, not {d['layout']!r}")
+            check.choice("compression", d["compression"], COMPRESSIONS)
         check.choice("dtype", d["dtype"], DTYPES)
         check.count("vocab_size", d["vocab_size"], minimum=1)
         for key in ("bos_id", "eos_id"):
