@@ -45,7 +45,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from forge_grain import DataConfig, Pipeline, StateError, merge_states
 from forge_grain.locks import file_lock
-from forge_grain.pipeline.pipeline import STATE_VERSION
 from forge_grain.sources.streaming import START
 from forge_grain.packing.varlen import varlen
 from forge_grain.processes import exit_with_parent
@@ -299,7 +298,8 @@ class GrainIterableDataset(IterableDataset):
         state = {"kind": "worker", "next_step": next_step, "pass_end": end, "num_workers": W,
                  "fingerprint": self.pipeline.fingerprint}
         if self.pipeline.streams:  # their positions, which only this process knows
-            state["pipeline"] = self.pipeline.state_at(next_step)
+            p = self.pipeline  # (a worker past the end has finished: its state stands at the run's end)
+            state["pipeline"] = p.make_state(min(next_step, p.step_limit), p.stream_positions(next_step))
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -310,7 +310,7 @@ class GrainIterableDataset(IterableDataset):
             step = state.get("next_step")
             if self.pipeline.streams and state.get("num_workers") == W and isinstance(step, int):
                 self.pipeline.start_streams(step, W, state.get("pipeline", {}).get("streams"))  # the streams it holds
-            inner = state.get("pipeline") or {"version": STATE_VERSION, "fingerprint": state["fingerprint"]}
+            inner = state.get("pipeline") or self.pipeline.make_state(0)  # (its step replaced below)
             if isinstance(step, int) and not isinstance(step, bool):  # a worker past the end has finished
                 step = min(step, self.pipeline.step_limit)
             self.pipeline.check_state({**inner, "step": step})  # types, range, streams

@@ -35,6 +35,7 @@ _LAZY = {
     "Pipeline": "pipeline.pipeline",
     "PipelineIterator": "pipeline.pipeline",
     "StateError": "errors",
+    "StepError": "errors",
     "merge_states": "pipeline.pipeline",
 }
 

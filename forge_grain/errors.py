@@ -24,3 +24,8 @@ class MissingFilesError(StoreError, FileNotFoundError):
 
 class ConfigError(ForgeGrainError):
     """A data configuration key is unknown, missing or invalid; the message names it."""
+
+
+class StepError(ForgeGrainError, IndexError):
+    """A step that is not an integer inside the run (also an `IndexError`, as a sequence's
+    index out of range is)."""

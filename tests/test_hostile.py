@@ -18,6 +18,8 @@ from conftest import config, make_texts, store, write_jsonl
 from forge_grain import (
     DataConfig, PackingError, Pipeline, PrepareError, StoreError, TokenStore, pack, prepare, write_store,
 )
+from forge_grain.errors import StepError
+from forge_grain.pipeline import history
 from forge_grain.pipeline.pipeline import StateError
 
 CLI = [sys.executable, "-m", "forge_grain"]
@@ -162,8 +164,88 @@ def test_state_steps_out_of_range_are_refused_even_with_unlimited_epochs(stores,
 
 def test_a_tampered_config_summary_is_still_a_state_error(stores):
     p = Pipeline(config(stores), 0, 1, num_threads=0)
-    with pytest.raises(StateError, match="another config or other data"):
+    with pytest.raises(StateError, match="state config must be the pipeline's summary"):
         p.iterator({**p.state_at(3), "fingerprint": "0" * 64, "config": "not a dict"})
+    with pytest.raises(StateError, match="config does not match its fingerprint"):
+        p.iterator({**p.state_at(3), "config": {**p.state_at(3)["config"], "seed": 8}})
+
+
+def forged(state: dict, **fields) -> dict:
+    """`state` with config fields replaced and its fingerprint made to match: what a user (or
+    a tool) editing a state's JSON by hand can write."""
+    c = {**state["config"], **fields}
+    return {**state, "config": c, "fingerprint": history.digest(c)}
+
+
+HOSTILE_STATES = {  # (the state from a real one at step 3, the resume's options, what the error names)
+    "a string step": (lambda s: {**s, "step": "3"}, {}, r"state step must be an integer, not str '3'"),
+    "step 2**62, batch size change": (lambda s: {**s, "step": 2**62}, {"allow_batch_size_change": True},
+                                      r"state step 4611686018427387904 is outside"),
+    "step 2**70, batch size change": (lambda s: {**s, "step": 2**70}, {"allow_batch_size_change": True},
+                                      r"state step 1180591620717411303424 is outside"),
+    "step 2**40": (lambda s: {**s, "step": 2**40}, {}, r"state step 1099511627776 is outside \[0, 1099511627775\]"),
+    "all-zero weights": (lambda s: forged(s, schedule=[[0, [0, 0, 0]]]), {"allow_mixture_change": True},
+                         r"config\.schedule must be .* some positive"),
+    "an empty schedule": (lambda s: forged(s, schedule=[]), {"allow_mixture_change": True}, r"config\.schedule must"),
+    "sources not a list": (lambda s: forged(s, sources="web"), {"allow_mixture_change": True},
+                           r"config\.sources must be a list"),
+    "skips of 2**63 steps": (lambda s: forged(s, skips=[{"at_step": 3, "steps": 2**63}]), {},
+                             r"config\.skips skips more steps than any run has"),
+    "a config that is a list": (lambda s: {**s, "config": [1], "fingerprint": history.digest([1])},
+                                {"allow_mixture_change": True}, r"state config must be the pipeline's summary"),
+    "a batch change after the step": (
+        lambda s: forged(s, batch_history=[{"until_step": 50, "batches": [[0, 4]]}]), {},
+        r"config\.batch_history records a change at step 50, after the state's own step 3"),
+    "a mixture change after the step": (
+        lambda s: forged(s, history=[{"until_step": 9, "sources": ["web"], "schedule": [[0, [1.0]]]}]),
+        {}, r"config\.history records a change at step 9"),
+    "a skip after the step": (lambda s: forged(s, skips=[{"at_step": 4, "steps": 1}]), {},
+                              r"config\.skips records a change at step 4"),
+    "an unknown summary key": (lambda s: forged(s, rows_per_step=4), {}, r"config\.rows_per_step is not a key"),
+    "a float seq_len": (lambda s: forged(s, seq_len=64.0), {"allow_mixture_change": True},
+                        r"config\.seq_len must be a positive integer"),
+    "a fingerprint that is a number": (lambda s: {**s, "fingerprint": 7}, {}, r"state fingerprint must be a string"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_STATES))
+def test_hostile_states_end_in_a_state_error_naming_the_field(stores, name):
+    """Every field of a state is checked against what a real state can hold, before any of it
+    is used: on a plain resume, with each allowance, and when an iterator restores it."""
+    make, options, match = HOSTILE_STATES[name]
+    p = Pipeline(config(stores, num_epochs=None), 0, 1, num_threads=0)
+    state = make(p.state_at(3))
+    with pytest.raises(StateError, match=match):
+        Pipeline(config(stores, num_epochs=None), 0, 1, num_threads=0, resume_from=state, **options)
+    with pytest.raises(StateError, match=match):
+        p.iterator(state)
+
+
+def test_a_forged_batch_history_never_trains_other_batch_sizes(stores):
+    """A state whose (re-hashed) summary claims a batch change it cannot have made is refused,
+    not resumed at 4 rows a step where the config says 8."""
+    p = Pipeline(config(stores), 0, 1, num_threads=0)
+    state = forged(p.state_at(3), batch_history=[{"until_step": 50, "batches": [[0, 4]]}])
+    with pytest.raises(StateError, match="batch_history records a change at step 50"):
+        Pipeline(config(stores), 0, 1, num_threads=0, resume_from=state)
+    real = Pipeline(config(stores, global_batch_size=4), 0, 1, num_threads=0).state_at(3)
+    resumed = Pipeline(config(stores), 0, 1, num_threads=0, resume_from=real, allow_batch_size_change=True)
+    assert len(next(resumed.iterator(real))["inputs"]) == 8  # a real change: the config's size from the state on
+
+
+@pytest.mark.parametrize("step", [2.5, np.float64(3.0), "3", True, -1, 10**6])
+def test_steps_are_integers_inside_the_run_everywhere(stores, step):
+    """Every method taking a step refuses one that is not an integer step of the run (a float
+    once returned rows straddling two steps; a step past the end once answered)."""
+    p = Pipeline(config(stores, num_epochs=1), 0, 1, num_threads=0)
+    assert p.num_steps < 10**6
+    for call in (p.batch, p.global_batch, p.batch_hash, p.explain, p.state_at, p.phase_at, p.consumed,
+                 p.local_size):
+        with pytest.raises(StepError, match=r"step must be an integer|outside this run's steps"):
+            call(step)
+    with pytest.raises(StepError):
+        p.global_batch(p.num_steps)
+    assert p.state_at(p.num_steps)["step"] == p.num_steps  # where a finished run's state stands
 
 
 @pytest.fixture

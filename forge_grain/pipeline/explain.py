@@ -17,6 +17,7 @@ import numpy as np
 
 from forge_grain.errors import ConfigError
 from forge_grain.packing.packed import PackedDataset
+from forge_grain.pipeline.states import step_number
 
 HASHED = ("inputs", "targets", "loss_mask")
 
@@ -36,12 +37,10 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
     `index_in_file` where the reader knows them: files at URLs), else their segments are
     None; `forge-grain explain --state` makes the steps from a saved state first."""
     p = pipeline
-    if not 0 <= step < p.step_limit:
-        raise IndexError(f"step {step} is outside [0, {p.step_limit})")
+    step = step_number(step, p.step_limit)
     rows, first = p.global_rows(step), 0
     if shard is not None:
-        if not 0 <= shard < p.shard_count:
-            raise IndexError(f"shard {shard} is outside [0, {p.shard_count})")
+        shard = step_number(shard, p.shard_count, what="shard")
         first = shard * p.local_size(step)
         rows = rows[first : first + p.local_size(step)]
     src, rank = p.mixture.locate(rows)

@@ -26,7 +26,7 @@ import grain
 import numpy as np
 
 from forge_grain.pipeline import explain as flight
-from forge_grain.pipeline import history
+from forge_grain.pipeline import history, states
 from forge_grain.pipeline.batches import BatchSchedule, combined as batch_plan
 from forge_grain.pipeline.config import ConfigError, DataConfig
 from forge_grain.errors import StateError, StoreError
@@ -38,7 +38,6 @@ from forge_grain.sources.deferred import SourceRecords, source_key
 from forge_grain.sources.factory import open_source
 from forge_grain.sources.streaming import START
 
-STATE_VERSION = 1
 # Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
 # so a state saved before such a change is refused instead of resuming into other data.
 # 2: exact small-epoch shuffles, own document permutation; 3: mixture weights used exactly.
@@ -196,6 +195,8 @@ class Pipeline:
         self._not_as_sent: StoreError | None = None  # set where a process rebuilt it on other data (_rebuild)
         self._warn_unreachable_phases()
         self.rowmap = self._apply_skips()
+        if resume_from is not None:
+            self.check_state(resume_from)  # its step is one of this run's, before anything is opened
         self._opener = AheadOpener(self, start)
 
     def _check_shards(self, batches: BatchSchedule, from_step: int = 0) -> None:
@@ -240,7 +241,7 @@ class Pipeline:
 
     def local_size(self, step: int) -> int:
         """Rows of this shard's part of global batch `step`."""
-        size = self.batches.size(step)
+        size = self.batches.size(states.step_number(step, self.step_limit, end=True))
         if size % self.shard_count:
             raise ConfigError(f"the batch size {size} at step {step} does not divide among {self.shard_count} "
                               f"shards (the schedule's sizes: {self.batches.to_list()})")
@@ -420,10 +421,7 @@ class Pipeline:
     def _adopt_history(self, state: dict, allow_change: bool, allow_batches: bool = False) -> None:
         """The mixture and batch histories and skips of `state`, extended by a change to this
         config if allowed."""
-        if not isinstance(state, dict) or "fingerprint" not in state:
-            raise StateError(f"resume_from: not a forge-grain pipeline state: {str(state)[:200]}")
-        saved = state.get("config")
-        saved = saved if isinstance(saved, dict) else {}
+        saved = states.check(state)["config"]
         try:
             self.history = list(history.check(saved.get("history", [])))
             self.skips = list(history.check_skips(saved.get("skips", [])))
@@ -483,12 +481,11 @@ class Pipeline:
         documents = _document_lists(documents)
         if self.layout is not None:
             raise ConfigError(f"{what}: streaming sources are read in order and cannot skip yet")
+        states.check(state)
         if self._resumed_from is None and state["fingerprint"] != self._fingerprint()[0]:
             raise StateError(f"{what}: the state was saved by a pipeline with another config or other data "
                              "(to change the mixture as well, pass allow_mixture_change=True)")
         step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateError(f"the state's step {step!r} is not a step")
         if self.skips and step < self.skips[-1]["at_step"]:
             raise StateError(f"the state's step {step} is before its own last skip (at {self.skips[-1]['at_step']})")
         self._resumed_from = self._resumed_from or (state["fingerprint"], step)
@@ -506,7 +503,7 @@ class Pipeline:
     def phase_at(self, step: int) -> dict:
         """The mixture in force at `step`: its `start_step`, `weights` by source name (after the
         temperature, summing to 1) and `lr_scale`, for a scheduler to apply exactly at the step."""
-        return self._phase(self._stream_step_of(step))  # phases are steps of the stream as if nothing was skipped
+        return self._phase(self._stream_step_of(states.step_number(step, self.step_limit, end=True)))  # phases are steps of the stream as if nothing was skipped
 
     def _phase(self, stream_step: int) -> dict:
         schedule = self.config.schedule()  # entry 0 is the base mix; entry k > 0 is phase k - 1
@@ -542,9 +539,8 @@ class Pipeline:
     def _reached(self, step: int) -> np.ndarray:
         """Each source's rows of the uninterrupted stream before the row step `step` starts
         at (trained, or skipped)."""
-        if not 0 <= step <= self.step_limit:
-            raise IndexError(f"step {step} is outside [0, {self.step_limit}]")
-        return self.mixture.counts(self.rowmap.stream_row(self.batches.row(int(step))))
+        step = states.step_number(step, self.step_limit, end=True)
+        return self.mixture.counts(self.rowmap.stream_row(self.batches.row(step)))
 
     def describe(self, steps: int | None = None) -> dict:
         """The run this config describes, from plans and lengths alone (no token is read):
@@ -663,8 +659,7 @@ class Pipeline:
 
         With streaming sources, steps must come in order (restore a state to go back).
         """
-        if step < 0 or step >= self.step_limit:
-            raise IndexError(f"step {step} is outside [0, {self.step_limit})")
+        step = states.step_number(step, self.step_limit)
         if self._not_as_sent is not None:
             raise self._not_as_sent
         if self.streams and step != self._stream_step:
@@ -743,6 +738,7 @@ class Pipeline:
         """All of global batch `step` (what every shard's parts concatenate to)."""
         if self.streams:
             raise StateError("streaming sources are read per shard; there is no global batch to compute here")
+        step = states.step_number(step, self.step_limit)
         out = self.mixture.get_batch(self.global_rows(step), id_dtype=self.dtype)
         out["step"] = np.int64(step)
         return out
@@ -797,7 +793,8 @@ class Pipeline:
     def make_state(self, step: int, streams: list | None = None) -> dict:
         """The state at `step`, with streaming sources' positions `streams` (one dict of
         canonical stream states per streaming source)."""
-        state = {"version": STATE_VERSION, "step": int(step), "fingerprint": self.fingerprint, "config": self._summary}
+        step = states.step_number(step, self.step_limit, end=True)
+        state = {"version": states.STATE_VERSION, "step": step, "fingerprint": self.fingerprint, "config": self._summary}
         if self.streams:
             state.update(streams=streams, canonical=[self.layout.groups, self.layout.classes],
                          streams_sha256=history.digest(streams))
@@ -805,10 +802,7 @@ class Pipeline:
 
     def check_state(self, state: dict) -> int:
         """The step of `state`, after checking it belongs to this pipeline's config and data."""
-        if not isinstance(state, dict) or "step" not in state or "fingerprint" not in state:
-            raise StateError(f"not a forge-grain pipeline state: {str(state)[:200]}")
-        if state.get("version") != STATE_VERSION:
-            raise StateError(f"pipeline state version {state.get('version')!r} is not {STATE_VERSION}")
+        states.check(state)
         if self._resumed_from is not None and (state["fingerprint"], state["step"]) == self._resumed_from:
             return int(state["step"])  # the state this pipeline changed the mixture of
         if state["fingerprint"] != self.fingerprint:
@@ -824,12 +818,10 @@ class Pipeline:
                 "allow_mixture_change=True); the batch sizes with allow_batch_size_change=True. What may not: "
                 "a source's data or packing, seq_len, seed, num_epochs."
             )
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise StateError(f"state step must be an integer, not {type(step).__name__} {step!r}")
-        step = int(step)
-        if not 0 <= step <= self.step_limit:
-            raise StateError(f"state step {step} is outside [0, {self.step_limit}]")
+        step = int(state["step"])
+        last = self.num_steps if self.num_steps is not None else self.step_limit - 1  # an unlimited run never ends
+        if not 0 <= step <= last:
+            raise StateError(f"state step {step} is outside [0, {last}]")
         bad = self.batches.indivisible(self.shard_count, step)
         if bad is not None:
             raise StateError(f"the batch size {bad[1]} at step {bad[0]} does not divide among {self.shard_count} "
@@ -1000,7 +992,7 @@ class PipelineIterator(grain.DatasetIterator):
 
     def __next__(self) -> dict:
         p = self.pipeline
-        if p.num_steps is not None and self._step >= p.num_steps:
+        if self._step >= p.step_limit:  # the run's last step (or the last the arithmetic reaches)
             raise StopIteration
         if p.worker_count > 0:
             # out of Grain's shared memory into arrays the caller owns: a batch a caller keeps
