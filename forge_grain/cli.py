@@ -11,7 +11,48 @@ import warnings
 from pathlib import Path
 
 from forge_grain import __version__
-from forge_grain.errors import ForgeGrainError
+from forge_grain.errors import ForgeGrainError, StateError
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line naming it (and how to get help), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _at_least(low: int):
+    """An argparse type: an integer >= `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not {'positive' if low == 1 else f'>= {low}'}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def _output_file(text: str) -> str:
+    """An argparse type: a file to write, in a directory that exists, not a directory itself."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name to write")
+    if not path.resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the directory {path.parent} does not exist")
+    return text
+
+
+def _state_file(text: str) -> tuple[str, dict]:
+    """An argparse type: (the path, the saved data state read from it as JSON)."""
+    try:
+        return text, json.loads(Path(text).read_text())
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"{text}: not a saved state (invalid JSON: {e})") from None
 
 
 def _storage_options(parser) -> None:
@@ -154,12 +195,15 @@ def _recorded_pipeline(a, rank: int = 0, world_size: int = 1):
     from forge_grain.pipeline.config import DataConfig
     from forge_grain.pipeline.pipeline import Pipeline
 
-    state = json.loads(Path(a.state).read_text()) if a.state else None
+    path, state = a.state or (None, None)  # (read by `_state_file`)
     config = DataConfig.from_toml(a.config, world_size=a.world_size)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # a state of another config: the run resumed it with a change
         warnings.simplefilter("ignore")
-        return Pipeline(config, rank, world_size, num_threads=0, resume_from=state,
-                        allow_mixture_change=state is not None), state
+        try:
+            return Pipeline(config, rank, world_size, num_threads=0, resume_from=state,
+                            allow_mixture_change=state is not None, allow_batch_size_change=state is not None), state
+        except StateError as e:
+            raise StateError(f"--state {path}: {e}") from None
 
 
 def _explain(a) -> None:
@@ -245,9 +289,9 @@ def _demo(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="forge-grain", description="Token stores, packing and mixing on Grain.")
+    p = _Parser(prog="forge-grain", description="Token stores, packing and mixing on Grain.")
     p.add_argument("--version", action="version", version=f"forge-grain {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     pr = sub.add_parser("prepare", help="tokenize a text corpus into a token store")
     pr.add_argument("input", help="file, directory or glob of .txt/.jsonl/.parquet, a saved dataset, or a hub name")
@@ -256,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--text-field", default="text", help="column holding the text (default: text)")
     pr.add_argument("--token-field", help="column already holding token ids (lists of ints): written without "
                     "tokenizing; needs --vocab-size or --tokenizer")
-    pr.add_argument("--vocab-size", type=int, help="with --token-field: ids must lie in [0, N)")
+    pr.add_argument("--vocab-size", type=_at_least(1), help="with --token-field: ids must lie in [0, N)")
     pr.add_argument("--split", help="split of a directory of split files, a saved DatasetDict or a hub dataset "
                     "(default: train)")
     pr.add_argument("--join-lists", metavar="SEP", help="join a text field holding lists of strings with SEP "
@@ -271,15 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start documents with BOS (default: on for text, off for --token-field)")
     pr.add_argument("--eos", action=argparse.BooleanOptionalAction, default=None,
                     help="end documents with EOS (default: on for text, off for --token-field)")
-    pr.add_argument("--bos-id", type=int, help="with --token-field: the BOS id the documents start with (checked)")
-    pr.add_argument("--eos-id", type=int, help="with --token-field: the EOS id the documents end with (checked)")
+    pr.add_argument("--bos-id", type=_at_least(0), help="with --token-field: the BOS id the documents start with (checked)")
+    pr.add_argument("--eos-id", type=_at_least(0), help="with --token-field: the EOS id the documents end with (checked)")
     pr.add_argument("--bos-token", help="the BOS token's string (default: found by its usual names)")
     pr.add_argument("--eos-token", help="the EOS token's string (default: found by its usual names)")
     pr.add_argument("--layout", default="bin", choices=["bin", "arrayrecord"], help="on-disk layout (default: bin)")
-    pr.add_argument("--num-shards", type=int, help="shards to write (default: about 64 MiB of text each)")
-    pr.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default: 1)")
+    pr.add_argument("--num-shards", type=_at_least(1), help="shards to write (default: about 64 MiB of text each)")
+    pr.add_argument("--num-proc", type=_at_least(1), default=1, help="tokenizer processes (default: 1)")
     pr.add_argument("--overwrite", action="store_true", help="replace a store prepared with other settings")
-    pr.add_argument("--piece-chars", type=int, default=1 << 20,
+    pr.add_argument("--piece-chars", type=_at_least(1), default=1 << 20,
                     help="tokenize longer documents in pieces of about this many characters, with the same ids; "
                     "bounds memory at ~150 bytes per token of a piece (default: 1048576)")
     pr.add_argument("--runner", default="local", choices=["local", "beam"],
@@ -294,31 +338,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="what a config (or a KempnerForge job file) will do, before training")
     pl.add_argument("config", help="a forge-grain TOML config or a KempnerForge job file")
-    pl.add_argument("--steps", type=int, help="describe the first N steps (default: all of the run's)")
-    pl.add_argument("--world-size", type=int, help="a KempnerForge job's world size (default: WORLD_SIZE, or 1)")
-    pl.add_argument("--plan-workers", type=int, help="processes planning large stores (default: one per core)")
+    pl.add_argument("--steps", type=_at_least(1), help="describe the first N steps (default: all of the run's)")
+    pl.add_argument("--world-size", type=_at_least(1), help="a KempnerForge job's world size (default: WORLD_SIZE, or 1)")
+    pl.add_argument("--plan-workers", type=_at_least(1), help="processes planning large stores (default: one per core)")
     pl.add_argument("--json", action="store_true", help="print the description as JSON, for tools")
-    pl.add_argument("--plot", metavar="PNG", help="also draw the share of each source over the steps to this PNG "
+    pl.add_argument("--plot", metavar="PNG", type=_output_file, help="also draw the share of each source over the steps to this PNG "
                     "(needs forge-grain[plot])")
     pl.set_defaults(func=_plan)
 
     def recorded(name: str, help: str):
         sp = sub.add_parser(name, help=help)
         sp.add_argument("config", help="a forge-grain TOML config or a KempnerForge job file")
-        sp.add_argument("--state", help="a saved data state (JSON): for streaming sources and mixture changes")
-        sp.add_argument("--world-size", type=int, help="the run's number of shards (default 1)")
+        sp.add_argument("--state", type=_state_file, help="a saved data state (JSON): for streaming sources and mixture changes")
+        sp.add_argument("--world-size", type=_at_least(1), help="the run's number of shards (default 1)")
         return sp
 
     ex = recorded("explain", "which documents each row of a step's batch holds")
-    ex.add_argument("--step", type=int, required=True)
-    ex.add_argument("--rank", type=int, help="only this shard's rows (with --world-size)")
+    ex.add_argument("--step", type=_at_least(0), required=True)
+    ex.add_argument("--rank", type=_at_least(0), help="only this shard's rows (with --world-size)")
     ex.add_argument("--decode", action="store_true", help="also the text, with the store's tokenizer")
     ex.add_argument("--json", action="store_true", help="as JSON, for tools")
     ex.set_defaults(func=_explain)
     rp = recorded("replay", "write the exact batches a rank saw at some steps to an .npz file")
     rp.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
-    rp.add_argument("--rank", type=int, default=0)
-    rp.add_argument("--out", required=True, help="the .npz file: one array per batch key, [steps, rows, seq_len]")
+    rp.add_argument("--rank", type=_at_least(0), default=0)
+    rp.add_argument("--out", required=True, type=_output_file, help="the .npz file: one array per batch key, [steps, rows, seq_len]")
     rp.set_defaults(func=_replay)
     ha = recorded("hashes", "a digest of each global batch's content (Pipeline.batch_hash), one line a step")
     ha.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
@@ -334,12 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the format, when detection from the files should not decide")
     ins.add_argument("--token-field", help="Arrow/MDS datasets: the column of token ids (default input_ids / tokens)")
     ins.add_argument("--verify", action="store_true", help="check checksums and token ids (reads everything)")
-    ins.add_argument("--plot", metavar="PNG", help="also write a length histogram to this PNG")
+    ins.add_argument("--plot", metavar="PNG", type=_output_file, help="also write a length histogram to this PNG")
     ins.add_argument("--dtype", help="dtype of raw token files (uint16, uint32, int32, ...); required for raw "
                      "files unless --vocab-size or --tokenizer decides it")
-    ins.add_argument("--eos-id", type=int, help="raw files: documents end with this id (other formats: checked)")
-    ins.add_argument("--bos-id", type=int, help="raw files: documents start with this id (other formats: checked)")
-    ins.add_argument("--vocab-size", type=int, help="foreign files: check ids are below this")
+    ins.add_argument("--eos-id", type=_at_least(0), help="raw files: documents end with this id (other formats: checked)")
+    ins.add_argument("--bos-id", type=_at_least(0), help="raw files: documents start with this id (other formats: checked)")
+    ins.add_argument("--vocab-size", type=_at_least(1), help="foreign files: check ids are below this")
     ins.add_argument("--tokenizer", help="foreign files: the tokenizer that made them (gives the vocabulary size)")
     ins.add_argument("--split", help="foreign files: the split to read in a directory of several (train, validation, test)")
     ins.add_argument("--file-pattern", help="foreign files: a glob of the files to read within the directory")
@@ -347,9 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="raw files may begin or end inside a document (not checked against --bos-id/--eos-id)")
     ins.add_argument("--full-fingerprint", action="store_true",
                      help="foreign files: hash every byte for the fingerprint (default: sampled blocks)")
-    ins.add_argument("--seq-len", type=int, help="also report how each packing strategy fills rows of this length")
+    ins.add_argument("--seq-len", type=_at_least(1), help="also report how each packing strategy fills rows of this length")
     ins.add_argument("--seed", type=int, default=0, help="document shuffle seed for the packing report")
-    ins.add_argument("--max-segments", type=int, metavar="K",
+    ins.add_argument("--max-segments", type=_at_least(1), metavar="K",
                      help="with --seq-len: also plan with at most K documents (segments) a row, and show the fill "
                      "it costs (DataConfig.max_segments_per_row)")
     _storage_options(ins)
@@ -357,9 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     de = sub.add_parser("demo", help="run the whole flow on a corpus that needs no download")
     de.add_argument("--workdir", default="forge-grain-demo", help="where to write (default: ./forge-grain-demo)")
-    de.add_argument("--max-files", type=int, default=600, help="standard library files in the corpus")
-    de.add_argument("--num-proc", type=int, default=2, help="tokenizer processes (default: 2)")
-    de.add_argument("--steps", type=int, default=60, help="training steps to simulate (default: 60)")
+    de.add_argument("--max-files", type=_at_least(1), default=600, help="standard library files in the corpus")
+    de.add_argument("--num-proc", type=_at_least(1), default=2, help="tokenizer processes (default: 2)")
+    de.add_argument("--steps", type=_at_least(1), default=60, help="training steps to simulate (default: 60)")
     de.set_defaults(func=_demo)
     return p
 
@@ -374,7 +418,23 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `forge-grain inspect ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:  # a file named on the command line (or in a config) that cannot be read or written
+        print(f"forge-grain: error: {_os_error(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug, not a bad argument: one line still, the traceback on request
+        if os.environ.get("FORGE_GRAIN_TRACEBACK") == "1":
+            raise
+        print(f"forge-grain: internal error: {type(e).__name__}: {e} (FORGE_GRAIN_TRACEBACK=1 shows where; please "
+              "report it)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _os_error(e: OSError) -> str:
+    """'PATH: what went wrong' (the path first, as every other error names its file)."""
+    if e.filename is None:
+        return str(e)
+    return f"{e.filename}: {e.strerror or e}" + (f" (-> {e.filename2})" if e.filename2 else "")
 
 
 if __name__ == "__main__":

@@ -45,14 +45,7 @@ def extend(state: dict, current: dict) -> list[dict]:
         raise HistoryError("the state's config does not match its fingerprint: it was changed after it was saved")
     if "streams" in state:
         raise HistoryError("streaming sources resume only with the mixture they were saved with")
-    fixed = [k for k in FIXED_KEYS if saved.get(k) != current.get(k)]
-    if fixed:
-        raise HistoryError(f"a mixture change may not change {fixed}; only weights, phases, temperature and sources")
-    before = {s["name"]: s for s in saved["sources"]}
-    changed = [s["name"] for s in current["sources"] if s["name"] in before
-               and any(before[s["name"]].get(k) != s.get(k) for k in SOURCE_KEYS)]
-    if changed:
-        raise HistoryError(f"sources {changed} changed their data or packing since the state was saved")
+    check_fixed(saved, current)
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise HistoryError(f"the state's step {step!r} is not a step")
@@ -65,6 +58,20 @@ def extend(state: dict, current: dict) -> list[dict]:
         tree = _union(names, history)
         history = [{**seg, "tree": tree} for seg in history]
     return history + [{"until_step": step, "sources": names, "schedule": saved["schedule"], "tree": tree}]
+
+
+def check_fixed(saved: dict, current: dict) -> None:
+    """A HistoryError naming what no resume may change between the summaries `saved` and
+    `current`: the keys that decide every source's rows, and a kept source's data or packing."""
+    fixed = [k for k in FIXED_KEYS if saved.get(k) != current.get(k)]
+    if fixed:
+        raise HistoryError(f"a resume may not change {fixed}; only weights, phases, temperature, sources and batch "
+                           "sizes")
+    before = {s["name"]: s for s in saved["sources"]}
+    changed = [s["name"] for s in current["sources"] if s["name"] in before
+               and any(before[s["name"]].get(k) != s.get(k) for k in SOURCE_KEYS)]
+    if changed:
+        raise HistoryError(f"sources {changed} changed their data or packing since the state was saved")
 
 
 def check(history) -> list[dict]:

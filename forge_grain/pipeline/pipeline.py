@@ -436,7 +436,8 @@ class Pipeline:
             return  # strict: check_state names what differs
         mixtures, self.skips, self.batch_history = kept
         try:
-            if saved and history.saved_batches(saved) != self._config_batches():
+            history.check_fixed(saved, self._fingerprint(with_history=False)[1])  # before advising an allowance
+            if history.saved_batches(saved) != self._config_batches():
                 if not allow_batches:
                     raise StateError("the batch size differs from the state's (global_batch_size, batch_sizes or "
                                      "batch_ramp): pass allow_batch_size_change=True to continue its rows in the new "
