@@ -249,15 +249,22 @@ def test_a_full_fingerprint_is_a_source_key(tmp_path):
     """The README's remedy for a foreign file rewritten between sampled blocks: the state
     refuses the changed data when the source hashes every byte."""
     from forge_grain import ConfigError, StateError
+    from forge_grain.stores import checks
 
-    tokens = np.tile(np.array([5, 6, 7, 1], np.uint16), 200_000)
+    tokens = np.tile(np.array([5, 6, 7, 1], np.uint16), 1_200_000)  # 9.6 MB: sampled, not hashed whole
     tokens.tofile(tmp_path / "t.bin")
     cfg = lambda fp: DataConfig.from_dict(dict(  # noqa: E731
         sources=[dict(name="t", path=str(tmp_path / "t.bin"), dtype="uint16", eos_id=1, vocab_size=10,
                       **({"fingerprint": fp} if fp else {}))], seq_len=16, global_batch_size=2))
     state = Pipeline(cfg("full"), 0, 1, num_threads=0).state_at(3)
     sampled = Pipeline(cfg(None), 0, 1, num_threads=0).state_at(3)
-    tokens[300_001] = 9  # between sampled blocks, EOS positions unchanged
+    sampled_bytes = np.zeros(tokens.nbytes, bool)
+    for off in checks.sample_offsets(tokens.nbytes):
+        sampled_bytes[off : off + checks.SAMPLE_BLOCK_BYTES] = True
+    for off in checks.probe_offsets(tokens.nbytes):
+        sampled_bytes[off : off + checks.PROBE_BYTES] = True
+    unseen = next(i for i in range(300_001, len(tokens), 4) if not sampled_bytes[2 * i : 2 * i + 2].any())
+    tokens[unseen] = 9  # one token no block or probe reads, EOS positions unchanged
     tokens.tofile(tmp_path / "t.bin")
     with pytest.raises(StateError, match="other data"):
         Pipeline(cfg("full"), 0, 1, num_threads=0).iterator(state)

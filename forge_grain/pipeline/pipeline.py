@@ -812,6 +812,11 @@ class Pipeline:
             diff = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
             if diff == ["canonical"]:
                 self._check_canonical(state)
+            changed = self._changed_data(saved.get("sources"))
+            if changed:
+                raise StateError(f"{changed}: the data is not what the state was saved with (a file rewritten, "
+                                 "replaced, added or removed since): resume on the data the run trained on, or start "
+                                 "a new run on this data")
             raise StateError(
                 "this state was saved by a pipeline with another config or other data; differing: "
                 f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "
@@ -831,6 +836,15 @@ class Pipeline:
         if self.streams:
             self._check_stream_state(state)
         return step
+
+    def _changed_data(self, saved_sources) -> str:
+        """The sources whose data differs from the saved summary's sources of the same name
+        ("source 'web' (/data/web.bin)"), or "" when none does."""
+        saved = {s.get("name"): s.get("data") for s in saved_sources or [] if isinstance(s, dict)}
+        ours = {s["name"]: s["data"] for s in self._summary["sources"]}
+        names = [n for n in ours if n in saved and saved[n] != ours[n]]
+        where = {s.name: _where(s) for s in self.config.sources}
+        return ", ".join(f"source '{n}' ({where[n]})" for n in names)
 
     def _check_canonical(self, state: dict) -> None:
         canonical = [self.layout.groups, self.layout.classes] if self.layout else None

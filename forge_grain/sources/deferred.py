@@ -134,7 +134,7 @@ class SourceRecords:
         """Record a source this build opened in full."""
         if key is None or not dataset.plan_key:
             return  # a plan kept in memory is rebuilt by every process: nothing to defer to
-        files = [_absolute(f) for f in store.files]
+        files = [_absolute(f) for f in [*store.files, *store.index_files]]
         try:
             sig = signature(_absolute(store.path), files)
         except OSError:

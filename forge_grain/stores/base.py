@@ -313,6 +313,12 @@ class TokenStore:
         return list(self._files)
 
     @property
+    def index_files(self) -> list[Path]:
+        """Files outside the store's directory it reads besides `files` (a Megatron prefix's
+        `.idx`): what else a rewrite of the store touches."""
+        return []
+
+    @property
     def fingerprint(self) -> str:
         """Identity of the data: checksums a format records, or the files' content
         fingerprints and the document boundaries (see `checks.content_fingerprint`)."""

@@ -51,6 +51,10 @@ class MegatronStore(TokenStore):
         self._indices = [Path(f"{p}.idx") for p in prefixes]
         self._fingerprint = self._fingerprint_files([checks.content_fingerprint(i, self._full) for i in self._indices])
 
+    @property
+    def index_files(self) -> list[Path]:
+        return list(self._indices)
+
     def _prefixes(self) -> list[Path]:
         if self.path.is_dir():
             found = sorted(f.with_suffix("") for f in self.path.glob("*.idx") if identify.megatron_index(f))
