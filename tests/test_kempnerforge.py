@@ -625,3 +625,38 @@ def test_a_declared_eos_that_the_files_cannot_hold_is_refused(tmp_path, three_so
     cfg = job(tmp_path, f'dataset_path = "{three_sources["web"]}"\npack_sequences = true\neos_id = 100000')
     with pytest.raises(ValueError, match="eos_id=100000 cannot occur in uint16 tokens"):
         Pipeline(cfg, 0, 1, num_threads=0)
+
+
+@pytest.mark.parametrize("schedule, outcome", [
+    # the last part of a path names its source (how job files written for the earlier naming call it)
+    ("anneal_start_step = 20\nanneal_weights = { math = 3.0, web = 1.0 }", {"math": 3.0, "web": 1.0}),
+    ("phases = [{ start_step = 20, dataset_weights = { math = 0.5 } }]", {"math": 0.5}),
+    # the intended errors come first, whatever names the weights use
+    ("phases = [{ start_step = -1, dataset_weights = { math = 1.0 } }]", r"start_step must be >= 0"),
+    ("phases = [{ start_step = 20, dataset_weights = { math = 0.0, web = 0.0, code = 0.0 } }]",
+     r"the weights are all zero"),
+    ("phases = [{ start_step = 20, dataset_weights = { maths = 1.0 } }]", r"names unknown source\(s\) \['maths'\]"),
+])
+def test_phases_name_a_source_by_its_path_or_the_paths_last_part(tmp_path, three_sources, schedule, outcome):
+    text = MIXTURE.format(tok=DEFAULT_TOKENIZER, schedule=schedule, **three_sources)
+    if isinstance(outcome, str):
+        with pytest.raises(ConfigError, match=outcome):
+            job(tmp_path, text)
+        return
+    cfg = job(tmp_path, text)
+    math = str(three_sources["math"])  # named by its path as written, as KempnerForge names it
+    (phase,) = cfg.all_phases()
+    assert phase.weights == {"web": 4.0, "code": 1.0, math: 1.0,
+                             **{math if k == "math" else k: v for k, v in outcome.items()}}
+
+
+def test_a_single_dataset_paths_last_part_names_it_in_anneal_weights(tmp_path):
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "a.npy", np.concatenate(docs(5, n=300)).astype(np.uint16))
+    cfg = job(tmp_path, f'dataset_path = "{tmp_path / "data"}"\ntokenizer_path = "{DEFAULT_TOKENIZER}"\n'
+                        'anneal_start_step = 10\nanneal_weights = { data = 1.0 }')
+    (phase,) = cfg.all_phases()
+    assert phase.weights == {str(tmp_path / "data"): 1.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert Pipeline(cfg, 0, 1, num_threads=0).batch(12)["inputs"].shape == (8, 64)

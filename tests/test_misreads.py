@@ -271,3 +271,19 @@ def test_a_full_fingerprint_is_a_source_key(tmp_path):
     Pipeline(cfg(None), 0, 1, num_threads=0).iterator(sampled)  # the documented limit of sampling
     with pytest.raises(ConfigError, match=r"sources\[0\]\.fingerprint: must be 'sampled' or 'full'"):
         cfg("every byte")
+
+
+@pytest.mark.parametrize("name", ["empty.bin", "empty.npy", "dir/part-1.bin"])
+def test_an_empty_token_file_is_refused_naming_it(tmp_path, name):
+    """A raw file of no tokens (a write that failed) is not a store of 0 documents, alone or
+    among other files."""
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    if name.endswith(".npy"):
+        np.save(path, np.zeros(0, np.uint16))
+    else:
+        path.write_bytes(b"")
+    if name.startswith("dir/"):
+        np.array([5, 6, 1], np.uint16).tofile(tmp_path / "dir" / "part-0.bin")
+    with pytest.raises(StoreError, match=rf"{path}: holds no tokens"):
+        TokenStore.open(path.parent if name.startswith("dir/") else path, dtype="uint16", eos_id=1)

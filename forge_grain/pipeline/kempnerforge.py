@@ -238,18 +238,33 @@ def _phases(data: dict, sources: list[SourceConfig], names: list[str], where: st
             _check_type(f"{where}: data.phases[{i}].dataset_weights.{name}", w, (int, float))
             if w < 0:
                 raise ConfigError(f"{where}: data.phases[{i}].dataset_weights.{name} must be >= 0, got {w}")
-        strangers = sorted(set(weights) - set(names))
-        if strangers:
-            raise ConfigError(f"{where}: data.phases[{i}].dataset_weights names unknown source(s) {strangers} "
-                              f"(sources: {names})")
         start, lr_scale = p.get("start_step", 0), float(p.get("lr_scale", 1.0))
         if start < 0 or lr_scale <= 0:
             raise ConfigError(f"{where}: data.phases[{i}]: start_step must be >= 0 and lr_scale > 0")
         if i and start <= raw[i - 1].get("start_step", 0):
             raise ConfigError(f"{where}: data.phases start_steps must increase strictly (as KempnerForge requires)")
+        weights = {_source_named(k, sources, f"{where}: data.phases[{i}].dataset_weights"): float(v)
+                   for k, v in weights.items()}
         at = max(start, 1)
-        by_step[at] = Phase(at, {**original, **{k: float(v) for k, v in weights.items()}}, lr_scale)
+        by_step[at] = Phase(at, {**original, **weights}, lr_scale)
     return list(by_step.values())
+
+
+def _source_named(key: str, sources: list[SourceConfig], where: str) -> str:
+    """The source a phase's weight names: by its name (KempnerForge's: `name`, else the path or
+    Hub name as written), or by the last part of its path when that is one source's (how job
+    files written for forge-grain's earlier naming, and people, call a source: `data` for
+    `/scratch/corpus/data`). A name that is no source's is an error, not a weight ignored."""
+    if any(s.name == key for s in sources):
+        return key
+    by_tail = [s.name for s in sources if s.path is not None and Path(str(s.path).rstrip("/")).name == key]
+    if len(by_tail) == 1:
+        return by_tail[0]
+    names = [s.name for s in sources]
+    if by_tail:
+        raise ConfigError(f"{where}: {key!r} is the last part of several sources' paths {by_tail}: name them "
+                          "(data.datasets[].name) and use those names")
+    raise ConfigError(f"{where} names unknown source(s) [{key!r}] (sources: {names})")
 
 
 register_reader("kempnerforge", is_kempnerforge, config_from_job)

@@ -288,6 +288,9 @@ class RawStore(TokenStore):
         self.dtype = self._one_dtype({a.dtype for a in self._arrays}, "token files")
         offsets = []
         for f, a in zip(self._files, self._arrays):
+            if len(a) == 0:  # a write that never happened, or failed: no store of 0 tokens is meant
+                raise StoreError(f"{f}: holds no tokens ({f.stat().st_size} bytes); a token file holds at least one "
+                                 "(write it again, or leave it out with file_pattern)")
             raw = checks.aligned_sample(a)  # read once: the width check and the cache check use it
             checks.check_width(f, raw, a.dtype, declared=dtype is not None or _has_npy_header(f), vocab_size=vocab_size)
             sample = raw.view(a.dtype)
