@@ -4,6 +4,9 @@ through s3fs, with faults injected by an HTTP proxy between the two (tests/s3ser
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -463,7 +466,7 @@ def test_a_second_writer_to_one_url_is_refused_naming_the_first(tmp_path, s3, lo
     """Two prepare jobs (on any hosts, either runner) into one s3:// output: the second is refused
     by a lock object created only if absent; the lock goes when the first ends."""
     from forge_grain.locks import LockedError
-    from forge_grain.stores.remote import writer_lock
+    from forge_grain.stores.writer_lock import writer_lock
 
     monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
     docs = local_stores["bin"].parent / "docs.jsonl"
@@ -478,6 +481,101 @@ def test_a_second_writer_to_one_url_is_refused_naming_the_first(tmp_path, s3, lo
     url = prepare(docs, "s3://bucket/twice", **args)  # the first ended: its lock is gone
     assert len(TokenStore.open(url, storage_options=s3.options(), object_cache=str(tmp_path / "o"))) == 3000
     assert not s3.fs().exists("bucket/twice/.forge-grain-writer.lock")
+
+
+def test_a_prepare_killed_mid_upload_leaves_a_lock_the_rerun_takes_over(tmp_path, s3, local_stores, caplog):
+    """The README's promise: re-running an interrupted prepare uploads what is missing. The
+    killed job's lock names a process that no longer runs on this host: the re-run takes it
+    over, says so, and completes the store."""
+    docs = local_stores["bin"].parent / "docs.jsonl"
+    env = {**os.environ, "FORGE_GRAIN_CACHE": str(tmp_path / "cache")}
+    s3.proxy.fail("killed/shard-00001", "hang", times=5, method="PUT")  # the upload stalls there
+    cmd = [sys.executable, "-m", "forge_grain", "prepare", str(docs), "s3://bucket/killed", "--token-field", "ids",
+           "--vocab-size", "1000", "--bos-id", "0", "--num-shards", "3", "-q",
+           "--storage-options", json.dumps(s3.options(via_proxy=True))]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    fs = s3.fs()
+    try:
+        deadline = time.monotonic() + 120
+        while not (fs.exists("bucket/killed/.forge-grain-writer.lock") and s3.proxy.puts):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+            fs.invalidate_cache()
+        time.sleep(1)
+    finally:
+        proc.kill()
+        proc.wait()
+        s3.proxy.clear()
+    assert fs.exists("bucket/killed/.forge-grain-writer.lock") and not fs.exists("bucket/killed/manifest.json")
+    os.environ["FORGE_GRAIN_CACHE"], saved = env["FORGE_GRAIN_CACHE"], os.environ.get("FORGE_GRAIN_CACHE")
+    try:
+        with caplog.at_level(logging.WARNING, logger="forge_grain.stores.writer_lock"):
+            url = prepare(docs, "s3://bucket/killed", token_field="ids", vocab_size=1000, bos_id=0, num_shards=3,
+                          progress=False, storage_options=s3.options())
+    finally:
+        os.environ.pop("FORGE_GRAIN_CACHE") if saved is None else os.environ.__setitem__("FORGE_GRAIN_CACHE", saved)
+    assert re.search(rf"took over the writer lock of process {proc.pid} on .*no longer runs on this host", caplog.text)
+    assert len(TokenStore.open(url, storage_options=s3.options(), object_cache=str(tmp_path / "o"))) == 3000
+    assert not fs.exists("bucket/killed/.forge-grain-writer.lock")
+
+
+def plant_lock(fs, url_path: str, **fields) -> None:
+    """A lock object as another job wrote it."""
+    record = {"owner": "x" * 32, "pid": 4242, "host": "another-host", "since": time.time() - 60,
+              "renewed": time.time(), "lease_s": 300, **fields}
+    fs.pipe(f"{url_path}/.forge-grain-writer.lock", json.dumps(record).encode())
+
+
+def test_a_lock_whose_lease_ran_out_is_taken_over_and_a_live_one_is_not(s3, caplog):
+    from forge_grain.locks import LockedError
+    from forge_grain.stores.writer_lock import writer_lock
+
+    fs = s3.fs()
+    plant_lock(fs, "bucket/leased")  # renewed just now, on another host: a live job
+    with pytest.raises(LockedError, match=r"being written by process 4242 on another-host .*taken over once its "
+                                          r"lease runs out \(300 s unrenewed\)"):
+        with writer_lock("s3://bucket/leased", s3.options()):
+            pass
+    plant_lock(fs, "bucket/leased", renewed=time.time() - 301)  # its job died 5 minutes ago
+    with caplog.at_level(logging.WARNING, logger="forge_grain.stores.writer_lock"):
+        with writer_lock("s3://bucket/leased", s3.options()):
+            assert json.loads(fs.cat_file("bucket/leased/.forge-grain-writer.lock"))["pid"] == os.getpid()
+    assert "took over the writer lock of process 4242 on another-host" in caplog.text
+    assert "its lease ran out" in caplog.text
+    assert not fs.exists("bucket/leased/.forge-grain-writer.lock")
+
+
+def test_a_live_holder_renews_its_lease_and_one_of_two_takers_wins(s3, monkeypatch):
+    """A job holding the lock longer than its lease renews it (a second job stays refused); of
+    two jobs taking over one dead lock at once, exactly one gets it."""
+    from forge_grain.locks import LockedError
+    from forge_grain.stores.writer_lock import writer_lock
+
+    monkeypatch.setenv("FORGE_GRAIN_LOCK_LEASE", "1")
+    with writer_lock("s3://bucket/renewed", s3.options()):
+        time.sleep(2.5)  # past the lease: renewed every 0.25 s
+        with pytest.raises(LockedError, match="being written by process"):
+            with writer_lock("s3://bucket/renewed", s3.options()):
+                pass
+    fs = s3.fs()
+    plant_lock(fs, "bucket/raced", renewed=time.time() - 60, lease_s=1)
+    outcomes, start = [], threading.Barrier(2)
+
+    def take():
+        start.wait()
+        try:
+            with writer_lock("s3://bucket/raced", s3.options()):
+                outcomes.append("held")
+                time.sleep(1)
+        except LockedError as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("held") == 1, outcomes
 
 
 @pytest.mark.parametrize("layout", ["bin", "arrayrecord"])

@@ -71,7 +71,8 @@ def prepare(
         _check_writable(output, storage_options)  # before any work: a missing bucket is found at once
     if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
-        from forge_grain.stores.remote import upload_store, writer_lock
+        from forge_grain.stores.remote import upload_store
+        from forge_grain.stores.writer_lock import writer_lock
 
         staging = private_cache(cache_root() / "uploads") / hashlib.sha256(str(output).encode()).hexdigest()[:16]
         with writer_lock(str(output), storage_options):  # one writer per URL, whichever host runs it

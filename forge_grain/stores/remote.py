@@ -23,7 +23,6 @@ import mmap
 import itertools
 import os
 import queue
-import socket
 import threading
 import time
 import weakref
@@ -32,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain.errors import StoreError
-from forge_grain.locks import LockedError, file_lock
+from forge_grain.locks import file_lock
 from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, temporary
 from forge_grain.paths import cache_root, private_cache
 from forge_grain.processes import at_fork, per_process, without_per_process
@@ -762,46 +761,6 @@ def check_writable(url: str, storage_options: dict | None = None) -> None:
     except Exception as e:  # a missing bucket, no permission, no such host: all say the same to the user
         raise StoreError(f"{remote.url}: cannot write there ({e.__class__.__name__}: {e}); check that the bucket "
                          "exists and the credentials may write to it (storage_options)") from None
-
-
-WRITER_LOCK = ".forge-grain-writer.lock"
-
-
-@contextlib.contextmanager
-def writer_lock(url: str, storage_options: dict | None = None):
-    """One writer per store URL, across hosts: a lock object created only if absent (S3's
-    conditional PUT, `If-None-Match: *`), removed when the writing ends. A second writer is
-    refused naming the first; a lock left by a job that died names itself, to be removed.
-    Filesystems without conditional creation are written without this lock (with a warning)."""
-    remote = RemoteDir(url, storage_options)
-    if not hasattr(remote.fs, "call_s3"):
-        log.warning("forge-grain: %s cannot be locked against a second writer (no conditional create); run one "
-                    "job per output", url)
-        yield
-        return
-    bucket, key, _ = remote.fs.split_path(remote.path(WRITER_LOCK))
-    body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
-
-    def attempt():
-        try:
-            remote.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
-            return True
-        except FileExistsError:
-            return False
-
-    if not remote.retry(WRITER_LOCK, attempt):
-        holder = read_or_none(remote, WRITER_LOCK) or b"{}"
-        try:
-            h = json.loads(holder)
-            who = f"process {h['pid']} on {h['host']} (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))})"
-        except (ValueError, KeyError, TypeError):
-            who = "another job"
-        raise LockedError(f"{remote.url} is being written by {who}; wait for it to finish, or choose another output. "
-                          f"If that job is no longer running, remove {remote.url}/{WRITER_LOCK} and run again")
-    try:
-        yield
-    finally:
-        remote.retry(WRITER_LOCK, lambda: remote.fs.rm_file(remote.path(WRITER_LOCK)), missing_ok=True)
 
 
 def read_or_none(remote: RemoteDir, name: str) -> bytes | None:
