@@ -726,6 +726,14 @@ def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, pee
     fs.pipe_file(shard, fs.cat_file(shard)[:-3])
     with pytest.raises(StoreError, match="s3://peers/mds-cut/shard.*truncated"):
         TokenStore.open("s3://peers/mds-cut", **opts)
+    fs.put(str(peers["arrow"]), "peers/arrow-cut", recursive=True)
+    arrow = next(f for f in fs.ls("peers/arrow-cut") if f.endswith(".arrow"))
+    whole = fs.cat_file(arrow)
+    for cut in (3, 100):  # in the stream's end marker (a raw ArrowInvalid once), in a record batch
+        fs.pipe_file(arrow, whole[:-cut])
+        with pytest.raises(StoreError, match=r"s3://peers/arrow-cut/data-00000-of-00001\.arrow: the Arrow stream is "
+                                             r"truncated or damaged"):
+            TokenStore.open("s3://peers/arrow-cut", **{**opts, "object_cache": str(tmp_path / f"cut{cut}")})
     with pytest.raises(StoreError, match="s3://peers/litdata: a LitData dataset is copied into the cache whole.*"
                                          "exceed cache_limit 100"):
         TokenStore.open("s3://peers/litdata", cache_limit=100, **opts)

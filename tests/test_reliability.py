@@ -321,10 +321,11 @@ def test_a_bad_row_of_a_local_file_is_named_by_file_and_row(tmp_path, case):
     line, match = BAD_ROWS[case]
     f = tmp_path / "part.jsonl"
     f.write_bytes("\n".join(GOOD_ROWS).encode() + b"\n" + line + b"\n")
-    cfg = DataConfig(sources=[dict(name="t", hf_dataset=str(f), hf_streaming=True)], seq_len=32, global_batch_size=2)
-    with pytest.raises(PrepareError, match=f"{f}, {match}"):
-        for _ in Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache").iterator():
-            pass
+    for src in (dict(hf_dataset=str(f)), dict(hf_dataset="json", hf_data_files=[str(f)])):  # by path, by builder
+        cfg = DataConfig(sources=[dict(name="t", hf_streaming=True, **src)], seq_len=32, global_batch_size=2)
+        with pytest.raises(PrepareError, match=f"{f}, {match}"):
+            for _ in Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache").iterator():
+                pass
     with pytest.raises(PrepareError, match=f"{f}, {match}"):
         prepare(f, tmp_path / "out", progress=False)
 

@@ -102,6 +102,7 @@ def load_corpus(
     corpus = Corpus(None, str(source))
     _refuse_token_store(path)
     if data_files is not None:
+        corpus.files = local_data_files(data_files)  # (for naming the file of a row that fails to read)
         corpus.ds = _load(source, source, hf_config, data_files=data_files, split=split or DEFAULT_SPLIT,
                           streaming=streaming)
     elif path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
@@ -319,6 +320,21 @@ def invalid_utf8(files: list[Path]) -> str | None:
                 line += block.count(b"\n")
                 offset += len(block)
     return None
+
+
+def local_data_files(data_files) -> list[Path]:
+    """The local files `data_files` (a path or glob, a list of them, or a dict of splits to
+    them) names; URLs and what matches nothing are left out."""
+    listed = list(data_files.values()) if isinstance(data_files, dict) else [data_files]
+    listed = [x for item in listed for x in (item if isinstance(item, list) else [item])]
+    found = []
+    for item in listed:
+        if isinstance(item, (str, Path)) and "://" not in str(item):
+            try:
+                found += _data_files(item, None)
+            except (PrepareError, OSError):
+                pass
+    return found
 
 
 def _data_files(source, split: str | None, exclude: Path | None = None) -> list[Path]:

@@ -103,12 +103,11 @@ class _DatasetIter:
 
 def _local_files(src) -> list:
     """The local files a streaming source reads (for error messages), or [] for a Hub dataset."""
-    from forge_grain.preparation.texts import _data_files
+    from forge_grain.preparation.texts import _data_files, local_data_files
 
+    if src.hf_data_files is not None:
+        return local_data_files(src.hf_data_files)
     try:
-        if src.hf_data_files is not None:
-            listed = src.hf_data_files if isinstance(src.hf_data_files, list) else [src.hf_data_files]
-            return [f for item in listed if isinstance(item, str) for f in _data_files(item, None)]
         return _data_files(src.hf_dataset, src.split)
     except (PrepareError, OSError, TypeError):
         return []

@@ -139,13 +139,15 @@ def _open_ipc(pa, buffer):
 
 
 def _batches(reader, f: Path):
-    if hasattr(reader, "num_record_batches"):  # file format
-        for i in range(reader.num_record_batches):
-            yield reader.get_batch(i)
-        return
+    import pyarrow as pa
+
     try:
+        if hasattr(reader, "num_record_batches"):  # file format
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+            return
         yield from reader
-    except OSError as e:  # pyarrow's ArrowInvalid on a cut stream is an OSError subclass too
+    except (OSError, pa.ArrowException) as e:  # a cut stream: an OSError, or ArrowInvalid when the cut is in metadata
         raise StoreError(f"{f}: the Arrow stream is truncated or damaged ({e})") from None
 
 
