@@ -34,14 +34,32 @@ def private_cache(path) -> Path:
     except OSError:
         return path
     root = cache_root()
-    for directory in [path, *(p for p in path.parents if p == root or root in p.parents)]:  # up to the root
-        problem = _untrusted(directory)
+    strict = [path, *(p for p in path.parents if p == root or root in p.parents)]  # up to the root: 0700-like
+    above = [p for p in path.resolve().parents if p not in {d.resolve() for d in strict}]  # ... then up to /
+    for directory, problem in [*((d, _untrusted(d)) for d in strict), *((d, _unsafe_parent(d)) for d in above)]:
         if problem:
             raise UntrustedCacheError(
                 f"{directory}: {problem}, so another user could have written what a cache there holds; forge-grain does not "
                 "load it. Point FORGE_GRAIN_CACHE (or cache_dir=) at a directory of your own (chmod 700), or fix this one"
             )
     return path
+
+
+def _unsafe_parent(path: Path) -> str | None:
+    """Why a directory above a cache lets another user replace what is below it (as `ssh`
+    checks the parents of `authorized_keys`): owned by someone other than this user or root,
+    or writable by group or others without the sticky bit (which keeps them from renaming
+    entries they do not own, as in /tmp)."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if st.st_uid not in (os.getuid(), 0):
+        return f"(a parent of the cache) is owned by another user (uid {st.st_uid})"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return (f"(a parent of the cache) is writable by group or others without the sticky bit "
+                f"(mode {stat.S_IMODE(st.st_mode):o})")
+    return None
 
 
 def plan_cache_dir(store_path: Path, cache_dir=None) -> Path | None:

@@ -34,6 +34,33 @@ def test_a_cache_directory_others_can_write_is_refused_by_name(tmp_path, monkeyp
             private_cache(planted)
 
 
+def test_every_parent_of_a_cache_up_to_the_root_directory_is_checked(tmp_path, monkeypatch):
+    """As ssh checks the parents of authorized_keys: a cache root below a directory others can
+    write without the sticky bit (they could rename the cache away and plant their own) is
+    refused naming that parent; with the sticky bit (as /tmp) it is safe."""
+    above = tmp_path / "shared-parent"
+    above.mkdir()
+    above.chmod(0o777)
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(above / "me" / "forge_grain"))
+    with pytest.raises(UntrustedCacheError, match=rf"{above}: \(a parent of the cache\) is writable by group or "
+                                                  r"others without the sticky bit \(mode 777\)"):
+        private_cache(above / "me" / "forge_grain" / "plans")
+    deeper = tmp_path / "a" / "b"
+    deeper.mkdir(parents=True)
+    (tmp_path / "a").chmod(0o757)  # two levels above: still found
+    with pytest.raises(UntrustedCacheError, match=rf"{tmp_path / 'a'}: \(a parent of the cache\)"):
+        private_cache(deeper / "cache")
+    (tmp_path / "a").chmod(0o755)
+    above.chmod(0o1777)  # sticky, as /tmp: others cannot rename what they do not own
+    assert private_cache(above / "me" / "forge_grain" / "plans").is_dir()
+    if os.getuid() == 0:
+        other = tmp_path / "others"
+        other.mkdir(mode=0o755)
+        os.chown(other, 65534, 65534)
+        with pytest.raises(UntrustedCacheError, match=rf"{other}: \(a parent of the cache\) is owned by another user"):
+            private_cache(other / "mine" / "cache")
+
+
 def test_a_pipeline_with_a_shared_cache_dir_refuses_it(tmp_path, monkeypatch):
     path = three(tmp_path)
     shared = tmp_path / "cache"
