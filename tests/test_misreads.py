@@ -266,7 +266,7 @@ def test_a_full_fingerprint_is_a_source_key(tmp_path):
     unseen = next(i for i in range(300_001, len(tokens), 4) if not sampled_bytes[2 * i : 2 * i + 2].any())
     tokens[unseen] = 9  # one token no block or probe reads, EOS positions unchanged
     tokens.tofile(tmp_path / "t.bin")
-    with pytest.raises(StateError, match="other data"):
+    with pytest.raises(StateError, match=r"source 't' \(.*t\.bin\): the data is not what the state was saved with"):
         Pipeline(cfg("full"), 0, 1, num_threads=0).iterator(state)
     Pipeline(cfg(None), 0, 1, num_threads=0).iterator(sampled)  # the documented limit of sampling
     with pytest.raises(ConfigError, match=r"sources\[0\]\.fingerprint: must be 'sampled' or 'full'"):

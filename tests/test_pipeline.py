@@ -237,7 +237,7 @@ def test_state_from_changed_data_is_refused(tmp_path, stores):
     web2 = store(tmp_path / "web2", 400, 9)
     state = iter(Pipeline(config(stores), 0, 1)).get_state()
     changed = {**stores, "web": web2}
-    with pytest.raises(StateError, match="sources"):
+    with pytest.raises(StateError, match=rf"source 'web' \({web2}\): the data is not what the state was saved with"):
         iter(Pipeline(config(changed), 0, 1)).set_state(state)
 
 
