@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="tokenize a text corpus into a token store")
     pr.add_argument("input", help="file, directory or glob of .txt/.jsonl/.parquet, a saved dataset, or a hub name")
     pr.add_argument("output", help="directory of the token store to write")
-    pr.add_argument("--tokenizer", help="local tokenizer.json or tokenizer directory (default: the shipped one)")
+    pr.add_argument("--tokenizer", help="a tokenizer.json, a tokenizer directory, or a Hugging Face Hub name such as gpt2 or "
+                    "org/name@revision (from the HF cache; default: the shipped one)")
     pr.add_argument("--text-field", default="text", help="column holding the text (default: text)")
     pr.add_argument("--token-field", help="column already holding token ids (lists of ints): written without "
                     "tokenizing; needs --vocab-size or --tokenizer")

@@ -815,8 +815,8 @@ class Pipeline:
             changed = self._changed_data(saved.get("sources"))
             if changed:
                 raise StateError(f"{changed}: the data is not what the state was saved with (a file rewritten, "
-                                 "replaced, added or removed since): resume on the data the run trained on, or start "
-                                 "a new run on this data")
+                                 "replaced, added or removed since; for a text source, also another tokenizer): "
+                                 "resume on the data the run trained on, or start a new run on this data")
             raise StateError(
                 "this state was saved by a pipeline with another config or other data; differing: "
                 f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "

@@ -11,17 +11,15 @@ from __future__ import annotations
 import dataclasses
 import glob as globlib
 import json
-import os
 import re
-import socket
 from pathlib import Path
 
+from forge_grain import hub
 from forge_grain.errors import PrepareError
 from forge_grain.stores.manifest import FORMAT, MANIFEST_NAME
 from forge_grain.splits import DEFAULT_SPLIT, select_split, split_of
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text", ".py": "text"}
-HUB_HOST = "huggingface.co"
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
@@ -121,9 +119,9 @@ def load_corpus(
             corpus.ds = corpus.ds.rename_column("text", text_field)
     else:
         _refuse_missing_path(source)
-        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false") and not _reachable(HUB_HOST):
+        if not hub.offline() and not hub.reachable():
             raise PrepareError(
-                f"{source}: no such local file or directory, and the Hugging Face Hub ({HUB_HOST}) cannot be reached "
+                f"{source}: no such local file or directory, and the Hugging Face Hub ({hub.HUB_HOST}) cannot be reached "
                 "to download a dataset of that name. Give a local file, directory or glob, or download the dataset "
                 "first (or set HF_HUB_OFFLINE=1 to use a dataset already in the local Hugging Face cache)."
             )
@@ -368,14 +366,6 @@ def _refuse_missing_path(source) -> None:
     s = str(source)
     if Path(s).suffix in BUILDERS or Path(s).suffix in (".bin", ".npy", ".arrow") or s.startswith(("/", "./", "../", "~")):
         raise PrepareError(f"{source}: no such file or directory")
-
-
-def _reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 # -- what a column must hold -------------------------------------------------------------------
