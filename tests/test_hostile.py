@@ -131,9 +131,10 @@ def test_an_edited_plan_is_rebuilt(tmp_path, what, caplog):
         meta["seq_len"] = 128
         (plan_dir / "plan.json").write_text(json.dumps(meta))
     else:
-        arr = np.load(plan_dir / f"{what}.npy")
+        arr = np.load(plan_dir / f"{what}.array")
         arr[len(arr) // 2] += 1
-        np.save(plan_dir / f"{what}.npy", arr)
+        with open(plan_dir / f"{what}.array", "wb") as f:
+            np.save(f, arr)
     with caplog.at_level(logging.WARNING):
         again = pack(src, 64, "bestfit", cache_dir=cache)
     assert "rebuilding the packing plan" in caplog.text
