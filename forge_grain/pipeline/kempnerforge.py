@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_grain.errors import PrepareError
-from forge_grain.pipeline.config import ConfigError, DataConfig, Phase, SourceConfig, register_reader
+from forge_grain.pipeline.config import ConfigError, DataConfig, Phase, SourceConfig, register_reader, unknown_keys
 
 # [data] keys and their types (KempnerForge's DataConfig, plus `dtype`/`eos_id` for raw files)
 DATA_KEYS: dict[str, tuple[type, ...]] = {
@@ -147,7 +147,7 @@ def _checked(value: Any, keys: dict, where: str, label: str, prefix: str, strict
         raise ConfigError(f"{where}: {label} must be a table, got {value!r}")
     unknown = sorted(set(value) - set(keys)) if strict else []
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown} in {label} (known: {sorted(keys)})")
+        raise ConfigError(f"{where}: {unknown_keys(unknown, keys, label)}")
     out = {}
     for key, kinds in keys.items():
         if key in value:

@@ -810,6 +810,8 @@ class Pipeline:
             saved = state.get("config") if isinstance(state.get("config"), dict) else {}
             saved, ours = (json.loads(json.dumps(x, default=str)) for x in (saved, self._summary))  # tuples as lists
             diff = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
+            if "sources" in diff and len(diff) > 1 and _plans_alone_differ(saved.get("sources"), ours["sources"]):
+                diff.remove("sources")  # its plans follow from the keys that differ (seed, seq_len): not news
             if diff == ["canonical"]:
                 self._check_canonical(state)
             changed = self._changed_data(saved.get("sources"))
@@ -952,6 +954,15 @@ def merge_states(states: list[dict]) -> dict:
                 if mine.setdefault(c, st) != st:
                     raise StateError(f"merge_states: two states give canonical stream {c} different positions")
     return {**first, "streams": joined, "streams_sha256": history.digest(joined)}
+
+
+def _plans_alone_differ(saved, ours) -> bool:
+    """Whether two summaries' sources are the same but for their plans (which every change of
+    seed, seq_len or packing settings changes)."""
+    def strip(sources):
+        return [{k: v for k, v in s.items() if k not in ("plan", "plan_sha256")} if isinstance(s, dict) else s
+                for s in sources or []]
+    return strip(saved) == strip(ours)
 
 
 def _without_batches(summary: dict) -> dict:
