@@ -64,6 +64,7 @@ def default_shard() -> tuple[int, int]:
 
 
 REPEAT_WARNING = 4  # `describe` warns about a source read this many times over a run, or more
+CROP_WARNING = 0.3  # ... and about one losing this share of its tokens to cropping (bos_bestfit loses ~20% on web text)
 FETCH_SHARDS = 16  # shards a source in object storage is told of ahead: twice its default fetch threads
 # a step this far behind the hinted window's start is one the prefetch threads made out of order,
 # not a restore: it leaves the window as it is (recomputing a window of 1,024 steps took ~40 ms)
@@ -576,7 +577,11 @@ class Pipeline:
             })
             if got.get("rows") == 0:
                 warn.append(f"source '{name}' is never read in {end} steps (its weight is 0 in every phase reached)")
-            elif epochs is not None and epochs >= REPEAT_WARNING:
+            if (stats.get("cropped_share") or 0) >= CROP_WARNING:
+                warn.append(f"source '{name}' loses {stats['cropped_share']:.1%} of its tokens to cropping under "
+                            f"{stats.get('strategy')} at seq_len {c.seq_len} (its documents are long for the rows): use "
+                            "strategy 'bestfit' (windows of long documents: no token lost) or a longer seq_len")
+            if got.get("rows") != 0 and epochs is not None and epochs >= REPEAT_WARNING:
                 warn.append(f"source '{name}' is read {epochs:.1f} times over the run ({got['rows']:,} rows of "
                             f"{rows_per_epoch:,}): lower its weight or the step count, or give it more data")
         return {"steps": end, "steps_per_epoch": self.steps_per_epoch, "global_batch_size": B, "seq_len": c.seq_len,
