@@ -162,7 +162,9 @@ def resolve(name) -> tuple[Path, str]:
     if not name:
         return DEFAULT_TOKENIZER, str(DEFAULT_TOKENIZER)
     path = Path(name)
-    if path.exists() or not hub.looks_like_repo_id(str(name)):
+    if path.exists():  # recorded absolute: a store's tokenizer is found again from any directory
+        return path, str(path.resolve())
+    if not hub.looks_like_repo_id(str(name)):
         return path, str(name)
     return hub.snapshot(str(name), HUB_FILES, "tokenizer")
 

@@ -417,3 +417,34 @@ def test_replay_of_a_streaming_run_reads_from_its_saved_state(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == explained and explained[0]["segments"]
     assert main(["explain", str(toml), "--state", str(tmp_path / "state.json"), "--step", "6"]) == 0
     assert "canonical stream 0 window" in capsys.readouterr().out
+
+
+def test_explain_decode_finds_the_stores_tokenizer_from_any_directory(tmp_path, monkeypatch):
+    """A store prepared with `--tokenizer tok/bpe.json` from one directory is decoded from
+    another (the path is recorded absolute); `--tokenizer PATH` decodes with a copy elsewhere,
+    checked against the store's record; a store recorded relative (before) says what to pass."""
+    import json
+    import shutil
+
+    from conftest import make_texts, write_jsonl
+
+    from forge_grain import prepare
+    from forge_grain.cli import main
+    from forge_grain.tokenizer import DEFAULT_TOKENIZER
+
+    (tmp_path / "work" / "tok").mkdir(parents=True)
+    shutil.copy(DEFAULT_TOKENIZER, tmp_path / "work" / "tok" / "bpe.json")
+    monkeypatch.chdir(tmp_path / "work")
+    store = prepare(write_jsonl(tmp_path / "t.jsonl", make_texts(100, seed=2)), tmp_path / "s",
+                    tokenizer="tok/bpe.json", progress=False)
+    (tmp_path / "run.toml").write_text(f'seq_len = 64\nglobal_batch_size = 4\nnum_epochs = 1\n[[sources]]\n'
+                                       f'name = "t"\npath = "{store}"\n')
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["explain", str(tmp_path / "run.toml"), "--step", "1", "--decode", "--json"]) == 0
+    shutil.move(tmp_path / "work" / "tok" / "bpe.json", tmp_path / "moved.json")
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["tokenizer"]["path"] = "tok/bpe.json"  # as a store prepared before recorded it
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["explain", str(tmp_path / "run.toml"), "--step", "1", "--decode"]) == 2
+    assert main(["explain", str(tmp_path / "run.toml"), "--step", "1", "--tokenizer", str(tmp_path / "moved.json")]) == 0

@@ -749,11 +749,12 @@ class Pipeline:
         out["step"] = np.int64(step)
         return out
 
-    def explain(self, step: int, shard: int | None = None, decode: bool = False) -> list[dict]:
+    def explain(self, step: int, shard: int | None = None, decode: bool = False,
+                tokenizer: str | None = None) -> list[dict]:
         """Which documents (and which of their tokens) each row of global batch `step` holds,
-        without making the batch; `shard`: only that shard's rows (see
-        `forge_grain.pipeline.explain`)."""
-        return flight.explain(self, step, shard, decode)
+        without making the batch; `shard`: only that shard's rows; `decode`: with their text
+        (`tokenizer`: decoded with this one; see `forge_grain.pipeline.explain`)."""
+        return flight.explain(self, step, shard, decode, tokenizer)
 
     def batch_hash(self, step: int) -> str:
         """A digest of global batch `step`'s content, equal on any shard count and to
