@@ -118,7 +118,7 @@ def load_corpus(
         if builder == "text" and text_field != "text":
             corpus.ds = corpus.ds.rename_column("text", text_field)
     else:
-        _refuse_missing_path(source)
+        refuse_missing_path(source)
         if not hub.offline() and not hub.reachable():
             raise PrepareError(
                 f"{source}: no such local file or directory, and the Hugging Face Hub ({hub.HUB_HOST}) cannot be reached "
@@ -342,13 +342,20 @@ def _data_files(source, split: str | None, exclude: Path | None = None) -> list[
         if split is not None and named is not None and named != split:
             raise PrepareError(f"{path}: this file is named for split {named!r}, but --split {split!r} was asked for")
         return [path]
-    if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+    if path.is_dir():  # every visible file: one of a kind forge-grain does not read is named, not skipped
+        files = sorted(f for f in path.rglob("*") if f.is_file()
+                       and not any(part.startswith(".") for part in f.relative_to(path).parts))
     else:
         files = sorted(Path(f) for f in globlib.glob(str(source), recursive=True) if Path(f).is_file())
     if exclude is not None:
         outside = Path(exclude).resolve()
         files = [f for f in files if outside not in f.resolve().parents]
+    unread = [f for f in files if f.suffix not in BUILDERS] if path.is_dir() else []
+    if unread:
+        raise PrepareError(
+            f"{source}: holds {len(unread)} file(s) of a kind prepare does not read ({', '.join(map(str, unread[:3]))}"
+            f"{', ...' if len(unread) > 3 else ''}); it reads {', '.join(sorted(BUILDERS))}. Move them out, or give a "
+            f"glob of the files to read ({Path(source) / '**' / ('*' + files[0].suffix if files else '*.txt')})")
     if not files:
         raise PrepareError(f"{source}: no text, JSONL or Parquet files found")
     return select_split(files, split, source, PrepareError, base=path if path.is_dir() else None)
@@ -361,7 +368,7 @@ def _builder(files: list[Path], source) -> str:
     return kinds.pop()
 
 
-def _refuse_missing_path(source) -> None:
+def refuse_missing_path(source) -> None:
     """A name that can only be a local path (a data suffix, or ./ ../ / ~) and does not exist."""
     s = str(source)
     if Path(s).suffix in BUILDERS or Path(s).suffix in (".bin", ".npy", ".arrow") or s.startswith(("/", "./", "../", "~")):
