@@ -74,6 +74,8 @@ def _packed_row(d: PackedDataset, rank: int, tok) -> dict:
     plan_row = int(d.rows_of([rank])[0])
     segments = []
     for doc, lo, slot, shown in d.plan.documents_of(plan_row, d.store.offsets):
+        if shown == 0:  # a document whose first token is only the row's last (masked) target: no slot holds it
+            continue
         file, index_in_file = d.store.place_of(doc)
         seg = {"document": doc, "file": None if file is None else str(file), "index_in_file": index_in_file,
                "tokens": [lo, lo + shown], "slots": [slot, slot + shown]}
