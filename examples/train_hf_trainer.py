@@ -2,6 +2,7 @@
 DataLoader workers, get killed in the middle of epoch 2, resume from the Trainer's own
 checkpoint, and check that every batch after the resume is the uninterrupted run's.
 
+    pip install "forge-grain[trainer]"   # transformers, torch and accelerate (the Trainer needs it)
     python examples/train_hf_trainer.py [--source streaming|stored] [--epochs 3] [--workers 2]
 
 The recipe is the Trainer's defaults but for the batch size:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 
+from forge_grain import moved
 from forge_grain.absl_flags import quiet_grain_without_jax
 from forge_grain.errors import ForgeGrainError, PrepareError, StoreError
 
 quiet_grain_without_jax()
+moved.install()  # modules moved by the layout by kind import by their old names for one release
 
 __version__ = "0.1.0"
 

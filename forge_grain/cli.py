@@ -211,7 +211,7 @@ def _explain(a) -> None:
     if p.streams:  # a streaming row is known once read: make this rank's steps up to it
         _made(p, state, range(a.step, a.step + 1))
     shard = 0 if a.rank is None and p.streams else a.rank  # streaming rows: only this rank's are made
-    rows = p.explain(a.step, shard=shard, decode=a.decode)
+    rows = p.explain(a.step, shard=shard, decode=a.decode or a.tokenizer is not None, tokenizer=a.tokenizer)
     if a.json:
         print(json.dumps(rows, indent=2))
         return
@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="tokenize a text corpus into a token store")
     pr.add_argument("input", help="file, directory or glob of .txt/.jsonl/.parquet, a saved dataset, or a hub name")
     pr.add_argument("output", help="directory of the token store to write")
-    pr.add_argument("--tokenizer", help="local tokenizer.json or tokenizer directory (default: the shipped one)")
+    pr.add_argument("--tokenizer", help="a tokenizer.json, a tokenizer directory, or a Hugging Face Hub name such as gpt2 or "
+                    "org/name@revision (from the HF cache; default: the shipped one)")
     pr.add_argument("--text-field", default="text", help="column holding the text (default: text)")
     pr.add_argument("--token-field", help="column already holding token ids (lists of ints): written without "
                     "tokenizing; needs --vocab-size or --tokenizer")
@@ -357,6 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=_at_least(0), required=True)
     ex.add_argument("--rank", type=_at_least(0), help="only this shard's rows (with --world-size)")
     ex.add_argument("--decode", action="store_true", help="also the text, with the store's tokenizer")
+    ex.add_argument("--tokenizer", metavar="PATH", help="decode with this tokenizer (a path or Hub name; checked "
+                    "against the store's record) instead of the one the store names")
     ex.add_argument("--json", action="store_true", help="as JSON, for tools")
     ex.set_defaults(func=_explain)
     rp = recorded("replay", "write the exact batches a rank saw at some steps to an .npz file")

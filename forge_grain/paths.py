@@ -17,9 +17,21 @@ class UntrustedCacheError(ForgeGrainError):
     """A cache directory another user could write: what it holds is not loaded."""
 
 
+BESIDE_DATA = ".forge-grain"  # the one hidden directory a data directory may hold (cache_beside_data)
+
+
 def cache_root() -> Path:
-    """Where forge-grain caches what it cannot keep beside the data (`FORGE_GRAIN_CACHE`)."""
+    """Where forge-grain keeps every cache: packing plans, foreign files' document indices,
+    source records (`FORGE_GRAIN_CACHE`, default `~/.cache/forge_grain`)."""
     return Path(os.environ.get("FORGE_GRAIN_CACHE") or Path.home() / ".cache" / "forge_grain")
+
+
+def cache_beside_data() -> bool:
+    """Whether caches go beside the data, under one hidden directory (`BESIDE_DATA`), where
+    the data's directory is writable: `FORGE_GRAIN_CACHE_BESIDE_DATA=1`. Off by default: a
+    user's data directory is written only by `prepare` (its own output), so that other tools'
+    globs (`*.npy`, `*.bin`) never meet forge-grain's files there."""
+    return os.environ.get("FORGE_GRAIN_CACHE_BESIDE_DATA", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def private_cache(path) -> Path:
@@ -63,18 +75,19 @@ def _unsafe_parent(path: Path) -> str | None:
 
 
 def plan_cache_dir(store_path: Path, cache_dir=None) -> Path | None:
-    """Where the plans of the store at `store_path` are cached: `cache_dir`, else `.plans`
-    beside the store, else under the cache root when the store's directory is read-only (or
-    others can write it); None (plans stay in memory, with a warning) when none can be written.
-    An existing read-only directory that only its owner (or the store's) writes is used to
-    read plans saved earlier."""
+    """Where the plans of the store at `store_path` are cached: `cache_dir`, else under the
+    cache root, keyed by the store's path (with `cache_beside_data()`: first beside the store,
+    in `.forge-grain/plans`); None (plans stay in memory, with a warning) when none can be
+    written. An existing read-only directory that only its owner (or the store's) writes is
+    used to read plans saved earlier."""
     store_path = Path(store_path)
     if cache_dir is not None:
         candidates = [Path(cache_dir)]
     else:
         home = store_path if store_path.is_dir() else store_path.parent
         tag = hashlib.sha256(str(store_path.resolve()).encode()).hexdigest()[:16]
-        candidates = [home / ".plans", cache_root() / "plans" / tag]
+        candidates = [home / BESIDE_DATA / "plans"] if cache_beside_data() else []
+        candidates.append(cache_root() / "plans" / tag)
     for k, directory in enumerate(candidates):
         if k == len(candidates) - 1:  # cache_dir, or the cache root: refused, naming it, if another user can write it
             private_cache(directory)

@@ -1,4 +1,5 @@
-"""Loading a local tokenizer, and its identity (name and hash) for manifests and caches."""
+"""Loading a tokenizer (a local file or directory, or a Hugging Face Hub name), and its
+identity (name, pinned to a commit for a Hub name, and hash) for manifests and caches."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
+from forge_grain import hub
 from forge_grain.errors import PrepareError
 
 DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer.json"
+# what a Hub tokenizer is read from (downloaded only these, as `AutoTokenizer` would use them)
+HUB_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]
 
 _CUTS = re.compile(r"(?<=\S) (?=\S)|\n(?=\S)")  # candidate cuts: before a lone space, after a newline
 _CUT_CONTEXT = 256
@@ -117,7 +121,7 @@ class TextTokenizer:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.backend = _load_backend(Path(state["path"]))[0]
+        self.backend = _load_backend(resolve(state["path"])[0])[0]
         self.__post_init__()
 
 
@@ -125,14 +129,16 @@ def load_tokenizer(
     path: str | Path | None = None, *, bos: str | None = None, eos: str | None = None,
     special_tokens_in_text: bool = False,
 ) -> TextTokenizer:
-    """A local `tokenizer.json` or Hugging Face tokenizer directory; the shipped one by default.
+    """A local `tokenizer.json` or Hugging Face tokenizer directory, or a Hub name (`gpt2`,
+    `meta-llama/Llama-3.1-8B`, `org/name@revision`: see `forge_grain.hub`; recorded as
+    `name@commit`); the shipped one by default.
 
     `bos`/`eos` name the special tokens to use; otherwise the usual names are tried.
     `special_tokens_in_text=True` encodes special-token strings found in documents as
     their special ids (for corpora that really mean them); by default they are text.
     """
-    path = Path(path) if path else DEFAULT_TOKENIZER
-    backend, hf_bos, hf_eos = _load_backend(path)
+    local, path = resolve(path)
+    backend, hf_bos, hf_eos = _load_backend(local)
     vocab = backend.get_vocab(with_added_tokens=True)
 
     def pick(explicit, hf_token, names, what):
@@ -149,18 +155,27 @@ def load_tokenizer(
                          special_tokens_in_text)
 
 
+def resolve(name) -> tuple[Path, str]:
+    """(where the tokenizer's files are, the name to record): a local path as it is; a name
+    that is no local path but a Hub repository id, from the Hugging Face cache or the Hub,
+    recorded as `repo@commit`; the shipped tokenizer for None."""
+    if not name:
+        return DEFAULT_TOKENIZER, str(DEFAULT_TOKENIZER)
+    path = Path(name)
+    if path.exists():  # recorded absolute: a store's tokenizer is found again from any directory
+        return path, str(path.resolve())
+    if not hub.looks_like_repo_id(str(name)):
+        return path, str(name)
+    return hub.snapshot(str(name), HUB_FILES, "tokenizer")
+
+
 def _load_backend(path: Path):
     """(tokenizers.Tokenizer, bos token, eos token) from a file or a directory."""
     from tokenizers import Tokenizer
 
     if not path.exists():
-        if _looks_like_hub_name(str(path)):
-            raise PrepareError(
-                f"{path}: no such local tokenizer, and forge-grain never downloads one at run time (a name on the "
-                f"Hugging Face Hub is not read). Download it once (`huggingface-cli download {path} --local-dir "
-                "DIR`, or `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)`) and point tokenizer_path at DIR"
-            )
-        raise PrepareError(f"{path}: tokenizer not found (give a local tokenizer.json or tokenizer directory)")
+        raise PrepareError(f"{path}: tokenizer not found (give a local tokenizer.json or tokenizer directory, or a "
+                           "Hugging Face Hub name)")
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path)), None, None
@@ -180,7 +195,3 @@ def _load_backend(path: Path):
         raise PrepareError(f"{path}: only fast (Rust) tokenizers are supported; this one is {type(hf).__name__}")
     return hf.backend_tokenizer, hf.bos_token, hf.eos_token
 
-
-def _looks_like_hub_name(name: str) -> bool:
-    """`gpt2`, `meta-llama/Llama-3.2-1B`: a Hub repository id, not a path someone meant."""
-    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith(".") and not name.endswith(".json")

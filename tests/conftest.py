@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -29,6 +31,10 @@ def trials(default: int, slow: int) -> list[int]:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: fault injection and large cases (run with FORGE_GRAIN_SLOW=1)")
+    # every cache lives under FORGE_GRAIN_CACHE: the run's own, not the user's (subprocesses inherit it)
+    if "FORGE_GRAIN_CACHE" not in os.environ:
+        os.environ["FORGE_GRAIN_CACHE"] = tempfile.mkdtemp(prefix="forge-grain-test-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("FORGE_GRAIN_CACHE"), ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,6 +54,17 @@ WORDS = (
 
 
 _BAR = re.compile(r"\d+%\||\| *\d+/\d+ \[|(it|s|doc|chunk|step|B)/s\]|s/it\]")
+
+
+def index_cache(data: Path) -> tuple[Path, Path]:
+    """(offsets, record) of the one document-index cache of a raw token file, under the cache
+    root (`forge_grain.stores.raw._cache_paths`)."""
+    from forge_grain.paths import cache_root
+
+    tag = hashlib.sha256(str(Path(data).resolve()).encode()).hexdigest()[:16]
+    found = sorted((cache_root() / "index").glob(f"{tag}-{Path(data).name}.*.offsets"))
+    assert len(found) == 1, found
+    return found[0], found[0].with_suffix(".json")
 
 
 def noise(stderr: str) -> list[str]:

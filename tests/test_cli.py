@@ -29,6 +29,14 @@ def run(tmp_path_factory):
     (d / "other.json").write_text(json.dumps(state))
     (d / "bad.json").write_text("{not json")
     (d / "notes.txt").write_text("plain text\n")
+    (d / "docs").mkdir()
+    (d / "docs" / "a.md").write_text("# a document\n")
+    (d / "docs" / "notes.rst").write_text("a document prepare does not read\n")
+    from tokenizers import Tokenizer, models
+
+    eos_only = Tokenizer(models.WordLevel(vocab={"x": 0, "</s>": 1}, unk_token="x"))
+    eos_only.add_special_tokens(["</s>"])
+    eos_only.save(str(d / "eos-only.json"))
     return d
 
 
@@ -66,6 +74,11 @@ BAD = [  # (arguments, what the one line must say)
     ("prepare nope out --tokenizer nope.json", r"nope.json: tokenizer not found"),
     ("prepare notes.txt out --num-shards 0", r"--num-shards: 0 is not positive"),
     ("prepare notes.txt web", r"web: already holds a token store prepared with other settings"),
+    ("prepare missing.jsonl out --token-field ids", r"error: missing\.jsonl: no such file or directory"),
+    ("prepare notes.txt out --tokenizer tok/bpe12.json", r"error: tok/bpe12\.json: tokenizer not found"),
+    ("prepare notes.txt out --tokenizer eos-only.json", r"no BOS id known; name one \(--bos-token TOKEN\) or leave it "
+                                                         r"out \(--no-bos\)"),
+    ("prepare docs out", r"docs: holds 1 file\(s\) of a kind prepare does not read \(docs/notes\.rst\)"),
     ("demo --steps -1", r"--steps: -1 is not positive"),
     ("demo --max-files 0", r"--max-files: 0 is not positive"),
     ("config-reference extra", r"unrecognized arguments: extra"),

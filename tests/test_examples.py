@@ -31,3 +31,29 @@ def test_hugging_face_trainer_resumes_from_its_checkpoint_to_the_same_batches(tm
     assert "killing the process" in r.stdout and "(epoch 2 of 3)" in r.stdout
     assert "labels -100 at" in r.stdout and "is_natural_stop at" in r.stdout
     assert "resumed batches are identical to the uninterrupted run" in r.stdout
+
+
+def test_each_example_names_an_extra_that_installs_what_it_imports():
+    """The install line in an example's docstring gives every package it needs beyond the base
+    install (the Trainer example once needed accelerate, which only [test] installed)."""
+    import ast
+    import re
+    import tomllib
+
+    project = tomllib.loads((EXAMPLES.parent / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def packages(extra: str) -> set[str]:
+        out = set()
+        for req in extras[extra]:
+            name = re.match(r"[\w.-]+(\[[\w,]+\])?", req)
+            if name.group().startswith("forge-grain["):
+                out |= {p for e in name.group(1)[1:-1].split(",") for p in packages(e)}
+            else:
+                out.add(re.match(r"[\w.-]+", req).group().lower())
+        return out
+
+    script = EXAMPLES / "train_hf_trainer.py"
+    named = re.search(r'pip install "forge-grain\[(\w+)\]"', ast.get_docstring(ast.parse(script.read_text())))
+    assert named, "the docstring says how to install what the example needs"
+    assert {"transformers", "torch", "accelerate"} <= packages(named.group(1))

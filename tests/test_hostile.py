@@ -131,9 +131,10 @@ def test_an_edited_plan_is_rebuilt(tmp_path, what, caplog):
         meta["seq_len"] = 128
         (plan_dir / "plan.json").write_text(json.dumps(meta))
     else:
-        arr = np.load(plan_dir / f"{what}.npy")
+        arr = np.load(plan_dir / f"{what}.array")
         arr[len(arr) // 2] += 1
-        np.save(plan_dir / f"{what}.npy", arr)
+        with open(plan_dir / f"{what}.array", "wb") as f:
+            np.save(f, arr)
     with caplog.at_level(logging.WARNING):
         again = pack(src, 64, "bestfit", cache_dir=cache)
     assert "rebuilding the packing plan" in caplog.text
@@ -394,3 +395,13 @@ def test_progress_moves_per_batch_with_worker_processes(tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "c.jsonl", make_texts(4096, seed=1))
     prepare(src, tmp_path / "s", num_shards=2, num_proc=2, progress=False)
     assert len(calls) >= 8 and sum(docs for docs, _ in calls) == 4096  # batches of 512 rows, not 2 shards
+
+
+def test_a_resume_with_only_the_seed_changed_names_only_the_seed(stores):
+    """(The sources' plans follow from the seed: listing 'sources' too sent users looking for a
+    change of data that was not there.)"""
+    state = Pipeline(config(stores), 0, 1, num_threads=0).state_at(3)
+    with pytest.raises(StateError, match=r"differing: \['seed'\]\."):
+        Pipeline(config(stores, seed=8), 0, 1, num_threads=0).iterator(state)
+    with pytest.raises(StateError, match=r"differing: \['seq_len'\]\."):
+        Pipeline(config(stores, seq_len=32), 0, 1, num_threads=0).iterator(state)

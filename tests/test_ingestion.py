@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_jsonl
+from conftest import index_cache, write_jsonl
 
 from forge_grain import DataConfig, Pipeline, PrepareError, StoreError, TokenStore, prepare
 from forge_grain.pipeline.pipeline import StateError
@@ -380,10 +380,7 @@ def test_full_fingerprint_option_hashes_every_byte(tmp_path):
 
 
 def cache_files(directory):
-    meta = sorted(directory.glob(".*.forge-grain-*.json"))
-    idx = sorted(directory.glob(".*.forge-grain-*.idx.npy"))
-    assert len(meta) == len(idx) == 1
-    return idx[0], meta[0]
+    return index_cache(directory / "t.bin")
 
 
 def test_a_cache_made_from_other_content_is_rebuilt(tmp_path):
@@ -404,7 +401,8 @@ def test_a_planted_index_with_other_boundaries_is_rebuilt(tmp_path):
     TokenStore.open(data, dtype="uint16", eos_id=1)
     idx, meta = cache_files(tmp_path)
     planted = np.array([0, 4, 9], np.int64)  # a boundary after 7, not after an EOS
-    np.save(idx, planted)
+    with open(idx, "wb") as f:
+        np.save(f, planted)
     m = json.loads(meta.read_text())
     m.update(num_documents=2, offsets_sha256=hashlib.sha256(planted.tobytes()).hexdigest())
     meta.write_text(json.dumps(m))

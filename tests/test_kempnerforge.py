@@ -582,6 +582,8 @@ def test_a_shipped_style_job_with_bin_files_opens_unchanged(tmp_path, monkeypatc
     and no dtype key (KempnerForge refuses one). The width comes from the model's vocabulary, checked
     against the bytes; a Hub tokenizer is needed only to find EOS, and then the error says how."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty Hugging Face cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "data").mkdir()
     flat = np.concatenate(docs(3, n=200, vocab=50_000))
     flat.astype(np.uint32).tofile(tmp_path / "data" / "tokenized_0000.bin")
@@ -597,7 +599,8 @@ def test_a_shipped_style_job_with_bin_files_opens_unchanged(tmp_path, monkeypatc
     assert store.dtype == np.uint32 and store.num_tokens == len(flat)
     with pytest.raises(ValueError, match="uint32|width|wider"):  # a 50,304 vocabulary says uint16: the bytes disagree
         Pipeline(load(50_304), 0, 1, num_threads=0)
-    with pytest.raises(ValueError, match="never downloads one at run time.*huggingface-cli download meta-llama"):
+    with pytest.raises(ValueError, match=r"meta-llama/Llama-3.2-1B: no local tokenizer of this name and not in the "
+                                         r"Hugging Face cache .*hf download meta-llama/Llama-3.2-1B tokenizer.json"):
         load(128_256, pack=True)
 
 

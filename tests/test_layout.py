@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LEAVES = {"errors", "paths", "locks", "processes", "splits", "tokenizer", "absl_flags"}
+LEAVES = {"errors", "paths", "locks", "processes", "splits", "tokenizer", "hub", "moved", "absl_flags"}
 # rank of each part: a module may import its own part and any of lower rank
 RANKS = {"leaf": 0, "stores": 1, "packing": 2, "preparation": 2, "sources": 3, "pipeline": 4, "top": 5, "bridges": 6}
 

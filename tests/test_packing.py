@@ -243,7 +243,10 @@ def test_epochs_reshuffle_rows_and_repeat_the_plan(tmp_path):
 def test_plan_is_cached_and_reused(tmp_path, monkeypatch):
     store = make_store(tmp_path / "s", np.random.default_rng(2).integers(1, 200, 300))
     first = pack(store, 64, "bos_bestfit")
-    assert list((tmp_path / "s" / ".plans").iterdir())
+    from forge_grain.paths import plan_cache_dir
+
+    assert list(plan_cache_dir(tmp_path / "s").iterdir())  # under FORGE_GRAIN_CACHE, not beside the store
+    assert not [f for f in (tmp_path / "s").iterdir() if f.name.startswith(".")]
     import forge_grain.packing.packed as packed
 
     monkeypatch.setattr(packed, "plan", lambda *a, **k: pytest.fail("re-planned although a cached plan exists"))
@@ -264,11 +267,11 @@ def test_corrupt_plan_cache_is_rebuilt(tmp_path):
     store = make_store(tmp_path / "s", [50] * 40)
     expected = all_rows(pack(store, 64, "bestfit", cache_dir=tmp_path / "c"))["inputs"]
     plan_dir = next((tmp_path / "c").iterdir())
-    (plan_dir / "seg_start.npy").unlink()
-    (plan_dir / "seg_start.npy").write_bytes(b"garbage")
+    (plan_dir / "seg_start.array").unlink()
+    (plan_dir / "seg_start.array").write_bytes(b"garbage")
     again = pack(store, 64, "bestfit", cache_dir=tmp_path / "c")
     assert np.array_equal(all_rows(again)["inputs"], expected)
-    assert np.load(plan_dir / "seg_start.npy").dtype == np.int64  # the cache itself was repaired
+    assert np.load(plan_dir / "seg_start.array").dtype == np.int64  # the cache itself was repaired
 
 
 def test_bad_packing_arguments(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import pickle
 import subprocess
 import sys
@@ -482,3 +483,14 @@ def test_consumed_equals_counting_the_batches(stores):
     assert web["epochs"] == web["rows"] / b.datasets[0].num_rows
     # the changed pipeline computes the steps before the change through its history
     assert {n: v["rows"] for n, v in b.consumed(6).items()} == {n: v["rows"] for n, v in a.consumed(6).items()}
+
+
+@pytest.mark.parametrize("d, hint", [
+    (dict(sources=[dict(name="a", path="x", wieght=1)], seq_len=8, global_batch_size=2), "'wieght': did you mean 'weight'?"),
+    (dict(sources=[dict(name="a", path="x")], seq_len=8, global_batch_size=2, sede=1), "'sede': did you mean 'seed'?"),
+    (dict(sources=[dict(name="a", path="x")], seq_len=8, global_batch_size=2, loader={"num_worker": 2}),
+     "'num_worker': did you mean 'num_workers'?"),
+])
+def test_a_mistyped_key_suggests_the_close_match(d, hint):
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        DataConfig.from_dict(d)

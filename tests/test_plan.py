@@ -95,3 +95,22 @@ def test_the_plot_draws_the_shares_each_step_range_actually_got(tmp_path, stores
     assert main(["plan", str(toml), "--plot", str(tmp_path / "mix.png")]) == 0
     assert f"plot: {tmp_path / 'mix.png'}" in capsys.readouterr().out
     assert (tmp_path / "mix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_source_mostly_cropped_is_warned_about_with_the_fix(tmp_path, capsys):
+    """Long documents under bos_bestfit at a short seq_len lose most of their tokens (86% in a
+    user's run), which `plan` showed only as a number."""
+    rng = np.random.default_rng(0)
+    long_docs = [np.concatenate([[0], rng.integers(2, 1000, 400), [1]]) for _ in range(60)]
+    from forge_grain import write_store
+
+    write_store(tmp_path / "long", long_docs, vocab_size=1000, bos_id=0, eos_id=1)
+    (tmp_path / "run.toml").write_text(f'seq_len = 64\nglobal_batch_size = 4\nnum_epochs = 1\n[[sources]]\n'
+                                       f'name = "long"\npath = "{tmp_path / "long"}"\nstrategy = "bos_bestfit"\n')
+    assert main(["plan", str(tmp_path / "run.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "! source 'long' loses 8" in out and "to cropping under bos_bestfit at seq_len 64" in out
+    assert "use strategy 'bestfit'" in out
+    (tmp_path / "run.toml").write_text((tmp_path / "run.toml").read_text().replace("bos_bestfit", "bestfit"))
+    assert main(["plan", str(tmp_path / "run.toml")]) == 0
+    assert "cropping" not in capsys.readouterr().out

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import config, store
+from conftest import config, index_cache, store
 
 from forge_grain import Pipeline, TokenStore
 from forge_grain.paths import UntrustedCacheError, private_cache
@@ -90,12 +90,12 @@ def test_an_index_cache_that_drops_eos_boundaries_is_rescanned(tmp_path):
     that are not boundaries give it away."""
     d, docs = raw_file(tmp_path)
     assert len(TokenStore.open(d, eos_id=1)) == 100
-    (idx,) = d.glob(".a.npy.forge-grain-*.idx.npy")
-    meta_path = idx.with_name(idx.name[: -len(".idx.npy")] + ".json")
+    idx, meta_path = index_cache(d / "a.npy")
     offsets = np.load(idx)
     lying = offsets[::10].copy()
     lying[-1] = offsets[-1]
-    np.save(idx, lying)
+    with open(idx, "wb") as f:
+        np.save(f, lying)
     meta = json.loads(meta_path.read_text())
     meta.update(num_documents=len(lying) - 1, offsets_sha256=hashlib.sha256(lying.astype(np.int64).tobytes()).hexdigest())
     meta_path.write_text(json.dumps(meta))
@@ -107,7 +107,7 @@ def test_an_index_cache_that_drops_eos_boundaries_is_rescanned(tmp_path):
 def test_an_index_cache_written_by_another_user_is_not_read(tmp_path, caplog):
     d, docs = raw_file(tmp_path)
     TokenStore.open(d, eos_id=1)
-    for f in d.glob(".a.npy.forge-grain-*"):
+    for f in index_cache(d / "a.npy"):
         os.chown(f, 65534, 65534)
     with caplog.at_level("WARNING"):
         assert len(TokenStore.open(d, eos_id=1)) == 100
@@ -115,20 +115,24 @@ def test_an_index_cache_written_by_another_user_is_not_read(tmp_path, caplog):
 
 
 def test_no_index_cache_beside_data_in_a_directory_others_can_write(tmp_path, monkeypatch):
+    """Even when caches beside the data are asked for."""
     monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FORGE_GRAIN_CACHE_BESIDE_DATA", "1")
     d, _ = raw_file(tmp_path)
     d.chmod(0o1777)  # a shared sticky directory, as /tmp
     TokenStore.open(d, eos_id=1)
-    assert not list(d.glob(".a.npy.forge-grain-*")) and list((tmp_path / "cache" / "index").iterdir())
+    assert not list(d.glob(".forge-grain")) and list((tmp_path / "cache" / "index").iterdir())
 
 
 def test_plans_beside_a_store_in_a_directory_others_can_write_are_not_used(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FORGE_GRAIN_CACHE_BESIDE_DATA", "1")
     path = three(tmp_path)
-    (path["web"] / ".plans").mkdir()
-    (path["web"] / ".plans").chmod(0o777)
+    (path["web"] / ".forge-grain" / "plans").mkdir(parents=True)
+    (path["web"] / ".forge-grain" / "plans").chmod(0o777)
     Pipeline(config(path), 0, 1, num_threads=0).batch(0)
-    assert not list((path["web"] / ".plans").iterdir()) and list((tmp_path / "cache" / "plans").iterdir())
+    assert not list((path["web"] / ".forge-grain" / "plans").iterdir())
+    assert list((tmp_path / "cache" / "plans").iterdir())
 
 
 def test_a_native_store_checks_sampled_ids_at_open(tmp_path):

@@ -11,7 +11,7 @@ import threading
 import grain
 import numpy as np
 import pytest
-from conftest import expected_documents
+from conftest import expected_documents, index_cache
 
 from forge_grain import StoreError, TokenStore
 from forge_grain.stores import raw as foreign
@@ -128,7 +128,7 @@ def test_foreign_bos_scanning_and_plain_stream(tmp_path):
 def test_foreign_index_is_cached_and_reused(tmp_path, monkeypatch):
     np.concatenate(foreign_docs()).astype(np.uint16).tofile(tmp_path / "t.bin")
     first = TokenStore.open(tmp_path / "t.bin", eos_id=1, dtype="uint16")
-    assert list(tmp_path.glob(".t.bin.forge-grain-*.idx.npy"))
+    assert index_cache(tmp_path / "t.bin")[0].is_file() and sorted(tmp_path.iterdir()) == [tmp_path / "t.bin"]
 
     def no_scan(*a, **k):
         raise AssertionError("rescanned although the cached index is valid")

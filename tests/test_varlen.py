@@ -81,6 +81,24 @@ def test_flex_attention_with_the_document_block_mask_equals_the_explicit_mask(st
         torch.testing.assert_close(got, reference(q, k, v, b["segment_ids"]), msg=name)
 
 
+def test_the_readmes_compiled_flex_attention_is_exact_and_quiet(store):
+    """The README's snippet (compiled) gives the explicit mask's output and no warning."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from bridges.torch_varlen import document_block_mask
+
+    attention = torch.compile(flex_attention)
+    name, b = next(iter(batches(store, seed=3)))
+    q, k, v = (t.float() for t in qkv(3))  # (compiled on CPU: float32, float16 or bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = attention(q, k, v, block_mask=document_block_mask(b["segment_ids"]))
+    torch.testing.assert_close(got, reference(q, k, v, b["segment_ids"]), msg=name, atol=1e-4, rtol=1e-4)
+    assert not [w for w in caught if "flex_attention" in str(w.message)], [str(w.message)[:200] for w in caught]
+
+
 def test_varlen_attention_over_cu_seqlens_equals_the_explicit_mask(store):
     from bridges.torch_varlen import flash_varlen_kwargs, varlen_attention
 

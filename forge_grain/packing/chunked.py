@@ -34,8 +34,8 @@ import numpy as np
 
 from forge_grain.stores.manifest import temporary
 from forge_grain.stores.mapping import map_npy
-from forge_grain.packing.plans import (PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan, checksum_array, checksum_start,
-                      joined_stats, plan_offsets)
+from forge_grain.packing.plans import (ARRAY_SUFFIX, PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan,
+                                       checksum_array, checksum_start, joined_stats, plan_offsets)
 
 CHUNK_DOCS = 1 << 22  # documents per chunk by default: ~0.5 GB of planning memory per worker
 # up to this many documents a store is planned in this process by default: about a second here,
@@ -185,11 +185,11 @@ def _join(dirs: list[Path], seq_len: int, strategy: str, directory: Path, stats:
         (d / "plan.json").unlink()
     h = checksum_start(strategy, seq_len)
     for name in PLAN_ARRAYS:
-        files = [d / f"{name}.npy" for d in dirs]
+        files = [d / f"{name}{ARRAY_SUFFIX}" for d in dirs]
         dtype = map_npy(files[0]).dtype
         total = sum(_length(f) for f in files) - (len(files) - 1 if name == "row_ptr" else 0)
         checksum_array(h, name, dtype, total)
-        with open(tmp / f"{name}.npy", "wb") as f:
+        with open(tmp / f"{name}{ARRAY_SUFFIX}", "wb") as f:
             np.lib.format.write_array_header_2_0(f, {"descr": dtype.str, "fortran_order": False, "shape": (total,)})
             for part in _parts(files, name, dtype):
                 f.write(part)

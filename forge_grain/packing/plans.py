@@ -33,6 +33,8 @@ from forge_grain.stores import TokenStore
 STRATEGIES = ("concat", "bos_bestfit", "bestfit")
 PLAN_VERSION = 3  # 2: plan.json carries a checksum; 3: own document permutation, bestfit windows overlap by one
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop")
+# plan arrays are .npy files named `.array`, which no token-file glob (`*.npy`) matches
+ARRAY_SUFFIX = ".array"
 PLAN_ARRAYS = ("row_ptr", "seg_start", "seg_len", "seg_skip", "seg_flags")
 
 
@@ -80,7 +82,8 @@ class PackingPlan:
         tmp.mkdir(parents=True)
         try:
             for name in PLAN_ARRAYS:
-                np.save(tmp / f"{name}.npy", getattr(self, name))
+                with open(tmp / f"{name}{ARRAY_SUFFIX}", "wb") as f:  # (np.save of a path would add .npy)
+                    np.save(f, getattr(self, name))
             meta = {"strategy": self.strategy, "seq_len": self.seq_len, "stats": self.stats, "version": PLAN_VERSION,
                     "checksum": self.checksum()}
             (tmp / "plan.json").write_text(json.dumps(meta, indent=2))
@@ -109,7 +112,7 @@ class PackingPlan:
         may hold thousands of plans); `verify=False` skips the checksum, for a plan this
         process has just written."""
         meta = json.loads((directory / "plan.json").read_text())
-        arrays = {name: map_npy(directory / f"{name}.npy") for name in PLAN_ARRAYS}
+        arrays = {name: map_npy(directory / f"{name}{ARRAY_SUFFIX}") for name in PLAN_ARRAYS}
         p = cls(meta["strategy"], meta["seq_len"], stats=meta["stats"], **arrays)
         if meta.get("version") != PLAN_VERSION:
             raise ValueError(f"{directory}: a plan of version {meta.get('version')}, not {PLAN_VERSION}")

@@ -210,7 +210,7 @@ class DataConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown} (known: {sorted(known)})")
+            raise ConfigError(f"{where}: {unknown_keys(unknown, known)}")
         for key in ("sources", "seq_len", "global_batch_size"):
             if key not in d:
                 raise ConfigError(f"{where}: missing required key '{key}'")
@@ -283,7 +283,7 @@ class DataConfig:
         _positive_int("canonical_workers", self.canonical_workers)
         unknown = sorted(set(self.loader) - set(LOADER_KEYS))
         if unknown:
-            raise ConfigError(f"loader: unknown key(s) {unknown} (known: {sorted(LOADER_KEYS)})")
+            raise ConfigError(f"loader: {unknown_keys(unknown, LOADER_KEYS)}")
         for key, value in self.loader.items():
             if not isinstance(value, LOADER_KEYS[key]) or (key != "pin_memory" and isinstance(value, bool)):
                 raise ConfigError(f"loader.{key}: must be {LOADER_KEYS[key].__name__}, got {value!r}")
@@ -368,7 +368,7 @@ def _source(d: Any, i: int) -> SourceConfig:
     known = {f.name for f in dataclasses.fields(SourceConfig)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ConfigError(f"sources[{i}]: unknown key(s) {unknown} (known: {sorted(known)})")
+        raise ConfigError(f"sources[{i}]: {unknown_keys(unknown, known)}")
     if "name" not in d:
         raise ConfigError(f"sources[{i}]: missing required key 'name'")
     return SourceConfig(**d)
@@ -388,6 +388,17 @@ def _read_toml(path: Path) -> dict:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def unknown_keys(unknown, known, table: str = "") -> str:
+    """'unknown key(s) [...] in TABLE', with the close match of each mistyped key ("did you
+    mean 'weight'?"), then every known key."""
+    import difflib
+
+    close = {k: difflib.get_close_matches(str(k), sorted(map(str, known)), n=1, cutoff=0.6) for k in unknown}
+    hints = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in close.items() if m)
+    return (f"unknown key(s) {sorted(unknown)}{f' in {table}' if table else ''}{f' ({hints})' if hints else ''} "
+            f"(known: {sorted(known)})")
 
 
 def _relative_to(base: Path, p: str | None, always: bool = False) -> str | None:

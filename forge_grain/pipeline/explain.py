@@ -12,6 +12,7 @@ and from any bridge (`hash_batch` takes the arrays a trainer received).
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
@@ -22,14 +23,16 @@ from forge_grain.pipeline.states import step_number
 HASHED = ("inputs", "targets", "loss_mask")
 
 
-def explain(pipeline, step: int, shard: int | None = None, decode: bool = False) -> list[dict]:
+def explain(pipeline, step: int, shard: int | None = None, decode: bool = False,
+            tokenizer: str | None = None) -> list[dict]:
     """For each row of global batch `step` (or of shard `shard`'s slice of it, under the
     pipeline's shard count): its place (`row` in the global batch, `shard`), `source`,
     `epoch` (of that source), `source_row` (its index in the source's stream) and `plan_row`,
     and `segments`: per run of one document, the `document` (its index in the store), the
     store `file` holding it and the document's `index_in_file`, the `tokens` [lo, hi) of
     the document that fill the row's input `slots` [a, b). `decode=True` adds each
-    segment's `text`, decoded with the source's tokenizer.
+    segment's `text`, decoded with the source's tokenizer (`tokenizer`: this one instead, for
+    every source; checked against the hash the store records).
 
     A streaming source's rows are known once read: they are explained for the steps this
     process made recently (its `canonical_stream`, `epoch`, `window`, and per segment the
@@ -51,7 +54,8 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False)
                "source_row": r}
         if isinstance(d, PackedDataset):
             if decode and s not in tokenizers:
-                tokenizers[s] = _tokenizer(d.store, p.config.sources[s].tokenizer if s < len(p.config.sources) else None)
+                configured = p.config.sources[s].tokenizer if s < len(p.config.sources) else None
+                tokenizers[s] = _tokenizer(d.store, tokenizer or configured)
             row.update(_packed_row(d, r, tokenizers.get(s)))
         else:  # a streaming source: known once read, so only for rows this process made
             row.update(epoch=None, plan_row=None, segments=None)
@@ -70,6 +74,8 @@ def _packed_row(d: PackedDataset, rank: int, tok) -> dict:
     plan_row = int(d.rows_of([rank])[0])
     segments = []
     for doc, lo, slot, shown in d.plan.documents_of(plan_row, d.store.offsets):
+        if shown == 0:  # a document whose first token is only the row's last (masked) target: no slot holds it
+            continue
         file, index_in_file = d.store.place_of(doc)
         seg = {"document": doc, "file": None if file is None else str(file), "index_in_file": index_in_file,
                "tokens": [lo, lo + shown], "slots": [slot, slot + shown]}
@@ -89,7 +95,15 @@ def _tokenizer(store, configured: str | None):
     path, sha = configured or recorded.get("path"), recorded.get("sha256")
     if not path:
         raise ConfigError(f"{store.path}: the store records no tokenizer; decoding needs the one that made it "
-                          "(give the source a 'tokenizer', or explain without decode)")
+                          "(give the source a 'tokenizer', or --tokenizer PATH, or explain without decode)")
+    if not configured and not Path(path).is_absolute() and not Path(path).exists():
+        # a store prepared before paths were recorded absolute: the path as typed, from wherever prepare ran
+        beside = [p for p in (Path(store.path) / path, Path(store.path).parent / path) if p.exists()]
+        if not beside:
+            raise ConfigError(f"{store.path}: the store records its tokenizer as {path!r}, relative to the directory "
+                              "prepare ran in, which is not this one: give --tokenizer PATH (or the source's "
+                              "'tokenizer')")
+        path = beside[0]
     tok = load_tokenizer(path)
     if sha and tok.sha256 != sha:
         raise ConfigError(f"{store.path}: the tokenizer at {path} is not the one the store was made with "

@@ -39,7 +39,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from forge_grain.pipeline.config import ConfigError, DataConfig, Phase, SourceConfig, register_reader
+from forge_grain.errors import PrepareError
+from forge_grain.pipeline.config import ConfigError, DataConfig, Phase, SourceConfig, register_reader, unknown_keys
 
 # [data] keys and their types (KempnerForge's DataConfig, plus `dtype`/`eos_id` for raw files)
 DATA_KEYS: dict[str, tuple[type, ...]] = {
@@ -146,7 +147,7 @@ def _checked(value: Any, keys: dict, where: str, label: str, prefix: str, strict
         raise ConfigError(f"{where}: {label} must be a table, got {value!r}")
     unknown = sorted(set(value) - set(keys)) if strict else []
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown} in {label} (known: {sorted(keys)})")
+        raise ConfigError(f"{where}: {unknown_keys(unknown, keys, label)}")
     out = {}
     for key, kinds in keys.items():
         if key in value:
@@ -187,7 +188,9 @@ def _path_source(e: dict, data: dict, where: str, vocab_size: int) -> SourceConf
     if (Path(path) / "manifest.json").exists():  # a forge-grain store carries its own dtype and ids
         return SourceConfig(**common)
     tokenizer = data.get("tokenizer_path") or None
-    local_tokenizer = tokenizer if tokenizer and Path(tokenizer).exists() else None  # a Hub name is not read
+    # a local tokenizer, or a Hub name found in the Hugging Face cache (or downloaded): its vocabulary gives the
+    # width of raw files; a Hub name that cannot be had is needed only for pack_sequences' EOS (an error there)
+    local_tokenizer = tokenizer if tokenizer and _available(tokenizer) else None
     eos_id = data.get("eos_id")
     if data.get("pack_sequences") and eos_id is None:
         if tokenizer is None:
@@ -207,6 +210,16 @@ def _path_source(e: dict, data: dict, where: str, vocab_size: int) -> SourceConf
     return SourceConfig(**common, file_pattern=data.get("file_pattern", "*.npy"), tokenizer=local_tokenizer,
                         dtype=dtype, vocab_size=None if dtype or local_tokenizer else vocab_size,
                         eos_id=eos_id if packed else None, whole_documents=False if packed else None)
+
+
+def _available(tokenizer: str) -> bool:
+    """Whether the tokenizer can be loaded here: a local path, or a Hub name that resolves."""
+    from forge_grain.tokenizer import resolve
+
+    try:
+        return resolve(tokenizer)[0].exists()
+    except PrepareError:
+        return False
 
 
 def _hf_source(e: dict, data: dict) -> SourceConfig:

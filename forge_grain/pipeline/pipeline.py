@@ -64,6 +64,7 @@ def default_shard() -> tuple[int, int]:
 
 
 REPEAT_WARNING = 4  # `describe` warns about a source read this many times over a run, or more
+CROP_WARNING = 0.3  # ... and about one losing this share of its tokens to cropping (bos_bestfit loses ~20% on web text)
 FETCH_SHARDS = 16  # shards a source in object storage is told of ahead: twice its default fetch threads
 # a step this far behind the hinted window's start is one the prefetch threads made out of order,
 # not a restore: it leaves the window as it is (recomputing a window of 1,024 steps took ~40 ms)
@@ -576,7 +577,11 @@ class Pipeline:
             })
             if got.get("rows") == 0:
                 warn.append(f"source '{name}' is never read in {end} steps (its weight is 0 in every phase reached)")
-            elif epochs is not None and epochs >= REPEAT_WARNING:
+            if (stats.get("cropped_share") or 0) >= CROP_WARNING:
+                warn.append(f"source '{name}' loses {stats['cropped_share']:.1%} of its tokens to cropping under "
+                            f"{stats.get('strategy')} at seq_len {c.seq_len} (its documents are long for the rows): use "
+                            "strategy 'bestfit' (windows of long documents: no token lost) or a longer seq_len")
+            if got.get("rows") != 0 and epochs is not None and epochs >= REPEAT_WARNING:
                 warn.append(f"source '{name}' is read {epochs:.1f} times over the run ({got['rows']:,} rows of "
                             f"{rows_per_epoch:,}): lower its weight or the step count, or give it more data")
         return {"steps": end, "steps_per_epoch": self.steps_per_epoch, "global_batch_size": B, "seq_len": c.seq_len,
@@ -744,11 +749,12 @@ class Pipeline:
         out["step"] = np.int64(step)
         return out
 
-    def explain(self, step: int, shard: int | None = None, decode: bool = False) -> list[dict]:
+    def explain(self, step: int, shard: int | None = None, decode: bool = False,
+                tokenizer: str | None = None) -> list[dict]:
         """Which documents (and which of their tokens) each row of global batch `step` holds,
-        without making the batch; `shard`: only that shard's rows (see
-        `forge_grain.pipeline.explain`)."""
-        return flight.explain(self, step, shard, decode)
+        without making the batch; `shard`: only that shard's rows; `decode`: with their text
+        (`tokenizer`: decoded with this one; see `forge_grain.pipeline.explain`)."""
+        return flight.explain(self, step, shard, decode, tokenizer)
 
     def batch_hash(self, step: int) -> str:
         """A digest of global batch `step`'s content, equal on any shard count and to
@@ -810,13 +816,15 @@ class Pipeline:
             saved = state.get("config") if isinstance(state.get("config"), dict) else {}
             saved, ours = (json.loads(json.dumps(x, default=str)) for x in (saved, self._summary))  # tuples as lists
             diff = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
+            if "sources" in diff and len(diff) > 1 and _plans_alone_differ(saved.get("sources"), ours["sources"]):
+                diff.remove("sources")  # its plans follow from the keys that differ (seed, seq_len): not news
             if diff == ["canonical"]:
                 self._check_canonical(state)
             changed = self._changed_data(saved.get("sources"))
             if changed:
                 raise StateError(f"{changed}: the data is not what the state was saved with (a file rewritten, "
-                                 "replaced, added or removed since): resume on the data the run trained on, or start "
-                                 "a new run on this data")
+                                 "replaced, added or removed since; for a text source, also another tokenizer): "
+                                 "resume on the data the run trained on, or start a new run on this data")
             raise StateError(
                 "this state was saved by a pipeline with another config or other data; differing: "
                 f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "
@@ -952,6 +960,15 @@ def merge_states(states: list[dict]) -> dict:
                 if mine.setdefault(c, st) != st:
                     raise StateError(f"merge_states: two states give canonical stream {c} different positions")
     return {**first, "streams": joined, "streams_sha256": history.digest(joined)}
+
+
+def _plans_alone_differ(saved, ours) -> bool:
+    """Whether two summaries' sources are the same but for their plans (which every change of
+    seed, seq_len or packing settings changes)."""
+    def strip(sources):
+        return [{k: v for k, v in s.items() if k not in ("plan", "plan_sha256")} if isinstance(s, dict) else s
+                for s in sources or []]
+    return strip(saved) == strip(ours)
 
 
 def _without_batches(summary: dict) -> dict:

@@ -38,7 +38,7 @@ from forge_grain.stores.manifest import (
 )
 from forge_grain.locks import exclusive_or_refuse
 from forge_grain.preparation.texts import NULL_TOKENS
-from forge_grain.tokenizer import TextTokenizer, load_tokenizer
+from forge_grain.tokenizer import TextTokenizer
 
 BATCH_DOCS = 512  # documents tokenized per call: large enough for the Rust batch path
 SHARD_TARGET_BYTES = 64 << 20  # of text per shard by default
@@ -222,11 +222,10 @@ def write_manifest(job: Job, settings: dict, recorded: dict, infos: list[dict]) 
         _done_path(out, i).unlink(missing_ok=True)
 
 
-def special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id, special_tokens_in_text):
-    """(tokenizer or None, vocab_size, bos id, eos id) from the options, checked against each other."""
-    tok = None
-    if tokenizer is not None or not tokens:
-        tok = load_tokenizer(tokenizer, bos=bos_token, eos=eos_token, special_tokens_in_text=special_tokens_in_text)
+def special_ids(tok, tokens, vocab_size, bos_id, eos_id, named=(False, False)):
+    """(vocab_size, bos id, eos id) from the loaded tokenizer `tok` (or None) and the options,
+    checked against each other; `named`: whether --bos-token / --eos-token were given."""
+    if tok is not None:
         if vocab_size is not None and vocab_size != tok.vocab_size:
             raise PrepareError(f"{tok.path}: vocab_size {vocab_size} was given, but the tokenizer has {tok.vocab_size} ids")
         vocab_size = tok.vocab_size
@@ -235,10 +234,10 @@ def special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos
             if given is not None:
                 raise PrepareError(f"{what} declares ids of pre-tokenized input (--token-field); for text, "
                                    f"name the token with --{what[:3]}-token")
-        return tok, vocab_size, tok.bos_id, tok.eos_id
+        return vocab_size, tok.bos_id, tok.eos_id
     if tok is not None:  # pre-tokenized: a tokenizer gives the vocabulary, and special ids only when named
-        bos_id = tok.bos_id if bos_id is None and bos_token is not None else bos_id
-        eos_id = tok.eos_id if eos_id is None and eos_token is not None else eos_id
+        bos_id = tok.bos_id if bos_id is None and named[0] else bos_id
+        eos_id = tok.eos_id if eos_id is None and named[1] else eos_id
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
         raise PrepareError(
             "pre-tokenized input (--token-field) needs the vocabulary size: pass --vocab-size N "
@@ -247,7 +246,7 @@ def special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos
     for given, what in ((bos_id, "bos_id"), (eos_id, "eos_id")):
         if given is not None and not 0 <= given < vocab_size:
             raise PrepareError(f"{what} {given} is outside the vocabulary [0, {vocab_size})")
-    return tok, vocab_size, bos_id, eos_id
+    return vocab_size, bos_id, eos_id
 
 
 def default_num_shards(text_bytes: int, num_docs: int) -> int:

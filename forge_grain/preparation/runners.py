@@ -12,7 +12,9 @@ from pathlib import Path
 from forge_grain.errors import PrepareError, StoreError
 from forge_grain.paths import cache_root, is_url, private_cache
 from forge_grain.preparation.local import Spec, prepare_local, special_ids
+from forge_grain.preparation.texts import refuse_missing_path
 from forge_grain.stores.manifest import LAYOUTS
+from forge_grain.tokenizer import load_tokenizer
 
 
 def prepare(
@@ -90,17 +92,24 @@ def prepare(
     if not isinstance(piece_chars, int) or piece_chars < 1024:
         raise PrepareError(f"piece_chars must be an integer of at least 1024, not {piece_chars!r}")
     tokens = token_field is not None
+    if not is_url(source) and data_files is None and not any(c in str(source) for c in "*?[") \
+            and not Path(str(source)).exists():
+        refuse_missing_path(source)  # a mistyped input is named first, before what its options lack
+    tok = None
+    if tokenizer is not None or not tokens:  # a tokenizer's own errors name the tokenizer, not the input
+        tok = load_tokenizer(tokenizer, bos=bos_token, eos=eos_token, special_tokens_in_text=special_tokens_in_text)
     try:
-        tok, vocab_size, bos, eos = special_ids(tokenizer, tokens, vocab_size, bos_token, eos_token, bos_id, eos_id,
-                                                 special_tokens_in_text)
+        vocab_size, bos, eos = special_ids(tok, tokens, vocab_size, bos_id, eos_id,
+                                           named=(bos_token is not None, eos_token is not None))
     except PrepareError as e:  # the declarations do not fit together: say which input they were for
         raise PrepareError(str(e) if str(e).startswith(str(source)) else f"{source}: {e}") from None
     add_bos = (not tokens) if add_bos is None else add_bos
     add_eos = (not tokens) if add_eos is None else add_eos
     for flag, tid, what in ((add_bos, bos, "BOS"), (add_eos, eos, "EOS")):
         if flag and tid is None:
-            how = f"--{what.lower()}-id N" if tokens else f"--{what.lower()}-token"
-            raise PrepareError(f"{tok.path if tok else source}: no {what} id known; name one ({how}) or disable it")
+            how = f"--{what.lower()}-id N" if tokens else f"--{what.lower()}-token TOKEN"
+            raise PrepareError(f"{tok.path if tok else source}: no {what} id known; name one ({how}) or leave it out "
+                               f"(--no-{what.lower()})")
     out = output if is_url(output) else Path(output)  # a URL: only the Beam runner gets here
     if not is_url(out) and out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory; give a directory for the token store")

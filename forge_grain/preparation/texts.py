@@ -11,17 +11,15 @@ from __future__ import annotations
 import dataclasses
 import glob as globlib
 import json
-import os
 import re
-import socket
 from pathlib import Path
 
+from forge_grain import hub
 from forge_grain.errors import PrepareError
 from forge_grain.stores.manifest import FORMAT, MANIFEST_NAME
 from forge_grain.splits import DEFAULT_SPLIT, select_split, split_of
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text", ".py": "text"}
-HUB_HOST = "huggingface.co"
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
@@ -120,10 +118,10 @@ def load_corpus(
         if builder == "text" and text_field != "text":
             corpus.ds = corpus.ds.rename_column("text", text_field)
     else:
-        _refuse_missing_path(source)
-        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false") and not _reachable(HUB_HOST):
+        refuse_missing_path(source)
+        if not hub.offline() and not hub.reachable():
             raise PrepareError(
-                f"{source}: no such local file or directory, and the Hugging Face Hub ({HUB_HOST}) cannot be reached "
+                f"{source}: no such local file or directory, and the Hugging Face Hub ({hub.HUB_HOST}) cannot be reached "
                 "to download a dataset of that name. Give a local file, directory or glob, or download the dataset "
                 "first (or set HF_HUB_OFFLINE=1 to use a dataset already in the local Hugging Face cache)."
             )
@@ -344,13 +342,20 @@ def _data_files(source, split: str | None, exclude: Path | None = None) -> list[
         if split is not None and named is not None and named != split:
             raise PrepareError(f"{path}: this file is named for split {named!r}, but --split {split!r} was asked for")
         return [path]
-    if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+    if path.is_dir():  # every visible file: one of a kind forge-grain does not read is named, not skipped
+        files = sorted(f for f in path.rglob("*") if f.is_file()
+                       and not any(part.startswith(".") for part in f.relative_to(path).parts))
     else:
         files = sorted(Path(f) for f in globlib.glob(str(source), recursive=True) if Path(f).is_file())
     if exclude is not None:
         outside = Path(exclude).resolve()
         files = [f for f in files if outside not in f.resolve().parents]
+    unread = [f for f in files if f.suffix not in BUILDERS] if path.is_dir() else []
+    if unread:
+        raise PrepareError(
+            f"{source}: holds {len(unread)} file(s) of a kind prepare does not read ({', '.join(map(str, unread[:3]))}"
+            f"{', ...' if len(unread) > 3 else ''}); it reads {', '.join(sorted(BUILDERS))}. Move them out, or give a "
+            f"glob of the files to read ({Path(source) / '**' / ('*' + files[0].suffix if files else '*.txt')})")
     if not files:
         raise PrepareError(f"{source}: no text, JSONL or Parquet files found")
     return select_split(files, split, source, PrepareError, base=path if path.is_dir() else None)
@@ -363,19 +368,11 @@ def _builder(files: list[Path], source) -> str:
     return kinds.pop()
 
 
-def _refuse_missing_path(source) -> None:
+def refuse_missing_path(source) -> None:
     """A name that can only be a local path (a data suffix, or ./ ../ / ~) and does not exist."""
     s = str(source)
     if Path(s).suffix in BUILDERS or Path(s).suffix in (".bin", ".npy", ".arrow") or s.startswith(("/", "./", "../", "~")):
         raise PrepareError(f"{source}: no such file or directory")
-
-
-def _reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 # -- what a column must hold -------------------------------------------------------------------

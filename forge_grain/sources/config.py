@@ -80,8 +80,9 @@ class SourceConfig:
     """
 
     tokenizer: str | None = None
-    """A local tokenizer (a `tokenizer.json` file or a Hugging Face tokenizer directory);
-    default: the tokenizer shipped with forge-grain. For a raw `.bin` store its vocabulary
+    """A tokenizer: a `tokenizer.json` file, a Hugging Face tokenizer directory, or a Hub name
+    (`gpt2`, `org/name@revision`, read through the Hugging Face cache and recorded pinned
+    to its commit); default: the tokenizer shipped with forge-grain. For a raw `.bin` store its vocabulary
     can decide the dtype; every source of a pipeline must use the same tokenizer.
     Example: tokenizer = "tokenizers/llama3"
     """

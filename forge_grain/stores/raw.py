@@ -33,7 +33,7 @@ import numpy as np
 from forge_grain.stores import mapping
 from forge_grain.errors import MissingFilesError, StoreError
 from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
-from forge_grain.paths import cache_root, trusted_directory
+from forge_grain.paths import BESIDE_DATA, cache_beside_data, cache_root, private_cache, trusted_directory
 from forge_grain.splits import select_split
 from forge_grain.stores import checks
 from forge_grain.stores import identify
@@ -132,13 +132,18 @@ def map_tokens(path: Path, dtype=None, vocab_size: int | None = None) -> np.ndar
 
 
 def _cache_paths(path: Path, key: str) -> tuple[Path, Path]:
-    stem = f".{path.name}.forge-grain-{key}"
-    if os.access(path.parent, os.W_OK) and trusted_directory(path.parent, owner_of=path):
-        base = path.parent
+    """(offsets, record) of a file's document index: under the cache root, keyed by the file's
+    path (with `cache_beside_data()` and a writable directory, in its `.forge-grain/index`).
+    The offsets are named `.offsets`, which no token-file glob (`*.npy`, `*.bin`) matches."""
+    stem = f"{path.name}.{key}"
+    beside = path.parent / BESIDE_DATA
+    if cache_beside_data() and os.access(path.parent, os.W_OK) and trusted_directory(path.parent, owner_of=path) \
+            and (not beside.exists() or trusted_directory(beside, owner_of=path)):
+        base = beside / "index"
     else:
         base = cache_root() / "index"
-        stem = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16] + stem
-    return base / f"{stem}.idx.npy", base / f"{stem}.json"
+        stem = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16] + "-" + stem
+    return base / f"{stem}.offsets", base / f"{stem}.json"
 
 
 def document_offsets(
@@ -158,7 +163,7 @@ def document_offsets(
         return cached
     offsets, lo, hi = _scan(tokens, eos_id=eos_id, bos_id=bos_id)
     try:
-        idx_path.parent.mkdir(parents=True, exist_ok=True)
+        private_cache(idx_path.parent)
         save_npy_atomic(idx_path, offsets)
         write_json_atomic(meta_path, {  # written last: marks the cache complete
             "fingerprint": fingerprint, "num_documents": len(offsets) - 1, "min_token": lo, "max_token": hi,

@@ -1,0 +1,73 @@
+"""The public API is what the README and docs name: every import they show works without a
+warning, and every module the layout by kind moved still imports by its old name for one
+release, with a DeprecationWarning naming the new place."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from forge_grain.moved import BECAME_PACKAGES, MOVED
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTED = ("README.md", "docs/*.md", "examples/*.py")
+
+
+def documented_imports() -> list[str]:
+    """Every `from forge_grain... import ...` and `import forge_grain...` line the README, the
+    docs and the examples show (one line each)."""
+    found = set()
+    for pattern in DOCUMENTED:
+        for f in ROOT.glob(pattern):
+            for m in re.finditer(r"^\s*(from (forge_grain[\w.]*|bridges[\w.]*) import [\w, ]+|import forge_grain[\w.]*)",
+                                 f.read_text(), re.M):
+                found.add(m.group(1).strip().rstrip(","))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("line", documented_imports())
+def test_every_documented_import_works_without_a_warning(line):
+    sys.path.insert(0, str(ROOT))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            exec(line, {})
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def test_the_documented_imports_were_found():
+    lines = documented_imports()
+    assert any("forge_grain.packing.varlen" in x or "from forge_grain import" in x for x in lines) and len(lines) > 5
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_imports_by_its_old_name_with_a_warning(old):
+    code = (f"import warnings, importlib\nwarnings.simplefilter('always')\n"
+            f"with warnings.catch_warnings(record=True) as w:\n"
+            f"    m = importlib.import_module({old!r})\n"
+            f"new = importlib.import_module({MOVED[old]!r})\n"
+            f"names = [n for n in vars(new) if not n.startswith('_')]\n"
+            f"assert names and all(getattr(m, n) is getattr(new, n) for n in names)\n"
+            f"assert any(issubclass(x.category, DeprecationWarning) and {MOVED[old]!r} in str(x.message) for x in w)\n"
+            f"assert new.__name__ == {MOVED[old]!r} and new.__spec__.name == {MOVED[old]!r}")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("package", sorted(BECAME_PACKAGES))
+def test_an_old_module_that_is_a_package_now_still_gives_its_names(package):
+    new = importlib.import_module(BECAME_PACKAGES[package])
+    name = next(n for n in vars(new) if not n.startswith("_") and callable(getattr(new, n))
+                and getattr(getattr(new, n), "__module__", None) == new.__name__)
+    with pytest.warns(DeprecationWarning, match=rf"{package}\.{name} moved to {BECAME_PACKAGES[package]}\.{name}"):
+        got = getattr(importlib.import_module(package), name)
+    assert got is getattr(new, name)
+    with pytest.raises(AttributeError):
+        getattr(importlib.import_module(package), "no_such_name")
