@@ -20,10 +20,15 @@ By default (`semantics="kempnerforge"`) each class means what KempnerForge's doe
   sample starts, so a state saved here resumes with the very next sample.
 - `pack_sequences=True` (with `eos_token_id` for files): `doc_ids` counts the EOS tokens
   before each input token, and a label that follows an EOS is -100.
+- Text is tokenized as KempnerForge's `AutoTokenizer` does: a special token's string written
+  in a document ("<|endoftext|>", "<eos>") becomes its special id
+  (`special_tokens_in_text=None` means True here, False with `semantics="forge_grain"`, whose
+  sources keep text as text; pass a bool to decide).
 
 What forge-grain adds without changing a sample: raw `.bin` files are read with a declared
 `dtype=` (or `vocab_size=`) and width-checked, never guessed from the file size (KempnerForge
-reads any file whose size is a multiple of 4 as uint32); tokenizers are local files only.
+reads any file whose size is a multiple of 4 as uint32); tokenizers are local files or Hub
+names read through the Hugging Face cache.
 
 `semantics="forge_grain"` turns on forge-grain's packing instead: each token after the first
 is a label exactly once (rows overlap by one token and cross files; no file's tail is
@@ -145,16 +150,24 @@ def _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config, 
                         strategy="concat", **kw)
 
 
+def _specials(special_tokens_in_text: bool | None, semantics: str) -> bool:
+    """KempnerForge's tokenizer (`AutoTokenizer`) turns a special token's string written in a
+    document ("<|endoftext|>") into its special id: its samples do, so the drop-ins do by
+    default; forge-grain's semantics keep text as text. An explicit value decides."""
+    return semantics == "kempnerforge" if special_tokens_in_text is None else bool(special_tokens_in_text)
+
+
 class HuggingFaceDataset(_Samples):
     """A Hugging Face dataset, tokenized once into a cached forge-grain store (KempnerForge's
     signature and samples: chunks of seq_len + 1 of the documents joined, each with its EOS)."""
 
     def __init__(self, dataset_name: str, split: str, text_field: str, seq_len: int, tokenizer_path: str,
                  dataset_config: str | None = None, pack_sequences: bool = False, *, cache_dir=None,
-                 semantics: str = "kempnerforge", seed: int = 0):
+                 semantics: str = "kempnerforge", seed: int = 0, special_tokens_in_text: bool | None = None):
         from forge_grain.sources.hf import eager_store
 
-        src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config)
+        src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config,
+                         special_tokens_in_text=_specials(special_tokens_in_text, semantics))
         store = TokenStore.open(eager_store(src, cache_dir, progress=False))
         self.seq_len = seq_len
         # the store's documents end with the tokenizer's EOS (preparing refuses a tokenizer without one)
@@ -185,9 +198,10 @@ class StreamingHuggingFaceDataset(IterableDataset):
     def __init__(self, dataset_name: str, split: str, text_field: str, seq_len: int, tokenizer_path: str,
                  dataset_config: str | None = None, rank: int = 0, world_size: int = 1, seed: int = 42,
                  shuffle_buffer_size: int = 10000, pack_sequences: bool = False, *, semantics: str = "kempnerforge",
-                 window: int = 1000, cache_dir=None):
+                 window: int = 1000, cache_dir=None, special_tokens_in_text: bool | None = None):
         super().__init__()
         self.semantics = _semantics(semantics)
+        self.special_tokens_in_text = _specials(special_tokens_in_text, semantics)
         self.dataset_name, self.dataset_config, self.split, self.text_field = dataset_name, dataset_config, split, text_field
         self.seq_len, self.tokenizer_path, self.rank, self.world_size = seq_len, tokenizer_path, rank, world_size
         self.seed, self.shuffle_buffer_size, self.pack_sequences = seed, shuffle_buffer_size, pack_sequences
@@ -195,7 +209,7 @@ class StreamingHuggingFaceDataset(IterableDataset):
         self._resume: dict | None = None
         if semantics == "forge_grain":
             src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config, hf_streaming=True,
-                             window=window)
+                             window=window, special_tokens_in_text=self.special_tokens_in_text)
             config = DataConfig(sources=[src], seq_len=seq_len, global_batch_size=world_size, seed=seed,
                                 num_epochs=None)
             self.pipeline = Pipeline(config, rank, world_size, num_threads=0, prefetch=0, cache_dir=cache_dir,
@@ -215,7 +229,7 @@ class StreamingHuggingFaceDataset(IterableDataset):
         from forge_grain.preparation.texts import document_text, load_texts
         from forge_grain.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(self.tokenizer_path)
+        tok = load_tokenizer(self.tokenizer_path, special_tokens_in_text=self.special_tokens_in_text)
         eos = 0 if tok.eos_id is None else tok.eos_id
         chunk = self.seq_len + 1
         resume, self._resume = self._resume or {}, None

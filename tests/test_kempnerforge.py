@@ -663,3 +663,28 @@ def test_a_single_dataset_paths_last_part_names_it_in_anneal_weights(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert Pipeline(cfg, 0, 1, num_threads=0).batch(12)["inputs"].shape == (8, 64)
+
+
+def test_the_drop_ins_read_special_tokens_in_text_as_kempnerforges_tokenizer_does(tmp_path):
+    """A document holding the literal string "<|endoftext|>": KempnerForge's tokenizer makes it
+    the special id, so the drop-ins do too (their samples equal KempnerForge's); with
+    special_tokens_in_text=False (forge-grain's own sources' default) it stays text."""
+    from bridges.kempnerforge import HuggingFaceDataset, StreamingHuggingFaceDataset
+    from forge_grain.tokenizer import load_tokenizer
+
+    texts = [f"{t} <|endoftext|> and then {t}" if i % 3 == 0 else t for i, t in enumerate(make_texts(120, seed=9))]
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "train.jsonl", texts)
+    jsonl = str(tmp_path / "d" / "train.jsonl")
+    eos = load_tokenizer(DEFAULT_TOKENIZER).eos_id
+    want = kempnerforge_hf_chunks(jsonl, 32)
+    assert any(eos in chunk[:-1] and chunk.count(eos) > 1 for chunk in want)  # the literal string is the id there
+    ds = HuggingFaceDataset(jsonl, "train", "text", 32, str(DEFAULT_TOKENIZER), cache_dir=tmp_path / "c")
+    assert [ds[i]["input_ids"].tolist() + ds[i]["labels"][-1:].tolist() for i in range(len(ds))] == want
+    as_text = HuggingFaceDataset(jsonl, "train", "text", 32, str(DEFAULT_TOKENIZER), cache_dir=tmp_path / "c",
+                                 special_tokens_in_text=False)
+    assert len(as_text) > len(ds)  # "<|endoftext|>" as characters: more tokens
+    stream = StreamingHuggingFaceDataset(jsonl, "train", "text", 32, str(DEFAULT_TOKENIZER), None, 0, 1, seed=3,
+                                         shuffle_buffer_size=20)
+    got = [s["input_ids"].tolist() + s["labels"][-1:].tolist() for s in stream]
+    assert got == kempnerforge_stream(jsonl, 32, 0, 1, 3, 20)

@@ -103,6 +103,12 @@ class SourceConfig:
     one), so the model learns where documents stop.
     Example: add_eos = true"""
 
+    special_tokens_in_text: bool = False
+    """Hugging Face sources: encode special-token strings written in a document (such as
+    "<|endoftext|>") as their special ids, as `transformers` tokenizers do by default; off by
+    default: text stays text, and the only special ids are the BOS/EOS added around documents.
+    Example: special_tokens_in_text = true"""
+
     window: int = 1000
     """Streaming sources: documents packed together (the packing's look-ahead). Larger
     fills rows better and shuffles more widely, at the cost of memory and the time to the

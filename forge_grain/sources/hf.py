@@ -47,6 +47,12 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def specials_key(src: SourceConfig) -> str:
+    """How the source encodes special-token strings in its text, for its cache keys (the old
+    key, for text kept as text, leaves the caches of earlier versions valid)."""
+    return "special-tokens-as-ids" if src.special_tokens_in_text else "special-tokens-as-text"
+
+
 def _files_identity(data_files) -> list:
     """Local data files by path, size and modification time (what changes when they do)."""
     if data_files is None:
@@ -75,14 +81,14 @@ def _texts(src: SourceConfig, streaming: bool):
 
 def eager_store(src: SourceConfig, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """The token store of an eager Hugging Face source: built on first use, then reused."""
-    tok = load_tokenizer(src.tokenizer)
+    tok = load_tokenizer(src.tokenizer, special_tokens_in_text=src.special_tokens_in_text)
     ds = _texts(src, streaming=False)
     key = _digest([ds._fingerprint, src.hf_dataset, src.hf_config, src.split, src.text_field, tok.sha256,
-                   src.add_bos, src.add_eos, "special-tokens-as-text"])
+                   src.add_bos, src.add_eos, specials_key(src)])
     root = cache_root(cache_dir)
     out = root / f"{path_name(src.name)}-{key}"
     with file_lock(root / f".{path_name(src.name)}-{key}.lock"):
         prepare(src.hf_dataset, out, tokenizer=src.tokenizer, text_field=src.text_field, split=src.split,
                 hf_config=src.hf_config, data_files=src.hf_data_files, add_bos=src.add_bos, add_eos=src.add_eos,
-                progress=progress)
+                special_tokens_in_text=src.special_tokens_in_text, progress=progress)
     return out

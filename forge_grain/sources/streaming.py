@@ -49,7 +49,7 @@ import numpy as np
 from forge_grain.packing import kernels
 from forge_grain.sources.config import SourceConfig
 from forge_grain.errors import ConfigError, PrepareError, StateError
-from forge_grain.sources.hf import _digest, cache_root, path_name
+from forge_grain.sources.hf import _digest, cache_root, path_name, specials_key
 from forge_grain.locks import file_lock
 from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
 from forge_grain.packing.packed import empty_rows
@@ -114,7 +114,7 @@ class StreamingSource:
                  max_segments: int | None = None, tokenize_threads: int | None = None):
         self.src, self.seq_len, self.seed, self.max_segments = src, seq_len, seed, max_segments
         self.cache_dir = cache_dir
-        self.tok = load_tokenizer(src.tokenizer)
+        self.tok = load_tokenizer(src.tokenizer, special_tokens_in_text=src.special_tokens_in_text)
         self.bos = [self.tok.bos_id] if src.add_bos and self.tok.bos_id is not None else []
         self.eos = [self.tok.eos_id] if src.add_eos and self.tok.eos_id is not None else []
         self.vocab_size, self.bos_id, self.eos_id = self.tok.vocab_size, self.tok.bos_id, self.tok.eos_id
@@ -122,7 +122,7 @@ class StreamingSource:
         self.dtype = token_dtype(self.vocab_size)
         self.reader = texts_reader(src)  # checks it can be read: a clear error now, not at the first batch
         self.path = self.reader.name
-        self.key = _digest([*self.reader.identity, self.tok.sha256, src.add_bos, src.add_eos, "special-tokens-as-text"])
+        self.key = _digest([*self.reader.identity, self.tok.sha256, src.add_bos, src.add_eos, specials_key(src)])
         self.tokenize_threads = tokenize_threads
 
     files_of = None  # with files dealt to canonical streams: each stream's files (`deal`); None: rows dealt
