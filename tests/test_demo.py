@@ -1,23 +1,35 @@
 """The README's first command runs `forge-grain demo`; it must work end to end."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import noise
 
 from forge_grain import DataConfig, Pipeline
 
 
-def test_demo_prepares_mixes_checkpoints_and_resumes_exactly(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "forge_grain", "demo", "--workdir", str(tmp_path), "--max-files", "60", "--steps", "24"],
-        capture_output=True, text=True, timeout=600,
-    )
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The README's first command: `forge-grain demo` with its defaults (about 30 s)."""
+    workdir = tmp_path_factory.mktemp("demo")
+    r = subprocess.run([sys.executable, "-m", "forge_grain", "demo", "--workdir", str(workdir)],
+                       capture_output=True, text=True, timeout=900)
+    return workdir, r
+
+
+def test_demo_prepares_mixes_checkpoints_and_resumes_exactly(demo):
+    tmp_path, r = demo
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "on 1 shard(s): batches 8..23 match" in r.stdout
-    assert "on 4 shard(s): batches 8..23 match" in r.stdout
+    assert "on 1 shard(s): batches 20..59 match" in r.stdout
+    assert "on 4 shard(s): batches 20..59 match" in r.stdout
     assert "resume on 1 and 4 shards exact: True" in r.stdout
     assert "train (2 shards)" in r.stderr  # the progress bar
     assert noise(r.stderr) == [], r.stderr  # and nothing else: no warning, no traceback at exit
@@ -32,6 +44,25 @@ def test_demo_prepares_mixes_checkpoints_and_resumes_exactly(tmp_path):
     assert plan.returncode == 0, plan.stderr
     described = {s["name"]: s for s in json.loads(plan.stdout)["sources"]}
     pipeline = Pipeline(DataConfig.from_toml(tmp_path / "data.toml"), 0, 1, num_threads=0)
-    seen = sum(np.bincount(pipeline.batch(step)["source_id"], minlength=2) for step in range(24))
+    seen = sum(np.bincount(pipeline.batch(step)["source_id"], minlength=2) for step in range(60))
     assert [described["code"]["rows"], described["docs"]["rows"]] == seen.tolist()
     assert described["docs"]["epochs"] == seen[1] / described["docs"]["rows_per_epoch"]
+
+
+def test_the_readmes_explain_example_is_what_the_demo_gives(demo):
+    """The README shows `forge-grain explain` on the demo's config with its output: that output
+    is what the command prints on the demo the README's first command makes (an earlier README
+    showed lines no demo could give)."""
+    workdir, r = demo
+    assert r.returncode == 0, r.stderr
+    text = README.read_text()
+    block = re.search(r"```bash\n(forge-grain explain forge-grain-demo/data\.toml [^\n]+)\n((?:#[^\n]*\n)+)", text)
+    assert block, "the README's explain example"
+    command, shown = block.group(1), [line[1:].strip() for line in block.group(2).splitlines()]
+    args = command.replace("forge-grain-demo", str(workdir)).split()[1:]
+    out = subprocess.run([sys.executable, "-m", "forge_grain", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    printed = [line.strip() for line in out.stdout.splitlines()][: len(shown)]
+    for want, got in zip(shown, printed):
+        head, _, tail = want.partition("...")  # "..." stands for the demo's directory and a text's end
+        assert got.startswith(head.rstrip("' ")) and (not tail or tail.rstrip("'") in got), (want, got)
