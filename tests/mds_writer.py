@@ -16,6 +16,27 @@ from pathlib import Path
 
 import numpy as np
 
+def _brotli(data: bytes) -> bytes:
+    import brotli
+
+    return brotli.compress(data, quality=11)
+
+
+def _snappy(data: bytes) -> bytes:
+    import snappy
+
+    return snappy.compress(data)
+
+
+def _zstd(data: bytes) -> bytes:
+    import zstd
+
+    return zstd.compress(data, 3)
+
+
+# streaming.base.compression: the libraries and default levels MosaicML's writer uses
+COMPRESS = {"gz": lambda data: gzip.compress(data, 9), "br": _brotli, "snappy": _snappy, "zstd": _zstd}
+
 _VALUE_DTYPES = {"uint8": 8, "int8": 9, "uint16": 16, "int16": 17, "uint32": 32, "int32": 33, "uint64": 64,
                  "int64": 65}
 
@@ -77,9 +98,10 @@ def write_mds(out: Path, columns: dict[str, str], samples: list[dict], samples_p
         basename = f"shard.{k:05d}.mds"
         raw = {"basename": basename, "bytes": len(shard), "hashes": {"sha1": hashlib.sha1(shard).hexdigest()}}
         zipped = None
-        if compression == "gz":
-            zipped = {"basename": basename + ".gz", "bytes": 0, "hashes": {}}
-            (out / zipped["basename"]).write_bytes(gzip.compress(shard))
+        if compression:  # as MDSWriter: the shard compressed whole with the library MosaicML uses
+            algorithm = compression.split(":")[0]
+            zipped = {"basename": f"{basename}.{algorithm}", "bytes": 0, "hashes": {}}
+            (out / zipped["basename"]).write_bytes(COMPRESS[algorithm](shard))
         else:
             (out / basename).write_bytes(shard)
         shards.append({**config, "raw_data": raw, "samples": len(chunk), "zip_data": zipped})

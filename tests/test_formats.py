@@ -232,13 +232,41 @@ def test_mds_token_columns(tmp_path, docs, encoding):
             TokenStore.open(tmp_path / "mds")
 
 
-def test_compressed_mds_is_decompressed_once_into_the_cache(tmp_path, docs, monkeypatch):
+@pytest.mark.parametrize("compression", ["gz", "zstd:3", "br:11", "snappy"])
+def test_compressed_mds_is_decompressed_once_into_the_cache(tmp_path, docs, monkeypatch, compression):
+    """Every compression MosaicML's writer offers but bz2 (gz, zstd, brotli, snappy; written
+    with the libraries it uses), read as the uncompressed shards are."""
     monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
-    write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs], 100, compression="gz")
+    write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs], 100,
+              compression=compression)
+    assert not list((tmp_path / "mds").glob("*.mds"))  # only the compressed shards
     store = TokenStore.open(tmp_path / "mds", eos_id=EOS)
     assert same_docs(store, docs) and all(str(f).startswith(str(tmp_path / "cache")) for f in store.files)
     stamps = [f.stat().st_mtime_ns for f in store.files]
     assert [f.stat().st_mtime_ns for f in TokenStore.open(tmp_path / "mds").files] == stamps  # not again
+
+
+def test_litdata_chunks_written_with_zstd_read_as_the_uncompressed_ones(tmp_path, monkeypatch):
+    """litdata.optimize(..., compression="zstd") compresses each chunk whole with the `zstd`
+    package (its ZSTDCompressor): the same dataset, its chunks so compressed, reads the same
+    documents, and a truncated chunk is named."""
+    import zstd
+
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    plain = TokenStore.open(LITDATA / "dataset")
+    packed = shutil.copytree(LITDATA / "dataset", tmp_path / "zstd")
+    index = json.loads((packed / "index.json").read_text())
+    index["config"]["compression"] = "zstd"
+    for chunk in index["chunks"]:
+        f = packed / chunk["filename"]
+        f.write_bytes(zstd.compress(f.read_bytes(), 1))
+    (packed / "index.json").write_text(json.dumps(index))
+    store = TokenStore.open(packed)
+    assert len(store) == len(plain) and all(np.array_equal(store[i], plain[i]) for i in range(len(plain)))
+    first = packed / index["chunks"][0]["filename"]
+    first.write_bytes(first.read_bytes()[:-20])
+    with pytest.raises(StoreError, match=rf"{first.name}: cannot decompress this zstd file"):
+        TokenStore.open(packed)
 
 
 def test_nanogpt_split_picks_the_file(tmp_path, docs):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain.errors import StoreError
-from forge_grain.stores import checks
+from forge_grain.stores import checks, decompress
 from forge_grain.stores.base import TokenStore, join_offsets
 
 # litdata.constants: _NUMPY_DTYPES_MAPPING (index into its list of numpy scalar types) and
@@ -39,8 +39,12 @@ class LitDataStore(TokenStore):
         self.dtype = _token_dtype(index_file, index["config"])
         checks.check_declared_dtype(index_file, dtype, self.dtype, "its data_format")
         offsets = []
+        compression = index["config"].get("compression")
         for chunk in index["chunks"]:
             file = checks.inside(self.path, chunk["filename"], "index.json")
+            if compression:  # a compressed chunk cannot be mapped: read from its decompressed copy in the cache
+                checks.require_regular(file, "chunk listed in index.json")
+                file = decompress.cached_copy(file, compression, chunk["filename"], "litdata")
             header, item_offsets = _chunk_table(file, chunk, self.dtype)
             count = (int(item_offsets[-1]) - header) // self.dtype.itemsize
             self._arrays.append(checks.map_array(file, self.dtype, offset=header, count=count))
@@ -62,12 +66,6 @@ def _read_index(index_file: Path) -> dict:
             assert isinstance(c["filename"], str) and isinstance(c["chunk_size"], int)
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
         raise StoreError(f"{index_file}: not a readable LitData index ({type(e).__name__}: {e})") from None
-    if config.get("compression"):
-        raise StoreError(
-            f"{index_file}: its chunks are {config['compression']}-compressed, which cannot be read in place; "
-            "re-run litdata.optimize without compression, or write the documents to a forge-grain store "
-            "with forge_grain.write_store"
-        )
     return index
 
 

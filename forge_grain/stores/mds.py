@@ -14,25 +14,19 @@ keyed by its content fingerprint, and read from there.
 
 from __future__ import annotations
 
-import bz2
-import gzip
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from forge_grain.stores import mapping
 from forge_grain.errors import StoreError
-from forge_grain.stores.manifest import temporary
-from forge_grain.paths import cache_root, private_cache
-from forge_grain.stores import checks
+from forge_grain.stores import checks, decompress
 from forge_grain.stores.base import TokenStore
 
 FIELDS = ("tokens", "input_ids")  # token columns looked for when token_field is not given
 VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64", 65: "int64"}
-_DECOMPRESS = {"gz": gzip.open, "bz2": bz2.open}
 
 
 class MDSStore(TokenStore):
@@ -80,21 +74,7 @@ class MDSStore(TokenStore):
             raise StoreError(f"{file}: shard listed in {self.path / 'index.json'} is missing")
         source = checks.inside(self.path, zipped["basename"], "index.json")
         checks.require_regular(source, "compressed shard listed in index.json")
-        algorithm = str(shard.get("compression") or "").split(":")[0]
-        opener = _DECOMPRESS.get(algorithm) or _zstd_opener(algorithm, source)
-        key = checks.content_fingerprint(source, full=True)[:24]
-        cached = private_cache(cache_root() / "mds") / f"{key}-{Path(raw.get('basename', source.name)).name}"
-        if not cached.exists():
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = temporary(cached)
-            try:
-                with opener(source, "rb") as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 24)
-            except (OSError, EOFError, ValueError) as e:
-                tmp.unlink(missing_ok=True)
-                raise StoreError(f"{source}: cannot decompress this {algorithm} shard ({e})") from None
-            tmp.replace(cached)
-        return cached
+        return decompress.cached_copy(source, shard.get("compression"), raw.get("basename", source.name), "mds")
 
     def _verify_files(self) -> None:
         """The checksums MDS records for raw shards (those hashlib computes)."""
@@ -107,20 +87,6 @@ class MDSStore(TokenStore):
                             h.update(block)
                     if h.hexdigest() != expected:
                         raise StoreError(f"{file}: {algorithm} checksum mismatch with index.json; the shard is corrupt")
-
-
-def _zstd_opener(algorithm: str, source: Path):
-    if algorithm == "zstd":
-        try:
-            import zstandard
-
-            return lambda path, mode: zstandard.open(path, mode)
-        except ImportError:
-            pass
-    raise StoreError(
-        f"{source}: a {algorithm or 'compressed'} shard; forge-grain decompresses gz, bz2 and (with the `zstandard` "
-        "package) zstd shards; decompress it to its raw_data basename, or rewrite the dataset uncompressed"
-    )
 
 
 def _read_index(index_file: Path) -> list[dict]:
