@@ -118,4 +118,4 @@ def test_a_local_directory_of_that_name_wins_over_the_hub(hf_cache, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     (tmp_path / "acme" / "tiny-bpe").mkdir(parents=True)
     shutil.copy(DEFAULT_TOKENIZER, tmp_path / "acme" / "tiny-bpe" / "tokenizer.json")
-    assert load_tokenizer("acme/tiny-bpe").path == "acme/tiny-bpe"
+    assert load_tokenizer("acme/tiny-bpe").path == str(tmp_path / "acme" / "tiny-bpe")  # recorded absolute
