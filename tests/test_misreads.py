@@ -204,13 +204,15 @@ def test_a_config_file_is_recognised_and_summarised(tmp_path, bin_store, capsys)
     assert "a data config, 1 source(s), seq_len 32" in out and "source 'web'" in out and "documents   " in out
 
 
-def test_our_own_caches_are_never_taken_for_data(tmp_path):
-    """.bin directories opened once leave hidden index caches; a later pattern matching no
-    token file must say what the directory holds, not blame the caches' .json files."""
+def test_our_own_caches_are_never_taken_for_data(tmp_path, monkeypatch):
+    """.bin directories opened once with caches beside the data hold them in a hidden directory;
+    a later pattern matching no token file must say what the directory holds, not blame the
+    caches' files."""
+    monkeypatch.setenv("FORGE_GRAIN_CACHE_BESIDE_DATA", "1")
     (tmp_path / "d").mkdir()
     corpus(5_000, 1000).astype(np.uint16).tofile(tmp_path / "d" / "part-0.bin")
     TokenStore.open(tmp_path / "d", dtype="uint16", eos_id=1)
-    assert any(f.name.startswith(".") for f in (tmp_path / "d").iterdir())  # the cache is there
+    assert (tmp_path / "d" / ".forge-grain").is_dir()  # the cache is there
     with pytest.raises(StoreError, match=r"d: no file matches file_pattern='\*\.npy', but the directory holds \.bin "
                                          r"token files: set file_pattern.*'\*\.bin'"):
         TokenStore.open(tmp_path / "d", dtype="uint16", eos_id=1, file_pattern="*.npy")
