@@ -396,23 +396,30 @@ def test_a_foreign_file_rewritten_outside_the_samples_is_caught_by_a_full_finger
     from forge_grain import DataConfig
     from forge_grain.errors import StateError
 
+    from forge_grain.stores import checks
+
     rng = np.random.default_rng(0)
-    docs = [np.append(rng.integers(2, 900, rng.integers(50, 400)), 1) for _ in range(3000)]
-    flat = np.concatenate(docs).astype(np.uint16)
+    docs = [np.append(rng.integers(2, 900, rng.integers(50, 400)), 1) for _ in range(24_000)]
+    flat = np.concatenate(docs).astype(np.uint16)  # ~10.8 MB: above the size the sampled fingerprint hashes whole
     flat.tofile(tmp_path / "data.bin")
+    read = np.zeros(flat.nbytes, bool)  # the bytes the sampled fingerprint reads: blocks and probes
+    for off in checks.sample_offsets(flat.nbytes):
+        read[off : off + checks.SAMPLE_BLOCK_BYTES] = True
+    for off in checks.probe_offsets(flat.nbytes):
+        read[off : off + checks.PROBE_BYTES] = True
     src = dict(name="raw", path=str(tmp_path / "data.bin"), dtype="uint16", eos_id=1, fingerprint="full")
     cfg = DataConfig(sources=[src], seq_len=64, global_batch_size=8)
     state = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "c").state_at(3)
     sampled = DataConfig(sources=[{**src, "fingerprint": "sampled"}], seq_len=64, global_batch_size=8)
     before = Pipeline(sampled, 0, 1, num_threads=0, cache_dir=tmp_path / "c").fingerprint
-    middle = len(flat) // 2 + 1000  # between sampled blocks, and not an EOS
-    while flat[middle] == 1 or flat[middle + 1] == 1:
+    middle = len(flat) // 2 + 1000  # a token no block or probe reads, and not an EOS
+    while flat[middle] == 1 or flat[middle + 1] == 1 or read[2 * middle : 2 * middle + 2].any():
         middle += 1
     flat[middle] = 2 if flat[middle] != 2 else 3
     flat.tofile(tmp_path / "data.bin")
-    if Pipeline(sampled, 0, 1, num_threads=0, cache_dir=tmp_path / "c").fingerprint != before:
-        pytest.skip("the edit fell in a sampled block")  # the sampled fingerprint caught it: nothing to show
-    with pytest.raises(StateError, match="another config or other data"):
+    # one token unread by the samples: the sampled fingerprint's documented limit
+    assert Pipeline(sampled, 0, 1, num_threads=0, cache_dir=tmp_path / "c").fingerprint == before
+    with pytest.raises(StateError, match="the data is not what the state was saved with"):
         Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "c").iterator(state)
 
 
