@@ -45,7 +45,7 @@ def snapshot(name: str, files: list[str], what: str) -> tuple[Path, str]:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     repo, _, revision = name.partition("@")
-    local_only = offline() or not reachable()
+    local_only = offline() or not reachable(*_endpoint())
     try:
         folder = Path(snapshot_download(repo, revision=revision or None, allow_patterns=files,
                                         local_files_only=local_only))
@@ -60,6 +60,16 @@ def snapshot(name: str, files: list[str], what: str) -> tuple[Path, str]:
         raise PrepareError(f"{name}: cannot resolve this Hugging Face Hub name ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}); check the name, revision and HF_TOKEN") from None
     return folder, f"{repo}@{folder.name}"
+
+
+def _endpoint() -> tuple[str, int]:
+    """(host, port) of the Hub, or of the mirror `HF_ENDPOINT` names."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    return url.hostname or HUB_HOST, url.port or (80 if url.scheme == "http" else 443)
 
 
 def _cache_dir() -> str:

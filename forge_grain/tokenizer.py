@@ -16,7 +16,8 @@ from forge_grain.errors import PrepareError
 
 DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer.json"
 # what a Hub tokenizer is read from (downloaded only these, as `AutoTokenizer` would use them)
-HUB_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]
+HUB_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+             "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt"]  # (the last four: a fast one built from them)
 
 _CUTS = re.compile(r"(?<=\S) (?=\S)|\n(?=\S)")  # candidate cuts: before a lone space, after a newline
 _CUT_CONTEXT = 256
