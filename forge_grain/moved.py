@@ -55,10 +55,12 @@ BECAME_PACKAGES = {
 def _warn(old: str, new: str) -> None:
     """A DeprecationWarning attributed to the line that imported the old name (not to the
     import machinery, where Python's default filters would hide it)."""
-    level, frame = 1, sys._getframe(1)
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: _warn's caller
     while frame is not None and (frame.f_code.co_filename == __file__ or "importlib" in frame.f_code.co_filename
                                  or frame.f_code.co_name == "__getattr__"):
-        level, frame = level + 1, frame.f_back
+        if "_bootstrap" not in frame.f_code.co_filename:  # (warnings skips importlib's bootstrap frames itself)
+            level += 1
+        frame = frame.f_back
     warnings.warn(f"{old} moved to {new}; the old name goes in forge-grain {REMOVED_IN}", DeprecationWarning,
                   stacklevel=level)
 
@@ -82,6 +84,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__doc__ = f"Deprecated: moved to {new}."
         module.__getattr__ = lambda name: getattr(target, name)
         module.__dir__ = lambda: dir(target)
+        module.__all__ = list(getattr(target, "__all__", [n for n in vars(target) if not n.startswith("_")]))
 
 
 def install() -> None:
