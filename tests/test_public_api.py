@@ -55,7 +55,8 @@ def test_a_moved_module_imports_by_its_old_name_with_a_warning(old):
             f"new = importlib.import_module({MOVED[old]!r})\n"
             f"names = [n for n in vars(new) if not n.startswith('_')]\n"
             f"assert names and all(getattr(m, n) is getattr(new, n) for n in names)\n"
-            f"assert any(issubclass(x.category, DeprecationWarning) and {MOVED[old]!r} in str(x.message) for x in w)\n"
+            f"assert any(issubclass(x.category, DeprecationWarning) and {MOVED[old]!r} in str(x.message)\n"
+            f"           and x.filename == '<string>' for x in w), [(x.filename, str(x.message)) for x in w]\n"
             f"assert new.__name__ == {MOVED[old]!r} and new.__spec__.name == {MOVED[old]!r}")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
