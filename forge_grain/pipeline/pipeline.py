@@ -505,7 +505,8 @@ class Pipeline:
     def phase_at(self, step: int) -> dict:
         """The mixture in force at `step`: its `start_step`, `weights` by source name (after the
         temperature, summing to 1) and `lr_scale`, for a scheduler to apply exactly at the step."""
-        return self._phase(self._stream_step_of(states.step_number(step, self.step_limit, end=True)))  # phases are steps of the stream as if nothing was skipped
+        step = states.step_number(step, self.step_limit, end=True)
+        return self._phase(self._stream_step_of(step))  # phases are steps of the stream as if nothing was skipped
 
     def _phase(self, stream_step: int) -> dict:
         schedule = self.config.schedule()  # entry 0 is the base mix; entry k > 0 is phase k - 1
