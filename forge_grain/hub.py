@@ -7,12 +7,12 @@ the commit it resolved to (`org/name@<40 hex>`), so that a later run against a m
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from pathlib import Path
 
 from forge_grain.errors import PrepareError
+from forge_grain.paths import env_flag
 
 HUB_HOST = "huggingface.co"
 _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?(@[\w./-]+)?")
@@ -26,7 +26,7 @@ def looks_like_repo_id(name: str) -> bool:
 
 def offline() -> bool:
     """Whether `HF_HUB_OFFLINE` forbids the Hub (as `huggingface_hub` reads it)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
+    return env_flag("HF_HUB_OFFLINE")
 
 
 def reachable(host: str = HUB_HOST, port: int = 443, timeout: float = 3.0) -> bool:

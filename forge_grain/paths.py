@@ -26,12 +26,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("FORGE_GRAIN_CACHE") or Path.home() / ".cache" / "forge_grain")
 
 
+def env_flag(name: str) -> bool:
+    """Whether environment variable `name` is set to a true value ("1", "true", "yes", "on")."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def cache_beside_data() -> bool:
     """Whether caches go beside the data, under one hidden directory (`BESIDE_DATA`), where
     the data's directory is writable: `FORGE_GRAIN_CACHE_BESIDE_DATA=1`. Off by default: a
     user's data directory is written only by `prepare` (its own output), so that other tools'
     globs (`*.npy`, `*.bin`) never meet forge-grain's files there."""
-    return os.environ.get("FORGE_GRAIN_CACHE_BESIDE_DATA", "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("FORGE_GRAIN_CACHE_BESIDE_DATA")
 
 
 def private_cache(path) -> Path:

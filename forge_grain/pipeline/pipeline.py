@@ -483,7 +483,7 @@ class Pipeline:
         documents = _document_lists(documents)
         if self.layout is not None:
             raise ConfigError(f"{what}: streaming sources are read in order and cannot skip yet")
-        states.check(state)
+        # (every field of `state` was checked by `_adopt_history`, which runs first)
         if self._resumed_from is None and state["fingerprint"] != self._fingerprint()[0]:
             raise StateError(f"{what}: the state was saved by a pipeline with another config or other data "
                              "(to change the mixture as well, pass allow_mixture_change=True)")
