@@ -35,10 +35,10 @@ _LAZY = {
     "Phase": "pipeline.config",
     "SourceConfig": "pipeline.config",
     "Pipeline": "pipeline.pipeline",
-    "PipelineIterator": "pipeline.pipeline",
+    "PipelineIterator": "pipeline.iteration",
     "StateError": "errors",
     "StepError": "errors",
-    "merge_states": "pipeline.pipeline",
+    "merge_states": "pipeline.states",
 }
 
 MODULES = {"checkpoint": "pipeline.checkpoint", "absl_flags": "absl_flags"}

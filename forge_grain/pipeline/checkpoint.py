@@ -26,7 +26,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from forge_grain.pipeline.pipeline import StateError, merge_states
+from forge_grain.errors import StateError
+from forge_grain.pipeline.states import merge_states
 
 STATE_FILE = "state.json"
 

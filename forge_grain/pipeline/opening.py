@@ -1,26 +1,53 @@
-"""Opening deferred sources ahead of the steps that read them.
+"""Opening a pipeline's sources: each at build, and deferred ones ahead of the steps that read them.
 
-A pipeline built from its source record (`forge_grain.sources.deferred`) opens each
-source when a batch first reads it: about a millisecond a source, paid by whichever
-batch gets there first. The steps to come are known (the mixture says which source
-every row comes from), so a background thread opens the sources of the next steps, in
-the order the steps read them, while the caller builds its model or trains. It only
-moves work earlier: an open is the same full open, under the same lock, and a source
-that fails to open stops the opener and is left for the batch that reads it to report.
-"""
+`open_sources` opens each source of a config, packed (its plan computed or taken from the
+cache), with a seed of its own. A pipeline built from its source record
+(`forge_grain.sources.deferred`) opens each source when a batch first reads it: about a
+millisecond a source, paid by whichever batch gets there first. The steps to come are
+known (the mixture says which source every row comes from), so a background thread opens
+the sources of the next steps, in the order the steps read them, while the caller builds
+its model or trains. It only moves work earlier: an open is the same full open, under the
+same lock, and a source that fails to open stops the opener and is left for the batch
+that reads it to report."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import weakref
 
 import numpy as np
 
+from forge_grain.pipeline.config import DataConfig
 from forge_grain.processes import EXITING, stop_at_exit
+from forge_grain.sources.deferred import SourceRecords, source_key
+from forge_grain.sources.factory import open_source
 
 AHEAD = 256  # steps the opener runs ahead of the last step made
 _IDLE_S = 1.0  # how often a waiting opener checks that its pipeline still exists
+
+
+def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_dir, plan_workers: int | None, layout,
+                 tokenize_threads: int | None, progress: bool) -> list:
+    """Each source's packed rows; stored sources whose files match their record are
+    deferred (opened when first read; see `forge_grain.sources.deferred`)."""
+    c = config
+    seeds = [source_seed(c.seed, s.name) for s in c.sources]
+    keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs, c.max_segments_per_row)
+            for s, seed in zip(c.sources, seeds)]
+    records = SourceRecords(keys, cache_dir) if any(k is not None for k in keys) else None
+    opened = [open_source(s, c.seq_len, seed, shard_index, shard_count, cache_dir, c.plan_chunk_docs, plan_workers,
+                          records, key, c.max_segments_per_row, layout, tokenize_threads, progress)
+              for s, seed, key in zip(c.sources, seeds, keys)]
+    if records is not None:
+        records.save()
+    return opened
+
+
+def source_seed(seed: int, name: str) -> int:
+    """Each source shuffles differently, and adding a source does not change the others."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")
 
 
 class AheadOpener:

@@ -1,26 +1,40 @@
-"""What a pipeline state may hold, checked field by field before any of it is used.
+"""Pipeline states: what one holds, how it is made, checked, and joined across shards.
 
-A state is JSON a user keeps, copies and sometimes edits: a field that no pipeline could have
-written (a string step, a history change after the state's own step, a schedule without
-weights) must end in a `StateError` naming the field, never in a resume that trains other
-rows or a raw `TypeError` from deep inside. Every bound here is one a real state obeys:
-its config summary hashes to its `fingerprint`; histories, batch changes and skips all
-happened at or before its `step`; every step, count and size fits the mixture's arithmetic
+A state is `{version, step, fingerprint, config}` (plus streaming sources' positions):
+`config` is the pipeline's *summary*, everything the batches depend on (`summarize`: the
+shard count, workers and prefetch are not in it), and `fingerprint` its digest, so that a
+state resumes only the run that wrote it (`check_same_run` says what differs otherwise).
+What a resume may change, and how the change is recorded, is `forge_grain.pipeline.resume`.
+
+Every field is checked (`check`) before any of it is used. A state is JSON a user keeps,
+copies and sometimes edits: a field that no pipeline could have written (a string step, a
+history change after the state's own step, a schedule without weights) must end in a
+`StateError` naming the field, never in a resume that trains other rows or a raw
+`TypeError` from deep inside. Every bound here is one a real state obeys: its config
+summary hashes to its `fingerprint`; histories, batch changes and skips all happened at or
+before its `step`; every step, count and size fits the mixture's arithmetic
 (`MAX_ROWS` rows, each step at least one).
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 
 from forge_grain.errors import StateError, StepError
+from forge_grain.packing.packed import PackedDataset
 from forge_grain.pipeline import history
 from forge_grain.pipeline.batches import ScheduleError, check_segments
+from forge_grain.pipeline.config import DataConfig
 from forge_grain.pipeline.mixture import MAX_ROWS
 
 STATE_VERSION = 1
+# Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
+# so a state saved before such a change is refused instead of resuming into other data.
+# 2: exact small-epoch shuffles, own document permutation; 3: mixture weights used exactly.
+STREAM_VERSION = 3
 MAX_STEP = MAX_ROWS  # every step holds at least one row
 SUMMARY_KEYS = {"stream_version", "seq_len", "global_batch_size", "batch_sizes", "seed", "num_epochs",
                 "mix_temperature", "schedule", "max_segments_per_row", "canonical", "epochs", "sources", "history",
@@ -114,3 +128,140 @@ def _check_summary(c: dict, step: int) -> None:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# -- making states ----------------------------------------------------------------------------
+
+
+def config_batches(config: DataConfig) -> list[list[int]]:
+    """The config's batch sizes as [start_step, size] pairs (as summaries record them)."""
+    return [[s, b] for s, b in config.batch_schedule()]
+
+
+def summarize(config: DataConfig, opened: list, canonical: list | None, aligned: bool,
+              runs: dict | None = None) -> dict:
+    """What the batches of `config` over the `opened` sources depend on; `runs`: the mixture
+    history, batch history and skips of the runs before (None: the summary without them)."""
+    c = config
+    summary = {
+        "stream_version": STREAM_VERSION,
+        "seq_len": c.seq_len,
+        "global_batch_size": c.global_batch_size,
+        **({"batch_sizes": config_batches(c)} if len(c.batch_schedule()) > 1 else {}),
+        "seed": c.seed,
+        "num_epochs": c.num_epochs,
+        "mix_temperature": c.mix_temperature,
+        "schedule": c.schedule(),
+        **({"max_segments_per_row": c.max_segments_per_row} if c.max_segments_per_row else {}),
+        **({"canonical": canonical} if canonical else {}),
+        **({"epochs": "aligned"} if aligned else {}),
+        "sources": [_source_summary(s, o) for s, o in zip(c.sources, opened)],
+    }
+    if runs is not None:
+        summary["history"] = runs["history"]
+        if runs["batch_history"]:  # (absent without: fingerprints of runs that never changed it are unchanged)
+            summary["batch_history"] = runs["batch_history"]
+        if runs["skips"]:  # (absent without: the fingerprints of runs that never skipped are unchanged)
+            summary["skips"] = runs["skips"]
+    return summary
+
+
+def _source_summary(s, opened) -> dict:
+    d = opened.dataset
+    return {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
+            "plan": d.plan_key, "plan_sha256": d.plan_sha256 if isinstance(d, PackedDataset) else None,
+            "data": opened.identity["data_id"], **({"shuffle_window": s.shuffle_window} if s.shuffle_window else {})}
+
+
+def make(step: int, summary: dict, streams: list | None = None, canonical: list | None = None) -> dict:
+    """The state at `step` of the pipeline of `summary`, with streaming sources' positions."""
+    state = {"version": STATE_VERSION, "step": step, "fingerprint": history.digest(summary), "config": summary}
+    if canonical is not None:
+        state.update(streams=streams, canonical=canonical, streams_sha256=history.digest(streams))
+    return state
+
+
+# -- checking a state against a pipeline --------------------------------------------------------
+
+
+def check_same_run(state: dict, summary: dict, sources: list, canonical: list | None) -> None:
+    """Nothing unless `state` (checked by `check`) was saved by the pipeline of `summary`;
+    else a StateError saying what differs and what may change on resume."""
+    if state["fingerprint"] == history.digest(summary):
+        return
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    saved, ours = (json.loads(json.dumps(x, default=str)) for x in (saved, summary))  # tuples as lists
+    diff = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
+    if "sources" in diff and len(diff) > 1 and _plans_alone_differ(saved.get("sources"), ours["sources"]):
+        diff.remove("sources")  # its plans follow from the keys that differ (seed, seq_len): not news
+    if diff == ["canonical"]:
+        check_canonical(state, canonical)
+    changed = _changed_data(saved.get("sources"), ours["sources"], sources)
+    if changed:
+        raise StateError(f"{changed}: the data is not what the state was saved with (a file rewritten, "
+                         "replaced, added or removed since; for a text source, also another tokenizer): "
+                         "resume on the data the run trained on, or start a new run on this data")
+    raise StateError(
+        "this state was saved by a pipeline with another config or other data; differing: "
+        f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "
+        "weights, phases, temperature and the set of sources with Pipeline(config, resume_from=state, "
+        "allow_mixture_change=True); the batch sizes with allow_batch_size_change=True. What may not: "
+        "a source's data or packing, seq_len, seed, num_epochs."
+    )
+
+
+def check_canonical(state: dict, canonical: list | None) -> None:
+    """The state's streaming sources were dealt as this pipeline's are."""
+    if state.get("canonical") != canonical:
+        raise StateError(
+            f"this state's streaming sources were dealt by [canonical_streams, canonical_workers] = "
+            f"{state.get('canonical')}, this pipeline's by {canonical}: build it with those values in the config, "
+            "or with Pipeline(config, resume_from=state), which adopts canonical_streams from the state"
+        )
+
+
+def _changed_data(saved_sources, ours: list[dict], sources: list) -> str:
+    """The sources whose data differs from the saved summary's sources of the same name
+    ("source 'web' (/data/web.bin)"), or "" when none does."""
+    saved = {s.get("name"): s.get("data") for s in saved_sources or [] if isinstance(s, dict)}
+    mine = {s["name"]: s["data"] for s in ours}
+    names = [n for n in mine if n in saved and saved[n] != mine[n]]
+    where = {s.name: s.where() for s in sources}
+    return ", ".join(f"source '{n}' ({where[n]})" for n in names)
+
+
+def _plans_alone_differ(saved, ours) -> bool:
+    """Whether two summaries' sources are the same but for their plans (which every change of
+    seed, seq_len or packing settings changes)."""
+    def strip(sources):
+        return [{k: v for k, v in s.items() if k not in ("plan", "plan_sha256")} if isinstance(s, dict) else s
+                for s in sources or []]
+    return strip(saved) == strip(ours)
+
+
+# -- joining shards' states -------------------------------------------------------------------
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One state from the states all shards saved at one step: the same step and data, the
+    streaming sources' positions of every shard joined, so that it restores on any shard
+    count dividing `canonical_streams`. States without streaming sources are all alike:
+    the first is returned."""
+    if not states:
+        raise StateError("merge_states: no states given")
+    first = states[0]
+    for s in states[1:]:
+        if (s.get("step"), s.get("fingerprint")) != (first.get("step"), first.get("fingerprint")):
+            raise StateError(f"merge_states: states of different steps or pipelines (step {first.get('step')} and "
+                             f"{s.get('step')}); give the states all shards saved at one step")
+    if "streams" not in first:
+        return dict(first)
+    joined = [dict() for _ in first["streams"]]
+    for s in states:
+        if s.get("streams_sha256") != history.digest(s.get("streams")):
+            raise StateError("merge_states: a state's 'streams' does not match its checksum")
+        for mine, theirs in zip(joined, s["streams"]):
+            for c, st in theirs.items():
+                if mine.setdefault(c, st) != st:
+                    raise StateError(f"merge_states: two states give canonical stream {c} different positions")
+    return {**first, "streams": joined, "streams_sha256": history.digest(joined)}

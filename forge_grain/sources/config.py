@@ -204,3 +204,7 @@ class SourceConfig:
         keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents", "fingerprint", "split",
                 "tokenizer", "format", "token_field", "storage_options", "cache_limit", "object_cache")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+    def where(self) -> str:
+        """The source's data, for messages: its path, or `hf:` and its dataset."""
+        return self.path if self.path is not None else f"hf:{self.hf_dataset}"

@@ -1,0 +1,223 @@
+"""Which rows each step trains: step -> global rows -> (source, source row).
+
+This is the exactness promise in one place. From the config, the batch-size schedule and
+what earlier runs recorded (mixture history, skips), the row order answers every question
+of the form "what does step s train": the mixture rows of the global batch and of this
+shard's part of it, the phase in force, the rows and tokens each source gave before a step.
+`Pipeline.batch`, `explain`, `consumed`, `describe` (`forge-grain plan`), the skips and the
+bridges' lengths all ask it; none keeps a second copy of the arithmetic.
+
+It reads no data and starts no thread: it holds the sources only for their row counts and
+plans (to count trained tokens and find the rows holding a document), never calls their
+`get_batch`, and pickles with the mixture it was built from.
+
+Global batch s is mixture rows [s·B, (s+1)·B); under a batch-size schedule [R(s), R(s+1)),
+R(s) the sizes of the steps before it (`forge_grain.pipeline.batches`). Shard k of n
+receives rows [k·b/n, (k+1)·b/n) of a batch of b rows, so the global batch does not depend
+on the number of shards.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+
+from forge_grain.errors import StateError
+from forge_grain.packing.packed import PackedDataset
+from forge_grain.pipeline import history, states
+from forge_grain.pipeline.batches import BatchSchedule
+from forge_grain.pipeline.config import ConfigError, DataConfig
+from forge_grain.pipeline.mixture import MAX_ROWS, Mixture
+from forge_grain.pipeline.skips import RowMap
+
+
+class RemovedSource:
+    """A source of the mixture's history that the config no longer has: it had rows before
+    the change, gets weight 0 after it, and is never read."""
+
+    def __init__(self, name: str, seq_len: int):
+        self.name, self.seq_len = name, seq_len
+
+    def get_batch(self, ranks, out=None, dest=None, id_dtype=np.int32):
+        raise StateError(f"source '{self.name}' was removed from the mixture; steps before the change are not rebuilt")
+
+
+def check_shards(batches: BatchSchedule, shard_index: int, shard_count: int, from_step: int = 0) -> None:
+    """Every batch size from `from_step` on (where a pipeline starts) divides among the shards:
+    earlier, smaller batches of a ramp may not, as the run resumes on more hosts."""
+    n, bad = shard_count, batches.indivisible(shard_count, from_step)
+    if not 0 <= shard_index < n:
+        raise ConfigError(f"the shard index {shard_index} must be in [0, {n})")
+    if bad is not None and batches.constant:
+        raise ConfigError(f"global_batch_size {bad[1]} must divide evenly among {n} shards")
+    if bad is not None:
+        raise ConfigError(f"the batch size {bad[1]} at step {bad[0]} must divide evenly among {n} shards "
+                          f"(the schedule's sizes: {batches.to_list()})")
+
+
+def count_steps(config: DataConfig, batches: BatchSchedule, rows_per_epoch: int) -> tuple[int, int | None, int]:
+    """(steps_per_epoch, num_steps, step_limit) of `rows_per_epoch` rows under `batches`:
+    num_steps is None for an unlimited run, which ends at the last step the mixing
+    arithmetic reaches (step_limit)."""
+    steps_per_epoch = batches.steps_within(rows_per_epoch)  # whole steps of one epoch (the first, under a schedule)
+    epochs = None if config.num_epochs is None else Fraction(str(float(config.num_epochs)))  # 0.29 is 29/100
+    if epochs is None:
+        num_steps = None
+    elif batches.constant:  # num_epochs of whole epochs' steps, so that whole epochs tile the steps
+        num_steps = math.floor(epochs * steps_per_epoch)
+    else:  # the steps whose rows fit in num_epochs of rows
+        num_steps = batches.steps_within(math.floor(epochs * rows_per_epoch))
+    if config.max_steps is not None:
+        num_steps = config.max_steps if num_steps is None else min(num_steps, config.max_steps)
+    step_limit = num_steps if num_steps is not None else batches.steps_within(MAX_ROWS)
+    if num_steps == 0:
+        raise ConfigError(f"global_batch_size {batches.size(0)} is larger than the {rows_per_epoch} rows of "
+                          f"num_epochs={config.num_epochs}")
+    return steps_per_epoch, num_steps, step_limit
+
+
+class RowOrder:
+    """The rows of every step of one shard's view of a run (see the module docstring)."""
+
+    def __init__(self, config: DataConfig, datasets: list, batches: BatchSchedule, shard_index: int,
+                 shard_count: int, mixtures: list[dict] = (), skips: list[dict] = ()):
+        self.config, self.batches = config, batches
+        self.shard_index, self.shard_count = shard_index, shard_count
+        self.rows_per_epoch = sum(d.num_rows for d in datasets)
+        self.steps_per_epoch, self.num_steps, self.step_limit = count_steps(config, batches, self.rows_per_epoch)
+        names = [s.name for s in config.sources]
+        self.source_names, phases = history.mixing_schedule(list(mixtures), names, config.schedule())
+        removed = [RemovedSource(n, config.seq_len) for n in self.source_names[len(names):]]
+        self.mixture = Mixture(
+            list(datasets) + removed,
+            phases[0][2],
+            phases=[(batches.row(step), w) for step, _, w in phases[1:]],
+            length=None if self.num_steps is None else batches.row(self.num_steps),
+            leaves=[leaves for _, leaves, _ in phases],
+        )
+        self.rowmap = self._apply_skips(list(skips))
+
+    # -- the rows of a step -----------------------------------------------------------------
+
+    def global_rows(self, step: int) -> np.ndarray:
+        """The mixture rows of global batch `step`."""
+        return self.rowmap.rows(self.batches.row(step), self.batches.size(step))
+
+    def shard_rows(self, step: int) -> np.ndarray:
+        """The mixture rows of this shard's part of global batch `step`."""
+        b = self.local_size(step)
+        return self.rowmap.rows(self.batches.row(step) + self.shard_index * b, b)
+
+    def local_size(self, step: int) -> int:
+        """Rows of this shard's part of global batch `step`."""
+        size = self.batches.size(states.step_number(step, self.step_limit, end=True))
+        if size % self.shard_count:
+            raise ConfigError(f"the batch size {size} at step {step} does not divide among {self.shard_count} "
+                              f"shards (the schedule's sizes: {self.batches.to_list()})")
+        return size // self.shard_count
+
+    def stream_step_of(self, step: int) -> int:
+        """The step of the uninterrupted stream that step `step`'s first row comes from."""
+        return int(self.batches.step_of(self.rowmap.stream_row(self.batches.row(step))))
+
+    def resumable(self, step: int) -> int:
+        """`step` where a state may resume this run on this shard count, or a `StateError`."""
+        last = self.num_steps if self.num_steps is not None else self.step_limit - 1  # an unlimited run never ends
+        if not 0 <= step <= last:
+            raise StateError(f"state step {step} is outside [0, {last}]")
+        bad = self.batches.indivisible(self.shard_count, step)
+        if bad is not None:
+            raise StateError(f"the batch size {bad[1]} at step {bad[0]} does not divide among {self.shard_count} "
+                             f"shards: resume this state on a shard count dividing every size from step {step} "
+                             f"on (the schedule's sizes: {self.batches.to_list()})")
+        return step
+
+    # -- phases and what was consumed -------------------------------------------------------
+
+    def phase_at(self, step: int) -> dict:
+        """The mixture in force at trainer step `step` (phases are steps of the stream as if
+        nothing was skipped)."""
+        step = states.step_number(step, self.step_limit, end=True)
+        return self.phase(self.stream_step_of(step))
+
+    def phase(self, stream_step: int) -> dict:
+        """The mixture in force at `stream_step` of the uninterrupted stream."""
+        schedule = self.config.schedule()  # entry 0 is the base mix; entry k > 0 is phase k - 1
+        k = max(i for i, (start, _) in enumerate(schedule) if start <= stream_step)
+        start, weights = schedule[k]
+        return {"start_step": start, "weights": dict(zip([s.name for s in self.config.sources], weights)),
+                "lr_scale": self.config.all_phases()[k - 1].lr_scale if k else 1.0}
+
+    def consumed(self, step: int) -> dict:
+        """Per source name, what the steps before `step` consumed (see `Pipeline.consumed`)."""
+        reached = self.reached(step)
+        rows = self.consumed_rows(step, reached)
+        out = {}
+        for k, (name, d) in enumerate(zip(self.source_names, self.mixture.datasets)):
+            packed = isinstance(d, PackedDataset)
+            trained = None
+            if packed:
+                j = int(reached[k])
+                trained = d.trained_tokens(j) - self.rowmap.removed_below(k, j, d.loss_positions)
+            out[name] = {"rows": int(rows[k]), "trained_tokens": trained,
+                         "epochs": int(rows[k]) / d.num_rows if packed else None}
+        return out
+
+    def consumed_rows(self, step: int, reached: np.ndarray | None = None) -> np.ndarray:
+        """The rows each source (in `source_names` order) gave to the steps before `step`."""
+        reached = self.reached(step) if reached is None else reached
+        return np.array([int(j) - self.rowmap.removed_below(k, int(j)) for k, j in enumerate(reached)], np.int64)
+
+    def reached(self, step: int) -> np.ndarray:
+        """Each source's rows of the uninterrupted stream before the row step `step` starts
+        at (trained, or skipped)."""
+        step = states.step_number(step, self.step_limit, end=True)
+        return self.mixture.counts(self.rowmap.stream_row(self.batches.row(step)))
+
+    def phase_reached(self, start: int, end: int | None) -> bool:
+        """Whether the phase starting at stream step `start` is in force at a step before `end`."""
+        return end is None or (end > 0 and self.batches.row(start)
+                               <= self.rowmap.stream_row(self.batches.row(end) - 1))
+
+    # -- skips ------------------------------------------------------------------------------
+
+    def _apply_skips(self, skips: list[dict]) -> RowMap:
+        """The map from the trainer's rows to the uninterrupted stream's, after the skips;
+        phases and mixture changes stay where the uninterrupted stream has them, and the
+        run's steps are its rows less the skipped ones, in whole batches."""
+        rowmap = RowMap(self.mixture, self.batches.row)
+        for s in skips:
+            if "steps" in s:
+                rowmap.skip_steps(s["at_step"], s["steps"])
+            else:
+                rowmap.skip_rows(s["at_step"], self._rows_holding(s["documents"]))
+        if skips:
+            length = self.batches.row(self.step_limit)
+            self.step_limit = self.batches.steps_within(length - rowmap.removed(length))
+            if self.num_steps is not None:
+                if self.step_limit <= skips[-1]["at_step"]:
+                    raise ConfigError(f"the skips leave no step after step {skips[-1]['at_step']}: the run has "
+                                      f"{self.num_steps} steps and would keep {self.step_limit}")
+                self.num_steps = self.step_limit
+        return rowmap
+
+    def _rows_holding(self, documents: dict) -> dict:
+        """{source index: plan rows holding any of its `documents`}, by source name."""
+        out = {}
+        for name, docs in documents.items():
+            if name not in self.source_names:
+                raise ConfigError(f"skip_documents: no source named {name!r} (sources: {self.source_names})")
+            i = self.source_names.index(name)
+            d = self.mixture.datasets[i]
+            if isinstance(d, RemovedSource):
+                continue  # removed by a mixture change: none of its rows come again
+            if not isinstance(d, PackedDataset):
+                raise ConfigError(f"skip_documents: source {name!r} is streaming; documents are skipped in stored "
+                                  "sources only")
+            try:
+                out[i] = d.rows_holding(docs)
+            except IndexError as e:
+                raise ConfigError(f"skip_documents[{name!r}]: {e}") from None
+        return out
