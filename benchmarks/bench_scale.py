@@ -155,7 +155,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
             line, *peers[name] = peer(name, peer_python, local, port, part, work, steps_wanted)
             lines.append(line)
             print(lines[-1], flush=True)
-        from forge_grain.stores.remote import RemoteDir  # obstore, as forge-grain downloads shards
+        from forge_grain.stores.remote_dir import RemoteDir  # obstore, as forge-grain downloads shards
 
         remote = RemoteDir("s3://bench/store", opts)
         if remote._fast is not None:

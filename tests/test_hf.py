@@ -20,7 +20,8 @@ from forge_grain import (
 )
 from forge_grain.pipeline.config import SourceConfig
 from forge_grain.sources.hf import eager_store
-from forge_grain.sources.streaming import StreamCursor, StreamingSource
+from forge_grain.sources.stream_cursors import StreamCursor
+from forge_grain.sources.streaming import StreamingSource
 from forge_grain.packing.packed import empty_rows
 
 
@@ -167,7 +168,7 @@ def test_streaming_through_the_torch_bridge_resumes_exactly(tmp_path, jsonl):
 def test_streaming_rows_are_a_checkpointable_grain_iter_dataset(tmp_path, jsonl):
     import grain
 
-    from forge_grain.sources.streaming import StreamingRows
+    from forge_grain.sources.stream_cursors import StreamingRows
 
     rows = StreamingRows(StreamingSource(source(jsonl, hf_streaming=True, window=40), 48, 0, tmp_path))
     grain.experimental.assert_equal_output_after_checkpoint(grain.experimental.LimitIterDataset(rows, count=60))

@@ -84,3 +84,20 @@ def test_imports_point_down_the_layers():
             if a != b and RANKS[b] >= RANKS[a]:
                 upward.append(f"{m} ({a}) imports {n} ({b})")
     assert not upward, "imports that climb the layers:\n" + "\n".join(sorted(upward))
+
+
+MODULE_LINES, CLASS_LINES = 600, 300  # what one reads in a sitting (docs/architecture.md)
+
+
+def test_modules_and_classes_stay_small():
+    """A module holds one job and a class one owner: past these sizes, split by what they hold."""
+    large = []
+    for name, path in modules().items():
+        text = path.read_text()
+        if text.count("\n") > MODULE_LINES:
+            large.append(f"module {name}: {text.count(chr(10))} lines (at most {MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                large.append(f"class {name}.{node.name}: {node.end_lineno - node.lineno + 1} lines "
+                             f"(at most {CLASS_LINES})")
+    assert not large, "too large to read in one sitting:\n" + "\n".join(large)

@@ -79,7 +79,7 @@ def test_shards_are_downloaded_by_obstore_where_the_options_allow_and_by_s3fs_ot
     """With explicit credentials (as here) shards come through obstore, the Rust client; options
     obstore cannot honour (a profile, a requester-pays bucket) or none at all (boto's credential
     chain) keep s3fs, so no credential that works with s3fs stops working."""
-    from forge_grain.stores.remote import fast_client
+    from forge_grain.stores.remote_dir import fast_client
 
     store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path))
     assert store.cache._fast is not None
@@ -196,9 +196,9 @@ def test_an_iterator_downloads_the_first_steps_shards_before_its_first_batch(tmp
 
 
 def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_path, s3, local_stores, monkeypatch):
-    from forge_grain.stores import remote
+    from forge_grain.stores import object_cache
 
-    monkeypatch.setattr(remote, "BLOCK", 4096)
+    monkeypatch.setattr(object_cache, "BLOCK", 4096)
     s3.proxy.clear()
     store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path))
     disk = TokenStore.open(local_stores["bin"])
@@ -217,7 +217,7 @@ def test_ranged_reads_run_in_order_of_need():
     """A read for a batch waiting now runs before queued prefetches, and the parts of a shard
     asked for earlier before those of one asked for later (so the next shard arrives with all
     the connections' bandwidth), however the jobs were queued."""
-    from forge_grain.stores.remote import Requests
+    from forge_grain.stores.request_pool import Requests
 
     pool, ran, gate = Requests(1), [], threading.Event()
     blocker = pool.submit(True, pool.job(), gate.wait)  # the one worker is busy while the queue fills

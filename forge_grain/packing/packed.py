@@ -23,7 +23,8 @@ from forge_grain.packing.buffers import BufferPool
 from forge_grain.stores.manifest import remove_stale_temporaries, temporary
 from forge_grain.locks import file_lock
 from forge_grain.packing.chunked import CHUNK_DOCS, plan_chunked
-from forge_grain.packing.plans import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos, stream_key
+from forge_grain.packing.plans import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos
+from forge_grain.packing.windows import WindowOrder
 from forge_grain.stores import TokenStore
 
 log = logging.getLogger(__name__)
@@ -217,8 +218,9 @@ class PackedDataset(grain.MapDataset):
         self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
         self.shuffle_window = shuffle_window
         self._chunk_rows = np.asarray(chunk_rows or [num_rows], np.int64)
-        self._windows: dict = {}  # epoch -> its chunk order and window starts (`_window_rows`)
-        self._window_parts: dict = {}  # (epoch, window) -> what its rows are found from (`_window`)
+        # the locality order of `shuffle_window` chunks at a time (None: the whole epoch's shuffle)
+        windowed = shuffle and shuffle_window
+        self._windows = WindowOrder(self._chunk_rows, num_rows, shuffle_window, seed_key(seed)) if windowed else None
         self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
         self._plan_sha256 = None
         self._last_fetched = None  # (arrays, pieces) of the last gather from object storage (`_fetched_pieces`)
@@ -320,78 +322,17 @@ class PackedDataset(grain.MapDataset):
         first, last = (int(idx.min()), int(idx.max())) if len(idx) else (0, -1)
         if first < 0 or last >= len(self):
             raise IndexError(f"index out of range for a packed dataset of {len(self)} rows")
-        if self.shuffle and self.shuffle_window:
-            return self._window_rows(idx, first, last)
+        if self._windows is not None:
+            return self._windows.rows(idx, first, last)
         return kernels.epoch_rows(idx, self.num_rows, self._seed_key, self.shuffle)
-
-    def _window_rows(self, idx: np.ndarray, first: int, last: int) -> np.ndarray:
-        """The locality order: each epoch visits the plan's chunks in a seeded order,
-        `shuffle_window` chunks at a time, and shuffles the rows of those chunks together.
-
-        A window's rows read only its chunks' documents (contiguous shards), so a reader
-        needs those shards, not the store. The price is shuffle quality: rows of different
-        windows never neighbour each other within an epoch, and documents of one chunk
-        are met together (chunks are random samples of contiguous documents: as random as
-        the order the data was written in). Still a pure function of the index, so exact
-        and elastic resume hold as for the global shuffle.
-        """
-        n = self.num_rows
-        if len(idx):  # the usual batch lies in one window of one epoch (that of its first index): no grouping
-            e = first // n
-            starts = self._epoch_windows(e)[1]
-            w = int(np.searchsorted(starts, first - e * n, side="right")) - 1
-            if last < e * n + int(starts[w + 1]):
-                return self._rows_in_window(e, w, idx - (e * n + int(starts[w])))
-        out = np.empty(len(idx), np.int64)
-        epochs = idx // n
-        for e in np.unique(epochs):
-            starts = self._epoch_windows(int(e))[1]
-            sel = np.flatnonzero(epochs == e)
-            pos = idx[sel] - e * n
-            win = np.searchsorted(starts, pos, side="right") - 1
-            for w in np.unique(win):
-                out[sel[win == w]] = self._rows_in_window(int(e), int(w), pos[win == w] - starts[w])
-        return out
-
-    def _rows_in_window(self, e: int, w: int, local) -> np.ndarray:
-        """Plan rows of positions `local` among window w's rows in epoch e."""
-        key, m, cum, first = self._window(e, w)
-        local = kernels.epoch_rows(np.asarray(local, np.int64), m, key, True)
-        c = np.searchsorted(cum, local, side="right") - 1
-        return first[c] + local - cum[c]
-
-    def _window(self, e: int, w: int) -> tuple:
-        """Window w of epoch e: its shuffle key, row count, its chunks' cumulative rows and
-        first plan rows (cached: every batch of the window asks)."""
-        cached = self._window_parts.get((e, w))
-        if cached is None:
-            order, starts, firsts = self._epoch_windows(e)
-            chunks = order[w * self.shuffle_window : (w + 1) * self.shuffle_window]
-            cum = np.concatenate([[0], np.cumsum(self._chunk_rows[chunks])])
-            cached = (stream_key("window", self._seed_key, e, w), int(starts[w + 1] - starts[w]), cum,
-                      firsts[chunks])
-            if len(self._window_parts) > 64:
-                self._window_parts = {}
-            self._window_parts[(e, w)] = cached
-        return cached
 
     def positions_of(self, plan_rows, epoch: int) -> np.ndarray:
         """The inverse of `rows_of` within one epoch: where in epoch `epoch` (dataset index
         minus epoch · num_rows) each of `plan_rows` is read."""
         rows = np.asarray(plan_rows, np.int64).reshape(-1)
-        if not (self.shuffle and self.shuffle_window):
+        if self._windows is None:
             return kernels.epoch_positions(rows, self.num_rows, self._seed_key, int(epoch), self.shuffle)
-        order, starts, firsts = self._epoch_windows(int(epoch))
-        chunk = np.searchsorted(firsts, rows, side="right") - 1
-        rank = np.empty(len(order), np.int64)
-        rank[order] = np.arange(len(order))  # where each chunk comes in the epoch's order
-        out = np.empty(len(rows), np.int64)
-        for i, (c, r) in enumerate(zip(chunk.tolist(), rows.tolist())):
-            w, k = divmod(int(rank[c]), self.shuffle_window)
-            key, m, cum, _ = self._window(int(epoch), w)
-            local = int(cum[k]) + r - int(firsts[c])  # the row among its window's (cum[k]: the chunks before)
-            out[i] = starts[w] + kernels.epoch_positions(np.array([local], np.int64), m, key, 0, True)[0]
-        return out
+        return self._windows.positions(rows, int(epoch))
 
     def rows_holding(self, documents) -> np.ndarray:
         """The plan rows (sorted) that hold any token of the store's `documents`: a segment
@@ -411,22 +352,6 @@ class PackedDataset(grain.MapDataset):
             hits.append(a + np.flatnonzero(inside))
         segments = np.concatenate(hits) if hits else np.zeros(0, np.int64)
         return np.unique(np.searchsorted(np.asarray(plan.row_ptr), segments, side="right") - 1)
-
-    def _epoch_windows(self, e: int):
-        """Epoch e's chunk order, the start of each window in the epoch's positions, and each
-        chunk's first plan row (cached for a few epochs)."""
-        cached = self._windows.get(e)  # (threads may share the dataset: read once, then use the local)
-        if cached is None:
-            order = kernels.permutation(len(self._chunk_rows), stream_key("chunk-order", self._seed_key, e))
-            sizes = self._chunk_rows[order]
-            per_window = np.add.reduceat(sizes, np.arange(0, len(sizes), self.shuffle_window))
-            starts = np.concatenate([[0], np.cumsum(per_window)])
-            firsts = np.concatenate([[0], np.cumsum(self._chunk_rows)])[:-1]
-            cached = (order, starts, firsts)
-            if len(self._windows) > 4:
-                self._windows = {}
-            self._windows[e] = cached
-        return cached
 
     def get_batch(self, indices, out: dict | None = None, dest=None, id_dtype=np.int32) -> dict:
         """Rows `indices` as [len(indices), seq_len] arrays; into `out` when given, at

@@ -7,12 +7,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from forge_grain.errors import ConfigError
 from forge_grain.pipeline.batches import ScheduleError, check_segments, ramp_segments
-from forge_grain.packing.plans import STRATEGIES
-from forge_grain.sources.config import SourceConfig
+from forge_grain.sources.config import SourceConfig, check_weight, positive_int
 
 __all__ = ["ConfigError", "DataConfig", "Phase", "SourceConfig", "register_reader"]
 
@@ -231,56 +228,23 @@ class DataConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"sources: names must be unique, got {names}")
         for i, s in enumerate(self.sources):
-            if (s.path is None) == (s.hf_dataset is None):
-                raise ConfigError(f"sources[{i}]: give exactly one of 'path' (a token store) and 'hf_dataset'")
-            if s.hf_dataset is not None:
-                wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents",
-                                     "fingerprint", "format", "token_field", "cache_limit", "object_cache")
-                         if getattr(s, k) is not None]
-                if wrong:
-                    raise ConfigError(f"sources[{i}]: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
-                if s.storage_options is not None and not (s.hf_streaming and "://" in str(s.hf_data_files)):
-                    raise ConfigError(f"sources[{i}].storage_options: only for streaming hf_data_files at URLs "
-                                      "(s3://...); this source has none")
-            if s.shuffle_window is not None:
-                _positive_int(f"sources[{i}].shuffle_window", s.shuffle_window)
-            if s.whole_documents is not None and not isinstance(s.whole_documents, bool):
-                raise ConfigError(f"sources[{i}].whole_documents: must be true or false, not {s.whole_documents!r}")
-            if s.fingerprint not in (None, "sampled", "full"):
-                raise ConfigError(f"sources[{i}].fingerprint: must be 'sampled' or 'full', not {s.fingerprint!r}")
-            for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
-                v = getattr(s, key)
-                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                    raise ConfigError(f"sources[{i}].{key}: must be a non-negative integer, got {v!r}")
-            if s.dtype is not None:
-                try:
-                    np.dtype(s.dtype)
-                except TypeError:
-                    raise ConfigError(f"sources[{i}].dtype: {s.dtype!r} is not a numpy dtype (e.g. 'uint16')") from None
-            if s.dealing is not None and (s.dealing not in ("auto", "files", "rows") or not s.hf_streaming):
-                raise ConfigError(f"sources[{i}].dealing: 'auto', 'files' or 'rows', for streaming sources only "
-                                  f"(hf_streaming = true); got {s.dealing!r}")
-            if not (isinstance(s.window, int) and s.window >= 1):
-                raise ConfigError(f"sources[{i}].window: must be a positive integer, got {s.window!r}")
-            if s.strategy not in STRATEGIES:
-                raise ConfigError(f"sources[{i}].strategy: {s.strategy!r} is not one of {STRATEGIES}")
-            _weight(f"sources[{i}].weight", s.weight)
-        _positive_int("seq_len", self.seq_len)
-        _positive_int("global_batch_size", self.global_batch_size)
+            s.check(f"sources[{i}]")
+        positive_int("seq_len", self.seq_len)
+        positive_int("global_batch_size", self.global_batch_size)
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
         if self.num_epochs is not None and not (isinstance(self.num_epochs, (int, float)) and self.num_epochs > 0):
             raise ConfigError(f"num_epochs: must be positive (or None for unlimited), got {self.num_epochs!r}")
         if self.max_steps is not None:
-            _positive_int("max_steps", self.max_steps)
+            positive_int("max_steps", self.max_steps)
         if self.plan_chunk_docs is not None:
-            _positive_int("plan_chunk_docs", self.plan_chunk_docs)
+            positive_int("plan_chunk_docs", self.plan_chunk_docs)
         self._check_batch_schedule()
         if self.max_segments_per_row is not None:
-            _positive_int("max_segments_per_row", self.max_segments_per_row)
+            positive_int("max_segments_per_row", self.max_segments_per_row)
         if self.canonical_streams is not None:
-            _positive_int("canonical_streams", self.canonical_streams)
-        _positive_int("canonical_workers", self.canonical_workers)
+            positive_int("canonical_streams", self.canonical_streams)
+        positive_int("canonical_workers", self.canonical_workers)
         unknown = sorted(set(self.loader) - set(LOADER_KEYS))
         if unknown:
             raise ConfigError(f"loader: {unknown_keys(unknown, LOADER_KEYS)}")
@@ -293,23 +257,7 @@ class DataConfig:
             raise ConfigError("sources: the weights are all zero")
         if (self.anneal_start_step is None) != (self.anneal_weights is None):
             raise ConfigError("anneal_start_step and anneal_weights: give both or neither")
-        last = 0
-        for i, p in enumerate(self.all_phases()):
-            where = f"phases[{i}]" if i < len(self.phases) else "anneal_weights"
-            if not isinstance(p.start_step, int) or p.start_step <= last:
-                raise ConfigError(
-                    f"{where}.start_step: phases must start after step 0 and in increasing order "
-                    f"(got {p.start_step!r} after {last})"
-                )
-            last = p.start_step
-            if isinstance(p.lr_scale, bool) or not isinstance(p.lr_scale, (int, float)) or not p.lr_scale > 0:
-                raise ConfigError(f"{where}.lr_scale: must be a positive number, got {p.lr_scale!r}")
-            for name, w in p.weights.items():
-                if name not in names:
-                    raise ConfigError(f"{where}.weights: unknown source {name!r} (sources: {names})")
-                _weight(f"{where}.weights.{name}", w)
-            if sum(p.weights.values()) <= 0:
-                raise ConfigError(f"{where}.weights: the weights are all zero")
+        _check_phases(self.all_phases(), len(self.phases), names)
 
     def _check_batch_schedule(self) -> None:
         if self.batch_sizes is not None and self.batch_ramp is not None:
@@ -327,7 +275,7 @@ class DataConfig:
             if not isinstance(r, dict) or set(r) != {"start", "increment", "tokens"}:
                 raise ConfigError(f"batch_ramp: {{start = rows, increment = rows, tokens = N}}, not {r!r:.100}")
             for key in ("start", "increment", "tokens"):
-                _positive_int(f"batch_ramp.{key}", r[key])
+                positive_int(f"batch_ramp.{key}", r[key])
             if r["start"] >= self.global_batch_size or (self.global_batch_size - r["start"]) % r["increment"]:
                 raise ConfigError(
                     f"batch_ramp: from start {r['start']} the increment {r['increment']} must reach "
@@ -360,6 +308,28 @@ class DataConfig:
             total = sum(ws)
             out.append((step, [w / total for w in ws]))
         return out
+
+
+def _check_phases(phases: list[Phase], written: int, names: list[str]) -> None:
+    """Phases start after step 0, in increasing order, with a positive lr_scale and weights
+    of known sources (the last `len(phases) - written` are the anneal shortcut's)."""
+    last = 0
+    for i, p in enumerate(phases):
+        where = f"phases[{i}]" if i < written else "anneal_weights"
+        if not isinstance(p.start_step, int) or p.start_step <= last:
+            raise ConfigError(
+                f"{where}.start_step: phases must start after step 0 and in increasing order "
+                f"(got {p.start_step!r} after {last})"
+            )
+        last = p.start_step
+        if isinstance(p.lr_scale, bool) or not isinstance(p.lr_scale, (int, float)) or not p.lr_scale > 0:
+            raise ConfigError(f"{where}.lr_scale: must be a positive number, got {p.lr_scale!r}")
+        for name, w in p.weights.items():
+            if name not in names:
+                raise ConfigError(f"{where}.weights: unknown source {name!r} (sources: {names})")
+            check_weight(f"{where}.weights.{name}", w)
+        if sum(p.weights.values()) <= 0:
+            raise ConfigError(f"{where}.weights: the weights are all zero")
 
 
 def _source(d: Any, i: int) -> SourceConfig:
@@ -411,11 +381,3 @@ def _relative_to(base: Path, p: str | None, always: bool = False) -> str | None:
     return p
 
 
-def _weight(key: str, w: Any) -> None:
-    if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0 or w != w or w == float("inf"):
-        raise ConfigError(f"{key}: must be a finite number >= 0, got {w!r}")
-
-
-def _positive_int(key: str, v: Any) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ConfigError(f"{key}: must be a positive integer, got {v!r}")

@@ -80,11 +80,9 @@ class Pipeline:
     before the state's step keep the sizes they had (`batch_history` in the states), and
     the rows after it continue the same row sequence in the new sizes.
 
-    Its parts: `order` (`RowOrder`: which rows every step trains; every method that names a
-    step asks it), `positions` (`StreamPositions` of streaming sources, else None),
-    `fetching` (the shards sources in object storage are told of ahead); states are made and
-    checked by `forge_grain.pipeline.states`, adopted at resume by `.resume`, iterated by
-    `.iteration`; see docs/architecture.md.
+    Its parts: `order` (`RowOrder`: which rows every step trains; every method naming a step
+    asks it), `positions` (`StreamPositions`; None without streaming sources), `fetching`
+    (shards told of ahead); see the module docstring and docs/architecture.md.
     """
 
     def __init__(
@@ -152,6 +150,7 @@ class Pipeline:
         self.fingerprint = history.digest(self._summary)
         self._not_as_sent: StoreError | None = None  # set where a process rebuilt it on other data (_rebuild)
         describing.warn_unreachable_phases(config, self.order.num_steps)
+        self.epoch_aligned = epoch_aligned(self.streams, config, batches, self.order.steps_per_epoch)  # streams.py
         self.positions = (StreamPositions(self.streams, self.layout, self.order, self.epoch_aligned, self.dtype)
                           if self.streams else None)
         self.fetching = FetchWindow(self._sources, self.order, fetch_ahead)
@@ -175,11 +174,6 @@ class Pipeline:
     steps_per_epoch = property(lambda self: self.order.steps_per_epoch, doc="Whole steps of one epoch.")
     num_steps = property(lambda self: self.order.num_steps, doc="The run's steps; None for an unlimited run.")
     step_limit = property(lambda self: self.order.step_limit, doc="The last step + 1 the arithmetic reaches.")
-
-    @property
-    def epoch_aligned(self) -> bool:
-        """Whether streaming passes start at whole epochs (`forge_grain.pipeline.streams.epoch_aligned`)."""
-        return epoch_aligned(self.streams, self.config, self.batches, self.steps_per_epoch)
 
     @property
     def local_batch_size(self) -> int:

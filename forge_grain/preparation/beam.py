@@ -76,7 +76,7 @@ from forge_grain.preparation.local import (
     files_identity,
     write_manifest,
 )
-from forge_grain.stores.remote import RemoteDir, read_or_none
+from forge_grain.stores.remote_dir import RemoteDir, read_or_none
 from forge_grain.stores.writer_lock import writer_lock
 from forge_grain.preparation.texts import open_parquet
 from forge_grain.tokenizer import TextTokenizer

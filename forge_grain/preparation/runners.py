@@ -62,7 +62,7 @@ def prepare(
 
     An `output` URL (`s3://bucket/store`, any fsspec URL; `storage_options` go to fsspec)
     is prepared in a local staging directory under `FORGE_GRAIN_CACHE`, then uploaded,
-    manifest last (see `stores.remote.upload_store`), and the staging copy is removed;
+    manifest last (see `stores.uploads.upload_store`), and the staging copy is removed;
     re-running an interrupted command resumes both. Returns the URL.
 
     `runner="beam"` runs it as an Apache Beam job with `beam_options` (Beam's command-line
@@ -73,7 +73,7 @@ def prepare(
         _check_writable(output, storage_options)  # before any work: a missing bucket is found at once
     if is_url(output) and runner == "local":
         args = {k: v for k, v in locals().items() if k not in ("source", "output", "storage_options")}
-        from forge_grain.stores.remote import upload_store
+        from forge_grain.stores.uploads import upload_store
         from forge_grain.stores.writer_lock import writer_lock
 
         staging = private_cache(cache_root() / "uploads") / hashlib.sha256(str(output).encode()).hexdigest()[:16]
@@ -130,7 +130,7 @@ def prepare(
 
 
 def _check_writable(url, storage_options) -> None:
-    from forge_grain.stores.remote import check_writable
+    from forge_grain.stores.uploads import check_writable
 
     try:
         check_writable(str(url), storage_options)

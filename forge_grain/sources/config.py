@@ -4,6 +4,12 @@ sources are built from it (`forge_grain.sources.factory`), the pipeline's config
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import numpy as np
+
+from forge_grain.errors import ConfigError
+from forge_grain.packing.plans import STRATEGIES
 
 
 @dataclasses.dataclass
@@ -208,3 +214,50 @@ class SourceConfig:
     def where(self) -> str:
         """The source's data, for messages: its path, or `hf:` and its dataset."""
         return self.path if self.path is not None else f"hf:{self.hf_dataset}"
+
+    def check(self, where: str) -> None:
+        """Every field holds what it may (`where`: the source's place in the config, for messages)."""
+        if (self.path is None) == (self.hf_dataset is None):
+            raise ConfigError(f"{where}: give exactly one of 'path' (a token store) and 'hf_dataset'")
+        if self.hf_dataset is not None:
+            wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents",
+                                 "fingerprint", "format", "token_field", "cache_limit", "object_cache")
+                     if getattr(self, k) is not None]
+            if wrong:
+                raise ConfigError(f"{where}: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
+            if self.storage_options is not None and not (self.hf_streaming and "://" in str(self.hf_data_files)):
+                raise ConfigError(f"{where}.storage_options: only for streaming hf_data_files at URLs "
+                                  "(s3://...); this source has none")
+        if self.shuffle_window is not None:
+            positive_int(f"{where}.shuffle_window", self.shuffle_window)
+        if self.whole_documents is not None and not isinstance(self.whole_documents, bool):
+            raise ConfigError(f"{where}.whole_documents: must be true or false, not {self.whole_documents!r}")
+        if self.fingerprint not in (None, "sampled", "full"):
+            raise ConfigError(f"{where}.fingerprint: must be 'sampled' or 'full', not {self.fingerprint!r}")
+        for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"{where}.{key}: must be a non-negative integer, got {v!r}")
+        if self.dtype is not None:
+            try:
+                np.dtype(self.dtype)
+            except TypeError:
+                raise ConfigError(f"{where}.dtype: {self.dtype!r} is not a numpy dtype (e.g. 'uint16')") from None
+        if self.dealing is not None and (self.dealing not in ("auto", "files", "rows") or not self.hf_streaming):
+            raise ConfigError(f"{where}.dealing: 'auto', 'files' or 'rows', for streaming sources only "
+                              f"(hf_streaming = true); got {self.dealing!r}")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ConfigError(f"{where}.window: must be a positive integer, got {self.window!r}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"{where}.strategy: {self.strategy!r} is not one of {STRATEGIES}")
+        check_weight(f"{where}.weight", self.weight)
+
+
+def check_weight(key: str, w: Any) -> None:
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0 or w != w or w == float("inf"):
+        raise ConfigError(f"{key}: must be a finite number >= 0, got {w!r}")
+
+
+def positive_int(key: str, v: Any) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"{key}: must be a positive integer, got {v!r}")

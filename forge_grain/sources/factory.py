@@ -57,7 +57,8 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
     `layout` (a `streaming.StreamLayout`) and tokenizes on `tokenize_threads` threads.
     `progress=False` hides the bars of first-use work (tokenizing, counting, planning)."""
     if src.hf_dataset is not None and src.hf_streaming:
-        from forge_grain.sources.streaming import StreamingSource, StreamRows, rows_per_epoch
+        from forge_grain.sources.stream_cursors import StreamRows
+        from forge_grain.sources.streaming import StreamingSource, rows_per_epoch
 
         source = StreamingSource(src, seq_len, seed, cache_dir, max_segments, tokenize_threads)
         source.deal(layout.count)

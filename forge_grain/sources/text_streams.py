@@ -9,7 +9,7 @@ is a JSON-able position before that row; `open(marker)` resumes there.
   `state_dict()`.
 - `FileTexts`: JSON Lines or Parquet files at fsspec URLs (`s3://`, `gs://`, `hf://`),
   read directly: no local copy, no `datasets` download cache. Every ranged read goes
-  through the retries of object-storage stores (`stores.remote.RemoteDir.retry`); the
+  through the retries of object-storage stores (`stores.remote_dir.RemoteDir.retry`); the
   marker is [file, row, byte offset] (JSON Lines resumes by seeking, Parquet by row group).
   Rows are counted as the local loader counts them (blank lines are not rows).
 """
@@ -163,7 +163,7 @@ class FileTexts:
 
     def _remote(self, url: str):
         """(the `RemoteDir` of the file's directory, the file's name in it)."""
-        from forge_grain.stores.remote import RemoteDir
+        from forge_grain.stores.remote_dir import RemoteDir
 
         parent, base = url.rsplit("/", 1)
         if parent not in self._dirs:

@@ -9,7 +9,6 @@ access, lengths, pickling that reopens, id checks) lives here once.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -23,10 +22,7 @@ from forge_grain.stores.manifest import temporary
 from forge_grain.stores.mapping import map_npy, token_arrays
 from forge_grain.paths import local_path
 from forge_grain.stores import checks
-
-
-MAX_BISECTED_RUNS = 1 << 16  # up to this many runs a read bisects them; beyond, a table per document
-FEW_PIECES = "few"  # `_doc_start` when reads bisect the runs
+from forge_grain.stores.runs import TokenRuns
 
 
 class TokenStore:
@@ -68,26 +64,11 @@ class TokenStore:
         self._fingerprint = ""
         self._open(**self._common_options(options))
         self._file_doc_starts = np.concatenate([[0], np.cumsum(self._file_docs)]).astype(np.int64)
-        self._piece_table = self._make_pieces()
+        self._runs = TokenRuns.of(self._arrays, self._pieces, self._offsets)  # None: read a document at a time
         self._lengths: np.ndarray | None = None
-        self._doc_start = self._doc_array = None  # built on the first read (`_index_documents`)
         self._gather_arrays = None  # the arrays as the compiled gather takes them (`pieces`)
-        self._check_special_ids()
+        checks.check_special_ids(self.path, self.dtype, self.vocab_size, self.eos_id, self.bos_id)
         self._validate()
-
-    def _check_special_ids(self) -> None:
-        """A declared EOS/BOS id must be a token these files can hold and the vocabulary has:
-        one that cannot occur would leave every file one document, silently."""
-        top = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
-        for name, value in (("eos_id", self.eos_id), ("bos_id", self.bos_id)):
-            if value is None:
-                continue
-            if top is not None and value > top:
-                raise StoreError(f"{self.path}: {name}={value} cannot occur in {self.dtype} tokens (at most {top}); "
-                                 "check the id, or the dtype")
-            if self.vocab_size is not None and value >= self.vocab_size:
-                raise StoreError(f"{self.path}: {name}={value} is not in the vocabulary of {self.vocab_size} ids; "
-                                 "check the id, or vocab_size")
 
     def _common_options(self, options: dict) -> dict:
         """Check the options apply to this format, take those every format treats alike
@@ -161,14 +142,7 @@ class TokenStore:
 
     def _tokens_at(self, positions: np.ndarray) -> np.ndarray:
         """Tokens at the given positions of the store's tokens in order."""
-        positions = np.asarray(positions, np.int64)
-        starts, array, base = self._piece_table
-        p = np.searchsorted(starts, positions, side="right") - 1
-        out = np.empty(len(positions), self.dtype)
-        for a in np.unique(array[p]):
-            sel = array[p] == a
-            out[sel] = self._array(int(a))[positions[sel] - starts[p[sel]] + base[p[sel]]]
-        return out
+        return self._runs.at(positions, self._array, self.dtype)
 
     def _check_format(self, declared: str | None) -> None:
         if declared is not None and declared != self.format:
@@ -202,17 +176,6 @@ class TokenStore:
         digest.update(np.ascontiguousarray(self._offsets).view(np.uint8))
         return digest.hexdigest()[:16]
 
-    def _make_pieces(self):
-        """(token starts + end, array index, start in array) of each contiguous run of tokens."""
-        if not self._arrays:
-            return None
-        if self._pieces is None:  # one run per array, in order
-            sizes = [len(a) for a in self._arrays]
-            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            return starts, np.arange(len(sizes), dtype=np.int64), np.zeros(len(sizes), np.int64)
-        starts, array, base = (np.asarray(x, np.int64) for x in self._pieces)
-        return starts, array, base
-
     # -- the data ------------------------------------------------------------------------
 
     def __len__(self) -> int:
@@ -225,17 +188,9 @@ class TokenStore:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"document {i} out of range for a store of {n} documents")
-        if self._piece_table is None:
+        if self._runs is None:
             return self._document(i)
-        if self._doc_start is None:
-            self._index_documents()
-        g, length = int(self._offsets[i]), int(self._offsets[i + 1] - self._offsets[i])
-        if self._doc_start is FEW_PIECES:  # find the run: a bisection of a short list
-            p = min(max(bisect.bisect_right(self._run_starts, g) - 1, 0), len(self._run_array) - 1)
-            start = g - self._run_starts[p] + self._run_base[p]
-            return self._array(self._run_array[p])[start : start + length]
-        start = int(self._doc_start[i])
-        return self._array(0 if self._doc_array is None else int(self._doc_array[i]))[start : start + length]
+        return self._runs.document(i, self._array)
 
     def _array(self, k: int) -> np.ndarray:
         """Token array `k` (a store whose files are fetched on demand maps it here first)."""
@@ -247,24 +202,6 @@ class TokenStore:
 
     def prefetch(self, needed: np.ndarray) -> None:
         """Token arrays the next steps will read (a hint; stores in object storage fetch them)."""
-
-    def _index_documents(self) -> None:
-        """How a read finds its document's array and start. One array: the offsets are the
-        starts. A few runs (one per shard file, say): a bisection of their starts per read, so
-        nothing per document is kept in memory. Many runs (a run per Arrow record batch or
-        MDS sample): a start and an array index per document, two lookups per read."""
-        starts, array, base = self._piece_table
-        if len(array) == 1 and base[0] == 0:
-            self._doc_start = self._offsets
-        elif len(array) <= MAX_BISECTED_RUNS:
-            self._run_starts, self._run_array, self._run_base = (x.tolist() for x in (starts, array, base))
-            self._doc_start = FEW_PIECES
-        else:
-            p = np.searchsorted(starts, self._offsets[:-1], side="right") - 1
-            p = np.minimum(p, len(array) - 1)
-            self._doc_start = self._offsets[:-1] - starts[p] + base[p]
-            if len(self._arrays) > 1:
-                self._doc_array = array[p].astype(np.int32)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))
@@ -297,12 +234,11 @@ class TokenStore:
         """What the compiled gather reads tokens from: (arrays, token starts of the runs with
         the end appended, each run's array, each run's start in its array), or None for a
         store read a document at a time."""
-        if self._piece_table is None:
+        if self._runs is None:
             return None
         if self._gather_arrays is None:
             self._gather_arrays = token_arrays(self._arrays)
-        starts, array, base = self._piece_table
-        return self._gather_arrays, starts, array, base
+        return self._gather_arrays, self._runs.starts, self._runs.array, self._runs.base
 
     @property
     def num_tokens(self) -> int:
@@ -334,7 +270,7 @@ class TokenStore:
         self._verify_files()
         for s, file in enumerate(self._files):
             lo, hi = self._file_doc_starts[s], self._file_doc_starts[s + 1]
-            if self._piece_table is not None and lo < hi:
+            if self._runs is not None and lo < hi:
                 a, b = int(self._offsets[lo]), int(self._offsets[hi])
                 tokens = (self._token_range(x, min(x + (1 << 24), b)) for x in range(a, b, 1 << 24))
             else:
@@ -346,29 +282,19 @@ class TokenStore:
         """Where each contiguous run of tokens starts in the store's token order, the end
         appended: one run per file for raw token files (a KempnerForge sample never
         crosses one), per shard for a forge-grain store."""
-        if self._piece_table is None:
+        if self._runs is None:
             return np.array([0, self.num_tokens], np.int64)
-        return np.asarray(self._piece_table[0], np.int64)
+        return self._runs.starts
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the store's tokens taken in order, across documents and files."""
-        if self._piece_table is None:
+        if self._runs is None:
             raise StoreError(f"{self.path}: a {self.description} store is read a document at a time, not by token")
         return self._token_range(int(start), int(stop))
 
     def _token_range(self, a: int, b: int) -> np.ndarray:
         """Tokens [a, b) of the store's tokens in order (may span runs)."""
-        starts, array, base = self._piece_table
-        parts = []
-        p = int(np.searchsorted(starts, a, side="right") - 1)
-        while a < b and p < len(array):
-            end = min(b, int(starts[p + 1]))
-            if end > a:
-                at = a - int(starts[p]) + int(base[p])
-                parts.append(self._array(int(array[p]))[at : at + end - a])
-            a = max(a, end)
-            p += 1
-        return np.concatenate(parts) if parts else checks.empty_tokens(self.dtype)
+        return self._runs.tokens(a, b, self._array, self.dtype)
 
     def close(self) -> None:
         """Drop the memory maps (views already handed out stay valid while referenced)."""

@@ -250,6 +250,21 @@ def spread(values: np.ndarray, limit: int = CHECK_ALL_BOUNDARIES) -> np.ndarray:
     return values[np.linspace(0, len(values) - 1, limit).astype(np.int64)]
 
 
+def check_special_ids(path: Path, dtype: np.dtype, vocab_size: int | None, eos_id, bos_id) -> None:
+    """A declared EOS/BOS id must be a token the files can hold and the vocabulary has: one
+    that cannot occur would leave every file one document, silently."""
+    top = np.iinfo(dtype).max if dtype.kind in "iu" else None
+    for name, value in (("eos_id", eos_id), ("bos_id", bos_id)):
+        if value is None:
+            continue
+        if top is not None and value > top:
+            raise StoreError(f"{path}: {name}={value} cannot occur in {dtype} tokens (at most {top}); "
+                             "check the id, or the dtype")
+        if vocab_size is not None and value >= vocab_size:
+            raise StoreError(f"{path}: {name}={value} is not in the vocabulary of {vocab_size} ids; "
+                             "check the id, or vocab_size")
+
+
 def check_special_ends(path: Path, tokens_at, offsets: np.ndarray, eos_id, bos_id,
                        remedy: str = "check the id, or leave it out") -> None:
     """Documents found by the format's own index must end with a declared EOS id and start

@@ -53,7 +53,7 @@ class NativeStore(TokenStore):
         The manifest's EOS/BOS ids are the tokenizer's, whether or not documents carry them."""
         for s, file in enumerate(self._files):
             lo, hi = int(self._file_doc_starts[s]), int(self._file_doc_starts[s + 1])
-            if self._piece_table is None:  # ArrayRecord: a few documents of each shard
+            if self._runs is None:  # ArrayRecord: a few documents of each shard
                 sample = [self[i] for i in checks.spread(np.arange(lo, hi), 8)]
             else:
                 sample = _read_blocks(file, self.dtype, self.manifest.shards[s].num_tokens)

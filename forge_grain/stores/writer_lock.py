@@ -41,7 +41,7 @@ def lease_seconds() -> float:
 @contextlib.contextmanager
 def writer_lock(url: str, storage_options: dict | None = None):
     """Hold the writer lock of `url` for the block (see the module's docstring)."""
-    from forge_grain.stores.remote import RemoteDir
+    from forge_grain.stores.remote_dir import RemoteDir
 
     remote = RemoteDir(url, storage_options)
     if not hasattr(remote.fs, "call_s3"):

@@ -1,0 +1,106 @@
+"""The locality order of a packed dataset: an epoch read a few planning chunks at a time.
+
+With `shuffle_window=W`, epoch e visits the plan's chunks in a seeded order, W chunks at a
+time, and shuffles the rows of those chunks together (`PackedDataset.rows_of`). Like the
+global shuffle it is a pure function of the index, with a closed-form inverse
+(`positions`): exact and elastic resume hold as for the global shuffle. It knows chunk row
+counts and keys only: no plan or token is read here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from forge_grain.packing import kernels
+from forge_grain.packing.plans import stream_key
+
+
+class WindowOrder:
+    """Plan rows <-> positions in an epoch, for windows of `window` chunks."""
+
+    def __init__(self, chunk_rows: np.ndarray, num_rows: int, window: int, seed_key: int):
+        self.chunk_rows, self.num_rows, self.window, self.seed_key = chunk_rows, num_rows, window, seed_key
+        self._windows: dict = {}  # epoch -> its chunk order and window starts (`_epoch_windows`)
+        self._window_parts: dict = {}  # (epoch, window) -> what its rows are found from (`_window`)
+
+    def rows(self, idx: np.ndarray, first: int, last: int) -> np.ndarray:
+        """Plan rows of dataset indices `idx` (`first`, `last`: their least and greatest): each
+        epoch visits the plan's chunks in a seeded order, `window` chunks at a time, and
+        shuffles the rows of those chunks together.
+
+        A window's rows read only its chunks' documents (contiguous shards), so a reader
+        needs those shards, not the store. The price is shuffle quality: rows of different
+        windows never neighbour each other within an epoch, and documents of one chunk
+        are met together (chunks are random samples of contiguous documents: as random as
+        the order the data was written in). Still a pure function of the index, so exact
+        and elastic resume hold as for the global shuffle.
+        """
+        n = self.num_rows
+        if len(idx):  # the usual batch lies in one window of one epoch (that of its first index): no grouping
+            e = first // n
+            starts = self._epoch_windows(e)[1]
+            w = int(np.searchsorted(starts, first - e * n, side="right")) - 1
+            if last < e * n + int(starts[w + 1]):
+                return self._rows_in_window(e, w, idx - (e * n + int(starts[w])))
+        out = np.empty(len(idx), np.int64)
+        epochs = idx // n
+        for e in np.unique(epochs):
+            starts = self._epoch_windows(int(e))[1]
+            sel = np.flatnonzero(epochs == e)
+            pos = idx[sel] - e * n
+            win = np.searchsorted(starts, pos, side="right") - 1
+            for w in np.unique(win):
+                out[sel[win == w]] = self._rows_in_window(int(e), int(w), pos[win == w] - starts[w])
+        return out
+
+    def _rows_in_window(self, e: int, w: int, local) -> np.ndarray:
+        """Plan rows of positions `local` among window w's rows in epoch e."""
+        key, m, cum, first = self._window(e, w)
+        local = kernels.epoch_rows(np.asarray(local, np.int64), m, key, True)
+        c = np.searchsorted(cum, local, side="right") - 1
+        return first[c] + local - cum[c]
+
+    def _window(self, e: int, w: int) -> tuple:
+        """Window w of epoch e: its shuffle key, row count, its chunks' cumulative rows and
+        first plan rows (cached: every batch of the window asks)."""
+        cached = self._window_parts.get((e, w))
+        if cached is None:
+            order, starts, firsts = self._epoch_windows(e)
+            chunks = order[w * self.window : (w + 1) * self.window]
+            cum = np.concatenate([[0], np.cumsum(self.chunk_rows[chunks])])
+            cached = (stream_key("window", self.seed_key, e, w), int(starts[w + 1] - starts[w]), cum,
+                      firsts[chunks])
+            if len(self._window_parts) > 64:
+                self._window_parts = {}
+            self._window_parts[(e, w)] = cached
+        return cached
+
+    def positions(self, rows: np.ndarray, epoch: int) -> np.ndarray:
+        """The inverse of `rows` within one epoch: where in epoch `epoch` each plan row is read."""
+        order, starts, firsts = self._epoch_windows(int(epoch))
+        chunk = np.searchsorted(firsts, rows, side="right") - 1
+        rank = np.empty(len(order), np.int64)
+        rank[order] = np.arange(len(order))  # where each chunk comes in the epoch's order
+        out = np.empty(len(rows), np.int64)
+        for i, (c, r) in enumerate(zip(chunk.tolist(), rows.tolist())):
+            w, k = divmod(int(rank[c]), self.window)
+            key, m, cum, _ = self._window(int(epoch), w)
+            local = int(cum[k]) + r - int(firsts[c])  # the row among its window's (cum[k]: the chunks before)
+            out[i] = starts[w] + kernels.epoch_positions(np.array([local], np.int64), m, key, 0, True)[0]
+        return out
+
+    def _epoch_windows(self, e: int):
+        """Epoch e's chunk order, the start of each window in the epoch's positions, and each
+        chunk's first plan row (cached for a few epochs)."""
+        cached = self._windows.get(e)  # (threads may share the dataset: read once, then use the local)
+        if cached is None:
+            order = kernels.permutation(len(self.chunk_rows), stream_key("chunk-order", self.seed_key, e))
+            sizes = self.chunk_rows[order]
+            per_window = np.add.reduceat(sizes, np.arange(0, len(sizes), self.window))
+            starts = np.concatenate([[0], np.cumsum(per_window)])
+            firsts = np.concatenate([[0], np.cumsum(self.chunk_rows)])[:-1]
+            cached = (order, starts, firsts)
+            if len(self._windows) > 4:
+                self._windows = {}
+            self._windows[e] = cached
+        return cached

@@ -1,0 +1,173 @@
+"""A directory at an fsspec URL (`s3://`, `gs://`, `hf://`, ...): reading its objects, with retries.
+
+`RemoteDir` is what every reader and writer of object storage goes through: this
+process's fsspec file system (s3fs's is not fork-safe, so each process makes its own), an
+obstore client for `s3://` where the options allow one, and `retry`, which retries with
+backoff within `FORGE_GRAIN_REMOTE_DEADLINE` and turns every failure into an error naming
+the object. `listing` lists what is under a URL, with sizes and ETags.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from forge_grain.errors import StoreError
+from forge_grain.processes import per_process, without_per_process
+from forge_grain.stores.request_pool import RETRIES, bounded, deadline, request_deadline
+
+
+class RemoteDir:
+    """A directory at an fsspec URL, and the retrying every request to it goes through."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, retries: int = RETRIES):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        RemoteDir.fs.keep(self, fs)  # made here already; a forked child makes its own
+        self.retries = retries
+
+    @per_process
+    def fs(self):
+        """This process's fsspec file system (s3fs's refuses to work in a forked child:
+        its event loop and connections are the parent's)."""
+        import fsspec
+
+        return fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+
+    @per_process
+    def _fast(self):
+        """This process's obstore client, or None (its runtime's threads are the parent's in a
+        forked child: a request there never returns)."""
+        return fast_client(self.url, self.storage_options)
+
+    def __getstate__(self):
+        return without_per_process(self.__dict__)
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def read_range(self, name: str, start: int, end: int | None = None):
+        """Bytes [start, end) of object `name` (`read_range(name, 0)`: all of it, in one GET
+        whose size need not be known first), as a bytes-like buffer: through obstore where
+        `fast_client` made one (a Rust client: a fraction of s3fs's CPU a request; its buffer
+        is written and hashed as it is, not copied into `bytes` under the GIL first), else
+        through fsspec."""
+        if self._fast is None:
+            return self.fs.cat_file(self.path(name), start=start, end=end)
+        import obstore
+        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+
+        store, prefix = self._fast
+        try:
+            if end is None:
+                return memoryview(obstore.get(store, f"{prefix}{name}").bytes())[start:]
+            return memoryview(obstore.get_range(store, f"{prefix}{name}", start=start, end=end))
+        except NotFoundError:
+            raise FileNotFoundError(f"{self.url}/{name}") from None
+        except (PermissionDeniedError, UnauthenticatedError) as e:
+            raise PermissionError(str(e).splitlines()[0]) from None
+
+    def retry(self, name: str, attempt, missing_ok: bool = False, bound: bool = True):
+        """`attempt()`, retried with exponential backoff until `retries` attempts or `deadline()`
+        seconds are spent; a missing object is not retried (and gives None with `missing_ok`).
+        Each attempt is `bounded` (`bound=False` for an attempt of many requests that bounds
+        each itself)."""
+        where = f"{self.url}/{name}" if name else self.url  # the object, or the URL for its listing
+        start, limit = time.monotonic(), deadline()
+        for k in range(self.retries):
+            if k and time.monotonic() - start + request_deadline() > limit:
+                break  # another attempt that hangs would end past the deadline
+            tried = k + 1
+            try:
+                return bounded(attempt) if bound else attempt()
+            except FileNotFoundError:
+                if missing_ok:
+                    return None
+                raise StoreError(f"{where}: FileNotFoundError (no such object); check the URL and credentials") from None
+            except PermissionError as e:
+                raise StoreError(f"{where}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
+            except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
+                last = e
+                time.sleep(min(0.05 * 2**k, 2.0))
+        spent = time.monotonic() - start
+        raise StoreError(f"{where}: failed after {tried} attempts in {spent:.0f} s: {last.__class__.__name__}: {last} "
+                         f"(FORGE_GRAIN_REMOTE_DEADLINE={limit:g} s bounds an object's attempts)") from None
+
+
+_OBSTORE_PID: int | None = None  # the process whose obstore runtime this memory holds, if any
+FAST_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
+                "skip_instance_cache", "use_listings_cache"}
+
+
+def fast_client(url: str, storage_options: dict | None):
+    """(an obstore `S3Store`, the key prefix) for an `s3://` URL whose storage options say
+    everything obstore needs (explicit `key`/`secret`, or `anon`; `endpoint_url`, the region
+    and timeouts), when obstore is installed; None otherwise (then s3fs reads, with boto's
+    own credential chain). Its own retries are off: `RemoteDir.retry` retries.
+
+    None too in a process forked from one that made an obstore client: obstore runs its
+    requests on one tokio runtime per process, whose threads a forked child does not have,
+    and a request there never returns (tokio does not support fork). Such a child (a
+    DataLoader worker) reads through s3fs, which starts afresh after a fork; a worker started
+    by "spawn" or "forkserver" uses obstore."""
+    global _OBSTORE_PID
+    opts = dict(storage_options or {})
+    if not url.startswith("s3://") or set(opts) - FAST_OPTIONS or not (opts.get("anon") or
+                                                                       (opts.get("key") and opts.get("secret"))):
+        return None
+    if _OBSTORE_PID not in (None, os.getpid()):
+        return None
+    try:
+        from obstore.store import S3Store
+    except ImportError:
+        return None
+    import datetime
+
+    _OBSTORE_PID = os.getpid()
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    client_kwargs, config_kwargs = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
+    config = {"region": client_kwargs.get("region_name") or os.environ.get("AWS_REGION")
+              or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    if opts.get("anon"):
+        config["skip_signature"] = True
+    else:
+        config.update(access_key_id=opts["key"], secret_access_key=opts["secret"])
+        if opts.get("token"):
+            config["session_token"] = opts["token"]
+    endpoint = opts.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    client = {"timeout": f"{config_kwargs.get('read_timeout', request_deadline()):g}s",
+              "connect_timeout": f"{config_kwargs.get('connect_timeout', 60):g}s"}
+    if endpoint:
+        config.update(endpoint=endpoint, virtual_hosted_style_request=False)
+        client["allow_http"] = endpoint.startswith("http://")
+    retry = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=request_deadline())}
+    store = S3Store(bucket, config=config, client_options=client, retry_config=retry)
+    return store, f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+
+
+def read_or_none(remote: RemoteDir, name: str) -> bytes | None:
+    return remote.retry(name, lambda: remote.fs.cat_file(remote.path(name)), missing_ok=True)
+
+
+def listing(remote: RemoteDir) -> dict[str, tuple[int, str]]:
+    """Every file under the URL (relative name -> (size, ETag or modification time)), hidden
+    ones (forge-grain's own markers, caches) left out; empty when there is nothing."""
+    remote.fs.invalidate_cache(remote.root)
+    found = remote.retry("", lambda: remote.fs.find(remote.root, detail=True), missing_ok=True) or {}
+    out = {}
+    for path, entry in found.items():
+        name = str(path)[len(remote.root):].lstrip("/")
+        if entry.get("type", "file") != "file" or not name or any(p.startswith(".") for p in name.split("/")):
+            continue
+        tag = entry.get("ETag") or entry.get("etag") or entry.get("LastModified") or entry.get("mtime") or ""
+        out[name] = (int(entry["size"]), str(tag))
+    return out
+
+
+def remote_sizes(remote: RemoteDir) -> dict[str, int]:
+    """Size of each object directly under the URL."""
+    return {name: size for name, (size, _) in listing(remote).items() if "/" not in name}

@@ -1,0 +1,141 @@
+"""Requests to object storage: how long they may take, and the threads that make them.
+
+Every request to a remote store is bounded (`bounded`: `request_deadline()` seconds, a
+quarter of `FORGE_GRAIN_REMOTE_DEADLINE`, so a server that accepts a request and never
+answers cannot block a job), and ranged reads run on one pool of worker threads per
+process (`shared_requests`), most urgent first. The pool, its lock and the read slots are
+made again in a forked child, which has none of its parent's threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import queue
+import threading
+import weakref
+
+from forge_grain.errors import StoreError
+from forge_grain.processes import at_fork
+
+RETRIES = 5
+IN_FLIGHT = 16  # ranged reads held in memory at once, process-wide (256 MiB)
+_IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
+# seconds an object may take to arrive, every attempt included, before it is an error naming it:
+# a server that accepts requests and never answers must not block a job for long (fsspec's own
+# timeouts do not reach every call). One request may take a quarter of it (REQUEST_SHARE), so a
+# request that hangs leaves time for three more attempts. FORGE_GRAIN_REMOTE_DEADLINE sets it.
+DEADLINE = 120.0
+REQUEST_SHARE = 4
+
+
+def deadline() -> float:
+    """Seconds an object may take, all attempts included (FORGE_GRAIN_REMOTE_DEADLINE)."""
+    text = os.environ.get("FORGE_GRAIN_REMOTE_DEADLINE")
+    try:
+        value = float(text) if text else DEADLINE
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise StoreError(f"FORGE_GRAIN_REMOTE_DEADLINE={text!r} is not a positive number of seconds")
+    return value
+
+
+def request_deadline() -> float:
+    """Seconds one request may take before it counts as failed (and is retried)."""
+    return deadline() / REQUEST_SHARE
+
+
+def bounded(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, or TimeoutError once `request_deadline()` seconds pass without
+    an answer. The call runs on a daemon thread, so one stuck in a network library is
+    abandoned (it ends with the process) instead of blocking the caller or the interpreter's exit."""
+    limit, box, done = request_deadline(), {}, threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="forge-grain-remote").start()
+    if not done.wait(limit):
+        raise TimeoutError(f"no answer within {limit:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class Requests:
+    """Worker threads running ranged reads in order of need: a read for a batch waiting now
+    first, then prefetches in the order they were asked for (the order the steps read them),
+    the parts of one object before the next object's. So the shard the consumer reads next
+    arrives with all the connections' bandwidth instead of sharing it with the shards after
+    it, and the connections stay busy whatever the object sizes."""
+
+    def __init__(self, workers: int):
+        self.workers, self._order = workers, itertools.count()
+        self._reset()
+        _ALL_REQUESTS.add(self)
+
+    def _reset(self) -> None:
+        """No workers yet (and, in a forked child, none of the parent's queue or lock state)."""
+        self._queue, self._lock, self._started = queue.PriorityQueue(), threading.Lock(), False
+
+    def submit(self, urgent: bool, job: int, fn, *args) -> concurrent.futures.Future:
+        """Run `fn(*args)` on a worker; `job` orders the jobs of equal urgency (earlier first)."""
+        with self._lock:
+            if not self._started:
+                self._started = True
+                for _ in range(self.workers):
+                    threading.Thread(target=self._work, args=(self._queue,), daemon=True,
+                                     name="forge-grain-get").start()
+        future = concurrent.futures.Future()
+        self._queue.put(((0 if urgent else 1, job, next(self._order)), future, fn, args))
+        return future
+
+    def job(self) -> int:
+        """A number for a new job, after those of the jobs asked for before."""
+        return next(self._order)
+
+    @staticmethod
+    def _work(jobs: queue.PriorityQueue) -> None:
+        while True:
+            _, future, fn, args = jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # handed to the waiting download
+                    future.set_exception(e)
+
+
+_REQUESTS: dict[int, Requests] = {}  # by worker count: shared by every cache of the process
+_REQUESTS_LOCK = threading.Lock()
+_ALL_REQUESTS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """A forked child has none of its parent's worker threads, and a lock, queue or read slot
+    the parent's threads held mid-operation would stay taken forever: each starts afresh."""
+    global _REQUESTS_LOCK, _IN_FLIGHT
+    _REQUESTS_LOCK = threading.Lock()
+    _IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
+    for pool in list(_ALL_REQUESTS):
+        pool._reset()
+
+
+at_fork(_after_fork)
+
+
+def read_slot() -> threading.BoundedSemaphore:
+    """One of the `IN_FLIGHT` slots a ranged read holds while its bytes are in memory (this
+    process's: a forked child starts with all of them free)."""
+    return _IN_FLIGHT
+
+
+def shared_requests(workers: int) -> Requests:
+    """The process's pool of `workers` request threads (one per count, however many sources)."""
+    with _REQUESTS_LOCK:
+        return _REQUESTS.setdefault(workers, Requests(workers))
