@@ -46,7 +46,7 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False,
         shard = step_number(shard, p.shard_count, what="shard")
         first = shard * p.local_size(step)
         rows = rows[first : first + p.local_size(step)]
-    src, rank = p.mixture.locate(rows)
+    src, rank = p.order.locate(rows)
     out, tokenizers = [], {}
     for i, (h, s, r) in enumerate(zip(rows.tolist(), src.tolist(), rank.tolist()), start=first):
         d = p.mixture.datasets[s]

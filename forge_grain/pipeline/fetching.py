@@ -78,7 +78,7 @@ class FetchWindow:
         while w["end"] < last and (w["end"] <= step or any(len(c) < n for c, n in zip(w["counts"], want))):
             a = w["end"]  # (a block may reach up to HINT_STEPS - 1 steps past `fetch_ahead`)
             b = min(a + min(HINT_STEPS, self.fetch_ahead), o.step_limit)
-            src, rank = o.mixture.locate(np.concatenate([o.shard_rows(s) for s in range(a, b)]))
+            src, rank = o.locate(np.concatenate([o.shard_rows(s) for s in range(a, b)]))
             self._hints[a] = (b, [self.datasets[i].arrays_read(rank[src == i]) for i in self.fetching])
             for count, arrays in zip(w["counts"], self._hints[a][1]):
                 count.update(arrays.tolist())

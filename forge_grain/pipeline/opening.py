@@ -63,7 +63,7 @@ class AheadOpener:
         if self._pending and first_step < pipeline.step_limit:
             # the kernels the thread calls are loaded here first: a process forked while the thread
             # loaded one would wait forever on numba's lock (opens are covered: see packed._OPENING)
-            pipeline.mixture.locate(pipeline.shard_rows(first_step))
+            pipeline.order.shard_sources(first_step)
             self.thread.start()
             stop_at_exit(self.thread)  # not left inside a native open while the interpreter exits
 
@@ -91,7 +91,7 @@ class AheadOpener:
             pipeline = self._pipeline()
             if step is None or pipeline is None or step >= pipeline.step_limit:
                 return
-            sources, _ = pipeline.mixture.locate(pipeline.shard_rows(step))
+            sources, _ = pipeline.order.shard_sources(step)
             first = np.unique(sources, return_index=True)[1]
             for i in sources[np.sort(first)].tolist():  # in the order the step reads them
                 if i in self._pending and self._wait(step) is not None and not EXITING.is_set():

@@ -178,10 +178,7 @@ class Pipeline:
     @property
     def local_batch_size(self) -> int:
         """Rows of this shard's part of every batch (see `local_size` under a batch-size schedule)."""
-        if not self.batches.constant:
-            raise ConfigError(f"the batch size changes with the step ({self.batches.to_list()}): use "
-                              "local_size(step)")
-        return self.batches.size(0) // self.shard_count
+        return self.order.local_batch_size
 
     def local_size(self, step: int) -> int:
         """Rows of this shard's part of global batch `step`."""

@@ -110,6 +110,22 @@ class RowOrder:
         b = self.local_size(step)
         return self.rowmap.rows(self.batches.row(step) + self.shard_index * b, b)
 
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, the source's row) of each mixture row."""
+        return self.mixture.locate(rows)
+
+    def shard_sources(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, the source's row) of each row of this shard's part of step `step`."""
+        return self.mixture.locate(self.shard_rows(step))
+
+    @property
+    def local_batch_size(self) -> int:
+        """Rows of this shard's part of every batch (see `local_size` under a batch-size schedule)."""
+        if not self.batches.constant:
+            raise ConfigError(f"the batch size changes with the step ({self.batches.to_list()}): use "
+                              "local_size(step)")
+        return self.batches.size(0) // self.shard_count
+
     def local_size(self, step: int) -> int:
         """Rows of this shard's part of global batch `step`."""
         size = self.batches.size(states.step_number(step, self.step_limit, end=True))

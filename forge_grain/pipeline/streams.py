@@ -143,7 +143,7 @@ class StreamPositions:
         which = {id(d): i for i, d in enumerate(o.mixture.datasets)}
         for t in range(self.step, step):
             rows = o.shard_rows(t)
-            src, _ = o.mixture.locate(rows)
+            src, _ = o.locate(rows)
             for stream in self.streams:
                 mine = rows[src == which[id(stream)]]
                 mine = mine[np.isin(self.layout.stream_of(mine), stream.owned)]
