@@ -55,7 +55,8 @@ class FaultProxy:
     """Forwards HTTP to the server; `fail(part, kind, times, method)` makes the next `times`
     requests (GETs by default) of objects whose path contains `part` fail with `kind`:
     "drop", "500", "delay", "truncate", "hang" (a minute without an answer). `gets` and `puts` count object reads and writes, `sent`
-    the bytes of the reads served, `lists` the listing requests."""
+    the bytes of the reads served, `lists` the listing requests; `latency` (seconds) delays
+    every object read before it is forwarded, and `peak` is the most reads in flight at once."""
 
     def __init__(self, upstream: int):
         self.upstream = upstream
@@ -64,6 +65,7 @@ class FaultProxy:
         self.puts: collections.Counter = collections.Counter()
         self.sent: collections.Counter = collections.Counter()  # bytes of object reads served, by path
         self.lists = 0
+        self.latency, self.active, self.peak = 0.0, 0, 0
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -82,6 +84,7 @@ class FaultProxy:
             self.puts.clear()
             self.sent.clear()
             self.lists = 0
+            self.latency, self.peak = 0.0, 0
 
     def take(self, method: str, path: str) -> str | None:
         with self.lock:
@@ -108,8 +111,23 @@ def _handler(proxy: FaultProxy):
             pass
 
         def _forward(self):
+            read = self.command == "GET" and "?" not in self.path
+            if read:
+                with proxy.lock:
+                    proxy.active += 1
+                    proxy.peak = max(proxy.peak, proxy.active)
+            try:
+                self._answer(read)
+            finally:
+                if read:
+                    with proxy.lock:
+                        proxy.active -= 1
+
+        def _answer(self, read: bool):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             fault = proxy.take(self.command, self.path)
+            if read and proxy.latency:
+                time.sleep(proxy.latency)
             if fault == "drop":
                 self.close_connection = True
                 return

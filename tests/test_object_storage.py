@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
-from forge_grain import DataConfig, Pipeline, PrepareError, StoreError, TokenStore, prepare  # noqa: E402
+from forge_grain import ConfigError, DataConfig, Pipeline, PrepareError, StoreError, TokenStore, prepare  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 
@@ -211,6 +211,44 @@ def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_p
     s3.proxy.fail(store.manifest.shards[5].tokens, "truncate", times=1)  # one part cut short: retried, exact
     doc = int(store._file_doc_starts[5])
     assert np.array_equal(store[doc], disk[doc])
+
+
+def test_fetch_threads_set_in_a_toml_config_bound_the_reads_in_flight(tmp_path, s3, local_stores, monkeypatch):
+    """`fetch_threads` of a source in object storage reaches its store from a job file: at
+    most that many ranged reads are in flight (index reads at open included), and a larger
+    value puts more in flight behind a slow link (50 ms to each answer here)."""
+    from forge_grain.stores import object_cache
+
+    monkeypatch.setattr(object_cache, "BLOCK", 4096)  # several parts a shard
+    peaks = []
+    for n in (2, 6):
+        s3.proxy.clear()
+        s3.proxy.latency = 0.05
+        opts = s3.options(via_proxy=True)
+        (tmp_path / f"job{n}.toml").write_text(f"""seq_len = 64
+global_batch_size = 8
+num_epochs = 1
+[[sources]]
+name = "web"
+path = "s3://bucket/bin"
+fetch_threads = {n}
+object_cache = "{tmp_path / f'objects{n}'}"
+storage_options = {{ key = "{opts['key']}", secret = "{opts['secret']}", endpoint_url = "{opts['endpoint_url']}" }}
+""")
+        pipe = Pipeline(DataConfig.from_toml(tmp_path / f"job{n}.toml"), 0, 1, cache_dir=tmp_path / f"plans{n}")
+        it = pipe.iterator()
+        for _ in range(3):
+            next(it)
+        it.close()
+        peaks.append(s3.proxy.peak)
+        assert pipe.stores[0].cache.requests.workers == n
+        deadline = time.monotonic() + 30
+        while s3.proxy.active and time.monotonic() < deadline:  # downloads hinted ahead finish before the next
+            time.sleep(0.05)
+    assert peaks[0] <= 2 < peaks[1] <= 6, peaks
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.fetch_threads: must be a positive integer"):
+        DataConfig.from_dict(dict(sources=[source("s3://bucket/bin", fetch_threads=0)], seq_len=64,
+                                  global_batch_size=8))
 
 
 def test_ranged_reads_run_in_order_of_need():

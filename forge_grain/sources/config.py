@@ -199,6 +199,12 @@ class SourceConfig:
     Example: object_cache = "/local/nvme/forge-grain"
     """
 
+    fetch_threads: int | None = None
+    """A `path` in object storage: ranged reads in flight at once (default 8), taken in order
+    of need. Raise it where each connection is slow but the link is wide (a far region: tens
+    of milliseconds to the first byte); each read holds at most 16 MiB.
+    Example: fetch_threads = 32"""
+
     shuffle_window: int | None = None
     """Shuffle the rows of this many planning chunks at a time instead of the whole
     epoch's, so a store in object storage is read a few shards at a time (see
@@ -208,7 +214,7 @@ class SourceConfig:
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
         keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents", "fingerprint", "split",
-                "tokenizer", "format", "token_field", "storage_options", "cache_limit", "object_cache")
+                "tokenizer", "format", "token_field", "storage_options", "cache_limit", "object_cache", "fetch_threads")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def where(self) -> str:
@@ -221,15 +227,17 @@ class SourceConfig:
             raise ConfigError(f"{where}: give exactly one of 'path' (a token store) and 'hf_dataset'")
         if self.hf_dataset is not None:
             wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents",
-                                 "fingerprint", "format", "token_field", "cache_limit", "object_cache")
+                                 "fingerprint", "format", "token_field", "cache_limit", "object_cache",
+                                 "fetch_threads")
                      if getattr(self, k) is not None]
             if wrong:
                 raise ConfigError(f"{where}: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
             if self.storage_options is not None and not (self.hf_streaming and "://" in str(self.hf_data_files)):
                 raise ConfigError(f"{where}.storage_options: only for streaming hf_data_files at URLs "
                                   "(s3://...); this source has none")
-        if self.shuffle_window is not None:
-            positive_int(f"{where}.shuffle_window", self.shuffle_window)
+        for key in ("shuffle_window", "fetch_threads"):
+            if getattr(self, key) is not None:
+                positive_int(f"{where}.{key}", getattr(self, key))
         if self.whole_documents is not None and not isinstance(self.whole_documents, bool):
             raise ConfigError(f"{where}.whole_documents: must be true or false, not {self.whole_documents!r}")
         if self.fingerprint not in (None, "sampled", "full"):

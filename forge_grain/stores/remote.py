@@ -85,7 +85,7 @@ class RemoteStore(NativeStore):
         # sha256; otherwise one listing gives every object's size (no HEAD before each GET of an index
         # or ArrayRecord shard). A store of 10,000 shards takes 20 list requests (1,000 objects each).
         self._sizes = {} if m.layout == "bin" and all(s.index_sha256 for s in m.shards) else self.cache.sizes()
-        with concurrent.futures.ThreadPoolExecutor(FETCH_THREADS) as pool:  # the indices: small, all needed at open
+        with concurrent.futures.ThreadPoolExecutor(fetch_threads) as pool:  # the indices: small, all needed at open
             list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
                                                    self._sizes.get(s.index)), m.shards))
         self._fetch_threads = fetch_threads
