@@ -55,8 +55,10 @@ class FaultProxy:
     """Forwards HTTP to the server; `fail(part, kind, times, method)` makes the next `times`
     requests (GETs by default) of objects whose path contains `part` fail with `kind`:
     "drop", "500", "delay", "truncate", "hang" (a minute without an answer). `gets` and `puts` count object reads and writes, `sent`
-    the bytes of the reads served, `lists` the listing requests; `latency` (seconds) delays
-    every object read before it is forwarded, and `peak` is the most reads in flight at once."""
+    the bytes of the reads served, `lists` the listing requests, `requests` all requests
+    (HEADs included); `latency` (seconds) delays
+    every object read before it is forwarded, and `peaks[prefix]` is the most reads in flight
+    at once under /bucket/prefix/."""
 
     def __init__(self, upstream: int):
         self.upstream = upstream
@@ -64,8 +66,11 @@ class FaultProxy:
         self.gets: collections.Counter = collections.Counter()
         self.puts: collections.Counter = collections.Counter()
         self.sent: collections.Counter = collections.Counter()  # bytes of object reads served, by path
-        self.lists = 0
-        self.latency, self.active, self.peak = 0.0, 0, 0
+        self.lists = self.requests = 0
+        self.seen: list[tuple[str, str]] = []  # (method, path) of every request, in order
+        self.latency = 0.0
+        self.active: collections.Counter = collections.Counter()  # reads in flight, by prefix
+        self.peaks: collections.Counter = collections.Counter()
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -83,11 +88,15 @@ class FaultProxy:
             self.gets.clear()
             self.puts.clear()
             self.sent.clear()
-            self.lists = 0
-            self.latency, self.peak = 0.0, 0
+            self.lists = self.requests = 0
+            self.seen.clear()
+            self.latency = 0.0
+            self.peaks.clear()
 
     def take(self, method: str, path: str) -> str | None:
         with self.lock:
+            self.requests += 1
+            self.seen.append((method, path))
             if method == "GET" and ("list-type=" in path or "prefix=" in path):
                 self.lists += 1
             if method not in ("GET", "PUT") or "?" in path:  # object reads and writes, not listings
@@ -112,16 +121,17 @@ def _handler(proxy: FaultProxy):
 
         def _forward(self):
             read = self.command == "GET" and "?" not in self.path
+            prefix = self.path.split("?")[0].split("/")[2] if self.path.count("/") > 2 else ""
             if read:
                 with proxy.lock:
-                    proxy.active += 1
-                    proxy.peak = max(proxy.peak, proxy.active)
+                    proxy.active[prefix] += 1
+                    proxy.peaks[prefix] = max(proxy.peaks[prefix], proxy.active[prefix])
             try:
                 self._answer(read)
             finally:
                 if read:
                     with proxy.lock:
-                        proxy.active -= 1
+                        proxy.active[prefix] -= 1
 
         def _answer(self, read: bool):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))

@@ -184,6 +184,7 @@ def test_inputs_and_output_in_object_storage_make_the_local_shards(jsonl_dir, tm
                       storage_options=s3.options())
         assert url == "s3://beam-test/out"
         names = [s for f in json.loads((local / "manifest.json").read_text())["shards"] for s in (f["tokens"], f["index"])]
+        names.append("shards.idx.npy")  # every shard's index joined: what opening the store reads
         assert all(fs.cat_file(f"beam-test/out/{n}") == (local / n).read_bytes() for n in names)
         remote = json.loads(fs.cat_file("beam-test/out/manifest.json"))
         mine = json.loads((local / "manifest.json").read_text())

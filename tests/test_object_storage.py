@@ -222,6 +222,7 @@ def test_fetch_threads_set_in_a_toml_config_bound_the_reads_in_flight(tmp_path, 
     monkeypatch.setattr(object_cache, "BLOCK", 4096)  # several parts a shard
     peaks = []
     for n in (2, 6):
+        s3.fs().put(str(local_stores["bin"]), f"bucket/fetch{n}", recursive=True)  # reads counted by prefix
         s3.proxy.clear()
         s3.proxy.latency = 0.05
         opts = s3.options(via_proxy=True)
@@ -230,7 +231,7 @@ global_batch_size = 8
 num_epochs = 1
 [[sources]]
 name = "web"
-path = "s3://bucket/bin"
+path = "s3://bucket/fetch{n}"
 fetch_threads = {n}
 object_cache = "{tmp_path / f'objects{n}'}"
 storage_options = {{ key = "{opts['key']}", secret = "{opts['secret']}", endpoint_url = "{opts['endpoint_url']}" }}
@@ -240,11 +241,8 @@ storage_options = {{ key = "{opts['key']}", secret = "{opts['secret']}", endpoin
         for _ in range(3):
             next(it)
         it.close()
-        peaks.append(s3.proxy.peak)
+        peaks.append(s3.proxy.peaks[f"fetch{n}"])
         assert pipe.stores[0].cache.requests.workers == n
-        deadline = time.monotonic() + 30
-        while s3.proxy.active and time.monotonic() < deadline:  # downloads hinted ahead finish before the next
-            time.sleep(0.05)
     assert peaks[0] <= 2 < peaks[1] <= 6, peaks
     with pytest.raises(ConfigError, match=r"sources\[0\]\.fetch_threads: must be a positive integer"):
         DataConfig.from_dict(dict(sources=[source("s3://bucket/bin", fetch_threads=0)], seq_len=64,
@@ -273,6 +271,8 @@ def test_ranged_reads_run_in_order_of_need():
 def test_transient_faults_are_retried_and_the_data_is_exact(tmp_path, s3, local_stores, kind):
     s3.proxy.clear()
     s3.proxy.fail("shard-0000", kind, times=2)  # the first two reads of shards 0-9 fail
+    s3.proxy.fail("manifest.json", kind, times=2)  # ... and of what opening reads
+    s3.proxy.fail("shards.idx.npy", kind, times=2)
     store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True),
                             object_cache=str(tmp_path / "objects"))
     disk = TokenStore.open(local_stores["bin"])
@@ -362,7 +362,7 @@ def test_two_processes_share_one_cache_downloading_each_shard_once(tmp_path, s3,
     assert {int(o[0]) for o in outs} == {sum(int(disk[i].sum()) for i in range(len(disk)))}
     shard_gets = {path: n for path, n in s3.proxy.gets.items() if path.endswith(".bin")}
     assert len(shard_gets) == 30 and set(shard_gets.values()) == {1}  # one download per shard for the host
-    assert sum(int(o[1]) for o in outs) == 60  # 30 shards and 30 indices, split between the two
+    assert sum(int(o[1]) for o in outs) == 31  # 30 shards and the joined index, split between the two
 
 
 def test_prepare_to_object_storage_writes_the_local_store_and_an_interrupted_upload_resumes(tmp_path, s3,
@@ -455,48 +455,67 @@ def test_a_reservation_of_a_process_that_died_is_reclaimed(tmp_path, s3, local_s
     assert not reader.is_alive() and len(got) == 1 and not stale.exists()
 
 
-def test_opening_a_store_lists_nothing_and_reads_each_index_once(tmp_path, s3, local_stores):
-    """A manifest found by name makes the URL a forge-grain store, and its indices are read whole
-    and checked by their sha256: no listing (20 requests for a store of 10,000 shards, in every
-    process that opens it) and no HEAD. A store whose manifest predates the indices' checksums
-    is listed once for their sizes, and reads the same."""
-    disk = TokenStore.open(local_stores["bin"])
+def test_a_store_of_128_shards_opens_with_a_few_requests_before_its_first_shard(tmp_path, s3, local_stores):
+    """Every shard's document index comes in one object (`shards.idx.npy`, checked by the
+    manifest's sha256): opening costs the manifest and that object whatever the shard count,
+    with no listing and no HEAD (the shards' sizes are the manifest's)."""
+    store_dir = prepare(next(local_stores["bin"].parent.glob("docs.jsonl")), tmp_path / "s128", token_field="ids",
+                        vocab_size=1000, bos_id=0, num_shards=128, progress=False)
+    s3.fs().put(str(store_dir), "bucket/s128", recursive=True)
+    disk = TokenStore.open(store_dir)
     s3.proxy.clear()
-    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True),
+    store = TokenStore.open("s3://bucket/s128", storage_options=s3.options(via_proxy=True),
                             object_cache=str(tmp_path / "objects"))
-    assert s3.proxy.lists == 0
-    assert sorted(p.rsplit("/", 1)[1] for p in s3.proxy.gets if p.endswith(".idx.npy")) == sorted(
-        s.index for s in disk.manifest.shards)
-    assert all(n == 1 for p, n in s3.proxy.gets.items() if p.endswith(".idx.npy"))
+    assert s3.proxy.requests <= 4 and s3.proxy.lists == 0, s3.proxy.seen
+    assert [p.rsplit("/", 1)[1] for p in s3.proxy.gets if p.endswith(".npy")] == ["shards.idx.npy"]
     assert np.array_equal(store.offsets, disk.offsets)
     assert all(np.array_equal(store[i], disk[i]) for i in range(0, len(disk), 97))
 
+
+def test_a_store_without_the_joined_index_reads_each_shards_index_once(tmp_path, s3, local_stores):
+    """Stores prepared before the joined index open as they did: each shard's index read whole
+    and checked by its sha256, no listing; one whose manifest predates those checksums too is
+    listed once for the indices' sizes. Both read the same documents."""
+    disk = TokenStore.open(local_stores["bin"])
     fs = s3.fs()
-    fs.put(str(local_stores["bin"]), "bucket/older", recursive=True)
     manifest = json.loads((local_stores["bin"] / "manifest.json").read_text())
-    for shard in manifest["shards"]:
-        del shard["index_sha256"]
-    fs.pipe("bucket/older/manifest.json", json.dumps(manifest).encode())
-    s3.proxy.clear()
-    older = TokenStore.open("s3://bucket/older", storage_options=s3.options(via_proxy=True),
-                            object_cache=str(tmp_path / "objects"))
-    assert s3.proxy.lists == 1
-    assert np.array_equal(older.offsets, disk.offsets)
-    assert all(np.array_equal(older[i], disk[i]) for i in range(0, len(disk), 97))
+    del manifest["indices"]
+    for name, lists in (("joinless", 0), ("older", 1)):
+        if name == "older":
+            for shard in manifest["shards"]:
+                del shard["index_sha256"]
+        fs.put(str(local_stores["bin"]), f"bucket/{name}", recursive=True)
+        fs.pipe(f"bucket/{name}/manifest.json", json.dumps(manifest).encode())
+        s3.proxy.clear()
+        store = TokenStore.open(f"s3://bucket/{name}", storage_options=s3.options(via_proxy=True),
+                                object_cache=str(tmp_path / "objects"))
+        assert s3.proxy.lists == lists
+        assert sorted(p.rsplit("/", 1)[1] for p in s3.proxy.gets if p.endswith(".idx.npy")) == sorted(
+            s.index for s in disk.manifest.shards)
+        assert all(n == 1 for p, n in s3.proxy.gets.items() if p.endswith(".idx.npy"))
+        assert np.array_equal(store.offsets, disk.offsets)
+        assert all(np.array_equal(store[i], disk[i]) for i in range(0, len(disk), 97))
     s3.proxy.clear()
 
 
-def test_an_index_changed_in_object_storage_fails_its_checksum(tmp_path, s3, local_stores):
-    fs = s3.fs()
-    fs.put(str(local_stores["bin"]), "bucket/moved", recursive=True)
-    offsets = np.load(local_stores["bin"] / "shard-00002.idx.npy")
-    offsets[3] += 1
+@pytest.mark.parametrize("which", ["shards.idx.npy", "shard-00002.idx.npy"])
+def test_an_index_changed_in_object_storage_fails_its_checksum(tmp_path, s3, local_stores, which):
+    """The joined index, and a shard's own index in a store without it, are checked by the
+    manifest's sha256 before any offset is used."""
     import io
 
+    fs = s3.fs()
+    fs.put(str(local_stores["bin"]), "bucket/moved", recursive=True)
+    if which != "shards.idx.npy":
+        manifest = json.loads((local_stores["bin"] / "manifest.json").read_text())
+        del manifest["indices"]
+        fs.pipe("bucket/moved/manifest.json", json.dumps(manifest).encode())
+    offsets = np.load(local_stores["bin"] / which)
+    offsets[3] += 1
     buf = io.BytesIO()
     np.save(buf, offsets)
-    fs.pipe("bucket/moved/shard-00002.idx.npy", buf.getvalue())
-    with pytest.raises(StoreError, match=r"s3://bucket/moved/shard-00002\.idx\.npy: .*sha256 does not match"):
+    fs.pipe(f"bucket/moved/{which}", buf.getvalue())
+    with pytest.raises(StoreError, match=rf"s3://bucket/moved/{which.replace('.', '[.]')}: .*sha256 does not match"):
         TokenStore.open("s3://bucket/moved", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
 
 

@@ -23,7 +23,7 @@ def test_same_inputs_give_byte_identical_stores_at_any_process_count(tmp_path, c
     assert tree_bytes(a) == tree_bytes(b)
     assert sorted(tree_bytes(a)) == ["manifest.json"] + [
         f"shard-{i:05d}.{ext}" for i in range(4) for ext in ("bin", "idx.npy")
-    ]
+    ] + ["shards.idx.npy"]
 
 
 def test_interrupted_run_rerun_equals_one_clean_run(tmp_path, corpus, monkeypatch):

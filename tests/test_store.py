@@ -200,6 +200,24 @@ def test_checksum_mismatch(store_copy):
         TokenStore.open(store_copy, verify=True)
 
 
+def test_the_joined_index_is_checked_by_verify_and_its_entry_by_the_manifest_schema(store_copy):
+    """`shards.idx.npy` (what a store in object storage opens from) holds every shard's offsets
+    and is covered by verify; a malformed `indices` entry is named."""
+    m = json.loads((store_copy / "manifest.json").read_text())
+    joined = np.load(store_copy / m["indices"]["file"])
+    assert np.array_equal(joined, np.concatenate([np.load(store_copy / s["index"]) for s in m["shards"]]))
+    joined[1] += 1
+    np.save(store_copy / "shards.idx.npy", joined)
+    with pytest.raises(StoreError, match=r"shards\.idx\.npy: checksum mismatch"):
+        TokenStore.open(store_copy, verify=True)
+    for bad, problem in (({"file": "../x.npy", "sha256": "0" * 64}, r"indices\.file must name a file inside"),
+                         ({"file": "shards.idx.npy"}, r"indices must have exactly the keys"),
+                         ({"file": "shard-00000.bin", "sha256": "0" * 64}, r"more than once")):
+        (store_copy / "manifest.json").write_text(json.dumps({**m, "indices": bad}))
+        with pytest.raises(StoreError, match=problem):
+            TokenStore.open(store_copy)
+
+
 def test_token_ids_past_vocab_size_in_a_store(store_copy):
     m = json.loads((store_copy / "manifest.json").read_text())
     m["vocab_size"] = 100  # the shards hold larger ids

@@ -62,7 +62,7 @@ with _without_apitools_warning():
 
 from forge_grain.errors import PrepareError
 from forge_grain.locks import exclusive_or_refuse
-from forge_grain.stores.manifest import MANIFEST_NAME, fsync_rename, sha256_file, temporary
+from forge_grain.stores.manifest import JOINED_INDEX, MANIFEST_NAME, fsync_rename, sha256_file, temporary
 from forge_grain.paths import is_url
 from forge_grain.preparation.local import (
     LOCK_NAME,
@@ -285,7 +285,10 @@ class Output:
         if not self.url:
             return write_manifest(job, settings, recorded, infos)
         with tempfile.TemporaryDirectory(prefix="forge-grain-manifest-") as tmp:
+            for name in (info["index"] for info in infos):  # small: joined into the store's one index
+                self.remote.retry(name, lambda n=name: self.remote.fs.get_file(self.remote.path(n), str(Path(tmp) / n)))
             write_manifest(dataclasses.replace(job, out=tmp), settings, recorded, infos)
+            self.write(JOINED_INDEX, (Path(tmp) / JOINED_INDEX).read_bytes())
             self.write(MANIFEST_NAME, (Path(tmp) / MANIFEST_NAME).read_bytes())
         for i in range(len(infos)):
             self.remove(done_name(i))

@@ -34,6 +34,7 @@ from forge_grain.stores.manifest import (
     sha256_file,
     temporary,
     token_dtype,
+    write_joined_index,
     write_json_atomic,
 )
 from forge_grain.locks import exclusive_or_refuse
@@ -209,6 +210,7 @@ def write_manifest(job: Job, settings: dict, recorded: dict, infos: list[dict]) 
     if num_docs == 0:
         raise PrepareError(f"{job.source}: every document is empty; nothing to prepare")
     Manifest(
+        indices=write_joined_index(out, shards),
         layout=job.layout,
         dtype=job.dtype,
         vocab_size=job.vocab_size,

@@ -7,6 +7,10 @@ A store is a directory::
     shard-00000.array_record   one record per document (layout "arrayrecord")
     shard-00000.idx.npy        int64 offsets, num_documents + 1 of them, into the
                                shard's tokens (for ArrayRecord: into their concatenation)
+    shards.idx.npy             every shard's offsets, joined in shard order (the manifest's
+                               `indices`, with its sha256): a store in object storage opens
+                               with one request for them, whatever its shard count; stores
+                               prepared before it have none and read the shards' own
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from forge_grain.locks import process_alive
 FORMAT = "forge-grain-token-store"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
+JOINED_INDEX = "shards.idx.npy"
 LAYOUTS = ("bin", "arrayrecord")
 DTYPES = ("<u2", "<u4")  # what `token_dtype` writes
 COMPRESSIONS = ("none", "zstd")  # of the arrayrecord layout's records
@@ -126,11 +131,14 @@ class Manifest:
     # the `arrayrecord` layout's record compression: "none" (what prepare writes), or absent in
     # stores prepared before it was recorded, whose records are zstd-compressed (ArrayRecord's default)
     compression: str | None = None
+    # {"file": JOINED_INDEX, "sha256": ...}: every shard's index in one file (absent in older stores)
+    indices: dict | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        if d["compression"] is None:
-            del d["compression"]
+        for key in ("compression", "indices"):
+            if d[key] is None:
+                del d[key]
         d["shards"] = [{k: v for k, v in dataclasses.asdict(s).items() if not (k == "index_sha256" and v is None)}
                        for s in self.shards]
         return {"format": FORMAT, **d}
@@ -149,7 +157,7 @@ class Manifest:
                 f"(this forge-grain reads version {VERSION}); re-run `forge-grain prepare` or upgrade forge-grain"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
-        missing = fields - set(d) - {"source", "compression"}
+        missing = fields - set(d) - {"source", "compression", "indices"}
         if missing:
             raise StoreError(f"{where}: manifest lacks {sorted(missing)}")
         extra = set(d) - fields - {"format"}
@@ -174,7 +182,9 @@ class Manifest:
         check.count("num_tokens", d["num_tokens"])
         check.kind("shards", d["shards"], list)
         shards = tuple(check.shard(i, s) for i, s in enumerate(d["shards"]))
-        names = [n for s in shards for n in (s.tokens, s.index)]
+        if "indices" in d:
+            check.indices(d["indices"])
+        names = [n for s in shards for n in (s.tokens, s.index)] + ([d["indices"]["file"]] if "indices" in d else [])
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise StoreError(f"{where}: shards list {repeated} more than once")
@@ -228,6 +238,17 @@ class _Checker:
         if not value or value in (".", "..") or "/" in value or "\\" in value or "\x00" in value:
             self.fail(key, f"must name a file inside the store directory, not {value!r}")
 
+    def sha256(self, key: str, value) -> None:
+        if not (isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)):
+            self.fail(key, f"must be 64 lowercase hex digits, not {value!r}")
+
+    def indices(self, value) -> None:
+        self.kind("indices", value, dict)
+        if set(value) != {"file", "sha256"}:
+            self.fail("indices", f"must have exactly the keys ['file', 'sha256'], not {sorted(value)}")
+        self.file_name("indices.file", value["file"])
+        self.sha256("indices.sha256", value["sha256"])
+
     def shard(self, i: int, s) -> ShardInfo:
         key = f"shards[{i}]"
         self.kind(key, s, dict)
@@ -239,7 +260,24 @@ class _Checker:
         self.count(f"{key}.num_documents", s["num_documents"])
         self.count(f"{key}.num_tokens", s["num_tokens"])
         for k in ("sha256", "index_sha256"):
-            v = s.get(k, "0" * 64)
-            if not (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)):
-                self.fail(f"{key}.{k}", f"must be 64 lowercase hex digits, not {v!r}")
+            self.sha256(f"{key}.{k}", s.get(k, "0" * 64))
         return ShardInfo(**s)
+
+
+def write_joined_index(directory: Path, shards) -> dict:
+    """Every shard's index (files in `directory`) joined in shard order into `JOINED_INDEX`,
+    written atomically; the manifest's `indices` entry for it."""
+    parts = [np.load(Path(directory) / s.index, mmap_mode="r") for s in shards]
+    save_npy_atomic(Path(directory) / JOINED_INDEX, np.concatenate(parts).astype("<i8", copy=False))
+    return {"file": JOINED_INDEX, "sha256": sha256_file(Path(directory) / JOINED_INDEX)}
+
+
+def split_joined_index(joined: np.ndarray, shards, where) -> list[np.ndarray]:
+    """The shards' indices out of the joined one (views), or an error naming `where` when its
+    length is not theirs."""
+    sizes = [s.num_documents + 1 for s in shards]
+    if joined.ndim != 1 or len(joined) != sum(sizes):
+        raise StoreError(f"{where}: holds {len(joined)} offsets, the shards' indices {sum(sizes)}; the file is "
+                         "corrupt or belongs to another store")
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [joined[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -118,6 +118,11 @@ class NativeStore(TokenStore):
             idx = map_npy(file)  # mapped: a store's indices are not copied into memory
         except (FileNotFoundError, ValueError, OSError) as e:
             raise StoreError(f"{file}: document index missing or unreadable ({e})") from None
+        return NativeStore._check_index(idx, file, shard)
+
+    @staticmethod
+    def _check_index(idx: np.ndarray, file, shard) -> np.ndarray:
+        """A shard's document index (`file`: where it was read, for messages), checked against its shard."""
         ok = (
             idx.ndim == 1
             and len(idx) == shard.num_documents + 1
@@ -143,6 +148,10 @@ class NativeStore(TokenStore):
             if shard.index_sha256 is not None and sha256_file(index) != shard.index_sha256:
                 raise StoreError(f"{index}: checksum mismatch; the document index was changed (re-run `forge-grain "
                                  "prepare`)")
+        joined = self.manifest.indices
+        if joined is not None and sha256_file(self.path / joined["file"]) != joined["sha256"]:
+            raise StoreError(f"{self.path / joined['file']}: checksum mismatch; the joined document index was changed "
+                             "(re-run `forge-grain prepare`)")
 
     @property
     def layout(self) -> str:

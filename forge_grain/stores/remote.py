@@ -32,7 +32,10 @@ import numpy as np
 from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import arrayrecord, checks
-from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, temporary
+from forge_grain.stores.manifest import (
+    MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index, temporary,
+)
+from forge_grain.stores.mapping import map_npy
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.object_cache import FETCH_THREADS, ObjectCache
 
@@ -85,9 +88,12 @@ class RemoteStore(NativeStore):
         # sha256; otherwise one listing gives every object's size (no HEAD before each GET of an index
         # or ArrayRecord shard). A store of 10,000 shards takes 20 list requests (1,000 objects each).
         self._sizes = {} if m.layout == "bin" and all(s.index_sha256 for s in m.shards) else self.cache.sizes()
-        with concurrent.futures.ThreadPoolExecutor(fetch_threads) as pool:  # the indices: small, all needed at open
-            list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
-                                                   self._sizes.get(s.index)), m.shards))
+        if m.indices:  # every shard's index in one object, checked by its sha256: one request at any shard count
+            self.cache.get(m.indices["file"], f"{self.mirror}/{m.indices['file']}", m.indices["sha256"])
+        else:  # a store prepared before: each shard's own (small, all needed at open)
+            with concurrent.futures.ThreadPoolExecutor(fetch_threads) as pool:
+                list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
+                                                       self._sizes.get(s.index)), m.shards))
         self._fetch_threads = fetch_threads
         self._mapped: dict[int, np.ndarray] = {}
         self._keep: frozenset = frozenset()
@@ -116,7 +122,12 @@ class RemoteStore(NativeStore):
 
     def _map_shards(self, m: Manifest) -> list[np.ndarray]:
         """Indices only: shards are fetched when a batch or a prefetch needs them."""
-        offsets = [self._load_index(self.path / s.index, s) for s in m.shards]
+        if m.indices:
+            where = f"{self.url}/{m.indices['file']}"
+            joined = split_joined_index(map_npy(self.path / m.indices["file"]), m.shards, where)
+            offsets = [self._check_index(idx, where, s) for idx, s in zip(joined, m.shards)]
+        else:
+            offsets = [self._load_index(self.path / s.index, s) for s in m.shards]
         if m.layout == "bin":
             self._arrays = [checks.empty_tokens(self.dtype)] * len(m.shards)
             sizes = [s.num_tokens for s in m.shards]
