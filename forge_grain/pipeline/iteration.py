@@ -40,7 +40,6 @@ class PipelineIterator(grain.DatasetIterator):
         self._step = step
         if pipeline.positions is not None and pipeline.positions.step != step:
             pipeline.seek(step)
-        self._pending: collections.deque = collections.deque()
         self._pool = None
         self._mp_iter = None
         self._fetch_first()

@@ -118,6 +118,7 @@ class Pipeline:
         self.cache_dir, self.fetch_ahead, self.tokenize_threads = cache_dir, fetch_ahead, tokenize_threads
         self.dtype = np.dtype(dtype)  # of ids and positions in batches
         self.layout = layout_for(config, batches, shard_count, resume_from)
+        self._canonical = self.layout.canonical if self.layout else None  # how streaming sources are dealt
         # one bar per job, not one per rank interleaved: by default only shard 0 shows first-use work
         self.progress = shard_index == 0 if progress is None else progress
         self._sources = open_sources(config, shard_index, shard_count, cache_dir, plan_workers, self.layout,
@@ -161,8 +162,7 @@ class Pipeline:
     def _summarize(self, batches: BatchSchedule, runs: dict | None = None) -> dict:
         """This pipeline's summary (`states.summarize`) under `batches`, with the records `runs`."""
         aligned = epoch_aligned(self.streams, self.config, batches, count_steps(self.config, batches, self._rows)[0])
-        canonical = [self.layout.groups, self.layout.classes] if self.layout else None
-        return states.summarize(self.config, self._sources, canonical, aligned, runs)
+        return states.summarize(self.config, self._sources, self._canonical, aligned, runs)
 
     # -- the row order's answers ------------------------------------------------------------
 
@@ -324,16 +324,14 @@ class Pipeline:
         """The state at `step`, with streaming sources' positions `streams` (one dict of
         canonical stream states per streaming source)."""
         step = states.step_number(step, self.step_limit, end=True)
-        canonical = self.positions.canonical if self.positions is not None else None
-        return states.make(step, self._summary, streams, canonical)
+        return states.make(step, self._summary, streams, self._canonical)
 
     def check_state(self, state: dict) -> int:
         """The step of `state`, after checking it belongs to this pipeline's config and data."""
         states.check(state)
         if self._resumed_from is not None and (state["fingerprint"], state["step"]) == self._resumed_from:
             return int(state["step"])  # the state this pipeline changed the mixture of
-        canonical = self.positions.canonical if self.positions is not None else None
-        states.check_same_run(state, self._summary, self.config.sources, canonical)
+        states.check_same_run(state, self._summary, self.config.sources, self._canonical)
         step = self.order.resumable(int(state["step"]))
         if self.positions is not None:
             self.positions.check_state(state)

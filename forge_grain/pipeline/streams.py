@@ -73,10 +73,6 @@ class StreamPositions:
     def _now(self) -> list[dict]:
         return [r.states() for r in self.streams]
 
-    @property
-    def canonical(self) -> list[int]:
-        return [self.layout.groups, self.layout.classes]
-
     # -- making batches ---------------------------------------------------------------------
 
     def before_batch(self, step: int) -> None:
@@ -186,7 +182,7 @@ class StreamPositions:
 
     def check_state(self, state: dict) -> None:
         """A state's positions are well formed, untouched, and cover the streams this shard reads."""
-        check_canonical(state, self.canonical)
+        check_canonical(state, self.layout.canonical)
         streams = state.get("streams")
         if not isinstance(streams, list) or len(streams) != len(self.streams):
             raise StateError(f"state 'streams' must list {len(self.streams)} stream state(s), got {str(streams)[:200]}")

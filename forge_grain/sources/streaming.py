@@ -78,6 +78,11 @@ class StreamLayout:
     def count(self) -> int:
         return self.groups * self.classes
 
+    @property
+    def canonical(self) -> list[int]:
+        """[G, P], as summaries and states record the layout."""
+        return [self.groups, self.classes]
+
     def stream_of(self, rows: np.ndarray) -> np.ndarray:
         """The canonical stream of global rows: by its step's class (step mod P) and the group
         of its position in the step's batch (G equal parts)."""
