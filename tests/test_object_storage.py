@@ -466,10 +466,38 @@ def test_a_store_of_128_shards_opens_with_a_few_requests_before_its_first_shard(
     s3.proxy.clear()
     store = TokenStore.open("s3://bucket/s128", storage_options=s3.options(via_proxy=True),
                             object_cache=str(tmp_path / "objects"))
-    assert s3.proxy.requests <= 4 and s3.proxy.lists == 0, s3.proxy.seen
-    assert [p.rsplit("/", 1)[1] for p in s3.proxy.gets if p.endswith(".npy")] == ["shards.idx.npy"]
+    # what the README says: a HEAD and two GETs, through obstore (these options give it)
+    assert s3.proxy.seen == [("HEAD", "/bucket/s128/manifest.json"), ("GET", "/bucket/s128/manifest.json"),
+                             ("GET", "/bucket/s128/shards.idx.npy")], s3.proxy.seen
     assert np.array_equal(store.offsets, disk.offsets)
     assert all(np.array_equal(store[i], disk[i]) for i in range(0, len(disk), 97))
+
+
+@pytest.mark.parametrize("bad", ["float", "two-dimensional", "truncated", "short"])
+def test_a_joined_index_of_the_wrong_kind_is_refused_naming_it(tmp_path, s3, local_stores, bad):
+    """Even with a manifest whose sha256 matches it (a writer that is not prepare), a joined
+    index that is not one integer offset per document boundary is an error naming the object."""
+    import hashlib
+    import io
+
+    joined = np.load(local_stores["bin"] / "shards.idx.npy")
+    if bad == "float":
+        joined = joined.astype(np.float64)
+    elif bad == "two-dimensional":
+        joined = joined[: len(joined) // 2 * 2].reshape(2, -1)
+    elif bad == "short":
+        joined = joined[:-5]
+    buf = io.BytesIO()
+    np.save(buf, joined)
+    data = buf.getvalue()[:-64] if bad == "truncated" else buf.getvalue()
+    manifest = json.loads((local_stores["bin"] / "manifest.json").read_text())
+    manifest["indices"]["sha256"] = hashlib.sha256(data).hexdigest()
+    fs = s3.fs()
+    fs.put(str(local_stores["bin"]), f"bucket/joined-{bad}", recursive=True)
+    fs.pipe(f"bucket/joined-{bad}/shards.idx.npy", data)
+    fs.pipe(f"bucket/joined-{bad}/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(StoreError, match=rf"s3://bucket/joined-{bad}/shards[.]idx[.]npy: "):
+        TokenStore.open(f"s3://bucket/joined-{bad}", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
 
 
 def test_a_store_without_the_joined_index_reads_each_shards_index_once(tmp_path, s3, local_stores):

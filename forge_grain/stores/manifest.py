@@ -277,7 +277,7 @@ def split_joined_index(joined: np.ndarray, shards, where) -> list[np.ndarray]:
     length is not theirs."""
     sizes = [s.num_documents + 1 for s in shards]
     if joined.ndim != 1 or len(joined) != sum(sizes):
-        raise StoreError(f"{where}: holds {len(joined)} offsets, the shards' indices {sum(sizes)}; the file is "
-                         "corrupt or belongs to another store")
+        raise StoreError(f"{where}: holds {joined.size} offsets in {joined.ndim} dimension(s), the shards' indices "
+                         f"{sum(sizes)} in one; the file is corrupt or belongs to another store")
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     return [joined[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -114,15 +114,21 @@ class NativeStore(TokenStore):
 
     @staticmethod
     def _load_index(file: Path, shard) -> np.ndarray:
+        return NativeStore._check_index(NativeStore._map_index(file), file, shard)
+
+    @staticmethod
+    def _map_index(file: Path) -> np.ndarray:
+        """A document index file, mapped (a store's indices are not copied into memory)."""
         try:
-            idx = map_npy(file)  # mapped: a store's indices are not copied into memory
+            return map_npy(file)
         except (FileNotFoundError, ValueError, OSError) as e:
             raise StoreError(f"{file}: document index missing or unreadable ({e})") from None
-        return NativeStore._check_index(idx, file, shard)
 
     @staticmethod
     def _check_index(idx: np.ndarray, file, shard) -> np.ndarray:
         """A shard's document index (`file`: where it was read, for messages), checked against its shard."""
+        if idx.dtype.kind not in "iu":
+            raise StoreError(f"{file}: document index holds {idx.dtype} values, not integer offsets")
         ok = (
             idx.ndim == 1
             and len(idx) == shard.num_documents + 1

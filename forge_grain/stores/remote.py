@@ -35,7 +35,6 @@ from forge_grain.stores import arrayrecord, checks
 from forge_grain.stores.manifest import (
     MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index, temporary,
 )
-from forge_grain.stores.mapping import map_npy
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.object_cache import FETCH_THREADS, ObjectCache
 
@@ -124,7 +123,7 @@ class RemoteStore(NativeStore):
         """Indices only: shards are fetched when a batch or a prefetch needs them."""
         if m.indices:
             where = f"{self.url}/{m.indices['file']}"
-            joined = split_joined_index(map_npy(self.path / m.indices["file"]), m.shards, where)
+            joined = split_joined_index(self._map_index(self.path / m.indices["file"]), m.shards, where)
             offsets = [self._check_index(idx, where, s) for idx, s in zip(joined, m.shards)]
         else:
             offsets = [self._load_index(self.path / s.index, s) for s in m.shards]
