@@ -23,6 +23,7 @@ as locally); the tokenizer travels inside the job, serialized, so workers need n
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -285,8 +286,11 @@ class Output:
         if not self.url:
             return write_manifest(job, settings, recorded, infos)
         with tempfile.TemporaryDirectory(prefix="forge-grain-manifest-") as tmp:
-            for name in (info["index"] for info in infos):  # small: joined into the store's one index
-                self.remote.retry(name, lambda n=name: self.remote.fs.get_file(self.remote.path(n), str(Path(tmp) / n)))
+            def get(name):  # the shards' indices, small, joined into the store's one index
+                self.remote.retry(name, lambda: self.remote.fs.get_file(self.remote.path(name), str(Path(tmp) / name)))
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 at a time, as uploads put files
+                list(pool.map(get, [info["index"] for info in infos]))
             write_manifest(dataclasses.replace(job, out=tmp), settings, recorded, infos)
             self.write(JOINED_INDEX, (Path(tmp) / JOINED_INDEX).read_bytes())
             self.write(MANIFEST_NAME, (Path(tmp) / MANIFEST_NAME).read_bytes())
