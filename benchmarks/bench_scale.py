@@ -152,7 +152,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
         peers = {}  # name -> (steady, from the request)
         for name in (["LitData"] if peer_python else []) + (["MosaicML Streaming"] if mosaic else []):
             part = size // 2 // shards if name == "LitData" else size * 2 // shards  # as many parts as shards
-            line, *peers[name] = peer(name, peer_python, local, port, part, work, steps_wanted)
+            line, *peers[name], _ = peer(name, peer_python, local, port, part, work, steps_wanted)
             lines.append(line)
             print(lines[-1], flush=True)
         from forge_grain.stores.remote_dir import RemoteDir  # obstore, as forge-grain downloads shards
@@ -184,6 +184,63 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
         server.wait()
 
 
+def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, peer_python: str | None = None,
+                mosaic: bool = False) -> list[str]:
+    """`link.py`'s measurement: the link's ceiling, forge-grain with its defaults and the peers,
+    each reading a whole epoch of the same uint16 tokens through the shaped link."""
+    import s3fs
+
+    from corpora import sharded_synthetic_store
+    from link import ceiling, forge_grain_epoch, parse_link, start_link
+
+    ttfb_ms, mbps = parse_link(link)
+    port, server = start_server(work)
+    link_port, proxy = start_link(port, ttfb_ms, mbps)
+    try:
+        direct = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
+        opts = {**direct, "endpoint_url": f"http://127.0.0.1:{link_port}"}
+        s3fs.S3FileSystem(**direct).mkdir("bench")
+        lines = [f"a shaped link: {ttfb_ms:g} ms to every answer's first byte, {mbps:g} MB/s a connection "
+                 f"(benchmarks/shaped_link.py), moto behind it; {num_docs:,} documents of uint16 tokens; seq_len "
+                 f"{SEQ_LEN}, batch {BATCH}; a whole epoch from the request (build and first batch included); "
+                 "idle: the machine's idle CPU over the run"]
+        for shards in shard_counts:
+            local = sharded_synthetic_store(work / f"store-{shards}", num_docs, shards).path
+            s3fs.S3FileSystem(**direct).put(str(local), f"bench/s{shards}", recursive=True)
+            sizes = {f.name: f.stat().st_size for f in local.iterdir() if f.suffix == ".bin"}
+            lines.append(f" {shards} shards, {sum(sizes.values()) / 1e6:.0f} MB:")
+            ceil = {}
+            for n in (8, 32):
+                ceil[n], idle = ceiling(f"s3://bench/s{shards}", opts, sizes, n)
+                lines.append(f"  the link's ceiling, obstore with {n} ranged GETs in flight: {ceil[n] / 1e6:7.2f} M "
+                             f"tok/s (idle {idle:.0%})")
+                print(lines[-1], flush=True)
+            per_chunk = max(1, round(shards / 40))  # the locality order the README advises for object storage
+            src = dict(name="web", path=f"s3://bench/s{shards}", storage_options=opts, shuffle_window=1,
+                       object_cache=str(work / f"objects-{shards}"))
+            got = forge_grain_epoch(config(src, max(1, round(num_docs / shards * per_chunk))))
+            readers = {"forge-grain, defaults": (got["rate"], got["first"], f"idle {got['idle']:.0%}")}
+            for name in (["LitData"] if peer_python else []) + (["MosaicML Streaming"] if mosaic else []):
+                part = sum(sizes.values()) // 2 // shards if name == "LitData" else sum(sizes.values()) // shards
+                if (work / "tokens.npy").exists():
+                    (work / "tokens.npy").unlink()
+                _, _, whole, first = peer(name, peer_python, local, port, part, work, 0, link_port)
+                readers[name] = (whole, first, "")
+            for name, (rate, first, note) in readers.items():
+                if rate is None:
+                    lines.append(f"  {name:<24} failed in its own code")
+                else:
+                    lines.append(f"  {name:<24} {rate / 1e6:7.2f} M tok/s over the epoch from the request: "
+                                 f"{rate / ceil[8]:.2f}x the 8-GET ceiling, {rate / ceil[32]:.2f}x the 32-GET "
+                                 f"ceiling; first batch {first:.2f} s{', ' + note if note else ''}")
+                print(lines[-1], flush=True)
+        return lines
+    finally:
+        for proc in (proxy, server):
+            proc.terminate()
+            proc.wait()
+
+
 # the peers read by `peer`: their script, what they hold of the tokens, and the directories a retry clears
 PEERS = {
     "LitData": ("peer_litdata_s3.py", lambda o: f"{o['chunks']} chunks written by its optimize(), TokensLoader, "
@@ -194,36 +251,38 @@ PEERS = {
 
 
 def peer(name: str, python: str, local: Path, port: int, part: int, work: Path,
-         steps: int) -> tuple[str, float | None, float | None]:
-    """A peer (`PEERS`) reading the same tokens from the same server, in parts of about `part`
-    tokens (LitData's chunks) or bytes (Streaming's shards), run by `python`: the peers need an
-    environment of their own here. (line, steady rate, rate from the request)."""
+         steps: int, read_port: int | None = None) -> tuple[str, float | None, float | None, float | None]:
+    """A peer (`PEERS`) reading the same tokens from the same server (through `read_port`, a
+    shaped link, where given), in parts of about `part` tokens (LitData's chunks) or bytes
+    (Streaming's shards), run by `python`: the peers need an environment of their own here.
+    `steps` 0: the whole epoch. (line, steady rate, rate from the request, first batch s)."""
     import json
 
     from forge_grain import TokenStore
 
     if not (work / "tokens.npy").exists():
         store = TokenStore.open(local)
-        np.save(work / "tokens.npy", np.concatenate([store[i] for i in range(len(store))]))
+        np.save(work / "tokens.npy", np.concatenate([store[i] for i in range(len(store))]))  # uint16, as stored
     script, what, dirs = PEERS[name]
     label = f"{name} StreamingDataset"
     for attempt in range(2):  # LitData's reader has failed now and then here (a KeyError closing a chunk)
         for d in dirs:
             shutil.rmtree(work / d, ignore_errors=True)
         done = subprocess.run([python, str(Path(__file__).with_name(script)), str(work / "tokens.npy"),
-                               f"http://127.0.0.1:{port}", str(work), str(SEQ_LEN), str(BATCH), str(steps), str(part)],
+                               f"http://127.0.0.1:{port}", str(work), str(SEQ_LEN), str(BATCH), str(steps), str(part),
+                               f"http://127.0.0.1:{read_port or port}"],
                               capture_output=True, text=True)
         if not done.returncode:
             break
         print(f"{name} failed (attempt {attempt + 1}): {done.stderr[-3000:]}", file=sys.stderr)
     else:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return f"  {label:<38} failed twice in its own code ({last})", None, None
+        return f"  {label:<38} failed twice in its own code ({last})", None, None, None
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    tokens = out["steps"] * BATCH * SEQ_LEN
-    whole = (tokens + BATCH * SEQ_LEN) / (out["first"] + tokens / out["rate"])
+    whole = out["whole"]
     return (f"  {label:<38} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
-            f"M tok/s over {out['steps']} steps ({whole / 1e6:.2f} from the request; {what(out)})"), out["rate"], whole
+            f"M tok/s over {out['steps']} steps ({whole / 1e6:.2f} from the request; {what(out)})"), out["rate"], \
+        whole, out["first"]
 
 
 def start_server(work: Path):
@@ -276,7 +335,16 @@ def main() -> None:
                                           "mosaicml-streaming need torchvision): LitData reads the same data too")
     ap.add_argument("--mosaic", action="store_true", help="MosaicML Streaming reads the same data too, run by "
                                                               "--peer-python (where `streaming` imports)")
+    ap.add_argument("--link", help="ttfb_ms=30,mbps=10: read whole epochs through a shaped link instead "
+                                    "(benchmarks/link.py), at each of --link-shards")
+    ap.add_argument("--link-shards", default="16,128", help="the shard counts read through --link")
     args = ap.parse_args()
+    if args.link:
+        with tempfile.TemporaryDirectory() as tmp:
+            counts = [int(n) for n in args.link_shards.split(",")]
+            lines = shaped_link(args.docs, counts, Path(tmp), args.link, args.peer_python, args.mosaic)
+        publish("scale-link", lines)
+        return
     if args.mosaic and not args.peer_python:
         ap.error("--mosaic runs MosaicML Streaming with --peer-python: give that too")
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,14 +3,16 @@
 Runs in a separate environment holding `litdata` (and torch), as `bench_scale.py
 --peer-python PYTHON` starts it:
 
-    PYTHON benchmarks/peer_litdata_s3.py TOKENS.npy ENDPOINT WORK SEQ_LEN BATCH STEPS CHUNK_TOKENS
+    PYTHON benchmarks/peer_litdata_s3.py TOKENS.npy ENDPOINT WORK SEQ_LEN BATCH STEPS CHUNK_TOKENS [READ_ENDPOINT]
 
 TOKENS.npy: the corpus's documents back to back (as forge-grain's store holds them). They are
 written by LitData's own `optimize(..., item_loader=TokensLoader())` in chunks of
 CHUNK_TOKENS tokens, uploaded to `s3://bench/litdata`, and read by
 `StreamingDataset(input_dir="s3://bench/litdata", item_loader=TokensLoader(block_size=SEQ_LEN))`
-with a shuffle, in a `StreamingDataLoader` of BATCH rows. Prints one JSON line: time to the
-first batch and tokens/s over the next STEPS batches.
+with a shuffle, in a `StreamingDataLoader` of BATCH rows, through READ_ENDPOINT where given (a
+shaped link in front of ENDPOINT). The tokens keep the store's dtype (uint16: an int32 copy
+would move twice the bytes). Prints one JSON line: time to the first batch, tokens/s over the
+next STEPS batches (STEPS 0: the whole epoch), and tokens/s of the whole run from the request.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def pieces(k: int):
 
     tokens = np.load(os.environ["BENCH_TOKENS"], mmap_mode="r")
     step = int(os.environ["BENCH_PIECE"])
-    yield torch.from_numpy(np.array(tokens[k * step:(k + 1) * step], dtype=np.int32))
+    yield torch.from_numpy(np.array(tokens[k * step:(k + 1) * step], dtype=tokens.dtype))
 
 
 def main() -> None:
     tokens_file, endpoint, work, seq_len, batch, steps, chunk_tokens = sys.argv[1:8]
+    read_endpoint = sys.argv[8] if len(sys.argv) > 8 else endpoint
     seq_len, batch, steps, chunk_tokens = int(seq_len), int(batch), int(steps), int(chunk_tokens)
     work = Path(work)
     options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench"}
@@ -52,19 +55,21 @@ def main() -> None:
     optimize(fn=pieces, inputs=list(range((n + chunk_tokens - 1) // chunk_tokens)), output_dir=str(work / "litdata"),
              chunk_size=chunk_tokens, item_loader=TokensLoader(), num_workers=1, verbose=False)
     s3fs.S3FileSystem(**options).put(str(work / "litdata"), "bench/litdata", recursive=True)
-    storage = {"endpoint_url": endpoint, "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
-    start = time.perf_counter()
+    storage = {"endpoint_url": read_endpoint, "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+    begin = start = time.perf_counter()
     ds = StreamingDataset(input_dir="s3://bench/litdata", cache_dir=str(work / "litdata-cache"),
                           item_loader=TokensLoader(block_size=seq_len), shuffle=True, seed=0, storage_options=storage)
     it = iter(StreamingDataLoader(ds, batch_size=batch, num_workers=0))
     next(it)
     first = time.perf_counter() - start
-    steps = min(steps, len(ds) // batch - 1)
+    steps = min(steps or len(ds), len(ds) // batch - 1)
     start = time.perf_counter()
     for _ in range(steps):
         next(it)
-    rate = steps * batch * seq_len / (time.perf_counter() - start)
-    print(json.dumps({"first": first, "rate": rate, "steps": steps, "chunks": (n + chunk_tokens - 1) // chunk_tokens}))
+    end = time.perf_counter()
+    rate, whole = steps * batch * seq_len / (end - start), (steps + 1) * batch * seq_len / (end - begin)
+    print(json.dumps({"first": first, "rate": rate, "whole": whole, "steps": steps,
+                      "chunks": (n + chunk_tokens - 1) // chunk_tokens}))
 
 
 if __name__ == "__main__":

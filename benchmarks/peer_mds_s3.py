@@ -4,14 +4,15 @@ Runs in an environment where `mosaicml-streaming` imports (it needs torchvision 
 installed torch: not this project's test environment), as `bench_scale.py --peer-python
 PYTHON --mosaic` starts it:
 
-    PYTHON benchmarks/peer_mds_s3.py TOKENS.npy ENDPOINT WORK SEQ_LEN BATCH STEPS SHARD_BYTES
+    PYTHON benchmarks/peer_mds_s3.py TOKENS.npy ENDPOINT WORK SEQ_LEN BATCH STEPS SHARD_BYTES [READ_ENDPOINT]
 
 TOKENS.npy: the corpus's documents back to back. They are cut into samples of SEQ_LEN tokens
-(int32), as LLM Foundry's `concat_tokens` conversion stores a pre-training corpus, written by
+(in the store's dtype, uint16: the same bytes as the other readers), as LLM Foundry's `concat_tokens` conversion stores a pre-training corpus, written by
 Streaming's own `MDSWriter` in shards of about SHARD_BYTES, uploaded to `s3://bench/mds`, and
 read by `StreamingDataset(remote="s3://bench/mds", local=..., shuffle=True)` in a
-`StreamingDataLoader` of BATCH samples. Prints one JSON line: time to the first batch and
-tokens/s over the next STEPS batches.
+`StreamingDataLoader` of BATCH samples, through READ_ENDPOINT where given (a shaped link in front
+of ENDPOINT). Prints one JSON line: time to the first batch, tokens/s over the next STEPS
+batches (STEPS 0: the whole epoch), and tokens/s of the whole run from the request.
 """
 
 from __future__ import annotations
@@ -25,37 +26,53 @@ from pathlib import Path
 import numpy as np
 
 
+def stub_vision() -> None:
+    """`streaming` imports its image datasets (`streaming.vision`, through torchvision) at
+    import; a torchvision not built for the installed torch fails there. Nothing here reads
+    images: an empty module stands in for it."""
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # (a RuntimeError of torch's operator registry, not an ImportError)
+        sys.modules["streaming.vision"] = types.ModuleType("streaming.vision")
+
+
 def main() -> None:
     tokens_file, endpoint, work, seq_len, batch, steps, shard_bytes = sys.argv[1:8]
+    read_endpoint = sys.argv[8] if len(sys.argv) > 8 else endpoint
     seq_len, batch, steps, shard_bytes = int(seq_len), int(batch), int(steps), int(shard_bytes)
     work = Path(work)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", S3_ENDPOINT_URL=endpoint,
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", S3_ENDPOINT_URL=read_endpoint,
                       AWS_DEFAULT_REGION="us-east-1")
     import s3fs
+
+    stub_vision()
     from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
 
     tokens = np.load(tokens_file, mmap_mode="r")
     samples = len(tokens) // seq_len
-    with MDSWriter(out=str(work / "mds"), columns={"tokens": "ndarray:int32"}, size_limit=shard_bytes) as out:
+    with MDSWriter(out=str(work / "mds"), columns={"tokens": f"ndarray:{tokens.dtype.name}"}, size_limit=shard_bytes) as out:
         for i in range(samples):
-            out.write({"tokens": np.asarray(tokens[i * seq_len:(i + 1) * seq_len], np.int32)})
+            out.write({"tokens": np.asarray(tokens[i * seq_len:(i + 1) * seq_len])})
     shards = len(list((work / "mds").glob("shard.*.mds")))
     s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=endpoint).put(str(work / "mds"), "bench/mds",
                                                                              recursive=True)
     clean_stale_shared_memory()
-    start = time.perf_counter()
+    begin = start = time.perf_counter()
     ds = StreamingDataset(remote="s3://bench/mds", local=str(work / "mds-cache"), shuffle=True, shuffle_seed=0,
                           batch_size=batch)
     it = iter(StreamingDataLoader(ds, batch_size=batch, num_workers=0))
     next(it)
     first = time.perf_counter() - start
-    steps = min(steps, samples // batch - 1)
+    steps = min(steps or samples, samples // batch - 1)
     start = time.perf_counter()
     for _ in range(steps):
         next(it)
-    rate = steps * batch * seq_len / (time.perf_counter() - start)
-    print(json.dumps({"first": first, "rate": rate, "steps": steps, "shards": shards}))
+    end = time.perf_counter()
+    rate, whole = steps * batch * seq_len / (end - start), (steps + 1) * batch * seq_len / (end - begin)
+    print(json.dumps({"first": first, "rate": rate, "whole": whole, "steps": steps, "shards": shards}))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-FETCH_SHARDS = 16  # shards a source in object storage is told of ahead: twice its default fetch threads
+FETCH_SHARDS = 64  # shards a source in object storage is told of ahead: as many as its reads in flight can grow to
 # a step this far behind the hinted window's start is one the prefetch threads made out of order,
 # not a restore: it leaves the window as it is (recomputing a window of 1,024 steps took ~40 ms)
 BEHIND = 64

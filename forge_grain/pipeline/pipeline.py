@@ -95,7 +95,7 @@ class Pipeline:
         prefetch: int = 4,
         worker_count: int = 0,
         plan_workers: int | None = None,
-        fetch_ahead: int = 1024,
+        fetch_ahead: int = 4096,
         tokenize_threads: int | None = None,
         cache_dir: str | Path | None = None,
         dtype=np.int32,

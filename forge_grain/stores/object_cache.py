@@ -28,17 +28,16 @@ from forge_grain.stores.manifest import remove_stale_temporaries, temporary
 from forge_grain.stores.remote_dir import RemoteDir, remote_sizes
 from forge_grain.stores.request_pool import RETRIES, bounded, read_slot, shared_requests
 
-BLOCK = 1 << 24  # the most bytes one ranged read asks for (and holds in memory)
-PART_MIN = 1 << 20  # an object is read in up to SPLIT ranged parts of at least this many bytes
+BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
+PART_MIN = 1 << 22  # an object is read in up to SPLIT ranged parts of at least this many bytes
 SPLIT = 8
-FETCH_THREADS = 8  # ranged reads at once (the server's concurrent rate: bench_scale), and objects in progress
 
 
 class ObjectCache(RemoteDir):
     """Local copies of one remote directory's files, shared by the processes of a host."""
 
     def __init__(self, url: str, storage_options: dict | None = None, directory=None, limit: int | None = None,
-                 retries: int = RETRIES, requests: int = FETCH_THREADS):
+                 retries: int = RETRIES, requests: int | None = None):
         super().__init__(url, storage_options, retries)
         tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.dir = private_cache(Path(directory or cache_root() / "objects")) / tag
@@ -141,7 +140,7 @@ class ObjectCache(RemoteDir):
                         os.pwrite(dst.fileno(), block, a)
                     return block if len(spans) == 1 else None
 
-                parts = [self.requests.submit(not ahead, job, part, span) for span in spans]
+                parts = [self.requests.submit(not ahead, job, part, span, size=span[1] - span[0]) for span in spans]
                 try:
                     blocks = [f.result() for f in parts]
                 finally:  # a failed part: the others are not left writing into the file being retried

@@ -36,7 +36,10 @@ from forge_grain.stores.manifest import (
     MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index, temporary,
 )
 from forge_grain.stores.native import NativeStore
-from forge_grain.stores.object_cache import FETCH_THREADS, ObjectCache
+from forge_grain.stores.object_cache import ObjectCache
+from forge_grain.stores.request_pool import START
+
+OBJECTS = 64  # shards downloading at once ahead of need (each waits on its parts' reads): FETCH_SHARDS
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,8 @@ class RemoteStore(NativeStore):
     Options besides `NativeStore`'s: `storage_options` (for fsspec: credentials,
     `endpoint_url`, ...), `object_cache` (the cache directory; default
     `$FORGE_GRAIN_CACHE/objects`), `cache_limit` (bytes; default unbounded) and
-    `fetch_threads` (downloads at once ahead of need; default 8).
+    `fetch_threads` (ranged reads in flight; default: as many as the link gives, from 8
+    doubling while the throughput grows, up to 64).
     """
 
     description = "a forge-grain store in object storage"
@@ -66,7 +70,7 @@ class RemoteStore(NativeStore):
         """Shards are checked as they are fetched (their checksums), not all fetched at open."""
 
     def _open(self, dtype=None, storage_options=None, object_cache=None, cache_limit=None,
-              fetch_threads=FETCH_THREADS) -> None:
+              fetch_threads=None) -> None:
         self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit, requests=fetch_threads)
         manifest = self.cache.fresh(MANIFEST_NAME, missing_ok=True)
         if manifest is None:
@@ -90,7 +94,7 @@ class RemoteStore(NativeStore):
         if m.indices:  # every shard's index in one object, checked by its sha256: one request at any shard count
             self.cache.get(m.indices["file"], f"{self.mirror}/{m.indices['file']}", m.indices["sha256"])
         else:  # a store prepared before: each shard's own (small, all needed at open)
-            with concurrent.futures.ThreadPoolExecutor(fetch_threads) as pool:
+            with concurrent.futures.ThreadPoolExecutor(fetch_threads or START) as pool:
                 list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
                                                        self._sizes.get(s.index)), m.shards))
         self._fetch_threads = fetch_threads
@@ -105,7 +109,8 @@ class RemoteStore(NativeStore):
     def _pool(self):
         """This process's download threads (a forked child has none of the parent's: work
         queued to the parent's executor there would never run)."""
-        return concurrent.futures.ThreadPoolExecutor(self._fetch_threads, thread_name_prefix="forge-grain-fetch")
+        return concurrent.futures.ThreadPoolExecutor(max(OBJECTS, self._fetch_threads or 0),
+                                                     thread_name_prefix="forge-grain-fetch")
 
     @per_process
     def _pending(self) -> dict[int, concurrent.futures.Future]:

@@ -3,8 +3,10 @@
 Every request to a remote store is bounded (`bounded`: `request_deadline()` seconds, a
 quarter of `FORGE_GRAIN_REMOTE_DEADLINE`, so a server that accepts a request and never
 answers cannot block a job), and ranged reads run on one pool of worker threads per
-process (`shared_requests`), most urgent first. The pool, its lock and the read slots are
-made again in a forked child, which has none of its parent's threads.
+process (`shared_requests`), most urgent first. How many run at once is what the link
+gives (`Growth`: doubled while the throughput grows with it, from `START` up to `BOUND`),
+unless a fixed number is asked for (`fetch_threads`). The pool, its lock and the read slots
+are made again in a forked child, which has none of its parent's threads.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import itertools
 import os
 import queue
 import threading
+import time
 import weakref
 
 from forge_grain.errors import StoreError
 from forge_grain.processes import at_fork
 
 RETRIES = 5
-IN_FLIGHT = 16  # ranged reads held in memory at once, process-wide (256 MiB)
+START, BOUND = 16, 64  # ranged reads in flight: where a pool starts, and the most it grows to
+IN_FLIGHT = BOUND  # ranged reads held in memory at once, process-wide (parts of at most 8 MiB: 512 MiB)
 _IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
 # seconds an object may take to arrive, every attempt included, before it is an error naming it:
 # a server that accepts requests and never answers must not block a job for long (fsspec's own
@@ -68,50 +72,107 @@ def bounded(fn, *args, **kwargs):
     return box["value"]
 
 
+class Growth:
+    """How many reads a pool runs at once, found from what the link gives, as TCP's slow
+    start finds a window: object storage is bound by the time to each answer's first byte
+    and by what one connection carries, so a reader fills the link only with enough requests
+    in flight, and how many is enough depends on the link. Over each round (as many reads
+    completed as there are workers, and `INTERVAL` seconds at least) in which requests waited
+    for a worker the whole time (so the workers, not the consumer, were the limit), the
+    bytes read are measured; while a doubling of the workers raised that rate by `GAIN` or
+    more, they double again, up to `BOUND`; the first doubling that did not help ends the
+    growth (a link that is already full, or a machine whose CPU is: more requests would only
+    hold more memory)."""
+
+    INTERVAL = 0.1  # the fewest seconds a measurement spans
+    GAIN = 1.15
+
+    def __init__(self, start: int = START, bound: int = BOUND):
+        self.workers, self.bound, self.settled = start, bound, start >= bound
+        self._best, self._lock = 0.0, threading.Lock()
+        self._begin()
+
+    def _begin(self) -> None:
+        self._since, self._bytes, self._reads, self._busy = time.monotonic(), 0, 0, True
+
+    def done(self, nbytes: int, backlog: bool) -> int:
+        """A read of `nbytes` finished, with requests waiting (`backlog`) or none: the number
+        of workers now wanted."""
+        with self._lock:
+            self._bytes += nbytes
+            self._reads += 1
+            self._busy &= backlog
+            elapsed = time.monotonic() - self._since
+            if self.settled or self._reads < self.workers or elapsed < self.INTERVAL:
+                return self.workers
+            rate, busy = self._bytes / elapsed, self._busy
+            self._begin()
+            if not busy:  # the consumer asked for less than the workers could read: nothing learnt
+                return self.workers
+            if rate >= self._best * self.GAIN:
+                self._best, self.workers = rate, min(2 * self.workers, self.bound)
+                self.settled = self.workers >= self.bound
+            else:
+                self.settled = True
+            return self.workers
+
+
 class Requests:
     """Worker threads running ranged reads in order of need: a read for a batch waiting now
     first, then prefetches in the order they were asked for (the order the steps read them),
     the parts of one object before the next object's. So the shard the consumer reads next
     arrives with all the connections' bandwidth instead of sharing it with the shards after
-    it, and the connections stay busy whatever the object sizes."""
+    it, and the connections stay busy whatever the object sizes. `workers`: that many at
+    once, or None: as many as the link gives (`Growth`)."""
 
-    def __init__(self, workers: int):
-        self.workers, self._order = workers, itertools.count()
+    def __init__(self, workers: int | None = None):
+        self.fixed, self._order = workers, itertools.count()
         self._reset()
         _ALL_REQUESTS.add(self)
 
-    def _reset(self) -> None:
-        """No workers yet (and, in a forked child, none of the parent's queue or lock state)."""
-        self._queue, self._lock, self._started = queue.PriorityQueue(), threading.Lock(), False
+    @property
+    def workers(self) -> int:
+        """The reads it runs at once now."""
+        return self.growth.workers
 
-    def submit(self, urgent: bool, job: int, fn, *args) -> concurrent.futures.Future:
-        """Run `fn(*args)` on a worker; `job` orders the jobs of equal urgency (earlier first)."""
-        with self._lock:
-            if not self._started:
-                self._started = True
-                for _ in range(self.workers):
-                    threading.Thread(target=self._work, args=(self._queue,), daemon=True,
-                                     name="forge-grain-get").start()
+    def _reset(self) -> None:
+        """No workers yet (and, in a forked child, none of the parent's queue, lock or
+        measurements: it finds its own share of the link)."""
+        self._queue, self._lock, self._running = queue.PriorityQueue(), threading.Lock(), 0
+        self.growth = Growth(self.fixed, self.fixed) if self.fixed else Growth()
+
+    def submit(self, urgent: bool, job: int, fn, *args, size: int = 0) -> concurrent.futures.Future:
+        """Run `fn(*args)` on a worker; `job` orders the jobs of equal urgency (earlier first);
+        `size`: the bytes it reads (what the pool's growth measures)."""
+        self._grow(self.growth.workers)
         future = concurrent.futures.Future()
-        self._queue.put(((0 if urgent else 1, job, next(self._order)), future, fn, args))
+        self._queue.put(((0 if urgent else 1, job, next(self._order)), future, fn, args, size))
         return future
 
     def job(self) -> int:
         """A number for a new job, after those of the jobs asked for before."""
         return next(self._order)
 
-    @staticmethod
-    def _work(jobs: queue.PriorityQueue) -> None:
+    def _grow(self, workers: int) -> None:
+        with self._lock:
+            for _ in range(workers - self._running):
+                threading.Thread(target=self._work, args=(self._queue,), daemon=True, name="forge-grain-get").start()
+            self._running = max(self._running, workers)
+
+    def _work(self, jobs: queue.PriorityQueue) -> None:
         while True:
-            _, future, fn, args = jobs.get()
+            _, future, fn, args, size = jobs.get()
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as e:  # handed to the waiting download
                     future.set_exception(e)
+                    continue
+                if jobs is self._queue:  # (not a parent's queue, in a forked child)
+                    self._grow(self.growth.done(size, not jobs.empty()))
 
 
-_REQUESTS: dict[int, Requests] = {}  # by worker count: shared by every cache of the process
+_REQUESTS: dict[int | None, Requests] = {}  # by worker count: shared by every cache of the process
 _REQUESTS_LOCK = threading.Lock()
 _ALL_REQUESTS: weakref.WeakSet = weakref.WeakSet()
 
@@ -135,7 +196,8 @@ def read_slot() -> threading.BoundedSemaphore:
     return _IN_FLIGHT
 
 
-def shared_requests(workers: int) -> Requests:
-    """The process's pool of `workers` request threads (one per count, however many sources)."""
+def shared_requests(workers: int | None = None) -> Requests:
+    """The process's pool of `workers` request threads, or of as many as the link gives (None):
+    one per count, however many sources."""
     with _REQUESTS_LOCK:
         return _REQUESTS.setdefault(workers, Requests(workers))

@@ -1,0 +1,90 @@
+"""Readers of object storage behind a shaped link, for `bench_scale.py --link ttfb_ms=30,mbps=10`.
+
+A store of uint16 tokens in `shards` shards is uploaded to moto (its own process), and read
+through `shaped_link.py` (its own process: `ttfb_ms` to every answer's first byte, each
+connection paced to `mbps` MB/s), so the link, not this 2-core machine, is the limit; the
+machine's idle CPU is reported beside each figure so a reader can check that. Measured in
+one run: the link's ceiling (obstore reading every shard once with 8 and with 32 ranged GETs
+in flight, parts of at most 8 MiB), forge-grain with its defaults reading a whole epoch from
+the request (pipeline build and first batch included), and the peers reading the same uint16
+tokens from the same link (LitData's `StreamingDataset` with `TokensLoader`, MosaicML
+Streaming), each as a fraction of the 32-GET ceiling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PART = 8 << 20
+
+
+def parse_link(spec: str) -> tuple[float, float]:
+    """`ttfb_ms=30,mbps=10` -> (30.0, 10.0)."""
+    values = {"ttfb_ms": 30.0, "mbps": 10.0}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in values:
+            raise SystemExit(f"--link: unknown key {key!r} (ttfb_ms, mbps)")
+        values[key] = float(value)
+    return values["ttfb_ms"], values["mbps"]
+
+
+def start_link(upstream: int, ttfb_ms: float, mbps: float) -> tuple[int, subprocess.Popen]:
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("shaped_link.py")), str(upstream),
+                             "--ttfb-ms", str(ttfb_ms), "--mbps", str(mbps)], stdout=subprocess.PIPE, text=True)
+    return int(proc.stdout.readline()), proc
+
+
+class Idle:
+    """The machine's idle CPU share over a block (from /proc/stat)."""
+
+    def __enter__(self):
+        self.start = _cpu()
+        return self
+
+    def __exit__(self, *exc):
+        end = _cpu()
+        total = sum(end) - sum(self.start)
+        self.share = (end[3] + end[4] - self.start[3] - self.start[4]) / total if total else 0.0
+
+
+def _cpu() -> list[int]:
+    with open("/proc/stat") as f:
+        return [int(v) for v in f.readline().split()[1:]]
+
+
+def ceiling(url: str, opts: dict, sizes: dict[str, int], in_flight: int) -> tuple[float, float]:
+    """(tokens/s, idle share): every object read once, `in_flight` ranged GETs of at most
+    `PART` bytes at a time, through obstore (the client forge-grain reads with)."""
+    from forge_grain.stores.remote_dir import RemoteDir
+
+    remote = RemoteDir(url, opts)
+    parts = [(n, a, min(a + PART, s)) for n, s in sizes.items() for a in range(0, s, PART)]
+    with Idle() as idle:
+        t = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
+            got = sum(len(b) for b in pool.map(lambda p: remote.read_range(*p), parts))
+        elapsed = time.perf_counter() - t
+    assert got == sum(sizes.values())
+    return got / 2 / elapsed, idle.share
+
+
+def forge_grain_epoch(cfg) -> dict:
+    """A whole epoch of `cfg` from the request: (first batch s, tokens/s delivered, idle share)."""
+    from forge_grain import Pipeline
+
+    with Idle() as idle:
+        t = time.perf_counter()
+        pipe = Pipeline(cfg, 0, 1)
+        it = pipe.iterator()
+        batch = next(it)
+        first = time.perf_counter() - t
+        tokens = batch["segment_ids"].size
+        for batch in it:
+            tokens += batch["segment_ids"].size
+        elapsed = time.perf_counter() - t
+    return {"first": first, "rate": tokens / elapsed, "idle": idle.share, "steps": pipe.num_steps}
