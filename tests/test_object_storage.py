@@ -249,6 +249,50 @@ storage_options = {{ key = "{opts['key']}", secret = "{opts['secret']}", endpoin
                                   global_batch_size=8))
 
 
+def test_reads_in_flight_grow_behind_a_slow_link_by_default(tmp_path, s3, local_stores, monkeypatch):
+    """Without `fetch_threads`, a store behind a link slow to answer (50 ms to each read here)
+    puts more reads in flight than the pool starts with: it doubles them while the rate rises."""
+    from forge_grain.stores import object_cache, request_pool
+
+    monkeypatch.setattr(object_cache, "BLOCK", 4096)  # many parts a shard: more reads than workers
+    monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool, grown from the start
+    s3.fs().put(str(local_stores["bin"]), "bucket/grow", recursive=True)
+    s3.proxy.clear()
+    s3.proxy.latency = 0.05
+    store = TokenStore.open("s3://bucket/grow", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "objects"))
+    shards = range(len(store.manifest.shards))
+    assert sum(s.num_tokens * 2 for s in store.manifest.shards) // 4096 > 4 * request_pool.START
+    store.prefetch(shards)
+    disk = TokenStore.open(local_stores["bin"])
+    assert all(np.array_equal(store[i], disk[i]) for i in range(0, len(disk), 5))
+    assert store.cache.requests.workers > request_pool.START
+    assert s3.proxy.peaks["grow"] > request_pool.START, s3.proxy.peaks
+
+
+def test_reads_in_flight_stop_growing_when_the_link_is_full():
+    """The doubling ends at the first one that does not raise the rate: on a link that carries
+    12 reads' worth, 16 reads and 32 read at one rate, so the pool stays at 32, and more reads
+    would hold memory for nothing. A round in which the reads outpaced the demand teaches nothing."""
+    from forge_grain.stores.request_pool import Growth
+
+    now = [0.0]
+    growth = Growth(clock=lambda: now[0])
+    growth.done(0, True)  # (the first round's clock starts)
+    for _ in range(6):  # a round each: as many reads as workers, all while others waited
+        n = growth.workers
+        for _ in range(n):
+            now[0] += 1.0 / min(n, 12)  # the link carries 12 reads a second at most
+            growth.done(1 << 20, True)
+    assert (growth.workers, growth.settled) == (32, True)
+
+    idle = Growth(clock=lambda: now[0])
+    for _ in range(100):
+        now[0] += 0.01
+        idle.done(1 << 20, False)  # no read waiting: the consumer, not the link, was the limit
+    assert (idle.workers, idle.settled) == (16, False)
+
+
 def test_ranged_reads_run_in_order_of_need():
     """A read for a batch waiting now runs before queued prefetches, and the parts of a shard
     asked for earlier before those of one asked for later (so the next shard arrives with all

@@ -87,13 +87,13 @@ class Growth:
     INTERVAL = 0.1  # the fewest seconds a measurement spans
     GAIN = 1.15
 
-    def __init__(self, start: int = START, bound: int = BOUND):
+    def __init__(self, start: int = START, bound: int = BOUND, clock=time.monotonic):
         self.workers, self.bound, self.settled = start, bound, start >= bound
-        self._best, self._lock = 0.0, threading.Lock()
+        self._best, self._lock, self._clock = 0.0, threading.Lock(), clock
         self._begin()
 
     def _begin(self) -> None:
-        self._since, self._bytes, self._reads, self._busy = time.monotonic(), 0, 0, True
+        self._since, self._bytes, self._reads, self._busy = self._clock(), 0, 0, True
 
     def done(self, nbytes: int, backlog: bool) -> int:
         """A read of `nbytes` finished, with requests waiting (`backlog`) or none: the number
@@ -102,7 +102,7 @@ class Growth:
             self._bytes += nbytes
             self._reads += 1
             self._busy &= backlog
-            elapsed = time.monotonic() - self._since
+            elapsed = self._clock() - self._since
             if self.settled or self._reads < self.workers or elapsed < self.INTERVAL:
                 return self.workers
             rate, busy = self._bytes / elapsed, self._busy
