@@ -75,6 +75,38 @@ def test_a_store_in_object_storage_gives_the_disk_stream_within_its_cache_limit(
     assert store.cache.downloads < 2 * 30 + 30  # each shard about once per pass (indices once), not per batch
 
 
+def test_a_bounded_cache_keeps_its_bytes_in_a_ledger_not_a_walk_per_download(tmp_path, s3, local_stores,
+                                                                              monkeypatch):
+    """A bounded cache knows what it holds from its ledger: after the one walk that builds the
+    ledger, no download walks the cache directory (it evicts by the ledger), and the ledger's
+    bytes equal what is on disk. Files removed behind its back are found, not counted."""
+    from forge_grain.stores.object_cache import ObjectCache
+
+    walks, walk = [], ObjectCache._cached
+    monkeypatch.setattr(ObjectCache, "_cached", lambda self: walks.append(1) or walk(self))
+    limit = 400_000
+    remote = source("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path / "objects"),
+                    cache_limit=limit)
+    disk = Pipeline(config(source(local_stores["bin"])), 0, 1, cache_dir=tmp_path / "plans")
+    pipe = Pipeline(config(remote), 0, 1)
+    cache = pipe.stores[0].cache
+    a, b = disk.iterator(), pipe.iterator()
+    for step in range(disk.num_steps):
+        assert same(next(a), next(b)), step
+    assert cache.downloads > 30 and len(walks) == 1  # evictions happened, the directory walked once
+    b.close()
+    assert cache.ledger.used() == cache.used() <= limit
+    for copy in list(cache.dir.rglob("shard-*.bin")):  # removed by hand: the ledger learns it at the next room-making
+        copy.unlink()
+    walks.clear()
+    pipe = Pipeline(config(remote), 0, 1)
+    a, b = disk.iterator(), pipe.iterator()
+    for step in range(3):
+        assert same(next(a), next(b)), step
+    b.close()
+    assert pipe.stores[0].cache.ledger.used() == pipe.stores[0].cache.used() <= limit
+
+
 def test_shards_are_downloaded_by_obstore_where_the_options_allow_and_by_s3fs_otherwise(tmp_path, s3, local_stores):
     """With explicit credentials (as here) shards come through obstore, the Rust client; options
     obstore cannot honour (a profile, a requester-pays bucket) or none at all (boto's credential
@@ -490,8 +522,11 @@ def test_a_reservation_of_a_process_that_died_is_reclaimed(tmp_path, s3, local_s
     stale = temporary(copy_dir / "shard-00001.bin").with_name(
         temporary(copy_dir / "shard-00001.bin").name.rsplit("-", 1)[0] + f"-{dead.pid}")
     store = TokenStore.open("s3://bucket/bin", cache_limit=shard * 3, **opts)
-    with open(stale, "wb") as f:  # after the open (which removes what dead processes left): a death meanwhile
-        f.truncate(shard * 2)  # the dead download's reservation: most of the cache
+    with store.cache._accounting():  # after the open (which removes what dead processes left): a death meanwhile
+        with open(stale, "wb") as f:
+            f.truncate(shard * 2)  # the dead download's reservation: most of the cache, in its ledger
+        store.cache.ledger.sync()
+        store.cache.ledger.add(str(stale.relative_to(store.cache.dir)), shard * 2)
     got = []
     reader = threading.Thread(target=lambda: got.append(store[int(store._file_doc_starts[2])]), daemon=True)
     reader.start()

@@ -5,8 +5,9 @@ processes wait for it), in ranged parts on the process's request threads, to a t
 name, checked against the size and sha256 the manifest gives, then renamed. With a
 `limit`, the cache evicts the least recently used copies that no upcoming step needs, and
 reserves a download's bytes before it starts, so concurrent downloads in any process
-count each other. It knows objects and bytes, not stores: `RemoteStore` says which
-objects it needs.
+count each other; what it holds is kept in a ledger (`cache_ledger`), not found by a walk
+of the directory per download. It knows objects and bytes, not stores: `RemoteStore` says
+which objects it needs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.paths import cache_root, private_cache
 from forge_grain.stores import handles, identify
+from forge_grain.stores.cache_ledger import Ledger
 from forge_grain.stores.manifest import remove_stale_temporaries, temporary
 from forge_grain.stores.remote_dir import RemoteDir, remote_sizes
 from forge_grain.stores.request_pool import RETRIES, bounded, read_slot, shared_requests
@@ -45,6 +47,16 @@ class ObjectCache(RemoteDir):
         self.limit = limit
         self.downloads = 0  # objects this process downloaded (the rest were cached)
         self.requests = shared_requests(requests)
+        self.ledger = Ledger(self.dir, self._cached)
+
+    def record(self, path: Path) -> None:
+        """A file this process wrote into the cache directory by itself (a manifest), counted."""
+        with self._accounting():
+            self.ledger.sync()
+            self.ledger.add(self._name(path), path.stat().st_size)
+
+    def _name(self, path: Path) -> str:
+        return str(path.relative_to(self.dir))
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
             upcoming=frozenset(), ahead: bool = False) -> Path | None:
@@ -153,13 +165,20 @@ class ObjectCache(RemoteDir):
                     digest = hashlib.sha256(data).hexdigest()
                 if digest != sha256:
                     raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
-            with self._accounting():  # a rename mid-listing could hide the file from a count
+            with self._accounting():  # the ledger and the directory change together
                 os.replace(tmp, local)
+                self.ledger.sync()
+                self.ledger.drop(self._name(tmp))
+                self.ledger.add(self._name(local), size)
 
         try:
             self.retry(name, attempt, bound=False)  # each ranged read is bounded
         finally:
-            tmp.unlink(missing_ok=True)
+            if tmp.exists():  # a failed download: its reservation goes with it
+                with self._accounting():
+                    tmp.unlink(missing_ok=True)
+                    self.ledger.sync()
+                    self.ledger.drop(self._name(tmp))
         self.downloads += 1
         return True
 
@@ -169,35 +188,67 @@ class ObjectCache(RemoteDir):
         reserve the bytes: `reserve` (the download's temporary) is created at that size while
         the lock is held, so concurrent downloads, in any process, count each other. False
         for a prefetch that finds no room; a fetch needed now waits for downloads in progress
-        to free theirs, and fails only when nothing can."""
+        to free theirs, and fails only when nothing can. The bytes held come from the ledger;
+        only when they do not fit are the copies' times of last use looked up (a stat each)."""
         if size > self.limit:
             raise StoreError(f"{self.url}: an object of {size} bytes cannot fit cache_limit {self.limit}; raise it")
+        walked = False
         while True:
             with self._accounting():
-                files = list(self._cached())
-                used = sum(s for _, s, _ in files)
-                evictable = [(str(p.relative_to(self.dir)) in upcoming, t, s, p) for t, s, p in files
-                             if not p.name.startswith(".") and p.suffix in (".bin", ".array_record")]
-                for is_upcoming, _, s, p in sorted(evictable, key=lambda f: f[:2]):
-                    if used + size <= self.limit or (ahead and is_upcoming):
-                        break
-                    p.unlink(missing_ok=True)
-                    handles.POOL.drop(("arrayrecord", str(p)))  # an open reader would hold its space
-                    used -= s
+                files = self.ledger.sync()
+                used = sum(files.values())
+                if used + size > self.limit:
+                    used -= self._evict(used + size - self.limit, upcoming, ahead)
                 if used + size <= self.limit:
                     with open(reserve, "wb") as f:
                         f.truncate(size)
+                    self.ledger.add(self._name(reserve), size)
                     return True
-                downloading = any(".tmp-" in p.name for _, _, p in files)
+                downloading = self._downloading()
+                if not downloading and not walked:  # the ledger may count files gone: count once more
+                    self.ledger.rebuild()
+                    walked = True
+                    continue
             if ahead:
                 return False
-            if downloading:  # reservations of processes that died mid-download are reclaimed
-                for d in {p.parent for _, _, p in files if ".tmp-" in p.name}:
-                    remove_stale_temporaries(d)
             if not downloading:
                 raise StoreError(f"{self.url}: cache_limit {self.limit} bytes is full ({used} bytes) and nothing "
                                  "can be evicted; raise it")
             time.sleep(0.05)  # downloads in progress hold reservations: wait for them to land
+
+    def _evict(self, excess: int, upcoming, ahead: bool) -> int:
+        """Remove copies of shards until `excess` bytes are freed, least recently used first and
+        those in `upcoming` last (none of them for a prefetch): the bytes freed."""
+        candidates, freed = [], 0
+        for name, size in list(self.ledger.files.items()):
+            if name.rsplit("/", 1)[-1].startswith(".") or not name.endswith((".bin", ".array_record")):
+                continue
+            try:
+                used = os.stat(self.dir / name).st_mtime
+            except FileNotFoundError:  # removed by hand, or a damaged copy dropped: not there to count
+                self.ledger.drop(name)
+                freed += size
+                continue
+            candidates.append((name in upcoming, used, size, name))
+        for is_upcoming, _, size, name in sorted(candidates, key=lambda c: c[:2]):
+            if freed >= excess or (ahead and is_upcoming):
+                break
+            (self.dir / name).unlink(missing_ok=True)
+            handles.POOL.drop(("arrayrecord", str(self.dir / name)))  # an open reader would hold its space
+            self.ledger.drop(name)
+            freed += size
+        return freed
+
+    def _downloading(self) -> bool:
+        """Whether downloads hold reservations now; those of processes that died are reclaimed
+        (their temporaries removed, and dropped from the ledger)."""
+        pending = [n for n in self.ledger.files if ".tmp-" in n]
+        for d in {(self.dir / n).parent for n in pending}:
+            remove_stale_temporaries(d)
+        for n in pending:
+            if not (self.dir / n).exists():
+                self.ledger.drop(n)
+        return any(".tmp-" in n for n in self.ledger.files)
 
     def _cached(self):
         """(mtime, size, path) of the cache's files: copies, and downloads in progress (their
@@ -215,7 +266,7 @@ class ObjectCache(RemoteDir):
                     if not hidden:
                         pending.append(e.path)
                     continue
-                if hidden and e.name.endswith(".lock"):
+                if hidden and (e.name.endswith(".lock") or e.name.startswith(".ledger")):
                     continue
                 try:
                     st = e.stat(follow_symlinks=False)
@@ -230,8 +281,8 @@ class ObjectCache(RemoteDir):
 
     def _accounting(self):
         """The lock under which the cache's bytes change by more than a shrink (reservations,
-        renames, eviction) and are counted, across the host's processes."""
-        return file_lock(self.dir / ".evict.lock") if self.limit is not None else contextlib.nullcontext()
+        renames, eviction) and are counted, and its ledger written, across the host's processes."""
+        return file_lock(self.dir / ".evict.lock")
 
 
 def _mapped(path: Path) -> mmap.mmap:

@@ -85,6 +85,7 @@ class RemoteStore(NativeStore):
             tmp = temporary(local / MANIFEST_NAME)
             tmp.write_bytes(manifest)
             os.replace(tmp, local / MANIFEST_NAME)
+            self.cache.record(local / MANIFEST_NAME)
         self.path = local
         m = Manifest.load(local)
         # the shards' sizes come from the manifest and the indices are got whole and checked by their

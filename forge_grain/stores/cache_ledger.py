@@ -1,0 +1,88 @@
+"""The object cache's files and their sizes, kept in a log instead of found by a walk.
+
+A bounded cache must know, before each download, how many bytes it holds. Walking the cache
+directory for that stats every file of every store ever cached, under the host's lock, once
+per download (~12 ms with a few hundred files, and it grows with the cache). The ledger is
+`.ledger` in the cache directory: one line per change (`+SIZE<TAB>NAME` when a file is
+added or a download's bytes reserved, `-<TAB>NAME` when one goes), appended under the
+cache's lock by whichever process made the change. Each process replays only the lines
+added since it last looked, so a download costs a few lines, not a walk. When the log has
+grown well past the files it describes it is rewritten (to a temporary name, renamed); a
+process that sees a new file reads it from the start. A missing or unreadable ledger is
+rebuilt by one walk, as is one that says the cache is full when it may not be.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+NAME = ".ledger"
+
+
+class Ledger:
+    """Files of a cache directory (relative name -> bytes), as its log says. Every method is
+    called under the cache's accounting lock (`ObjectCache._accounting`)."""
+
+    def __init__(self, directory: Path, walk):
+        self.path, self._walk = Path(directory) / NAME, walk
+        self.files: dict[str, int] = {}
+        self._at, self._inode, self._lines = 0, None, 0
+
+    def sync(self) -> dict[str, int]:
+        """The files now: the lines other processes appended since this one last looked."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return self.rebuild()
+        if st.st_ino != self._inode:  # rewritten (or first read): from the start
+            self.files, self._at, self._inode, self._lines = {}, 0, st.st_ino, 0
+        if st.st_size > self._at:
+            with open(self.path, "rb") as f:
+                f.seek(self._at)
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # a line being written by a process that died is not read
+            for line in data[:end].decode("utf-8", "replace").splitlines():
+                self._apply(line)
+            self._at += end
+        return self.files
+
+    def rebuild(self) -> dict[str, int]:
+        """The files as a walk of the directory finds them, written as a new ledger."""
+        self.files = {str(path.relative_to(self.path.parent)): size for _, size, path in self._walk()}
+        self._rewrite()
+        return self.files
+
+    def add(self, name: str, size: int) -> None:
+        self._append(f"+{size}\t{name}\n")
+        self.files[name] = size
+
+    def drop(self, name: str) -> None:
+        if self.files.pop(name, None) is not None:
+            self._append(f"-\t{name}\n")
+
+    def used(self) -> int:
+        return sum(self.files.values())
+
+    def _apply(self, line: str) -> None:
+        op, _, name = line.partition("\t")
+        self._lines += 1
+        if op == "-":
+            self.files.pop(name, None)
+        elif op[:1] == "+" and op[1:].isdigit() and name:
+            self.files[name] = int(op[1:])
+
+    def _append(self, line: str) -> None:
+        if self._lines > 4 * len(self.files) + 64:  # mostly history: the files alone, anew
+            self._rewrite()
+        with open(self.path, "ab") as f:
+            f.write(line.encode())
+        self._at += len(line.encode())
+        self._lines += 1
+
+    def _rewrite(self) -> None:
+        text = "".join(f"+{size}\t{name}\n" for name, size in self.files.items()).encode()
+        tmp = self.path.with_name(f"{NAME}.tmp-{os.getpid()}")
+        tmp.write_bytes(text)
+        os.replace(tmp, self.path)
+        self._at, self._inode, self._lines = len(text), os.stat(self.path).st_ino, len(self.files)
