@@ -218,8 +218,12 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
             per_chunk = max(1, round(shards / 40))  # the locality order the README advises for object storage
             src = dict(name="web", path=f"s3://bench/s{shards}", storage_options=opts, shuffle_window=1,
                        object_cache=str(work / f"objects-{shards}"))
-            got = forge_grain_epoch(config(src, max(1, round(num_docs / shards * per_chunk))))
+            chunk_docs = max(1, round(num_docs / shards * per_chunk))
+            got = forge_grain_epoch(config(src, chunk_docs))
             readers = {"forge-grain, defaults": (got["rate"], got["first"], f"idle {got['idle']:.0%}")}
+            disk = forge_grain_epoch(config(dict(name="web", path=str(local), shuffle_window=1), chunk_docs))
+            readers["forge-grain, local disk"] = (disk["rate"], disk["first"], "the same pipeline, no network: "
+                                                  f"what this machine's CPU allows, idle {disk['idle']:.0%}")
             for name in (["LitData"] if peer_python else []) + (["MosaicML Streaming"] if mosaic else []):
                 part = sum(sizes.values()) // 2 // shards if name == "LitData" else sum(sizes.values()) // shards
                 if (work / "tokens.npy").exists():

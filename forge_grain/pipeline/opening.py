@@ -19,6 +19,7 @@ import weakref
 
 import numpy as np
 
+from forge_grain.packing.kernels.cache import warm_up
 from forge_grain.pipeline.config import DataConfig
 from forge_grain.processes import EXITING, stop_at_exit
 from forge_grain.sources.deferred import SourceRecords, source_key
@@ -33,6 +34,8 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
     """Each source's packed rows; stored sources whose files match their record are
     deferred (opened when first read; see `forge_grain.sources.deferred`)."""
     c = config
+    remote = any("://" in str(s.path or "") for s in c.sources)
+    warming = warm_up() if remote else None  # numba set up while the stores open over the network
     seeds = [source_seed(c.seed, s.name) for s in c.sources]
     keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs, c.max_segments_per_row)
             for s, seed in zip(c.sources, seeds)]
@@ -42,6 +45,8 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
               for s, seed, key in zip(c.sources, seeds, keys)]
     if records is not None:
         records.save()
+    if warming is not None:
+        warming.join()
     return opened
 
 

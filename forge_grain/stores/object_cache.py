@@ -59,12 +59,13 @@ class ObjectCache(RemoteDir):
         return str(path.relative_to(self.dir))
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
-            upcoming=frozenset(), ahead: bool = False) -> Path | None:
+            upcoming=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
         """The local copy (at `copy`, relative to the cache directory) of object `name`,
         downloaded first if the cache lacks it, once per host: other processes wait for the
         download. `upcoming`: copies the next steps read, evicted only when a copy needed now
         finds no other room. `ahead`: a prefetch, which evicts none of those and is skipped
-        (None) when they fill the cache."""
+        (None) when they fill the cache. `job` (from `requests.job()`): where its reads queue
+        among other objects' (by default after every object asked for before)."""
         local = self.dir / copy
         if local.exists():
             return local
@@ -72,7 +73,7 @@ class ObjectCache(RemoteDir):
         with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
             if local.exists():
                 return local
-            if not self._download(name, local, sha256, size, upcoming, ahead):
+            if not self._download(name, local, sha256, size, upcoming, ahead, job):
                 return None
         return local
 
@@ -124,7 +125,8 @@ class ObjectCache(RemoteDir):
                               f"{', '.join(sorted(names)[:8])}{', ...' if len(names) > 8 else ''}")
         return StoreError(f"{self.url}: nothing at this URL (no such object or prefix); check the URL and credentials")
 
-    def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead) -> bool:
+    def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead,
+                  job: int | None = None) -> bool:
         tmp = temporary(local)
         whole = []  # an object got in one GET before its size was known
         if size is None and sha256 is not None:  # (an index) its sha256 checks it: no listing or HEAD first
@@ -137,7 +139,8 @@ class ObjectCache(RemoteDir):
         elif not self._make_room(size, upcoming, tmp, ahead):
             return False
 
-        job = self.requests.job()  # its parts are read before those of any object asked for later
+        if job is None:
+            job = self.requests.job()  # its parts are read before those of any object asked for later
 
         def attempt():
             step = min(BLOCK, max(PART_MIN, -(-size // SPLIT)))

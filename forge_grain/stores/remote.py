@@ -142,10 +142,10 @@ class RemoteStore(NativeStore):
     def _name(self, k: int) -> str:
         return f"{self.mirror}/{self.manifest.shards[k].tokens}"
 
-    def _fetch(self, k: int, ahead: bool = False) -> Path | None:
+    def _fetch(self, k: int, ahead: bool = False, job: int | None = None) -> Path | None:
         s = self.manifest.shards[k]
         size = s.num_tokens * self.dtype.itemsize if self.manifest.layout == "bin" else self._sizes.get(s.tokens)
-        return self.cache.get(s.tokens, self._name(k), s.sha256, size, upcoming=self._keep, ahead=ahead)
+        return self.cache.get(s.tokens, self._name(k), s.sha256, size, upcoming=self._keep, ahead=ahead, job=job)
 
     def _array(self, k: int) -> np.ndarray:
         arr = self._mapped.get(k)
@@ -198,9 +198,9 @@ class RemoteStore(NativeStore):
             self._keep = frozenset(self._name(k) for k in needed)
             for k in [k for k in self._mapped if k not in set(needed)]:
                 del self._mapped[k]
-            for k in needed:
-                if k not in self._mapped and k not in self._pending:
-                    self._pending[k] = self._pool.submit(self._fetch, k, True)
+            for k in needed:  # each shard's place among the reads taken now, in the order of need (the
+                if k not in self._mapped and k not in self._pending:  # threads start them in any order)
+                    self._pending[k] = self._pool.submit(self._fetch, k, True, self.cache.requests.job())
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 

@@ -35,3 +35,22 @@ def _numba_cache() -> bool:
 
 
 CACHE = _numba_cache()
+
+
+@nb.njit(cache=CACHE)
+def _ready(x):
+    return x + 1
+
+
+def warm_up():
+    """Start numba's compiler in a background thread, returned: join it before the work it
+    overlaps ends (a fork while it holds numba's compiler lock would leave the lock held in
+    the child). A process's first kernel, whatever it is, spends about half a second
+    setting numba up (importing its target's registries); a pipeline over object storage
+    would spend it on the way to its first downloads (the lookahead that names them is a
+    kernel), and starting it while the stores open over the network hides it."""
+    import threading
+
+    thread = threading.Thread(target=_ready, args=(1,), daemon=True, name="forge-grain-numba")
+    thread.start()
+    return thread
