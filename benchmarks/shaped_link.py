@@ -17,30 +17,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import socket
 import time
 
 CHUNK = 1 << 16
 
 
-async def pipe_requests(reader, writer, asked: list) -> None:
-    """Client to server, unshaped; each burst of request bytes records when it was asked."""
+@contextlib.contextmanager
+def closing_on_end(writer):
+    """The far side's writer closed when this direction ends (a connection reset included)."""
     try:
-        while data := await reader.read(CHUNK):
-            asked.append(time.monotonic())
-            writer.write(data)
-            await writer.drain()
+        yield
     except (ConnectionError, OSError):
         pass
     finally:
         writer.close()
 
 
+async def pipe_requests(reader, writer, asked: list) -> None:
+    """Client to server, unshaped; each burst of request bytes records when it was asked."""
+    with closing_on_end(writer):
+        while data := await reader.read(CHUNK):
+            asked.append(time.monotonic())
+            writer.write(data)
+            await writer.drain()
+
+
 async def pipe_answers(reader, writer, asked: list, ttfb: float, rate: float) -> None:
     """Server to client: an answer's first byte no sooner than `ttfb` after its request, and
     the bytes paced to `rate` bytes/s."""
     sent_at, credit = time.monotonic(), 0.0
-    try:
+    with closing_on_end(writer):
         while data := await reader.read(CHUNK):
             if asked:  # the first bytes of an answer: the server's time counts toward the wait
                 wait = asked[-1] + ttfb - time.monotonic()
@@ -56,10 +64,6 @@ async def pipe_answers(reader, writer, asked: list, ttfb: float, rate: float) ->
                 await asyncio.sleep(-credit / rate)
             writer.write(data)
             await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
 
 
 async def serve(upstream: int, ttfb: float, rate: float) -> None:
