@@ -302,6 +302,32 @@ def test_reads_in_flight_grow_behind_a_slow_link_by_default(tmp_path, s3, local_
     assert s3.proxy.peaks["grow"] > request_pool.START, s3.proxy.peaks
 
 
+def test_shards_hinted_together_are_read_in_the_order_of_need(tmp_path, s3, local_stores):
+    """Shards told of in one hint download in the order the steps need them, however the
+    download threads happen to start: with one read in flight, the GETs follow the hint."""
+    s3.proxy.clear()
+    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "objects"), fetch_threads=1)
+    gate = threading.Event()  # the one reader is held while the hint queues every shard behind it
+    store.cache.requests.submit(True, store.cache.requests.job(), gate.wait)
+    need = [17, 3, 26, 9, 12, 0, 21, 5]
+    store.prefetch(need)
+    time.sleep(0.5)  # the download threads all start meanwhile, in whatever order
+    gate.set()
+    for k in need:
+        store._array(k)
+    got = [int(path.rsplit("shard-", 1)[1][:5]) for method, path in s3.proxy.seen
+           if method == "GET" and path.endswith(".bin")]
+    assert got == need
+
+
+def test_a_pipeline_over_object_storage_leaves_no_thread_of_its_build_running(tmp_path, s3, local_stores):
+    """numba is set up in a thread while remote stores open; the build joins it, so a
+    DataLoader worker forked after the build finds no lock held by it."""
+    Pipeline(config(source("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path / "o"))), 0, 1)
+    assert not [t.name for t in threading.enumerate() if t.name == "forge-grain-numba"]
+
+
 def test_reads_in_flight_stop_growing_when_the_link_is_full():
     """The doubling ends at the first one that does not raise the rate: on a link that carries
     12 reads' worth, 16 reads and 32 read at one rate, so the pool stays at 32, and more reads
