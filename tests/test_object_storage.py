@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -863,6 +864,34 @@ def test_a_peer_dataset_in_object_storage_reads_equal_to_its_local_copy(tmp_path
     assert sum(s3.proxy.gets.values()) - sum(before.values()) == downloaded  # nothing fetched twice
 
 
+@pytest.mark.parametrize("name", ["mds", "litdata"])
+def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path, s3, peers, name):
+    """A LitData or MDS dataset in a bucket with a cache_limit below its size opens (each data
+    file read once to find its documents, and evicted as the limit needs) and reads equal to
+    its local copy, with the local copy's fingerprint, the cache never above the limit; a
+    second open reads only index.json and the listing, and a read fetches just its file."""
+    import pickle
+
+    local = TokenStore.open(peers[name])
+    files = sorted(f for f in Path(peers[name]).iterdir() if f.name != "index.json")
+    total, largest = sum(f.stat().st_size for f in files), max(f.stat().st_size for f in files)
+    limit = 2 * largest + 1
+    assert len(files) >= 3 and limit < total
+    opts = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "c"), cache_limit=limit)
+    remote = TokenStore.open(f"s3://peers/{name}", **opts)
+    assert remote.fetches and remote.format == local.format and len(remote) == len(local)
+    assert remote.fingerprint == local.fingerprint  # a state saved over the local copy resumes here
+    for i in range(len(local)):
+        assert np.array_equal(remote[i], local[i]), i
+        assert remote.cache.used() <= limit
+    s3.proxy.clear()
+    again = pickle.loads(pickle.dumps(remote))  # as a DataLoader worker reopens it: the records are kept
+    last = len(local) - 1
+    assert np.array_equal(again[last], local[last])
+    data_gets = [p for p, n in s3.proxy.gets.items() for _ in range(n) if not p.endswith("index.json")]
+    assert len(data_gets) <= 1, data_gets  # the last document's file, unless it was still cached
+
+
 def test_a_peer_dataset_rewritten_in_object_storage_is_copied_again(tmp_path, s3, peers):
     """The copy is named by the listing: replacing a shard in place is never read from a stale copy."""
     from mds_writer import write_mds
@@ -887,20 +916,27 @@ def test_a_megatron_prefix_in_object_storage_opens_like_its_local_prefix(tmp_pat
     assert len(remote) == len(local) and np.array_equal(remote[5], local[5])
 
 
-def test_a_peer_dataset_source_gives_the_stream_of_its_local_copy(tmp_path, s3, peers):
-    remote = config(source("s3://peers/mds", storage_options=s3.options(), object_cache=str(tmp_path / "c")))
-    local = config(source(peers["mds"]))
+@pytest.mark.parametrize("name,limit", [("mds", None), ("mds", 30_000), ("litdata", 70_000)])
+def test_a_peer_dataset_source_gives_the_stream_of_its_local_copy(tmp_path, s3, peers, name, limit):
+    """The same batches as the local copy's: copied whole, or (with a cache_limit below the
+    dataset's size) a file at a time, the coming steps' files fetched ahead."""
+    remote = config(source(f"s3://peers/{name}", storage_options=s3.options(), object_cache=str(tmp_path / "c"),
+                           cache_limit=limit))
+    local = config(source(peers[name]))
     a, b = Pipeline(local, 0, 1, cache_dir=tmp_path / "p1"), Pipeline(remote, 0, 1, cache_dir=tmp_path / "p2")
     assert a.num_steps == b.num_steps
+    it = b.iterator()
     for step in range(a.num_steps):
-        assert same(a.batch(step), b.batch(step))
+        assert same(a.batch(step), next(it))
+        assert limit is None or b.stores[0].cache.used() <= limit
+    assert (limit is not None) == b.stores[0].fetches
 
 
 def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, peers):
     """What is refused on disk is refused from a bucket, naming the URL: a raw file without a
     dtype, a declared dtype the data disagrees with, a Parquet file among raw token files, an
-    MDS shard cut short, a dataset larger than cache_limit (copied whole), and a peer's
-    dataset opened as a forge-grain store."""
+    MDS shard cut short, a dataset larger than cache_limit (copied whole) or with a file larger
+    (read a file at a time), and a peer's dataset opened as a forge-grain store."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -926,8 +962,11 @@ def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, pee
         with pytest.raises(StoreError, match=r"s3://peers/arrow-cut/data-00000-of-00001\.arrow: the Arrow stream is "
                                              r"truncated or damaged"):
             TokenStore.open("s3://peers/arrow-cut", **{**opts, "object_cache": str(tmp_path / f"cut{cut}")})
-    with pytest.raises(StoreError, match="s3://peers/litdata: a LitData dataset is copied into the cache whole.*"
+    with pytest.raises(StoreError, match="s3://peers/megatron: a Megatron .* is copied into the cache whole.*"
                                          "exceed cache_limit 100"):
+        TokenStore.open("s3://peers/megatron", cache_limit=100, **opts)
+    with pytest.raises(StoreError, match="s3://peers/litdata: its data file of [0-9]+ bytes cannot fit cache_limit "
+                                         "100"):  # read a file at a time: one file must fit
         TokenStore.open("s3://peers/litdata", cache_limit=100, **opts)
     with pytest.raises(StoreError, match="s3://peers/arrow: this is a Hugging Face save_to_disk dataset.*not a "
                                          "forge-grain store"):

@@ -28,12 +28,17 @@ def store_class(path, format: str | None = None, options: dict | None = None):
     fetches its shards as the plan needs them, a peer's dataset is copied into the cache."""
     if is_url(path):
         from forge_grain.stores.mirror import mirrored_class, remote_format
+        from forge_grain.stores.mirror_parts import PARTED, parted_class
         from forge_grain.stores.remote import RemoteStore
 
         if format is not None and format not in FORMATS:
             raise StoreError(f"{path}: unknown format {format!r}; one of {', '.join(FORMATS)}")
         name = format or remote_format(str(path), (options or {}).get("storage_options"))
-        return RemoteStore if name == "native" else mirrored_class(_load(name))
+        if name == "native":
+            return RemoteStore
+        if name in PARTED and (options or {}).get("cache_limit") is not None:  # a file at a time, bounded
+            return parted_class(_load(name))
+        return mirrored_class(_load(name))
     path = local_path(path)
     name = format or detect(path)
     if name not in FORMATS:

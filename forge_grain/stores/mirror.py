@@ -3,13 +3,16 @@ raw token files), read through the same local cache as forge-grain stores.
 
 These formats keep where each document starts inside their data files (a sample table at the
 head of every MDS shard and LitData chunk, record batches in Arrow files, one `.bin` per
-Megatron `.idx`), so counting a dataset's documents reads every data file: the dataset is
-copied into the cache whole when it opens (concurrently, each file checked against the size
-the listing gives, written to a temporary name and renamed), then read by the format's own
-local reader with the same checks as on disk. The copy's directory is named by the listing
-(names, sizes, ETags), so a dataset rewritten in place gets a new copy and nothing stale is
-read; a copy made once is reused by every process of the host. A forge-grain store (a
-`manifest.json`) is what fetches shards as the plan needs them: `forge_grain.stores.remote`.
+Megatron `.idx`), so counting a dataset's documents reads every data file. Without a
+`cache_limit` the dataset is copied into the cache whole when it opens (concurrently, each
+file checked against the size the listing gives, written to a temporary name and renamed),
+then read by the format's own local reader with the same checks as on disk. With a
+`cache_limit`, LitData and MDS datasets are read a data file at a time instead
+(`mirror_parts.py`); the other formats must fit the limit whole. The copy's directory is
+named by the listing (names, sizes, ETags), so a dataset rewritten in place gets a new copy
+and nothing stale is read; a copy made once is reused by every process of the host. A
+forge-grain store (a `manifest.json`) is what fetches shards as the plan needs them:
+`forge_grain.stores.remote`.
 """
 
 from __future__ import annotations
@@ -118,8 +121,9 @@ def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
     total = sum(size for _, size, _ in files)
     if cache_limit is not None and total > cache_limit:
         raise StoreError(f"{url}: {what} is copied into the cache whole (its documents are found inside its data "
-                         f"files), and its {total} bytes exceed cache_limit {cache_limit}; raise cache_limit, or "
-                         "prepare a forge-grain store from it (read a few shards at a time)")
+                         f"files, and only LitData and MDS datasets are read a file at a time), and its {total} bytes "
+                         f"exceed cache_limit {cache_limit}; raise cache_limit, or prepare a forge-grain store from "
+                         "it (read a few shards at a time)")
     cache = ObjectCache(url, storage_options, object_cache)
     digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
     home = f"copy-{digest}"

@@ -33,6 +33,7 @@ from forge_grain.stores.request_pool import RETRIES, bounded, read_slot, shared_
 BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 PART_MIN = 1 << 22  # an object is read in up to SPLIT ranged parts of at least this many bytes
 SPLIT = 8
+EVICTABLE = (".bin", ".array_record", ".mds")  # data files (shards, LitData chunks, MDS shards); indices stay
 
 
 class ObjectCache(RemoteDir):
@@ -224,7 +225,7 @@ class ObjectCache(RemoteDir):
         those in `upcoming` last (none of them for a prefetch): the bytes freed."""
         candidates, freed = [], 0
         for name, size in list(self.ledger.files.items()):
-            if name.rsplit("/", 1)[-1].startswith(".") or not name.endswith((".bin", ".array_record")):
+            if name.rsplit("/", 1)[-1].startswith(".") or not name.endswith(EVICTABLE):
                 continue
             try:
                 used = os.stat(self.dir / name).st_mtime

@@ -1,0 +1,308 @@
+"""LitData and MosaicML MDS datasets in object storage, read a data file at a time through a
+bounded cache (`cache_limit`), as forge-grain's own stores are.
+
+These formats keep where each document starts inside their data files (the item table at
+the head of a LitData chunk, the sample table of an MDS shard), so knowing a dataset's
+documents means reading every data file once. Without a limit the dataset is copied whole
+(`mirror.py`). With one, each data file is a part: at the first open it is downloaded
+through the cache (which evicts least recently used parts to stay under the limit), opened
+by the format's own local reader as a dataset of that one file (an `index.json` listing only
+it, with every check of a local open), and what the reader found (document offsets, the
+runs of its token arrays, the file's content fingerprint) is kept beside it in the cache
+(`part.npz`, small); the file itself may then be evicted. Later opens read those records
+only. Reads fetch the file of the document they need, and the pipeline's hints fetch the
+files of the coming steps ahead, as for a forge-grain store.
+
+The parts' directory is named by the listing (names, sizes, ETags): a dataset rewritten in
+place is read anew, never from stale records. The fingerprint is the local reader's over
+the same files, so a state saved over the local copy resumes over the bucket and back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from forge_grain.errors import StoreError
+from forge_grain.processes import per_process
+from forge_grain.stores import checks
+from forge_grain.stores.base import TokenStore, join_offsets
+from forge_grain.stores.manifest import temporary, write_text_atomic
+from forge_grain.stores.object_cache import ObjectCache
+from forge_grain.stores.remote_dir import listing
+
+PARTED = {"litdata": "chunks", "mds": "shards"}  # format -> the index.json list naming its data files
+INDEXING_THREADS = 8  # data files indexed at once at the first open
+
+
+@functools.cache
+def parted_class(base: type) -> type:
+    """The store class reading `base`'s format (LitData or MDS) at a URL a file at a time."""
+    name = f"Parted{base.__name__}"
+    return type(name, (Parted,), {"format": base.format, "description": base.description, "local": base,
+                                  "OPTIONS": base.OPTIONS | {"storage_options", "object_cache", "cache_limit",
+                                                             "fetch_threads"},
+                                  "__module__": __name__, "__qualname__": name})
+
+
+class Parted(TokenStore):
+    """A peer's dataset at a URL whose data files are fetched as the reads need them."""
+
+    local: type  # the format's local reader
+    fetches = True
+
+    def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=None,
+                 **options):
+        self.url = str(path).rstrip("/")
+        self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit, requests=fetch_threads)
+        self._remote = dict(storage_options=storage_options, object_cache=object_cache, cache_limit=cache_limit,
+                            fetch_threads=fetch_threads)
+        self._local_options = {k: v for k, v in options.items() if k != "format" and v is not None}
+        self._full = options.get("fingerprint") == "full"  # (checked again, as every store's, when it opens)
+        home = self._index_parts()
+        super().__init__(home, **options)
+        self._options = {**options, **{k: v for k, v in self._remote.items() if v is not None}}
+
+    # -- opening: the parts' records ------------------------------------------------------------
+
+    def _index_parts(self) -> Path:
+        """Each data file's record, made at the first open (the files fetched, opened, and
+        evicted as the limit needs): the directory of the records."""
+        files = listing(self.cache)
+        if "index.json" not in files:
+            raise StoreError(f"{self.url}: no index.json; not {self.local.description}")
+        digest = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16]
+        self.home = Path(f"parts-{digest}")
+        home = self.cache.dir / self.home
+        home.mkdir(exist_ok=True)
+        if not (home / "index.json").exists():
+            write_text_atomic(home / "index.json", self.cache.fresh("index.json").decode())
+            self.cache.record(home / "index.json")  # (small files count toward the limit too)
+        try:
+            index = json.loads((home / "index.json").read_text())
+            entries = index[PARTED[self.local.format]]
+        except (ValueError, KeyError, TypeError):
+            raise StoreError(f"{self.url}/index.json: not a readable {self.local.description} index") from None
+        self._parts = [_Part(self, k, index, entry, files) for k, entry in enumerate(entries)]
+        todo = [p for p in self._parts if not p.indexed()]
+        if todo:
+            from tqdm.auto import tqdm
+
+            limit, largest = self.cache.limit, max(p.size for p in self._parts)
+            if limit is not None and largest > limit:
+                raise StoreError(f"{self.url}: its data file of {largest} bytes cannot fit cache_limit {limit}; "
+                                 "raise it")
+            threads = INDEXING_THREADS if limit is None else max(1, min(INDEXING_THREADS, limit // largest // 2))
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+                    tqdm(total=len(todo), desc=f"index {self.url}", unit="file", disable=None, leave=False) as bar:
+                for _ in pool.map(_Part.index, todo):
+                    bar.update()
+        return home
+
+    def _open(self, **options) -> None:
+        records = [p.record() for p in self._parts]
+        dtypes = {str(r["dtype"]) for r in records}
+        self.dtype = np.dtype(self._one_dtype(dtypes, "its data files"))
+        self._files = [p.local for p in self._parts]
+        self._file_docs = [len(r["offsets"]) - 1 for r in records]
+        self._offsets = join_offsets([r["offsets"] for r in records])
+        starts, array, base, self._first_array = [], [], [], [0]
+        for r, at in zip(records, self._offsets[np.cumsum([0] + self._file_docs[:-1])]):
+            starts.append(r["starts"][:-1] + at)
+            array.append(r["array"] + self._first_array[-1])
+            base.append(r["base"])
+            self._first_array.append(self._first_array[-1] + int(r["arrays"]))
+        starts.append(self._offsets[-1:])
+        self._pieces = tuple(np.concatenate(x).astype(np.int64) for x in (starts, array, base))
+        self._arrays = [checks.empty_tokens(self.dtype)] * self._first_array[-1]
+        self._fingerprint = self._parts_fingerprint(records)
+        self._keep: frozenset = frozenset()
+
+    def _parts_fingerprint(self, records) -> str:
+        """The local reader's fingerprint of the same files (`TokenStore._fingerprint_files`),
+        from the records: a state saved over the local copy resumes here."""
+        index_print = checks.content_fingerprint(self.path / "index.json", self._full)
+        extra = index_print
+        if self.format == "mds":
+            from forge_grain.stores.mds import _default_field
+
+            field = self._local_options.get("token_field") or _default_field(
+                self.path / "index.json", json.loads((self.path / "index.json").read_text())["shards"][0])
+            extra = [field, index_print]
+        parts = [[p.local.name, p.fingerprint(r, self._full)] for p, r in zip(self._parts, records)]
+        digest = hashlib.sha256(json.dumps([self.format, str(self.dtype), self.eos_id, self.bos_id, self.vocab_size,
+                                            parts, extra]).encode())
+        digest.update(np.ascontiguousarray(self._offsets).view(np.uint8))
+        return digest.hexdigest()[:16]
+
+    def _validate(self) -> None:
+        """Each file was checked by the local reader when its record was made."""
+
+    def _verify_files(self) -> None:
+        """Each file's own checksums (MDS records them), each file fetched for it."""
+        for part in self._parts:
+            part.open()._verify_files()
+
+    # -- reading: files fetched as needed --------------------------------------------------------
+
+    @per_process
+    def _opened(self) -> dict:
+        """The token arrays of the parts this process has mapped, by part."""
+        return {}
+
+    @per_process
+    def _lock(self):
+        return threading.Lock()
+
+    @per_process
+    def _pool(self):
+        return concurrent.futures.ThreadPoolExecutor(INDEXING_THREADS, thread_name_prefix="forge-grain-part")
+
+    @per_process
+    def _pending(self) -> dict:
+        return {}
+
+    def _array(self, k: int) -> np.ndarray:
+        p = int(np.searchsorted(self._first_array, k, side="right") - 1)
+        with self._lock:
+            arrays, future = self._opened.get(p), self._pending.pop(p, None)
+        if arrays is None:
+            if future is not None:
+                future.result()  # a failed prefetch raises here, naming the object
+            arrays = self._parts[p].open(self._keep)._arrays  # (maps that outlive their store object)
+            with self._lock:
+                self._opened[p] = arrays
+        return arrays[k - self._first_array[p]]
+
+    def prefetch(self, needed) -> None:
+        """Fetch the files holding token arrays `needed` (in reading order) in the background,
+        as far as half the cache holds (further hints would evict each other); files no
+        longer hinted are closed, so eviction frees their space."""
+        parts = list(dict.fromkeys(int(np.searchsorted(self._first_array, int(k), side="right") - 1) for k in needed))
+        if self.cache.limit is not None:
+            total, kept = 0, []
+            for p in parts:
+                total += self._parts[p].size
+                if kept and total > self.cache.limit // 2:
+                    break
+                kept.append(p)
+            parts = kept
+        with self._lock:
+            self._keep = frozenset(self._parts[p].copy for p in parts)
+            for p in [p for p in self._opened if p not in parts]:
+                del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
+            for p in parts:
+                if p not in self._opened and p not in self._pending:
+                    self._pending[p] = self._pool.submit(self._parts[p].fetch, self._keep, True,
+                                                         self.cache.requests.job())
+
+    def close(self) -> None:
+        super().close()
+        self._opened.clear()
+        pool = Parted._pool.made(self)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def __reduce__(self):
+        return (_reopen_parted, (self.format, self.url, self._options, str(self.home)))
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
+
+
+class _Part:
+    """One data file of a parted dataset: its copy in the cache, its one-file dataset
+    directory (an index.json listing only it), and its record."""
+
+    def __init__(self, owner: Parted, k: int, index: dict, entry: dict, files: dict):
+        self.owner, self.k = owner, k
+        key = PARTED[owner.local.format]
+        self.name = entry.get("filename") or (entry.get("raw_data") or {}).get("basename")
+        if not self.name or self.name not in files:
+            raise StoreError(f"{owner.url}/index.json: data file {k} ({self.name or entry}) is not at the URL (a "
+                             "missing file, or only a compressed one): with cache_limit a dataset is read a raw data "
+                             "file at a time; open it without cache_limit (copied whole), or prepare a forge-grain "
+                             "store from it")
+        self.size = files[self.name][0]
+        self.dir = owner.cache.dir / owner.home / f"part-{k:05d}"
+        self.copy = f"{owner.home}/part-{k:05d}/{self.name}"
+        self.local = self.dir / self.name
+        self._index = {**index, key: [entry]}
+
+    def indexed(self) -> bool:
+        return (self.dir / "part.npz").exists()
+
+    def record(self) -> dict:
+        with np.load(self.dir / "part.npz") as r:
+            return {k: r[k] for k in r.files}
+
+    def fingerprint(self, record: dict, full: bool) -> str:
+        """The file's content fingerprint, as the local reader takes it (a full one made now, from
+        the file, if the record was made without)."""
+        if not full:
+            return str(record["sampled"])
+        if not str(record["full"]):
+            self.open()
+            return checks.content_fingerprint(self.local, True)
+        return str(record["full"])
+
+    def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
+        c = self.owner.cache
+        return c.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job)
+
+    def open(self, keep=frozenset()) -> TokenStore:
+        """The local reader over this file, fetched first if the cache lacks it (again if it was
+        evicted between its fetch and its opening)."""
+        for attempt in range(4):
+            self.fetch(keep)
+            if not (self.dir / "index.json").exists():
+                write_text_atomic(self.dir / "index.json", json.dumps(self._index))
+                self.owner.cache.record(self.dir / "index.json")
+            try:
+                store = self.owner.local(self.dir, **self.owner._local_options)
+            except (FileNotFoundError, StoreError):
+                if self.local.exists() or attempt == 3:
+                    raise
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.local)  # recently used: evicted last
+            return store
+
+    def index(self) -> None:
+        """The record of this file: what its local reader found, kept beside it."""
+        store = self.open()
+        starts, array, base = (store._pieces if store._pieces is not None else _one_run_each(store._arrays))
+        record = dict(offsets=store._offsets, starts=starts, array=array, base=base, arrays=len(store._arrays),
+                      dtype=str(store.dtype), sampled=checks.content_fingerprint(self.local),
+                      full=checks.content_fingerprint(self.local, True) if self.owner._full else "")
+        store.close()
+        tmp = temporary(self.dir / "part.npz")
+        with open(tmp, "wb") as f:
+            np.savez(f, **record)
+        os.replace(tmp, self.dir / "part.npz")
+        self.owner.cache.record(self.dir / "part.npz")
+
+
+def _one_run_each(arrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    sizes = [len(a) for a in arrays]
+    return (np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), np.arange(len(sizes), dtype=np.int64),
+            np.zeros(len(sizes), np.int64))
+
+
+def _reopen_parted(format, url, options, home=None):
+    """The dataset at `url` opened again in another process (a spawned DataLoader worker), only
+    if it is still the one the pipeline opened (its listing names the same records)."""
+    from forge_grain.stores.remote import changed_under
+
+    store = TokenStore.open(url, **{**options, "format": format})
+    if home is not None and str(store.home) != home:
+        raise changed_under(url)
+    return store
