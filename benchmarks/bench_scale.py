@@ -221,6 +221,9 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
             chunk_docs = max(1, round(num_docs / shards * per_chunk))
             got = forge_grain_epoch(config(src, chunk_docs))
             readers = {"forge-grain, defaults": (got["rate"], got["first"], f"idle {got['idle']:.0%}")}
+            src["object_cache"] = str(work / f"objects-{shards}-t0")  # (downloaded afresh)
+            got = forge_grain_epoch(config(src, chunk_docs), num_threads=0)
+            readers["forge-grain, num_threads=0"] = (got["rate"], got["first"], f"idle {got['idle']:.0%}")
             disk = forge_grain_epoch(config(dict(name="web", path=str(local), shuffle_window=1), chunk_docs))
             readers["forge-grain, local disk"] = (disk["rate"], disk["first"], "the same pipeline, no network: "
                                                   f"what this machine's CPU allows, idle {disk['idle']:.0%}")
