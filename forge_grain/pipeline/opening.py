@@ -36,17 +36,19 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
     c = config
     remote = any("://" in str(s.path or "") for s in c.sources)
     warming = warm_up() if remote else None  # numba set up while the stores open over the network
-    seeds = [source_seed(c.seed, s.name) for s in c.sources]
-    keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs, c.max_segments_per_row)
-            for s, seed in zip(c.sources, seeds)]
-    records = SourceRecords(keys, cache_dir) if any(k is not None for k in keys) else None
-    opened = [open_source(s, c.seq_len, seed, shard_index, shard_count, cache_dir, c.plan_chunk_docs, plan_workers,
-                          records, key, c.max_segments_per_row, layout, tokenize_threads, progress)
-              for s, seed, key in zip(c.sources, seeds, keys)]
-    if records is not None:
-        records.save()
-    if warming is not None:
-        warming.join()
+    try:
+        seeds = [source_seed(c.seed, s.name) for s in c.sources]
+        keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs, c.max_segments_per_row)
+                for s, seed in zip(c.sources, seeds)]
+        records = SourceRecords(keys, cache_dir) if any(k is not None for k in keys) else None
+        opened = [open_source(s, c.seq_len, seed, shard_index, shard_count, cache_dir, c.plan_chunk_docs,
+                              plan_workers, records, key, c.max_segments_per_row, layout, tokenize_threads, progress)
+                  for s, seed, key in zip(c.sources, seeds, keys)]
+        if records is not None:
+            records.save()
+    finally:
+        if warming is not None:  # (also when an open fails: no thread outlives the build)
+            warming.join()
     return opened
 
 

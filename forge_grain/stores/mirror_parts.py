@@ -96,7 +96,7 @@ class Parted(TokenStore):
         if todo:
             from tqdm.auto import tqdm
 
-            limit, largest = self.cache.limit, max(p.size for p in self._parts)
+            limit, largest = self.cache.limit, max(p.size for p in self._parts)  # (todo: at least one part)
             if limit is not None and largest > limit:
                 raise StoreError(f"{self.url}: its data file of {largest} bytes cannot fit cache_limit {limit}; "
                                  "raise it")

@@ -50,7 +50,7 @@ class RemoteStore(NativeStore):
     Options besides `NativeStore`'s: `storage_options` (for fsspec: credentials,
     `endpoint_url`, ...), `object_cache` (the cache directory; default
     `$FORGE_GRAIN_CACHE/objects`), `cache_limit` (bytes; default unbounded) and
-    `fetch_threads` (ranged reads in flight; default: as many as the link gives, from 8
+    `fetch_threads` (ranged reads in flight; default: as many as the link gives, from 16
     doubling while the throughput grows, up to 64).
     """
 
