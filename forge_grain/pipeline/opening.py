@@ -20,6 +20,7 @@ import weakref
 import numpy as np
 
 from forge_grain.packing.kernels.cache import warm_up
+from forge_grain.paths import is_url
 from forge_grain.pipeline.config import DataConfig
 from forge_grain.processes import EXITING, stop_at_exit
 from forge_grain.sources.deferred import SourceRecords, source_key
@@ -34,7 +35,7 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
     """Each source's packed rows; stored sources whose files match their record are
     deferred (opened when first read; see `forge_grain.sources.deferred`)."""
     c = config
-    remote = any("://" in str(s.path or "") for s in c.sources)
+    remote = any(s.path is not None and is_url(s.path) for s in c.sources)
     warming = warm_up() if remote else None  # numba set up while the stores open over the network
     try:
         seeds = [source_seed(c.seed, s.name) for s in c.sources]

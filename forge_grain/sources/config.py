@@ -201,7 +201,7 @@ class SourceConfig:
 
     fetch_threads: int | None = None
     """A `path` in object storage: ranged reads in flight at once, taken in order of need.
-    Default: as many as the link gives: 8 to start, doubled while the throughput grows with
+    Default: as many as the link gives: 16 to start, doubled while the throughput grows with
     them, up to 64 (a far region, tens of milliseconds to the first byte, needs many; a link
     already full gains nothing). A number fixes it; each read holds at most 8 MiB.
     Example: fetch_threads = 32"""

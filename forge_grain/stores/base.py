@@ -170,7 +170,12 @@ class TokenStore:
 
     def _fingerprint_files(self, extra) -> str:
         """The fingerprint of data files and what the format read from them (`extra`)."""
-        parts = [[f.name, checks.content_fingerprint(f, full=self._full)] for f in self._files]
+        return self._fingerprint_of([[f.name, checks.content_fingerprint(f, full=self._full)] for f in self._files],
+                                    extra)
+
+    def _fingerprint_of(self, parts: list, extra) -> str:
+        """The fingerprint of data files given as [name, content fingerprint] pairs (a store
+        whose files are not all at hand keeps their fingerprints), and `extra`."""
         digest = hashlib.sha256(json.dumps([self.format, str(self.dtype), self.eos_id, self.bos_id, self.vocab_size,
                                             parts, extra]).encode())
         digest.update(np.ascontiguousarray(self._offsets).view(np.uint8))

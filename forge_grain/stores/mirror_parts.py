@@ -36,7 +36,7 @@ from forge_grain.processes import per_process
 from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
 from forge_grain.stores.manifest import temporary, write_text_atomic
-from forge_grain.stores.object_cache import ObjectCache
+from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import listing
 
 PARTED = {"litdata": "chunks", "mds": "shards"}  # format -> the index.json list naming its data files
@@ -137,11 +137,8 @@ class Parted(TokenStore):
             field = self._local_options.get("token_field") or _default_field(
                 self.path / "index.json", json.loads((self.path / "index.json").read_text())["shards"][0])
             extra = [field, index_print]
-        parts = [[p.local.name, p.fingerprint(r, self._full)] for p, r in zip(self._parts, records)]
-        digest = hashlib.sha256(json.dumps([self.format, str(self.dtype), self.eos_id, self.bos_id, self.vocab_size,
-                                            parts, extra]).encode())
-        digest.update(np.ascontiguousarray(self._offsets).view(np.uint8))
-        return digest.hexdigest()[:16]
+        return self._fingerprint_of([[p.local.name, p.fingerprint(r, self._full)]
+                                     for p, r in zip(self._parts, records)], extra)
 
     def _validate(self) -> None:
         """Each file was checked by the local reader when its record was made."""
@@ -184,17 +181,10 @@ class Parted(TokenStore):
 
     def prefetch(self, needed) -> None:
         """Fetch the files holding token arrays `needed` (in reading order) in the background,
-        as far as half the cache holds (further hints would evict each other); files no
-        longer hinted are closed, so eviction frees their space."""
-        parts = list(dict.fromkeys(int(np.searchsorted(self._first_array, int(k), side="right") - 1) for k in needed))
-        if self.cache.limit is not None:
-            total, kept = 0, []
-            for p in parts:
-                total += self._parts[p].size
-                if kept and total > self.cache.limit // 2:
-                    break
-                kept.append(p)
-            parts = kept
+        as many as the cache holds ahead (`within_cache`); files no longer hinted are
+        unmapped, so eviction frees their space."""
+        first = np.searchsorted(self._first_array, np.asarray(needed, np.int64), side="right") - 1
+        parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.limit)
         with self._lock:
             self._keep = frozenset(self._parts[p].copy for p in parts)
             for p in [p for p in self._opened if p not in parts]:
@@ -279,8 +269,9 @@ class _Part:
     def index(self) -> None:
         """The record of this file: what its local reader found, kept beside it."""
         store = self.open()
-        starts, array, base = (store._pieces if store._pieces is not None else _one_run_each(store._arrays))
-        record = dict(offsets=store._offsets, starts=starts, array=array, base=base, arrays=len(store._arrays),
+        runs = store._runs  # (where its tokens are: what the composite's runs are made of)
+        record = dict(offsets=store._offsets, starts=runs.starts, array=runs.array, base=runs.base,
+                      arrays=len(store._arrays),
                       dtype=str(store.dtype), sampled=checks.content_fingerprint(self.local),
                       full=checks.content_fingerprint(self.local, True) if self.owner._full else "")
         store.close()
@@ -289,12 +280,6 @@ class _Part:
             np.savez(f, **record)
         os.replace(tmp, self.dir / "part.npz")
         self.owner.cache.record(self.dir / "part.npz")
-
-
-def _one_run_each(arrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    sizes = [len(a) for a in arrays]
-    return (np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), np.arange(len(sizes), dtype=np.int64),
-            np.zeros(len(sizes), np.int64))
 
 
 def _reopen_parted(format, url, options, home=None):

@@ -40,6 +40,23 @@ SPLIT = 8
 EVICTABLE = (".bin", ".array_record", ".mds")  # data files (shards, LitData chunks, MDS shards); indices stay
 
 
+def within_cache(needed: list, size_of, limit: int | None) -> list:
+    """The head of `needed` (objects in reading order) worth fetching ahead into a cache of
+    `limit` bytes: cut where they would fill half the cache (objects hinted further ahead
+    would evict each other's, or other processes', before they are read), but keeping the one
+    read next along with the one read now wherever the two fit the limit (with one alone,
+    every object boundary waited for a download)."""
+    if limit is None:
+        return needed
+    total, kept = 0, []
+    for k in needed:
+        total += size_of(k)
+        if kept and total > limit // 2 and (len(kept) >= 2 or total > limit):
+            break
+        kept.append(k)
+    return kept
+
+
 class ObjectCache(RemoteDir):
     """Local copies of one remote directory's files, shared by the processes of a host."""
 
@@ -203,8 +220,8 @@ class ObjectCache(RemoteDir):
         walked = False
         while True:
             with self._accounting():
-                files = self.ledger.sync()
-                used = sum(files.values())
+                self.ledger.sync()
+                used = self.ledger.used()
                 if used + size > self.limit:
                     used -= self._evict(used + size - self.limit, upcoming, ahead)
                 if used + size <= self.limit:

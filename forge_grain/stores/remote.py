@@ -36,7 +36,7 @@ from forge_grain.stores.manifest import (
     MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index, temporary,
 )
 from forge_grain.stores.native import NativeStore
-from forge_grain.stores.object_cache import ObjectCache
+from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.request_pool import START
 
 OBJECTS = 64  # shards downloading at once ahead of need (each waits on its parts' reads): FETCH_SHARDS
@@ -180,20 +180,10 @@ class RemoteStore(NativeStore):
     def prefetch(self, needed) -> None:
         """Download shards `needed` (in the order the next steps read them) in the background,
         first needed first; until the next hint, eviction spares them. With `cache_limit`, the
-        hint is cut where the shards would fill half the cache (shards hinted further ahead
-        would evict each other's, or other processes', before they are read), but keeps the
-        shard read next along with the one read now wherever the two fit the limit: with one
-        alone, every shard boundary waited for a download. Maps of shards no longer needed are
-        dropped, so evicted files free their space."""
-        needed = list(dict.fromkeys(int(k) for k in needed))
-        if self.cache.limit is not None:
-            total, kept = 0, []
-            for k in needed:
-                total += self.manifest.shards[k].num_tokens * self.dtype.itemsize
-                if kept and total > self.cache.limit // 2 and (len(kept) >= 2 or total > self.cache.limit):
-                    break
-                kept.append(k)
-            needed = kept
+        hint is cut to what the cache holds ahead (`within_cache`). Maps of shards no longer
+        needed are dropped, so evicted files free their space."""
+        needed = within_cache(list(dict.fromkeys(int(k) for k in needed)),
+                              lambda k: self.manifest.shards[k].num_tokens * self.dtype.itemsize, self.cache.limit)
         with self._lock:
             self._keep = frozenset(self._name(k) for k in needed)
             for k in [k for k in self._mapped if k not in set(needed)]:
