@@ -892,6 +892,29 @@ def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path,
     assert len(data_gets) <= 1, data_gets  # the last document's file, unless it was still cached
 
 
+def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s3, peers):
+    """With cache_limit (a file at a time) what is refused on disk is refused too, naming the
+    object in the bucket: a declared dtype the data disagrees with, a shard cut short, and a
+    file that is not what index.json says (a Parquet file in place of a LitData chunk)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs, limit = s3.fs(), 10**6
+    opts = dict(storage_options=s3.options(), cache_limit=limit)
+    with pytest.raises(StoreError, match="s3://peers/mds/.*int32.*uint16|s3://peers/mds/.*uint16.*int32"):
+        TokenStore.open("s3://peers/mds", dtype="uint16", object_cache=str(tmp_path / "a"), **opts)
+    fs.put(str(peers["mds"]), "peers/mds-cut-parted", recursive=True)
+    shard = sorted(f for f in fs.ls("peers/mds-cut-parted") if f.endswith(".mds"))[0]
+    fs.pipe_file(shard, fs.cat_file(shard)[:-3])
+    with pytest.raises(StoreError, match="s3://peers/mds-cut-parted/shard.*truncated"):
+        TokenStore.open("s3://peers/mds-cut-parted", object_cache=str(tmp_path / "b"), **opts)
+    fs.put(str(peers["litdata"]), "peers/litdata-parquet", recursive=True)
+    pq.write_table(pa.table({"text": ["a document"] * 50}), tmp_path / "part.parquet")
+    fs.put_file(str(tmp_path / "part.parquet"), "peers/litdata-parquet/chunk-0-1.bin")
+    with pytest.raises(StoreError, match="s3://peers/litdata-parquet/chunk-0-1.bin"):
+        TokenStore.open("s3://peers/litdata-parquet", object_cache=str(tmp_path / "c"), **opts)
+
+
 def test_a_peer_dataset_rewritten_in_object_storage_is_copied_again(tmp_path, s3, peers):
     """The copy is named by the listing: replacing a shard in place is never read from a stale copy."""
     from mds_writer import write_mds

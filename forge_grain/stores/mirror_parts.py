@@ -258,9 +258,13 @@ class _Part:
                 self.owner.cache.record(self.dir / "index.json")
             try:
                 store = self.owner.local(self.dir, **self.owner._local_options)
-            except (FileNotFoundError, StoreError):
+            except FileNotFoundError:
                 if self.local.exists() or attempt == 3:
                     raise
+                continue
+            except StoreError as e:
+                if self.local.exists() or attempt == 3:  # named as the object, not its copy in the cache
+                    raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self.local)  # recently used: evicted last
