@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SLOW, store
+from conftest import SLOW, make_texts, store, write_jsonl
 
 olmo_core = pytest.importorskip("olmo_core")
 import torch  # noqa: E402
@@ -26,7 +26,7 @@ from olmo_core.data.data_loader import TextDataLoaderBase  # noqa: E402
 from olmo_core.data.utils import get_cumulative_document_lengths, get_labels  # noqa: E402
 
 from bridges.olmo import ForgeGrainDataLoader, ForgeGrainDataLoaderConfig, olmo_batch  # noqa: E402
-from forge_grain import DataConfig, Pipeline, StateError  # noqa: E402
+from forge_grain import DataConfig, Pipeline, StateError, prepare  # noqa: E402
 from forge_grain.packing.varlen import varlen  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -122,6 +122,33 @@ def test_a_state_resumes_mid_epoch_on_another_rank_count(small, tmp_path):
     assert one.batches_processed == 5 and one.tokens_processed == 5 * 512
     p = Pipeline(DataConfig.from_toml(small), 0, 1, num_threads=0)
     assert [digest(b) for b in one] == [digest(olmo_batch(p.batch(s), False)) for s in range(n + 5, 2 * n)]
+
+
+def test_a_mixture_with_a_streaming_source_resumes_mid_epoch(tmp_path):
+    """The state carries the streams' positions: a new loader continues them exactly."""
+    web = prepare(write_jsonl(tmp_path / "web.jsonl", make_texts(120, seed=1)), tmp_path / "web", progress=False)
+    files = [str(write_jsonl(tmp_path / f"s{i}.jsonl", make_texts(60, seed=5 + i))) for i in range(2)]
+    cfg = DataConfig(sources=[dict(name="web", path=str(web), weight=0.5),
+                              dict(name="stream", hf_dataset="json", hf_data_files=files, hf_streaming=True, window=20,
+                                   weight=0.5)],
+                     seq_len=32, global_batch_size=8, seed=4, num_epochs=2, canonical_streams=4, canonical_workers=2)
+    first = ForgeGrainDataLoader(cfg, work_dir=tmp_path, dp_world_size=1, dp_rank=0, cache_dir=tmp_path / "cache")
+    first.reshuffle(1)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["forge_grain"]["streams"]  # the streams' positions, not only a step
+    again = ForgeGrainDataLoader(cfg, work_dir=tmp_path, dp_world_size=1, dp_rank=0, cache_dir=tmp_path / "cache")
+    again.load_state_dict(state)
+    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    want = [digest(olmo_batch(p.batch(s), False)) for s in range(p.num_steps)]
+    got = []
+    for epoch in (1, 2):
+        again.reshuffle(epoch)
+        got += [digest(b) for b in again]
+        again.reset()
+    assert got == want[3:]
 
 
 def test_what_it_cannot_do_is_said(small, tmp_path):

@@ -17,6 +17,9 @@ from forge_grain.moved import BECAME_PACKAGES, MOVED
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED = ("README.md", "docs/*.md", "examples/*.py")
+# frameworks a documented import needs that the test environment does not hold (torchtitan's
+# pins conflict with it: tests/test_torchtitan.py runs it in an environment of its own)
+ELSEWHERE = {"torchtitan"}
 
 
 def documented_imports() -> list[str]:
@@ -38,6 +41,10 @@ def test_every_documented_import_works_without_a_warning(line):
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)
             exec(line, {})
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in ELSEWHERE:
+            raise
+        pytest.skip(f"{line}: needs {e.name}, tested in its own environment")
     finally:
         sys.path.remove(str(ROOT))
 
