@@ -17,7 +17,7 @@ import grain
 import jax
 import numpy as np
 
-from forge_grain import Pipeline
+from forge_grain import ConfigError, Pipeline
 from forge_grain.packing.varlen import doc_lens
 
 ARRAY_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop", "source_id")
@@ -128,11 +128,36 @@ class JaxIterator(grain.DatasetIterator):
     def get_state(self) -> dict:
         return self.pipeline.state_at(self._consumed)
 
+    def set_weights(self, weights, at_step: int | None = None) -> None:
+        """Mix with `weights` from step `at_step` on (default: the next batch this returns; see
+        `PipelineIterator.set_weights`). Batches already on the devices for steps from
+        `at_step` on are made again."""
+        at = self._consumed if at_step is None else at_step
+        if isinstance(at, int) and not isinstance(at, bool) and self._consumed <= at < self._host.step:
+            self._host.set_state(self.pipeline.state_at(at))  # made ahead with the old weights: again
+            self._queue = collections.deque((s, b) for s, b in self._queue if s < at)
+        elif isinstance(at, int) and not isinstance(at, bool) and at < self._consumed:
+            raise ConfigError(f"set_weights at step {at}: step {self._consumed - 1} was already returned")
+        self._host.set_weights(weights, at)
+        self.pipeline = self._host.pipeline
+
     def set_state(self, state: dict) -> None:
         self._host.set_state(state)
+        self.pipeline = self._host.pipeline  # (rebuilt for a state with weights set live)
         self._queue.clear()
         self._consumed = self._host.step
 
     def close(self) -> None:
         self._host.close()
         self._queue.clear()
+
+
+def source_losses(token_losses, source_id, loss_mask, num_sources: int):
+    """Each source's mean loss over the batch's trained tokens ([num_sources], NaN where a
+    source has none), jittable; see `forge_grain.pipeline.live.source_losses`."""
+    import jax.numpy as jnp
+
+    mask = loss_mask.astype(token_losses.dtype)
+    total = jax.ops.segment_sum((token_losses * mask).sum(axis=1), source_id, num_segments=num_sources)
+    count = jax.ops.segment_sum(mask.sum(axis=1), source_id, num_segments=num_sources)
+    return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)

@@ -47,6 +47,7 @@ from forge_grain import DataConfig, Pipeline, StateError, merge_states
 from forge_grain.locks import file_lock
 from forge_grain.sources.streaming import START
 from forge_grain.packing.varlen import varlen
+from forge_grain.pipeline.live import adopting
 from forge_grain.processes import exit_with_parent
 
 from bridges.torch_slots import worker_ring
@@ -143,6 +144,8 @@ class GrainIterableDataset(IterableDataset):
         self._next_step: int | None = None  # next step this process will produce
         self._end = 0  # the end of the pass it is making
         self._num_workers = 1
+        self._changes = 0  # live weight changes this copy of the pipeline has made (`set_weights`)
+        self._last_made: int | None = None
 
     @property
     def num_steps(self) -> int | None:
@@ -209,6 +212,8 @@ class GrainIterableDataset(IterableDataset):
         state, self._resume = self._resume, None
         posted = self._channel.take(W)
         state = state if posted is None else posted
+        if posted is not None:  # (a persistent worker made before a state with weights set live was loaded)
+            self.pipeline = adopting(self.pipeline, posted)
         streams = None
         if state is None:
             start = self._pass_start()
@@ -243,8 +248,11 @@ class GrainIterableDataset(IterableDataset):
         self._num_workers = W
         step, end = self._first_step(w, W)
         self._next_step, self._end = step, end
+        self._last_made = None  # the last step this process made in this pass
         while step < end:
+            self._apply_changes(step)
             batch = self._tensors(self.pipeline.batch(step))
+            self._last_made = step
             if self.pipeline.streams:  # where this worker's streams are now, for the tracker
                 batch["stream_states"] = _encode(self.pipeline.stream_positions(step + W))
             step += W
@@ -260,6 +268,30 @@ class GrainIterableDataset(IterableDataset):
         if self.pipeline.streams and end < self.pipeline.step_limit:
             # the pass is done here: hand this process's streams to whichever processes start the next
             self._channel.hand_over(end, self.pipeline.stream_positions(step))
+
+    def set_weights(self, weights, at_step: int) -> None:
+        """Mix with `weights` (by source name, or a list in source order) from global step
+        `at_step` on, without repeating or skipping a row (`Pipeline.with_weights`). Every rank
+        calls it with the same arguments (the tracker's state then checks that they did).
+        DataLoader workers make batches ahead: with workers, give a step past those already
+        made (the steps in flight: about num_workers × prefetch_factor past the last batch
+        consumed); a worker that made step `at_step` with the old weights raises an error
+        naming both steps."""
+        if self._last_made is not None and isinstance(at_step, int) and at_step <= self._last_made:
+            raise StateError(f"set_weights at step {at_step}: step {self._last_made} was already made")
+        self.pipeline = self.pipeline.with_weights(weights, at_step)
+        self._changes = self._channel.add_change(at_step, self.pipeline._live)
+
+    def _apply_changes(self, step: int) -> None:
+        """Make the weight changes posted since this copy last looked (a worker's copy)."""
+        changes = self._channel.changes()
+        for at_step, weights in changes[self._changes:]:
+            if self._last_made is not None and at_step <= self._last_made:
+                raise StateError(f"set_weights(at_step={at_step}) reached a DataLoader worker after it made step "
+                                 f"{self._last_made} with the old weights: change the weights at a step past the "
+                                 "batches in flight (num_workers × prefetch_factor past the last one consumed)")
+            self.pipeline = self.pipeline.with_weights(weights, at_step)
+        self._changes = len(changes)
 
     @staticmethod
     def _sent(batch: dict, growth: float = 1.0) -> dict:
@@ -316,6 +348,7 @@ class GrainIterableDataset(IterableDataset):
             self.pipeline.check_state({**inner, "step": step})  # types, range, streams
             self._resume = dict(state)
         else:
+            self.pipeline = adopting(self.pipeline, state)  # a state with weights set live
             self.pipeline.check_state(state)
             self._channel.post({**state, "kind": "global"})
         self._next_step = None
@@ -385,6 +418,17 @@ class ResumeChannel:
             return None
         return posted["state"]
 
+    def add_change(self, at_step: int, weights: dict) -> int:
+        """Record a live weight change for every process; the number of changes now."""
+        with file_lock(self.dir / "lock"):
+            changes = self._read("changes.json", []) + [[at_step, weights]]
+            self._write("changes.json", changes)
+        return len(changes)
+
+    def changes(self) -> list:
+        """The live weight changes, in the order they were made (a file replaced whole: no lock)."""
+        return self._read("changes.json", [])
+
     def _read(self, name: str, default):
         try:
             return json.loads((self.dir / name).read_text())
@@ -417,7 +461,8 @@ class StepTracker:
     carries those of the streams its worker read (`stream_states`, JSON as a uint8 tensor), and `state_dict()`
     joins the ranks' (`all_gather_object`, when torch.distributed is initialized), so the
     state resumes on any world size dividing `canonical_streams` and any worker count
-    dividing `canonical_workers`.
+    dividing `canonical_workers`. After `set_weights`, `state_dict()` is a collective too: it
+    checks that every rank made the same changes.
     """
 
     def __init__(self, dataset: GrainIterableDataset):
@@ -437,7 +482,10 @@ class StepTracker:
     def state_dict(self) -> dict:
         p = self.dataset.pipeline
         if not p.streams:
-            return p.state_at(self.next_step)
+            state = p.state_at(self.next_step)
+            if "live" in state["config"]:  # weights set live: every rank must have made the same changes
+                _check_same_on_every_rank(state["fingerprint"])
+            return state
         state = p.make_state(self.next_step, [dict(s) for s in self._streams])
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -456,6 +504,32 @@ class StepTracker:
             owned = {str(c) for c in p.layout.owned(p.shard_index, p.shard_count)}
             self._streams = [{c: st for c, st in per.items() if c in owned} for per in state["streams"]]
         self.dataset.load_state_dict(state)
+
+
+def source_losses(token_losses: torch.Tensor, source_id: torch.Tensor, loss_mask: torch.Tensor,
+                  num_sources: int) -> torch.Tensor:
+    """Each source's mean loss over the batch's trained tokens ([num_sources], NaN where a
+    source has none), on the losses' device; see `forge_grain.pipeline.live.source_losses`.
+    Under data parallelism, all-reduce the sums instead: this is one rank's batch."""
+    mask = loss_mask.to(token_losses.dtype)
+    ids = source_id.to(token_losses.device).long()
+    total = torch.zeros(num_sources, dtype=token_losses.dtype, device=token_losses.device)
+    count = torch.zeros_like(total)
+    total.index_add_(0, ids, (token_losses * mask).sum(dim=1))
+    count.index_add_(0, ids, mask.sum(dim=1))
+    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan")))
+
+
+def _check_same_on_every_rank(fingerprint: str) -> None:
+    """A StateError on every rank when the ranks' pipelines differ (a collective)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        prints = [None] * dist.get_world_size()
+        dist.all_gather_object(prints, fingerprint)
+        differ = [r for r, f in enumerate(prints) if f != prints[0]]
+        if differ:
+            raise StateError(f"ranks {differ} set other weights than rank 0 (set_weights must be called with the "
+                             "same arguments on every rank): their batches follow no single mixture")
 
 
 class DeviceLoader:

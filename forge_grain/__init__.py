@@ -39,6 +39,7 @@ _LAZY = {
     "StateError": "errors",
     "StepError": "errors",
     "merge_states": "pipeline.states",
+    "source_losses": "pipeline.live",
 }
 
 MODULES = {"checkpoint": "pipeline.checkpoint", "absl_flags": "absl_flags"}

@@ -193,6 +193,7 @@ def _steps(text: str) -> range:
 def _recorded_pipeline(a, rank: int = 0, world_size: int = 1):
     """The pipeline of a config (and of a saved state, for streaming sources and mixture changes)."""
     from forge_grain.pipeline.config import DataConfig
+    from forge_grain.pipeline.live import saved_live
     from forge_grain.pipeline.pipeline import Pipeline
 
     path, state = a.state or (None, None)  # (read by `_state_file`)
@@ -200,8 +201,10 @@ def _recorded_pipeline(a, rank: int = 0, world_size: int = 1):
     with warnings.catch_warnings():  # a state of another config: the run resumed it with a change
         warnings.simplefilter("ignore")
         try:
+            # weights set live are in the state: a plain resume of it rebuilds the run (`pipeline.live`)
+            change = state is not None and saved_live(state) is None
             return Pipeline(config, rank, world_size, num_threads=0, resume_from=state,
-                            allow_mixture_change=state is not None, allow_batch_size_change=state is not None), state
+                            allow_mixture_change=change, allow_batch_size_change=state is not None), state
         except StateError as e:
             raise StateError(f"--state {path}: {e}") from None
 

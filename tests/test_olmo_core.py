@@ -204,6 +204,10 @@ def test_olmo_core_trainer_killed_after_a_checkpoint_resumes_exactly(small, tmp_
     n = Pipeline(DataConfig.from_toml(small), 0, 1, num_threads=0).steps_per_epoch
     total, crash = 2 * n, n + 5  # the last checkpoint before the crash: step n + 4 - (n + 4) % 4
     saved = crash - crash % 4
+    if SLOW:  # the uninterrupted run trains the pipeline's batches too
+        whole = train(small, tmp_path / "whole", tmp_path / "whole")
+        assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-5000:]
+        assert records(tmp_path / "whole", 2) == expected(small, 2, total)
     first = train(small, tmp_path / "ckpt", tmp_path / "first", crash_after=crash)
     assert first.returncode != 0, "the run was to die after its checkpoint"
     got = records(tmp_path / "first", 2)

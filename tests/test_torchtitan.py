@@ -156,6 +156,9 @@ def test_torchtitan_checkpoint_killed_and_restarted_on_2_and_1_ranks(data, tmp_p
     python = titan_python()
     total = Pipeline(DataConfig.from_toml(data), 0, 1).num_steps
     crash, saved = total // 2 + 3, total // 2 + 3 - (total // 2 + 3) % 4  # a checkpoint every 4 steps
+    whole = run(python, data, tmp_path / "whole", tmp_path / "whole", ranks=2, steps=total)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-5000:]
+    assert records(tmp_path / "whole", 2) == expected(data, 2)  # the uninterrupted job: the pipeline's batches
     first = run(python, data, tmp_path / "job", tmp_path / "first", ranks=2, steps=total, crash_after=crash)
     assert first.returncode != 0, "the job was to die after its checkpoint"
     assert records(tmp_path / "first", 2) == {(s, r): h for (s, r), h in expected(data, 2).items() if s <= crash}

@@ -15,7 +15,9 @@ any later cluster size reads that one file. (Grain's own handler writes
 `process_i-of-n.json` and cannot restore on another host count.) Streaming sources have a
 position per canonical stream, and each shard knows its own: each shard also writes
 `stream-k-of-n.json`, and a restore joins them all (`merge_states`), so it resumes on any
-shard count dividing the `canonical_streams` they were saved with.
+shard count dividing the `canonical_streams` they were saved with. After weights set live
+(`set_weights`), which every shard must make alike, each shard also writes its fingerprint
+(`fingerprint-k-of-n.json`), and a restore refuses a checkpoint whose shards disagree.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def _stream_file(shard: int, count: int) -> str:
     return f"stream-{shard}-of-{count}.json"
 
 
+def _fingerprint_file(shard: int, count: int) -> str:
+    return f"fingerprint-{shard}-of-{count}.json"
+
+
 class PipelineCheckpointHandler(ocp.CheckpointHandler):
     """Orbax handler for a `PipelineIterator` or `JaxIterator` (anything with `pipeline`,
     `get_state` and `set_state`)."""
@@ -46,6 +52,9 @@ class PipelineCheckpointHandler(ocp.CheckpointHandler):
         pipeline = it.pipeline
         if "streams" in state:
             _write(directory / _stream_file(pipeline.shard_index, pipeline.shard_count), state)
+        if "live" in state["config"]:  # changed live: each shard's own change, compared at restore
+            _write(directory / _fingerprint_file(pipeline.shard_index, pipeline.shard_count),
+                   {"fingerprint": state["fingerprint"], "step": state["step"]})
         if pipeline.shard_index == 0:
             _write(directory / STATE_FILE, state)
 
@@ -53,6 +62,7 @@ class PipelineCheckpointHandler(ocp.CheckpointHandler):
         """The saved state; set into `args.iterator` when one is given."""
         it = item if item is not None else (args.iterator if args is not None else None)
         state = _read(directory / STATE_FILE)
+        _check_same_changes(directory, state)
         if "streams" in state:
             files = sorted(directory.glob("stream-*-of-*.json"))
             state = merge_states([state, *(_read(f) for f in files)])
@@ -87,6 +97,15 @@ class Restore(ocp.args.CheckpointArgs):
     """Restore a position into `iterator` (None: only return the saved state dict)."""
 
     iterator: Any = None
+
+
+def _check_same_changes(directory, state: dict) -> None:
+    """A StateError naming the shards whose live weight changes differ from shard 0's."""
+    differ = [f.name for f in sorted(directory.glob("fingerprint-*-of-*.json"))
+              if _read(f).get("fingerprint") != state.get("fingerprint")]
+    if differ:
+        raise StateError(f"{directory}: the shards of {differ} set other weights than shard 0 (set_weights must be "
+                         "called with the same arguments on every rank); this checkpoint describes no single run")
 
 
 def _write(path, state: dict) -> None:

@@ -19,6 +19,9 @@ import weakref
 import grain
 import numpy as np
 
+from forge_grain.pipeline.config import ConfigError
+from forge_grain.pipeline.live import adopting
+
 # Iterators whose worker processes are running: closed at exit, while the modules Grain's
 # finalizers use are still there (left to interpreter teardown, each shared-memory batch and
 # queue prints "Exception ignored ... AttributeError" and the workers' memory is reported leaked)
@@ -91,10 +94,25 @@ class PipelineIterator(grain.DatasetIterator):
         return self.pipeline.state_at(self._step)
 
     def set_state(self, state: dict) -> None:
+        self.pipeline = adopting(self.pipeline, state)  # a state with weights set live
         step = self.pipeline.check_state(state)
         self.close()
         self.pipeline.seek(step, state.get("streams"))
         self._step = step
+        self._fetch_first()
+
+    def set_weights(self, weights, at_step: int | None = None) -> None:
+        """Mix with `weights` (by source name, or a list in source order) from step `at_step`
+        on (default: the next batch's), without repeating or skipping a row: see
+        `Pipeline.with_weights`. Every rank must call it with the same arguments; the states
+        then record the change, and a checkpoint names ranks that made another."""
+        at = self._step if at_step is None else at_step
+        if isinstance(at, int) and not isinstance(at, bool) and at < self._step:
+            raise ConfigError(f"set_weights at step {at}: this iterator already gave step {self._step - 1}; "
+                              f"change the weights at step {self._step} or later")
+        changed = self.pipeline.with_weights(weights, at)
+        self.close()  # batches made ahead with the old weights (steps before `at` are the same in both)
+        self.pipeline = changed
         self._fetch_first()
 
     @property

@@ -19,7 +19,7 @@ import numpy as np
 from forge_grain.errors import StateError, StoreError
 from forge_grain.pipeline import describe as describing
 from forge_grain.pipeline import explain as flight
-from forge_grain.pipeline import history, resume, states
+from forge_grain.pipeline import history, live as live_changes, resume, states
 from forge_grain.pipeline.batches import BatchSchedule, combined as batch_plan
 from forge_grain.pipeline.config import ConfigError, DataConfig
 from forge_grain.pipeline.fetching import FetchWindow
@@ -105,9 +105,11 @@ class Pipeline:
         skip_steps: int = 0,
         skip_documents: dict | None = None,
         progress: bool | None = None,
+        _live: dict | None = None,
     ):
         if shard_index is None or shard_count is None:
             shard_index, shard_count = default_shard()
+        config, self._live = live_changes.starting(config, _live, resume_from, allow_mixture_change)  # (live.py)
         self.config = config
         self.shard_index, self.shard_count = shard_index, shard_count
         batches = BatchSchedule(config.batch_schedule())  # the config's; with the resumed history below
@@ -145,7 +147,8 @@ class Pipeline:
         self.history, self.batch_history, self.skips = runs.history, runs.batch_history, runs.skips
         self._resumed_from = runs.resumed_from
         # for copies rebuilt in worker processes
-        self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents, allow_batch_size_change)
+        self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents, allow_batch_size_change,
+                             _live)
         self.order = RowOrder(config, self.datasets, batches, shard_index, shard_count, runs.history, runs.skips)
         self._summary = self._summarize(batches, runs.recorded())
         self.fingerprint = history.digest(self._summary)
@@ -162,6 +165,7 @@ class Pipeline:
     def _summarize(self, batches: BatchSchedule, runs: dict | None = None) -> dict:
         """This pipeline's summary (`states.summarize`) under `batches`, with the records `runs`."""
         aligned = epoch_aligned(self.streams, self.config, batches, count_steps(self.config, batches, self._rows)[0])
+        runs = runs if runs is None or self._live is None else {**runs, "live": self._live}
         return states.summarize(self.config, self._sources, self._canonical, aligned, runs)
 
     # -- the row order's answers ------------------------------------------------------------
@@ -326,6 +330,10 @@ class Pipeline:
         step = states.step_number(step, self.step_limit, end=True)
         return states.make(step, self._summary, streams, self._canonical)
 
+    def with_weights(self, weights, at_step: int) -> "Pipeline":
+        """This run mixing `weights` from step `at_step` on, exactly (`forge_grain.pipeline.live`)."""
+        return live_changes.with_weights(self, weights, at_step)
+
     def check_state(self, state: dict) -> int:
         """The step of `state`, after checking it belongs to this pipeline's config and data."""
         states.check(state)
@@ -345,7 +353,8 @@ class Pipeline:
 
 
 def _rebuild(sent, config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
-             allow_mixture_change=False, skip_steps=0, skip_documents=None, allow_batch_size_change=False):
+             allow_mixture_change=False, skip_steps=0, skip_documents=None, allow_batch_size_change=False,
+             live=None):
     """The pipeline sent to this process (a spawned DataLoader worker), built again from its
     config. Where the data changed since it was sent, its first batch raises an error naming
     the sources: a worker reading other data than its parent would give batches that no state
@@ -353,7 +362,8 @@ def _rebuild(sent, config, shard_index, shard_count, cache_dir, dtype, tokenize_
     p = Pipeline(config, shard_index, shard_count, num_threads=0, prefetch=0, cache_dir=cache_dir, dtype=dtype,
                  tokenize_threads=tokenize_threads, resume_from=resume_from,
                  allow_mixture_change=allow_mixture_change, skip_steps=skip_steps,
-                 skip_documents=skip_documents, allow_batch_size_change=allow_batch_size_change, progress=False)
+                 skip_documents=skip_documents, allow_batch_size_change=allow_batch_size_change, progress=False,
+                 _live=live)
     fingerprint, sources = sent
     if p.fingerprint != fingerprint:  # raised by its first batch: an error while unpickling kills a worker unheard
         changed = [src.where() for src, mine, theirs in zip(config.sources, p._summary["sources"], sources)

@@ -38,7 +38,7 @@ STREAM_VERSION = 3
 MAX_STEP = MAX_ROWS  # every step holds at least one row
 SUMMARY_KEYS = {"stream_version", "seq_len", "global_batch_size", "batch_sizes", "seed", "num_epochs",
                 "mix_temperature", "schedule", "max_segments_per_row", "canonical", "epochs", "sources", "history",
-                "batch_history", "skips"}
+                "batch_history", "skips", "live"}
 
 
 def is_integer(x) -> bool:
@@ -102,6 +102,11 @@ def _check_summary(c: dict, step: int) -> None:
             isinstance(s, dict) and isinstance(s.get("name"), str) for s in sources):
         fail("sources", f"must be a list of sources, each with a name, not {sources!r:.80}")
     names = [s["name"] for s in sources]
+    live = c.get("live")
+    if live is not None and (not isinstance(live, dict) or set(live) != set(names) or not all(
+            _number(w) and w >= 0 for w in live.values()) or not sum(live.values()) > 0):
+        fail("live", f"must be the weights set live, one finite weight >= 0 per source and some positive, not "
+                     f"{live!r:.80}")
     try:
         history.check([{"until_step": 0, "sources": names, "schedule": c.get("schedule")}])
     except history.HistoryError:
@@ -163,6 +168,8 @@ def summarize(config: DataConfig, opened: list, canonical: list | None, aligned:
             summary["batch_history"] = runs["batch_history"]
         if runs["skips"]:  # (absent without: the fingerprints of runs that never skipped are unchanged)
             summary["skips"] = runs["skips"]
+        if runs.get("live") is not None:  # weights set live (`forge_grain.pipeline.live`)
+            summary["live"] = runs["live"]
     return summary
 
 
