@@ -241,3 +241,55 @@ def test_explain_with_the_state_follows_the_weights_set_live(four, tmp_path, cap
     rows = json.loads(capsys.readouterr().out)
     assert rows == json.loads(json.dumps(live.explain(9), default=int))
     assert {row["source"] for row in rows} == {"d"}
+
+
+def test_jax_iterator_remakes_the_arrays_it_put_on_devices_ahead(four):
+    jax = pytest.importorskip("jax")
+    from bridges.jax import JaxIterator
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    p = Pipeline(make_config(four), 0, 1, num_threads=0)
+    want = p.with_weights({"b": 1.0}, 4)
+    it = JaxIterator(p, sharding, prefetch=3)
+    got = [next(it) for _ in range(3)]  # steps 3, 4 and 5 are on the devices already, with the old weights
+    it.set_weights({"b": 1.0}, at_step=4)
+    got += [next(it) for _ in range(5)]
+    assert [int(b["step"]) for b in got] == list(range(8))
+    for b in got:
+        assert np.array_equal(np.asarray(b["inputs"]), want.global_batch(int(b["step"]))["inputs"])
+    assert it.get_state() == want.state_at(8)
+    with pytest.raises(ConfigError, match="already returned"):
+        it.set_weights({"a": 1.0}, at_step=7)
+    it.close()
+
+
+@pytest.mark.parametrize("mismatch", [False, True])
+def test_two_torch_ranks_change_alike_or_the_tracker_names_the_rank(four, tmp_path, mismatch):
+    """torchrun, 2 ranks (gloo), a DataLoader worker each: the ranks' batches after a live change
+    are the changed run's global batch; ranks given other weights are named by the state."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from multiproc import free_port
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("seq_len = 32\nglobal_batch_size = 8\nseed = 5\n"
+                    f'[[sources]]\nname = "web"\npath = "{four["a"]}"\nweight = 1.0\n'
+                    f'[[sources]]\nname = "code"\npath = "{four["b"]}"\nweight = 1.0\n')
+    script = Path(__file__).parent / "scripts" / "torch_live.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(script), str(toml), str(tmp_path / "rank"),
+                        "1" if mismatch else "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    if mismatch:
+        assert all("ranks [1] set other weights than rank 0" in x["error"] for x in ranks)
+        return
+    want = Pipeline(DataConfig.from_toml(toml), 0, 1, num_threads=0).with_weights({"web": 1.0, "code": 2.0}, 6)
+    for s in range(10):
+        both = np.concatenate([np.array(x["seen"][s][1]) for x in ranks])
+        assert [x["seen"][s][0] for x in ranks] == [s, s] and np.array_equal(both, want.global_batch(s)["inputs"])
+    assert ranks[0]["state"] == ranks[1]["state"] == json.loads(json.dumps(want.state_at(10)))
