@@ -498,7 +498,7 @@ class StepTracker:
         """Resume: the next pass of the dataset starts at `state['step']`, whatever the worker
         count, and also when the loader's workers are persistent and already running; the pass
         after it starts where `set_epoch` puts it."""
-        p = self.dataset.pipeline
+        self.dataset.pipeline = p = adopting(self.dataset.pipeline, state)  # a state with weights set live
         self.next_step = p.check_state(state)
         if p.streams:
             owned = {str(c) for c in p.layout.owned(p.shard_index, p.shard_count)}

@@ -1,4 +1,4 @@
-"""The two training examples run to completion (short mode) and their resumed loss curves match."""
+"""The training examples run to completion (short mode) and their resumed loss curves match."""
 
 import subprocess
 import sys
@@ -57,3 +57,19 @@ def test_each_example_names_an_extra_that_installs_what_it_imports():
     named = re.search(r'pip install "forge-grain\[(\w+)\]"', ast.get_docstring(ast.parse(script.read_text())))
     assert named, "the docstring says how to install what the example needs"
     assert {"transformers", "torch", "accelerate"} <= packages(named.group(1))
+
+
+def test_online_mixing_resumes_to_the_same_losses_and_weights(tmp_path):
+    """Weights moved from per-source loss every 4 steps, set 8 steps ahead (2 workers), killed
+    after the checkpoint at step 14: the resumed run's losses and weights are the uninterrupted
+    run's, and the weights did move."""
+    import json
+
+    r = subprocess.run([sys.executable, str(EXAMPLES / "train_online_mixing.py"), "--steps", "28", "--checkpoint-at",
+                        "14", "--every", "4", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resumed loss curve matches the uninterrupted run" in r.stdout
+    full, resumed = (json.loads((tmp_path / f"weights-{p}.json").read_text()) for p in ("full", "resume"))
+    assert full == resumed and len(full) >= 3
+    assert len({tuple(w) for _, w in full}) > 1  # the weights changed
+    assert any(at > 14 for at, _ in full) and any(at <= 14 + 8 for at, _ in full)  # some set before the kill

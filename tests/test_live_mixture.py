@@ -293,3 +293,16 @@ def test_two_torch_ranks_change_alike_or_the_tracker_names_the_rank(four, tmp_pa
         both = np.concatenate([np.array(x["seen"][s][1]) for x in ranks])
         assert [x["seen"][s][0] for x in ranks] == [s, s] and np.array_equal(both, want.global_batch(s)["inputs"])
     assert ranks[0]["state"] == ranks[1]["state"] == json.loads(json.dumps(want.state_at(10)))
+
+
+def test_a_state_saved_before_a_change_it_already_holds_resumes_with_it(four):
+    """Workers make batches ahead, so a trainer sets weights for a later step; a checkpoint in
+    between holds the change on its way, and a resume from it makes the change at its step."""
+    p = Pipeline(make_config(four), 0, 1, num_threads=0).with_weights({"a": 1.0, "c": 1.0}, 9)
+    state = json.loads(json.dumps(p.state_at(6)))
+    for shards in (1, 2):
+        q = [Pipeline(make_config(four), k, shards, num_threads=0, resume_from=state) for k in range(shards)]
+        for s in range(6, 14):
+            assert np.array_equal(np.concatenate([x.batch(s)["inputs"] for x in q]), p.global_batch(s)["inputs"])
+    with pytest.raises(ConfigError, match="a change at step 9 is already set"):
+        p.with_weights({"b": 1.0}, 8)

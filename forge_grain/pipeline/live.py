@@ -84,6 +84,9 @@ def with_weights(pipeline, weights, at_step: int):
     last = pipeline.num_steps if pipeline.num_steps is not None else pipeline.step_limit - 1
     if isinstance(at_step, bool) or not isinstance(at_step, int) or not 0 <= at_step <= last:
         raise ConfigError(f"set_weights: at_step must be a step in [0, {last}], not {at_step!r}")
+    if pipeline.history and at_step < pipeline.history[-1]["until_step"]:
+        raise ConfigError(f"set_weights at step {at_step}: a change at step {pipeline.history[-1]['until_step']} "
+                          "is already set; make changes in the order of their steps")
     # (skips and batch-size changes made at resume are in the state's records)
     return rebuilt(pipeline, resume_from=pipeline.state_at(at_step), allow_mixture_change=True, _live=weights)
 
