@@ -332,10 +332,14 @@ class GrainIterableDataset(IterableDataset):
         if self.pipeline.streams:  # their positions, which only this process knows
             p = self.pipeline  # (a worker past the end has finished: its state stands at the run's end)
             state["pipeline"] = p.make_state(min(next_step, p.step_limit), p.stream_positions(next_step))
+        elif self.pipeline._live is not None:  # weights set live: what a fresh process rebuilds it from
+            state["pipeline"] = self.pipeline.state_at(min(next_step, self.pipeline.step_limit))
         return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") == "worker":  # StatefulDataLoader hands each worker its own
+            if isinstance(state.get("pipeline"), dict):
+                self.pipeline = adopting(self.pipeline, state["pipeline"])  # a state with weights set live
             if state.get("fingerprint") != self.pipeline.fingerprint:
                 raise StateError("this state was saved by a pipeline with another config or other data")
             w, W = self._worker()

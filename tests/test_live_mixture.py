@@ -306,3 +306,29 @@ def test_a_state_saved_before_a_change_it_already_holds_resumes_with_it(four):
             assert np.array_equal(np.concatenate([x.batch(s)["inputs"] for x in q]), p.global_batch(s)["inputs"])
     with pytest.raises(ConfigError, match="a change at step 9 is already set"):
         p.with_weights({"b": 1.0}, 8)
+
+
+def test_a_stateful_dataloader_state_after_a_live_change_resumes_in_a_fresh_process(four):
+    """torchdata's per-worker states carry the changed run, so a loader built from the config
+    file (which does not know the change) resumes them."""
+    pytest.importorskip("torch")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from bridges.torch import GrainIterableDataset
+
+    ds = GrainIterableDataset(make_config(four), rank=0, world_size=1)
+    want = ds.pipeline.with_weights({"c": 1.0, "d": 1.0}, 7)
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    it = iter(loader)
+    next(it)
+    ds.set_weights({"c": 1.0, "d": 1.0}, at_step=7)
+    for _ in range(9):
+        next(it)
+    saved = loader.state_dict()
+    fresh = StatefulDataLoader(GrainIterableDataset(make_config(four), rank=0, world_size=1), batch_size=None,
+                               num_workers=2)
+    fresh.load_state_dict(saved)
+    got = [b for _, b in zip(range(6), fresh)]
+    assert [int(b["step"]) for b in got] == list(range(10, 16))
+    for b in got:
+        assert np.array_equal(b["inputs"].numpy(), want.batch(int(b["step"]))["inputs"])
