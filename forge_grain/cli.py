@@ -137,7 +137,10 @@ def _plan(a) -> None:
     config = DataConfig.from_toml(path, world_size=a.world_size)
     with warnings.catch_warnings():  # what the pipeline warns about is in the description's warnings
         warnings.simplefilter("ignore")
-        pipeline = Pipeline(config, 0, 1, num_threads=0, plan_workers=a.plan_workers)
+        if a.state:  # the run as a saved state recorded it: its mixture changes, at resume or live
+            pipeline, _ = _recorded_pipeline(a)
+        else:
+            pipeline = Pipeline(config, 0, 1, num_threads=0, plan_workers=a.plan_workers)
         d = pipeline.describe(a.steps)
     print(json.dumps(d, indent=2) if a.json else format_plan(path, d))
     if a.plot:
@@ -346,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=_at_least(1), help="a KempnerForge job's world size (default: WORLD_SIZE, or 1)")
     pl.add_argument("--plan-workers", type=_at_least(1), help="processes planning large stores (default: one per core)")
     pl.add_argument("--json", action="store_true", help="print the description as JSON, for tools")
+    pl.add_argument("--state", type=_state_file, help="a saved data state (JSON): the run with the mixture changes "
+                    "it recorded (at resume, or set live)")
     pl.add_argument("--plot", metavar="PNG", type=_output_file, help="also draw the share of each source over the steps to this PNG "
                     "(needs forge-grain[plot])")
     pl.set_defaults(func=_plan)

@@ -241,6 +241,15 @@ def test_explain_with_the_state_follows_the_weights_set_live(four, tmp_path, cap
     rows = json.loads(capsys.readouterr().out)
     assert rows == json.loads(json.dumps(live.explain(9), default=int))
     assert {row["source"] for row in rows} == {"d"}
+    # `plan --state` lists the mixture the run really had: the config's, then the weights set live
+    png = tmp_path / "shares.png"
+    assert main(["plan", str(toml), "--state", str(tmp_path / "state.json"), "--steps", "20", "--json",
+                 "--plot", str(png)]) == 0
+    phases = json.loads(capsys.readouterr().out)["phases"]
+    assert [p["start_step"] for p in phases] == [0, 4]
+    assert phases[1]["weights"] == {"a": 0.0, "b": 0.0, "c": 0.0, "d": 1.0} and phases[0]["weights"]["b"] > 0
+    assert png.stat().st_size > 0
+    assert live.phase_at(2)["weights"]["b"] > 0 and live.phase_at(5)["weights"]["d"] == 1.0
 
 
 def test_jax_iterator_remakes_the_arrays_it_put_on_devices_ahead(four):

@@ -22,9 +22,9 @@ def describe(order, steps: int | None = None) -> dict:
     end = order.num_steps if steps is None else min(int(steps), order.step_limit)
     used = order.consumed(end) if end is not None else {}
     names = [s.name for s in c.sources]
-    phases = [{"start_step": start, "weights": dict(zip(names, weights)), "lr_scale": order.phase(start)["lr_scale"],
-               "reached": order.phase_reached(start, end)}
-              for start, weights in c.schedule()]
+    phases = [{"start_step": start, "weights": {n: weights.get(n, 0.0) for n in order.source_names},
+               "lr_scale": order.phase(start)["lr_scale"], "reached": order.phase_reached(start, end)}
+              for start, weights in order.mixed]  # (with the mixture changes a state recorded)
     warn = [f"a phase starting at step {p['start_step']} never takes effect: the run has {end} steps"
             for p in phases if not p["reached"]]
     sources = []

@@ -89,6 +89,9 @@ class RowOrder:
         self.steps_per_epoch, self.num_steps, self.step_limit = count_steps(config, batches, self.rows_per_epoch)
         names = [s.name for s in config.sources]
         self.source_names, phases = history.mixing_schedule(list(mixtures), names, config.schedule())
+        # the weights really mixed from each stream step on, by name: the history's, then the config's
+        self.mixed = [(start, {self.source_names[i]: w for i, w in zip(leaves, weights)})
+                      for start, leaves, weights in phases]
         removed = [RemovedSource(n, config.seq_len) for n in self.source_names[len(names):]]
         self.mixture = Mixture(
             list(datasets) + removed,
@@ -162,8 +165,9 @@ class RowOrder:
         """The mixture in force at `stream_step` of the uninterrupted stream."""
         schedule = self.config.schedule()  # entry 0 is the base mix; entry k > 0 is phase k - 1
         k = max(i for i, (start, _) in enumerate(schedule) if start <= stream_step)
-        start, weights = schedule[k]
-        return {"start_step": start, "weights": dict(zip([s.name for s in self.config.sources], weights)),
+        # the weights mixed then: the config's, or a history segment's (before a change at resume or live)
+        start, weights = max((e for e in self.mixed if e[0] <= stream_step), key=lambda e: e[0])
+        return {"start_step": start, "weights": {n: weights.get(n, 0.0) for n in self.source_names},
                 "lr_scale": self.config.all_phases()[k - 1].lr_scale if k else 1.0}
 
     def consumed(self, step: int) -> dict:
