@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SLOW, make_texts, store, write_jsonl
+from conftest import SLOW, make_texts, write_jsonl
+from framework_runs import step_records, two_store_toml
 
 olmo_core = pytest.importorskip("olmo_core")
 import torch  # noqa: E402
@@ -35,13 +36,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """Two small stores and a 2-epoch config: 17 steps an epoch of 8 rows x 64 tokens."""
-    base = tmp_path_factory.mktemp("olmo")
-    web, code = store(base / "web", 120, 1), store(base / "code", 80, 2)
-    toml = base / "data.toml"
-    toml.write_text(f"""seq_len = 64\nglobal_batch_size = 8\nseed = 3\nnum_epochs = 2\n
-[[sources]]\nname = "web"\npath = "{web}"\nweight = 0.6\nstrategy = "bos_bestfit"\n
-[[sources]]\nname = "code"\npath = "{code}"\nweight = 0.4\n""")
-    return toml
+    return two_store_toml(tmp_path_factory.mktemp("olmo"), (120, 80), (1, 2), seed=3, weights=(0.6, 0.4))
 
 
 def loader(toml, tmp_path, rank=0, world=1, **kw) -> ForgeGrainDataLoader:
@@ -184,16 +179,6 @@ def train(toml, folder, record, *, ranks=2, crash_after=0, workers=0, epochs=2):
     return r
 
 
-def records(record: Path, ranks: int) -> dict:
-    out = {}
-    for r in range(ranks):
-        for line in Path(f"{record}{r}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            assert (rec["step"], r) not in out, f"step {rec['step']} trained twice on rank {r}"
-            out[(rec["step"], r)] = rec["hash"]
-    return out
-
-
 RESTARTS = [(2, 0), (1, 0)] + ([(2, 2), (1, 2)] if SLOW else [])  # (ranks after the restart, its workers)
 
 
@@ -207,10 +192,10 @@ def test_olmo_core_trainer_killed_after_a_checkpoint_resumes_exactly(small, tmp_
     if SLOW:  # the uninterrupted run trains the pipeline's batches too
         whole = train(small, tmp_path / "whole", tmp_path / "whole")
         assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-5000:]
-        assert records(tmp_path / "whole", 2) == expected(small, 2, total)
+        assert step_records(tmp_path / "whole", 2) == expected(small, 2, total)
     first = train(small, tmp_path / "ckpt", tmp_path / "first", crash_after=crash)
     assert first.returncode != 0, "the run was to die after its checkpoint"
-    got = records(tmp_path / "first", 2)
+    got = step_records(tmp_path / "first", 2)
     want2 = expected(small, 2, total)
     assert sorted(got) == sorted((s, r) for s in range(1, crash + 1) for r in range(2))
     assert got == {k: want2[k] for k in got}
@@ -220,7 +205,7 @@ def test_olmo_core_trainer_killed_after_a_checkpoint_resumes_exactly(small, tmp_
         rec = tmp_path / f"after-{ranks}-{workers}"
         r = train(small, folder, rec, ranks=ranks, workers=workers)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-        after = records(rec, ranks)
+        after = step_records(rec, ranks)
         assert sorted(after) == sorted((s, q) for s in range(saved + 1, total + 1) for q in range(ranks))
         want = want2 if ranks == 2 else expected(small, ranks, total)
         assert after == {k: want[k] for k in after}, f"restart on {ranks} ranks, {workers} workers"

@@ -11,7 +11,6 @@ torchtitan's step s).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -21,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SLOW, store
+from conftest import SLOW
+from framework_runs import step_records, two_store_toml
 from multiproc import free_port
 
 from bridges.titan_batches import TitanBatches, titan_batch
@@ -37,13 +37,7 @@ TITAN = "torchtitan==0.3.0"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Two small stores; 2 epochs of 8 rows x 64 tokens a step."""
-    base = tmp_path_factory.mktemp("titan")
-    web, code = store(base / "web", 90, 4), store(base / "code", 60, 5)
-    toml = base / "data.toml"
-    toml.write_text(f"""seq_len = 64\nglobal_batch_size = 8\nseed = 5\nnum_epochs = 2\n
-[[sources]]\nname = "web"\npath = "{web}"\nweight = 0.5\nstrategy = "bos_bestfit"\n
-[[sources]]\nname = "code"\npath = "{code}"\nweight = 0.5\n""")
-    return toml
+    return two_store_toml(tmp_path_factory.mktemp("titan"), (90, 60), (4, 5), seed=5, weights=(0.5, 0.5))
 
 
 def digest(input_dict, labels) -> str:
@@ -141,16 +135,6 @@ def run(python, toml, folder, record, *, ranks, steps, crash_after=0, workers=0)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
-def records(record: Path, ranks: int) -> dict:
-    out = {}
-    for r in range(ranks):
-        for line in Path(f"{record}{r}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            assert (rec["step"], r) not in out, f"step {rec['step']} seen twice on rank {r}"
-            out[(rec["step"], r)] = rec["hash"]
-    return out
-
-
 @pytest.mark.skipif(not SLOW, reason="makes torchtitan's own environment (minutes, once); FORGE_GRAIN_SLOW=1")
 def test_torchtitan_checkpoint_killed_and_restarted_on_2_and_1_ranks(data, tmp_path):
     python = titan_python()
@@ -158,14 +142,14 @@ def test_torchtitan_checkpoint_killed_and_restarted_on_2_and_1_ranks(data, tmp_p
     crash, saved = total // 2 + 3, total // 2 + 3 - (total // 2 + 3) % 4  # a checkpoint every 4 steps
     whole = run(python, data, tmp_path / "whole", tmp_path / "whole", ranks=2, steps=total)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-5000:]
-    assert records(tmp_path / "whole", 2) == expected(data, 2)  # the uninterrupted job: the pipeline's batches
+    assert step_records(tmp_path / "whole", 2) == expected(data, 2)  # the uninterrupted job: the pipeline's batches
     first = run(python, data, tmp_path / "job", tmp_path / "first", ranks=2, steps=total, crash_after=crash)
     assert first.returncode != 0, "the job was to die after its checkpoint"
-    assert records(tmp_path / "first", 2) == {(s, r): h for (s, r), h in expected(data, 2).items() if s <= crash}
+    assert step_records(tmp_path / "first", 2) == {(s, r): h for (s, r), h in expected(data, 2).items() if s <= crash}
     for ranks, workers in ((2, 2), (1, 0)):
         folder = tmp_path / f"job-{ranks}"
         shutil.copytree(tmp_path / "job", folder)
         r = run(python, data, folder, tmp_path / f"after-{ranks}", ranks=ranks, steps=total, workers=workers)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
         want = {(s, q): h for (s, q), h in expected(data, ranks).items() if s > saved}
-        assert records(tmp_path / f"after-{ranks}", ranks) == want, f"restart on {ranks} ranks"
+        assert step_records(tmp_path / f"after-{ranks}", ranks) == want, f"restart on {ranks} ranks"
