@@ -64,10 +64,11 @@ def write_litdata(out: Path, docs, dtype="int64", chunk_tokens=4000) -> Path:
     return out
 
 
-def write_arrow(out: Path, docs, **columns) -> Path:
+def write_arrow(out: Path, docs, num_shards: int | None = None, **columns) -> Path:
     import datasets
 
-    datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs], **columns}).save_to_disk(str(out))
+    datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs], **columns}).save_to_disk(
+        str(out), num_shards=num_shards)
     return out
 
 

@@ -829,6 +829,7 @@ def peers(tmp_path_factory, s3):
         "litdata": LITDATA / "dataset",
         "megatron": write_megatron(base / "megatron" / "c4_text_document", docs).parent,
         "arrow": write_arrow(base / "arrow", docs, text=["x"] * len(docs)),
+        "arrow_shards": write_arrow(base / "arrow_shards", docs, num_shards=4, text=["x"] * len(docs)),
         "raw": base / "raw",
     }
     fs = s3.fs()
@@ -864,16 +865,20 @@ def test_a_peer_dataset_in_object_storage_reads_equal_to_its_local_copy(tmp_path
     assert sum(s3.proxy.gets.values()) - sum(before.values()) == downloaded  # nothing fetched twice
 
 
-@pytest.mark.parametrize("name", ["mds", "litdata"])
+INDEX_FILES = {"index.json", "state.json", "dataset_info.json"}  # what peers' datasets list their data files in
+
+
+@pytest.mark.parametrize("name", ["mds", "litdata", "arrow_shards"])
 def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path, s3, peers, name):
-    """A LitData or MDS dataset in a bucket with a cache_limit below its size opens (each data
-    file read once to find its documents, and evicted as the limit needs) and reads equal to
-    its local copy, with the local copy's fingerprint, the cache never above the limit; a
-    second open reads only index.json and the listing, and a read fetches just its file."""
+    """A LitData, MDS or Arrow (`save_to_disk`) dataset in a bucket with a cache_limit below its
+    size opens (each data file read once to find its documents, and evicted as the limit needs)
+    and reads equal to its local copy, with the local copy's fingerprint, the cache never above
+    the limit; a second open reads only its index and the listing, and a read fetches just its
+    file."""
     import pickle
 
     local = TokenStore.open(peers[name])
-    files = sorted(f for f in Path(peers[name]).iterdir() if f.name != "index.json")
+    files = sorted(f for f in Path(peers[name]).iterdir() if f.name not in INDEX_FILES)
     total, largest = sum(f.stat().st_size for f in files), max(f.stat().st_size for f in files)
     limit = 2 * largest + 1
     assert len(files) >= 3 and limit < total
@@ -888,7 +893,7 @@ def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path,
     again = pickle.loads(pickle.dumps(remote))  # as a DataLoader worker reopens it: the records are kept
     last = len(local) - 1
     assert np.array_equal(again[last], local[last])
-    data_gets = [p for p, n in s3.proxy.gets.items() for _ in range(n) if not p.endswith("index.json")]
+    data_gets = [p for p, n in s3.proxy.gets.items() for _ in range(n) if p.rsplit("/", 1)[-1] not in INDEX_FILES]
     assert len(data_gets) <= 1, data_gets  # the last document's file, unless it was still cached
 
 
@@ -903,6 +908,9 @@ def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s
     opts = dict(storage_options=s3.options(), cache_limit=limit)
     with pytest.raises(StoreError, match="s3://peers/mds/.*int32.*uint16|s3://peers/mds/.*uint16.*int32"):
         TokenStore.open("s3://peers/mds", dtype="uint16", object_cache=str(tmp_path / "a"), **opts)
+    with pytest.raises(StoreError, match="s3://peers/arrow_shards/data-00000-of-00004.arrow: dtype=uint16 was "
+                                         "declared, but its Arrow schema"):
+        TokenStore.open("s3://peers/arrow_shards", dtype="uint16", object_cache=str(tmp_path / "b"), **opts)
     fs.put(str(peers["mds"]), "peers/mds-cut-parted", recursive=True)
     shard = sorted(f for f in fs.ls("peers/mds-cut-parted") if f.endswith(".mds"))[0]
     fs.pipe_file(shard, fs.cat_file(shard)[:-3])
@@ -996,3 +1004,26 @@ def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, pee
         TokenStore.open("s3://peers/arrow", format="native", **opts)
     with pytest.raises(StoreError, match="s3://bucket/nothing-here: nothing at this URL"):
         TokenStore.open("s3://bucket/nothing-here", **opts)
+
+
+def test_a_dataset_dict_split_in_a_bucket_reads_a_file_at_a_time(tmp_path, s3):
+    """A `DatasetDict` saved with `save_to_disk` and uploaded: with cache_limit, `split=` reads that
+    split's Arrow files one at a time, equal to the local split; without `split`, it says how."""
+    import datasets
+
+    from test_formats import make_docs
+
+    docs = make_docs(60)
+    local_dir = tmp_path / "dd"
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs[:40]]}),
+        "test": datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs[40:]]}),
+    }).save_to_disk(str(local_dir), num_shards={"train": 3, "test": 1})
+    s3.fs().put(str(local_dir), "peers/dd", recursive=True)
+    local = TokenStore.open(local_dir, split="train")
+    opts = dict(storage_options=s3.options(), object_cache=str(tmp_path / "c"), cache_limit=10**6)
+    remote = TokenStore.open("s3://peers/dd", split="train", **opts)
+    assert remote.fetches and len(remote) == len(local) == 40 and remote.fingerprint == local.fingerprint
+    assert all(np.array_equal(remote[i], local[i]) for i in range(len(local)))
+    with pytest.raises(StoreError, match="a DatasetDict: with cache_limit, pass split="):
+        TokenStore.open("s3://peers/dd", **opts)

@@ -7,7 +7,7 @@ Megatron `.idx`), so counting a dataset's documents reads every data file. Witho
 `cache_limit` the dataset is copied into the cache whole when it opens (concurrently, each
 file checked against the size the listing gives, written to a temporary name and renamed),
 then read by the format's own local reader with the same checks as on disk. With a
-`cache_limit`, LitData and MDS datasets are read a data file at a time instead
+`cache_limit`, LitData, MDS and Arrow datasets are read a data file at a time instead
 (`mirror_parts.py`); the other formats must fit the limit whole. The copy's directory is
 named by the listing (names, sizes, ETags), so a dataset rewritten in place gets a new copy
 and nothing stale is read; a copy made once is reused by every process of the host. A

@@ -1,13 +1,14 @@
-"""LitData and MosaicML MDS datasets in object storage, read a data file at a time through a
-bounded cache (`cache_limit`), as forge-grain's own stores are.
+"""LitData, MosaicML MDS and Hugging Face Arrow (`save_to_disk`) datasets in object storage,
+read a data file at a time through a bounded cache (`cache_limit`), as forge-grain's own
+stores are.
 
 These formats keep where each document starts inside their data files (the item table at
-the head of a LitData chunk, the sample table of an MDS shard), so knowing a dataset's
-documents means reading every data file once. Without a limit the dataset is copied whole
+the head of a LitData chunk, the sample table of an MDS shard, the list offsets of an Arrow
+record batch), so knowing a dataset's documents means reading every data file once. Without a limit the dataset is copied whole
 (`mirror.py`). With one, each data file is a part: at the first open it is downloaded
 through the cache (which evicts least recently used parts to stay under the limit), opened
-by the format's own local reader as a dataset of that one file (an `index.json` listing only
-it, with every check of a local open), and what the reader found (document offsets, the
+by the format's own local reader as a dataset of that one file (its index — `index.json`, or
+Arrow's `state.json` — listing only it, with every check of a local open), and what the reader found (document offsets, the
 runs of its token arrays, the file's content fingerprint) is kept beside it in the cache
 (`part.npz`, small); the file itself may then be evicted. Later opens read those records
 only. Reads fetch the file of the document they need, and the pipeline's hints fetch the
@@ -39,7 +40,8 @@ from forge_grain.stores.manifest import temporary, write_text_atomic
 from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import listing
 
-PARTED = {"litdata": "chunks", "mds": "shards"}  # format -> the index.json list naming its data files
+# format -> (its index file, the list in it naming the data files)
+PARTED = {"litdata": ("index.json", "chunks"), "mds": ("index.json", "shards"), "arrow": ("state.json", "_data_files")}
 INDEXING_THREADS = 8  # data files indexed at once at the first open
 
 
@@ -62,6 +64,8 @@ class Parted(TokenStore):
     def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=None,
                  **options):
         self.url = str(path).rstrip("/")
+        if self.format == "arrow" and options.get("split") is not None:  # a DatasetDict's split: its directory
+            self.url, options = f"{self.url}/{options['split']}", {k: v for k, v in options.items() if k != "split"}
         self.cache = ObjectCache(self.url, storage_options, object_cache, cache_limit, requests=fetch_threads)
         self._remote = dict(storage_options=storage_options, object_cache=object_cache, cache_limit=cache_limit,
                             fetch_threads=fetch_threads)
@@ -77,20 +81,23 @@ class Parted(TokenStore):
         """Each data file's record, made at the first open (the files fetched, opened, and
         evicted as the limit needs): the directory of the records."""
         files = listing(self.cache)
-        if "index.json" not in files:
-            raise StoreError(f"{self.url}: no index.json; not {self.local.description}")
+        name, key = PARTED[self.local.format]
+        if name not in files:
+            hint = (" (a DatasetDict: with cache_limit, pass split=, or give the URL of its split, URL/train)"
+                    if "dataset_dict.json" in files else "")
+            raise StoreError(f"{self.url}: no {name}; not {self.local.description}{hint}")
         digest = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16]
         self.home = Path(f"parts-{digest}")
         home = self.cache.dir / self.home
         home.mkdir(exist_ok=True)
-        if not (home / "index.json").exists():
-            write_text_atomic(home / "index.json", self.cache.fresh("index.json").decode())
-            self.cache.record(home / "index.json")  # (small files count toward the limit too)
+        if not (home / name).exists():
+            write_text_atomic(home / name, self.cache.fresh(name).decode())
+            self.cache.record(home / name)  # (small files count toward the limit too)
         try:
-            index = json.loads((home / "index.json").read_text())
-            entries = index[PARTED[self.local.format]]
+            index = json.loads((home / name).read_text())
+            entries = index[key]
         except (ValueError, KeyError, TypeError):
-            raise StoreError(f"{self.url}/index.json: not a readable {self.local.description} index") from None
+            raise StoreError(f"{self.url}/{name}: not a readable {self.local.description} index") from None
         self._parts = [_Part(self, k, index, entry, files) for k, entry in enumerate(entries)]
         todo = [p for p in self._parts if not p.indexed()]
         if todo:
@@ -129,6 +136,13 @@ class Parted(TokenStore):
     def _parts_fingerprint(self, records) -> str:
         """The local reader's fingerprint of the same files (`TokenStore._fingerprint_files`),
         from the records: a state saved over the local copy resumes here."""
+        if self.format == "arrow":  # (ArrowStore: the token field and the dataset's own fingerprint)
+            from forge_grain.stores.arrow import DEFAULT_FIELD
+
+            state = json.loads((self.path / "state.json").read_text())
+            extra = [self._local_options.get("token_field") or DEFAULT_FIELD, state.get("_fingerprint")]
+            return self._fingerprint_of([[p.local.name, p.fingerprint(r, self._full)]
+                                         for p, r in zip(self._parts, records)], extra)
         index_print = checks.content_fingerprint(self.path / "index.json", self._full)
         extra = index_print
         if self.format == "mds":
@@ -210,14 +224,14 @@ class Parted(TokenStore):
 
 class _Part:
     """One data file of a parted dataset: its copy in the cache, its one-file dataset
-    directory (an index.json listing only it), and its record."""
+    directory (its index listing only it), and its record."""
 
     def __init__(self, owner: Parted, k: int, index: dict, entry: dict, files: dict):
         self.owner, self.k = owner, k
-        key = PARTED[owner.local.format]
+        self.index_name, key = PARTED[owner.local.format]
         self.name = entry.get("filename") or (entry.get("raw_data") or {}).get("basename")
         if not self.name or self.name not in files:
-            raise StoreError(f"{owner.url}/index.json: data file {k} ({self.name or entry}) is not at the URL (a "
+            raise StoreError(f"{owner.url}/{self.index_name}: data file {k} ({self.name or entry}) is not at the URL (a "
                              "missing file, or only a compressed one): with cache_limit a dataset is read a raw data "
                              "file at a time; open it without cache_limit (copied whole), or prepare a forge-grain "
                              "store from it")
@@ -253,9 +267,9 @@ class _Part:
         evicted between its fetch and its opening)."""
         for attempt in range(4):
             self.fetch(keep)
-            if not (self.dir / "index.json").exists():
-                write_text_atomic(self.dir / "index.json", json.dumps(self._index))
-                self.owner.cache.record(self.dir / "index.json")
+            if not (self.dir / self.index_name).exists():
+                write_text_atomic(self.dir / self.index_name, json.dumps(self._index))
+                self.owner.cache.record(self.dir / self.index_name)
             try:
                 store = self.owner.local(self.dir, **self.owner._local_options)
             except FileNotFoundError:
