@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
@@ -121,8 +122,12 @@ def titan_python() -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             venv.create(tmp, with_pip=True)
             # triton: torchtitan's models import it (its MoE kernels) even where none runs
+            # forge-grain's own dependencies, not forge-grain: the runs import this checkout (PYTHONPATH),
+            # and installing it would build in the checkout
+            project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+            torch_extra = [r for r in project["optional-dependencies"]["torch"] if not r.startswith("torch>")]
             subprocess.run([tmp / "bin" / "pip", "install", "-q", "torch==2.13.0", TITAN, "triton", "datasets<4.8",
-                            str(REPO)], check=True, timeout=1500)
+                            *project["dependencies"], *torch_extra], check=True, timeout=1500)
             tmp.rename(env)  # (the env's scripts name the temporary path in their #! line: run it with `python -m`)
     return env / "bin" / "python"
 
@@ -131,7 +136,7 @@ def run(python, toml, folder, record, *, ranks, steps, crash_after=0, workers=0)
     cmd = [str(python), "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
            str(SCRIPTS / "titan_loop.py"), str(toml), str(folder), str(record), str(steps), "4", str(crash_after),
            str(workers)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's forge-grain, not the env's copy
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's forge-grain
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
