@@ -473,8 +473,9 @@ class StepTracker:
     carries those of the streams its worker read (`stream_states`, JSON as a uint8 tensor), and `state_dict()`
     joins the ranks' (`all_gather_object`, when torch.distributed is initialized), so the
     state resumes on any world size dividing `canonical_streams` and any worker count
-    dividing `canonical_workers`. After `set_weights`, `state_dict()` is a collective too: it
-    checks that every rank made the same changes.
+    dividing `canonical_workers`. Once the run has set weights live (`set_weights`, here or in
+    the run its state came from), `state_dict()` is a collective too (call it on every rank):
+    it checks that every rank made the same changes.
     """
 
     def __init__(self, dataset: GrainIterableDataset):
