@@ -37,7 +37,7 @@ pytest.importorskip("moto")
 from s3server import S3Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ["bin", "arrayrecord", "megatron", "s3", "s3_mds_parted", "streaming", "streaming_s3"]
+KINDS = ["bin", "arrayrecord", "megatron", "s3", "s3_mds_parted", "s3_arrow_parted", "streaming", "streaming_s3"]
 LOADERS = [(0, None, False)] + [(2, ctx, persistent) for ctx in ("fork", "spawn", "forkserver")
                                 for persistent in (False, True)]
 PAUSES = [0.0, 1.0]
@@ -56,7 +56,7 @@ def s3():
 def data(tmp_path_factory, s3):
     """One corpus in every kind of data; in object storage under s3://workers/."""
     from mds_writer import write_mds
-    from test_formats import make_docs, write_megatron
+    from test_formats import make_docs, write_arrow, write_megatron
 
     base = tmp_path_factory.mktemp("workers")
     texts = make_texts(240, seed=11, empty_every=37)
@@ -70,9 +70,12 @@ def data(tmp_path_factory, s3):
     mds = write_mds(base / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in make_docs(200, seed=5)],
                     samples_per_shard=40)
     out["mds_limit"] = 3 * max(f.stat().st_size for f in mds.glob("*.mds"))  # below the dataset: read in parts
+    arrow = write_arrow(base / "arrow", make_docs(200, seed=7), num_shards=5)
+    out["arrow_limit"] = 3 * max(f.stat().st_size for f in arrow.glob("*.arrow"))
     fs = s3.fs()
     fs.put(str(out["bin"]), "workers/nat", recursive=True)
     fs.put(str(mds), "workers/mds", recursive=True)
+    fs.put(str(arrow), "workers/arrow", recursive=True)
     for f in files:
         fs.put(str(f), f"workers/texts/{f.name}")
     out["options"] = s3.options()
@@ -89,6 +92,9 @@ def source(data, kind: str) -> dict:
                    object_cache=str(data["objects"])),
         "s3_mds_parted": dict(name="t", path="s3://workers/mds", strategy="bestfit", storage_options=data["options"],
                               object_cache=str(data["objects"]), cache_limit=data["mds_limit"]),
+        "s3_arrow_parted": dict(name="t", path="s3://workers/arrow", strategy="bestfit",
+                                storage_options=data["options"], object_cache=str(data["objects"]),
+                                cache_limit=data["arrow_limit"]),
         "streaming": dict(streaming, hf_data_files=data["files"]),
         "streaming_s3": dict(streaming, hf_data_files=["s3://workers/texts/s0.jsonl", "s3://workers/texts/s1.jsonl"],
                              storage_options=data["options"]),
