@@ -97,8 +97,13 @@ class ForgeGrainDataLoader(TextDataLoaderBase):
         super().__init__(collator=DataCollator(pad_token_id=int(pad)), work_dir=work_dir,
                          global_batch_size=config.global_batch_size * config.seq_len,
                          dp_world_size=world, dp_rank=rank, fs_local_rank=fs_local_rank)
-        self.pipeline, self.num_workers = pipeline, num_workers
+        self.num_workers = num_workers
         self.tracker = self.dataset.tracker()
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The dataset's pipeline (rebuilt when a state with weights set live is loaded)."""
+        return self.dataset.pipeline
 
     @property
     def global_batch_size(self) -> int:

@@ -53,10 +53,14 @@ class TitanBatches:
                 f"torchtitan's training.seq_len ({seq_len}) and local_batch_size × DP size "
                 f"({local_batch_size} × {dp_world_size} = {local_batch_size * dp_world_size})")
         self.dataset = GrainIterableDataset(data, rank=dp_rank, world_size=dp_world_size, cache_dir=cache_dir)
-        self.pipeline = self.dataset.pipeline
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.tracker = self.dataset.tracker()
+
+    @property
+    def pipeline(self):
+        """The dataset's pipeline (rebuilt when a state with weights set live is loaded)."""
+        return self.dataset.pipeline
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Every step from the next one to the pipeline's end, pass after pass (torchtitan stops

@@ -19,13 +19,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from forge_grain.pipeline.config import ConfigError, DataConfig
 
 
 def weights_by_name(weights, names: list[str]) -> dict[str, float]:
-    """`weights` (a dict by source name, or a list in the config's source order) as a dict over
-    every name (sources not named get 0), or a ConfigError naming what is wrong."""
-    if isinstance(weights, (list, tuple)):
+    """`weights` (a dict by source name, or a sequence in the config's source order: a list, a
+    numpy array, a tensor) as a dict of floats over every name (sources not named get 0), or a
+    ConfigError naming what is wrong."""
+    if not isinstance(weights, (dict, str)) and hasattr(weights, "__len__") and hasattr(weights, "__iter__"):
         if len(weights) != len(names):
             raise ConfigError(f"set_weights: {len(weights)} weights for {len(names)} sources {names}")
         weights = dict(zip(names, weights))
@@ -34,15 +37,21 @@ def weights_by_name(weights, names: list[str]) -> dict[str, float]:
     unknown = sorted(set(weights) - set(names))
     if unknown:
         raise ConfigError(f"set_weights: no source named {unknown} (sources: {names})")
-    out = {}
-    for name in names:
-        w = weights.get(name, 0.0)
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ConfigError(f"set_weights: the weight of {name!r} must be a finite number >= 0, not {w!r}")
-        out[name] = float(w)
+    out = {name: _weight(name, weights.get(name, 0.0)) for name in names}
     if not sum(out.values()) > 0:
         raise ConfigError("set_weights: the weights are all zero")
     return out
+
+
+def _weight(name: str, w) -> float:
+    """A weight as a float (numpy and torch scalars too), or a ConfigError."""
+    try:
+        f = float(w) if not isinstance(w, bool) else math.nan
+    except (TypeError, ValueError):
+        f = math.nan
+    if not math.isfinite(f) or f < 0:
+        raise ConfigError(f"set_weights: the weight of {name!r} must be a finite number >= 0, not {w!r}")
+    return f
 
 
 def live_config(config: DataConfig, weights: dict[str, float]) -> DataConfig:
@@ -114,8 +123,6 @@ def source_losses(token_losses, source_id, loss_mask, num_sources: int):
     `set_weights`. `token_losses` and `loss_mask` are [rows, seq_len], `source_id` [rows] (the
     batch's own). numpy; `bridges.torch.source_losses` and `bridges.jax.source_losses` do the
     same on their arrays, on device."""
-    import numpy as np
-
     mask = np.asarray(loss_mask, dtype=np.float64)
     per_row = (np.asarray(token_losses, dtype=np.float64) * mask).sum(axis=1)
     ids = np.asarray(source_id).astype(np.int64)
