@@ -166,7 +166,7 @@ class RowOrder:
         schedule = self.config.schedule()  # entry 0 is the base mix; entry k > 0 is phase k - 1
         k = max(i for i, (start, _) in enumerate(schedule) if start <= stream_step)
         # the weights mixed then: the config's, or a history segment's (before a change at resume or live)
-        start, weights = max((e for e in self.mixed if e[0] <= stream_step), key=lambda e: e[0])
+        start, weights = next(e for e in reversed(self.mixed) if e[0] <= stream_step)  # (in step order)
         return {"start_step": start, "weights": {n: weights.get(n, 0.0) for n in self.source_names},
                 "lr_scale": self.config.all_phases()[k - 1].lr_scale if k else 1.0}
 
