@@ -19,15 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import forge_config, two_sources  # noqa: E402
-from report import publish  # noqa: E402
-
-
-def timed(fn, repeat: int) -> float:
-    fn()  # warm: plans mapped, kernels compiled
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
+from report import publish, timed  # noqa: E402
 
 
 def main():

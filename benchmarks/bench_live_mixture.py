@@ -22,15 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import forge_config, two_sources  # noqa: E402
-from report import publish  # noqa: E402
-
-
-def timed(fn, repeat: int = 5) -> float:
-    fn()  # warm: plans mapped, kernels compiled
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
+from report import publish, timed  # noqa: E402
 
 
 def main():
@@ -48,13 +40,13 @@ def main():
         p = Pipeline(config, 0, 1, num_threads=0)
         first = time.perf_counter() - t0
         # a pipeline opens its sources when first read: time the build and its first batch
-        fresh = timed(lambda: Pipeline(config, 0, 1, num_threads=0, progress=False).batch(1000))
+        fresh = timed(lambda: Pipeline(config, 0, 1, num_threads=0, progress=False).batch(1000), 5)
         step_before = timed(lambda: p.batch(1000), 20)
         q = p
         for k in range(a.changes):  # the history of a long online-mixing run: a change every 100 steps
             q = q.with_weights({"s0": 1.0 + k % 3, "s1": 1.0}, 100 * (k + 1))
         at = 100 * (a.changes + 1)
-        change = timed(lambda: q.with_weights({"s0": 0.5, "s1": 2.0}, at).batch(at))
+        change = timed(lambda: q.with_weights({"s0": 0.5, "s1": 2.0}, at).batch(at), 5)
         r = q.with_weights({"s0": 0.5, "s1": 2.0}, at)
         step_after = timed(lambda: r.batch(at + 1000), 20)
         consumed = timed(lambda: r.consumed(at + 1000), 20)

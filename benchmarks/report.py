@@ -8,6 +8,18 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
+def timed(fn, repeat: int) -> float:
+    """Seconds a call of `fn` takes, averaged over `repeat` calls after one warm-up call (plans
+    mapped, kernels compiled)."""
+    import time
+
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
 def publish(name: str, lines: list[str]) -> str:
     """Print the lines and write them to results/<name>.txt; returns the text."""
     text = "\n".join(lines)
