@@ -911,7 +911,8 @@ def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path,
 def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (a file at a time) what is refused on disk is refused too, naming the
     object in the bucket: a declared dtype the data disagrees with, a shard cut short, and a
-    file that is not what index.json says (a Parquet file in place of a LitData chunk)."""
+    file that is not what the index says (a Parquet file in place of a LitData chunk); for MDS,
+    LitData and Arrow."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -932,6 +933,17 @@ def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s
     fs.put_file(str(tmp_path / "part.parquet"), "peers/litdata-parquet/chunk-0-1.bin")
     with pytest.raises(StoreError, match="s3://peers/litdata-parquet/chunk-0-1.bin"):
         TokenStore.open("s3://peers/litdata-parquet", object_cache=str(tmp_path / "c"), **opts)
+    # the same for Arrow files: one cut short, and a Parquet file in place of one
+    fs.put(str(peers["arrow_shards"]), "peers/arrow-cut-parted", recursive=True)
+    arrow = sorted(f for f in fs.ls("peers/arrow-cut-parted") if f.endswith(".arrow"))[1]
+    fs.pipe_file(arrow, fs.cat_file(arrow)[:-100])
+    with pytest.raises(StoreError, match=r"s3://peers/arrow-cut-parted/data-00001-of-00004\.arrow: the Arrow stream "
+                                         r"is truncated or damaged"):
+        TokenStore.open("s3://peers/arrow-cut-parted", object_cache=str(tmp_path / "d"), **opts)
+    fs.put(str(peers["arrow_shards"]), "peers/arrow-parquet", recursive=True)
+    fs.put_file(str(tmp_path / "part.parquet"), "peers/arrow-parquet/data-00002-of-00004.arrow")
+    with pytest.raises(StoreError, match=r"s3://peers/arrow-parquet/data-00002-of-00004\.arrow: not a readable Arrow"):
+        TokenStore.open("s3://peers/arrow-parquet", object_cache=str(tmp_path / "e"), **opts)
 
 
 def test_a_peer_dataset_rewritten_in_object_storage_is_copied_again(tmp_path, s3, peers):

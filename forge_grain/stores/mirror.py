@@ -27,6 +27,7 @@ from forge_grain.errors import StoreError
 from forge_grain.stores import identify
 from forge_grain.stores.base import TokenStore
 from forge_grain.stores.manifest import MANIFEST_NAME
+from forge_grain.stores.mirror_parts import PARTED
 from forge_grain.stores.object_cache import ObjectCache
 from forge_grain.stores.remote import changed_under
 from forge_grain.stores.remote_dir import RemoteDir, listing
@@ -121,9 +122,9 @@ def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
     total = sum(size for _, size, _ in files)
     if cache_limit is not None and total > cache_limit:
         raise StoreError(f"{url}: {what} is copied into the cache whole (its documents are found inside its data "
-                         f"files, and only LitData and MDS datasets are read a file at a time), and its {total} bytes "
-                         f"exceed cache_limit {cache_limit}; raise cache_limit, or prepare a forge-grain store from "
-                         "it (read a few shards at a time)")
+                         f"files, and only {', '.join(sorted(PARTED))} datasets are read a file at a time), and its "
+                         f"{total} bytes exceed cache_limit {cache_limit}; raise cache_limit, or prepare a forge-grain "
+                         "store from it (read a few shards at a time)")
     cache = ObjectCache(url, storage_options, object_cache)
     digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
     home = f"copy-{digest}"

@@ -37,7 +37,8 @@ BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # of 4 MiB), and a large one in parts that each hold little memory
 PART_MIN = 1 << 20
 SPLIT = 8
-EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")  # data files (shards, LitData chunks, MDS shards, Arrow files); indices stay
+# data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
+EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
 
 
 def within_cache(needed: list, size_of, limit: int | None) -> list:
