@@ -167,6 +167,7 @@ def plan_offsets(
     name: str = "documents",
     chunk: int | None = None,
     max_segments: int | None = None,
+    filler: np.ndarray | None = None,
 ) -> PackingPlan:
     """Plan rows for documents [offsets[i], offsets[i + 1]) of a token space.
 
@@ -174,6 +175,8 @@ def plan_offsets(
     (and `chunk`, the index of a chunk planned on its own: see `forge_grain.packing.chunked`).
     `max_segments`: at most this many segments (documents or parts of one) a row, for
     kernels that need a bound (MaxText, TransformerEngine); rows that reach it are padded.
+    `filler` (bos_bestfit; a bool per document): these only fill gaps, as long documents'
+    tails do, never start a row (the rest of an epoch: runs starting inside a document).
     """
     offsets = np.asarray(offsets, np.int64)
     _check_args(offsets, seq_len, strategy, stride, name)
@@ -194,7 +197,11 @@ def plan_offsets(
         row_ptr, (start, length, skip, flags), _ = _best_fit_rows(seq_len, start, length, skip, flags, k)
         lost = cropped = 0
     else:
-        row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1, k)
+        tails = None
+        if filler is not None:  # (filler in the seeded order too)
+            tails = offsets[:-1][order][filler[order]], np.diff(offsets)[order][filler[order]]
+            order = order[~filler[order]]
+        row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1, k, tails)
         lost = cropped
     total = int(offsets[-1] - offsets[0])
     if len(row_ptr) < 2 and chunk is None:  # a chunk may be too small for a row: the store's plan may not
@@ -245,7 +252,7 @@ def _best_fit_rows(cap, start, length, skip, flags, max_items=0):
     return row_ptr, (start[pick], length[pick], skip[pick], flags[pick]), fill
 
 
-def _plan_bos_bestfit(offsets, order, cap, max_items=0):
+def _plan_bos_bestfit(offsets, order, cap, max_items=0, tails=None):
     """Rows of exactly `cap` = seq_len + 1 tokens, each starting at a document start (with
     `max_items`, at most that many segments a row: a row that reaches it keeps its gap as
     padding).
@@ -254,7 +261,7 @@ def _plan_bos_bestfit(offsets, order, cap, max_items=0):
     rest is best-fit decreasing. The gaps best-fit leaves are filled with slices of the
     long documents' tails (tokens no BOS-aligned row could start with); only if those
     run short are the least-filled rows dissolved into filler. Tokens of the filler left
-    over are the cropped ones.
+    over are the cropped ones. `tails`: (start, length) of more pieces for the filler.
     """
     lengths = np.diff(offsets)[order]
     starts = offsets[:-1][order]
@@ -264,6 +271,8 @@ def _plan_bos_bestfit(offsets, order, cap, max_items=0):
     head_start, head_natural = starts[long], (lengths[long] == cap).astype(np.uint8)
     has_tail = lengths > cap
     tail_start, tail_len = starts[has_tail] + cap, lengths[has_tail] - cap
+    if tails is not None:
+        tail_start, tail_len = np.concatenate([tail_start, tails[0]]), np.concatenate([tail_len, tails[1]])
     whole_start, whole_len = starts[~long], lengths[~long]
     row_ptr, (w_start, w_len, _, _), fill = _best_fit_rows(
         cap, whole_start, whole_len, np.zeros(len(whole_len), np.int32), np.ones(len(whole_len), np.uint8), max_items

@@ -130,6 +130,17 @@ class DataConfig:
     for whole steps. Give this or `batch_sizes`, not both.
     Example: batch_ramp = { start = 128, increment = 128, tokens = 2_000_000_000 }"""
 
+    seq_lens: list[list[int]] | None = None
+    """A sequence-length schedule: [start_step, length] pairs, the first at step 0, the
+    last at `seq_len` (the full length). Rows from a start step on are that long; at each
+    change the rest of every source's epoch (the documents not yet trained) is planned
+    afresh at the new length, so each document is still trained once per epoch and the
+    steps before stay what they were (see `forge_grain.packing.lengths`). Batch sizes stay
+    in rows: a step trains its batch size times its length (pair it with `batch_sizes` to
+    keep tokens per step constant). Stored sources only; the run is counted in steps
+    (`max_steps`, with `num_epochs = inf`), as an epoch's rows change with the length.
+    Example: seq_lens = [[0, 512], [2000, 1024], [6000, 2048]]"""
+
     plan_chunk_docs: int | None = None
     """A store of more documents is planned a chunk of this many at a time (default about
     4 M; see `forge_grain.packing.chunked`), in parallel and in bounded memory. It changes
@@ -240,6 +251,7 @@ class DataConfig:
         if self.plan_chunk_docs is not None:
             positive_int("plan_chunk_docs", self.plan_chunk_docs)
         self._check_batch_schedule()
+        self._check_seq_lens()
         if self.max_segments_per_row is not None:
             positive_int("max_segments_per_row", self.max_segments_per_row)
         if self.canonical_streams is not None:
@@ -281,6 +293,33 @@ class DataConfig:
                     f"batch_ramp: from start {r['start']} the increment {r['increment']} must reach "
                     f"global_batch_size {self.global_batch_size} exactly (start below it, increment dividing "
                     f"{self.global_batch_size - r['start']})")
+
+    def _check_seq_lens(self) -> None:
+        if self.seq_lens is None:
+            return
+        try:
+            segments = check_segments(self.seq_lens, "seq_lens")
+        except ScheduleError as e:
+            raise ConfigError(str(e).replace("batch size", "length")) from None
+        if segments[-1][1] != self.seq_len:
+            raise ConfigError(f"seq_lens ends at {segments[-1][1]} tokens a row (from step {segments[-1][0]}); its "
+                              f"last length must be seq_len ({self.seq_len}), the full length")
+        if len(segments) == 1:
+            return
+        if self.num_epochs is not None or self.max_steps is None:
+            raise ConfigError("seq_lens: a run whose rows change length is counted in steps, not epochs (an "
+                              "epoch's rows change with the length): set max_steps and num_epochs = inf")
+        if self.batch_ramp is not None:
+            raise ConfigError("seq_lens with batch_ramp: the ramp counts tokens at one length; give batch_sizes")
+        bad = [s.name for s in self.sources if s.hf_streaming or s.stride is not None]
+        if bad:
+            raise ConfigError(f"seq_lens: sources {bad} are streaming or set a stride; a sequence-length schedule "
+                              "replans stored sources at each length (streaming sources and strides are tied "
+                              "to one length)")
+
+    def seq_len_schedule(self) -> list[tuple[int, int]]:
+        """[(start_step, length)]: the config's row lengths by step (one entry without a schedule)."""
+        return check_segments(self.seq_lens, "seq_lens") if self.seq_lens is not None else [(0, self.seq_len)]
 
     def batch_schedule(self) -> list[tuple[int, int]]:
         """[(start_step, global batch size)]: the config's batch sizes by step (one entry

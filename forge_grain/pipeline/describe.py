@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+from forge_grain.packing.lengths import LengthSchedule
 from forge_grain.packing.packed import PackedDataset
 from forge_grain.pipeline.config import ConfigError, DataConfig
 
@@ -29,13 +30,15 @@ def describe(order, steps: int | None = None) -> dict:
             for p in phases if not p["reached"]]
     sources = []
     for name, d in zip(order.source_names, order.mixture.datasets):
-        entry = _source(name, d, used.get(name, {}), streaming=not isinstance(d, PackedDataset) and name in names)
+        stored = isinstance(d, (PackedDataset, LengthSchedule))
+        entry = _source(name, d, used.get(name, {}), streaming=not stored and name in names)
         sources.append(entry)
         warn += _source_warnings(entry, end, c.seq_len)
     B = c.global_batch_size
     return {"steps": end, "steps_per_epoch": order.steps_per_epoch, "global_batch_size": B, "seq_len": c.seq_len,
             "tokens_per_step": B * c.seq_len, "batch_sizes": order.batches.to_list(),
-            "tokens": None if end is None else order.batches.row(end) * c.seq_len,
+            **({"seq_lens": [list(x) for x in order.seq_lens]} if len(order.seq_lens) > 1 else {}),
+            "tokens": None if end is None else order.tokens_before(end),
             "phases": phases, "sources": sources, "warnings": warn}
 
 

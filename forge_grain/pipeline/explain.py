@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain.errors import ConfigError
+from forge_grain.packing.lengths import LengthSchedule
 from forge_grain.packing.packed import PackedDataset
 from forge_grain.pipeline.states import step_number
 
@@ -52,7 +53,7 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False,
         d = p.mixture.datasets[s]
         row = {"step": step, "row": i, "shard": i // p.local_size(step), "source": p.source_names[s],
                "source_row": r}
-        if isinstance(d, PackedDataset):
+        if isinstance(d, (PackedDataset, LengthSchedule)):
             if decode and s not in tokenizers:
                 configured = p.config.sources[s].tokenizer if s < len(p.config.sources) else None
                 tokenizers[s] = _tokenizer(d.store, tokenizer or configured)
@@ -70,7 +71,10 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False,
     return out
 
 
-def _packed_row(d: PackedDataset, rank: int, tok) -> dict:
+def _packed_row(d, rank: int, tok) -> dict:
+    epoch = None
+    if isinstance(d, LengthSchedule):  # the piece of its length schedule the row is in
+        d, rank, epoch = d.locate(rank)
     plan_row = int(d.rows_of([rank])[0])
     segments = []
     for doc, lo, slot, shown in d.plan.documents_of(plan_row, d.store.offsets):
@@ -82,7 +86,8 @@ def _packed_row(d: PackedDataset, rank: int, tok) -> dict:
         if tok is not None:
             seg["text"] = tok.backend.decode(d.store[doc][lo : lo + shown].tolist(), skip_special_tokens=False)
         segments.append(seg)
-    return {"epoch": rank // d.num_rows, "plan_row": plan_row, "segments": segments}
+    epoch = rank // d.num_rows if epoch is None else epoch
+    return {"epoch": epoch, "plan_row": plan_row, "segments": segments}
 
 
 def _tokenizer(store, configured: str | None):

@@ -79,7 +79,8 @@ class FetchWindow:
             a = w["end"]  # (a block may reach up to HINT_STEPS - 1 steps past `fetch_ahead`)
             b = min(a + min(HINT_STEPS, self.fetch_ahead), o.step_limit)
             src, rank = o.locate(np.concatenate([o.shard_rows(s) for s in range(a, b)]))
-            self._hints[a] = (b, [self.datasets[i].arrays_read(rank[src == i]) for i in self.fetching])
+            datasets = o.mixture.datasets  # (a source's rows at the steps' lengths: `seq_lens`)
+            self._hints[a] = (b, [datasets[i].arrays_read(rank[src == i]) for i in self.fetching])
             for count, arrays in zip(w["counts"], self._hints[a][1]):
                 count.update(arrays.tolist())
             w["end"] = b

@@ -148,9 +148,10 @@ class Mixture(grain.MapDataset):
         p = int(np.searchsorted(self.phase_rows, num_rows, side="right") - 1)
         return self._base[p] + self._phase_counts(p, num_rows - self.phase_rows[p])
 
-    def get_batch(self, indices, out: dict | None = None, id_dtype=np.int32) -> dict:
+    def get_batch(self, indices, out: dict | None = None, id_dtype=np.int32, seq_len: int | None = None) -> dict:
+        """Rows `indices` (of `seq_len` tokens: the step's, under a sequence-length schedule)."""
         src, rank = self.locate(indices)
-        out = out if out is not None else empty_rows(len(src), self.seq_len, id_dtype, self._pool)
+        out = out if out is not None else empty_rows(len(src), seq_len or self.seq_len, id_dtype, self._pool)
         idx = np.asarray(indices, np.int64).reshape(-1)
         one = len(self.datasets) == 1  # (no grouping to do: every row is the one source's)
         for i in [0] if one else np.unique(src):

@@ -149,7 +149,8 @@ class Pipeline:
         # for copies rebuilt in worker processes
         self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents, allow_batch_size_change,
                              _live)
-        self.order = RowOrder(config, self.datasets, batches, shard_index, shard_count, runs.history, runs.skips)
+        self.order = RowOrder(config, self.datasets, batches, shard_index, shard_count, runs.history, runs.skips,
+                              self._pack_args(plan_workers))
         self._summary = self._summarize(batches, runs.recorded())
         self.fingerprint = history.digest(self._summary)
         self._not_as_sent: StoreError | None = None  # set where a process rebuilt it on other data (_rebuild)
@@ -161,6 +162,13 @@ class Pipeline:
         if resume_from is not None:
             self.check_state(resume_from)  # its step is one of this run's, before anything is opened
         self._opener = AheadOpener(self, start)
+
+    def _pack_args(self, plan_workers: int | None) -> list[dict]:
+        """What each source is packed with, for the lengths of a `seq_lens` schedule."""
+        c = self.config
+        return [dict(strategy=s.strategy, cache_dir=self.cache_dir, chunk_docs=c.plan_chunk_docs,
+                     plan_workers=plan_workers, max_segments=c.max_segments_per_row, progress=self.progress)
+                for s in c.sources]
 
     def _summarize(self, batches: BatchSchedule, runs: dict | None = None) -> dict:
         """This pipeline's summary (`states.summarize`) under `batches`, with the records `runs`."""
@@ -247,7 +255,7 @@ class Pipeline:
             self.positions.before_batch(step)
         self.fetching.advance(step)
         with self._opener.making(step):
-            out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype)
+            out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype, seq_len=self.order.seq_len_at(step))
         out["step"] = np.int64(step)
         if self.positions is not None:
             self.positions.after_batch(step)
@@ -258,7 +266,7 @@ class Pipeline:
         if self.streams:
             raise StateError("streaming sources are read per shard; there is no global batch to compute here")
         step = states.step_number(step, self.step_limit)
-        out = self.mixture.get_batch(self.global_rows(step), id_dtype=self.dtype)
+        out = self.mixture.get_batch(self.global_rows(step), id_dtype=self.dtype, seq_len=self.order.seq_len_at(step))
         out["step"] = np.int64(step)
         return out
 

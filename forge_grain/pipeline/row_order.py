@@ -25,6 +25,7 @@ from fractions import Fraction
 import numpy as np
 
 from forge_grain.errors import StateError
+from forge_grain.packing.lengths import LengthSchedule
 from forge_grain.packing.packed import PackedDataset
 from forge_grain.pipeline import history, states
 from forge_grain.pipeline.batches import BatchSchedule
@@ -82,7 +83,8 @@ class RowOrder:
     """The rows of every step of one shard's view of a run (see the module docstring)."""
 
     def __init__(self, config: DataConfig, datasets: list, batches: BatchSchedule, shard_index: int,
-                 shard_count: int, mixtures: list[dict] = (), skips: list[dict] = ()):
+                 shard_count: int, mixtures: list[dict] = (), skips: list[dict] = (),
+                 pack_args: list[dict] | None = None):
         self.config, self.batches = config, batches
         self.shard_index, self.shard_count = shard_index, shard_count
         self.rows_per_epoch = sum(d.num_rows for d in datasets)
@@ -101,6 +103,8 @@ class RowOrder:
             leaves=[leaves for _, leaves, _ in phases],
         )
         self.rowmap = self._apply_skips(list(skips))
+        self.seq_lens = config.seq_len_schedule()
+        self._schedule_lengths(pack_args)
 
     # -- the rows of a step -----------------------------------------------------------------
 
@@ -176,13 +180,13 @@ class RowOrder:
         rows = self.consumed_rows(step, reached)
         out = {}
         for k, (name, d) in enumerate(zip(self.source_names, self.mixture.datasets)):
-            packed = isinstance(d, PackedDataset)
-            trained = None
-            if packed:
-                j = int(reached[k])
+            j, epochs, trained = int(reached[k]), None, None
+            if isinstance(d, LengthSchedule):  # (no document skips under a schedule: see _schedule_lengths)
+                trained, epochs = d.trained_tokens(j) - self.rowmap.removed_below(k, j, ()), d.epochs(j)
+            elif isinstance(d, PackedDataset):
                 trained = d.trained_tokens(j) - self.rowmap.removed_below(k, j, d.loss_positions)
-            out[name] = {"rows": int(rows[k]), "trained_tokens": trained,
-                         "epochs": int(rows[k]) / d.num_rows if packed else None}
+                epochs = int(rows[k]) / d.num_rows
+            out[name] = {"rows": int(rows[k]), "trained_tokens": trained, "epochs": epochs}
         return out
 
     def consumed_rows(self, step: int, reached: np.ndarray | None = None) -> np.ndarray:
@@ -200,6 +204,33 @@ class RowOrder:
         """Whether the phase starting at stream step `start` is in force at a step before `end`."""
         return end is None or (end > 0 and self.batches.row(start)
                                <= self.rowmap.stream_row(self.batches.row(end) - 1))
+
+    # -- sequence lengths -------------------------------------------------------------------
+
+    def seq_len_at(self, step: int) -> int:
+        """The row length of trainer step `step` (`seq_lens`)."""
+        return next(n for s, n in reversed(self.seq_lens) if s <= step)
+
+    def tokens_before(self, step: int) -> int:
+        """Row slots (rows × their length) of the steps before `step`."""
+        ends = [s for s, _ in self.seq_lens[1:]] + [step]
+        return sum((self.batches.row(min(hi, step)) - self.batches.row(lo)) * n
+                   for (lo, n), hi in zip(self.seq_lens, ends) if lo < step)
+
+    def _schedule_lengths(self, pack_args: list[dict] | None) -> None:
+        """Under a sequence-length schedule, each stored source's rows change length at the
+        rows it has given when each change's step starts (`forge_grain.packing.lengths`)."""
+        changes = [(s, n) for s, n in self.seq_lens if s < self.step_limit]
+        if len(self.seq_lens) == 1:
+            return
+        if any(self.rowmap.docs):
+            raise ConfigError("skip_documents with seq_lens: the rows holding a document differ at each length; "
+                              "skip steps instead (skip_steps)")
+        at = [self.reached(s) if s else np.zeros(len(self.mixture.datasets), np.int64) for s, _ in changes]
+        for k, d in enumerate(self.mixture.datasets):
+            if isinstance(d, PackedDataset):
+                rows = [(int(r[k]), n) for r, (_, n) in zip(at, changes)]
+                self.mixture.datasets[k] = LengthSchedule(d, rows, pack_args[k], d.seed)
 
     # -- skips ------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ STREAM_VERSION = 3
 MAX_STEP = MAX_ROWS  # every step holds at least one row
 SUMMARY_KEYS = {"stream_version", "seq_len", "global_batch_size", "batch_sizes", "seed", "num_epochs",
                 "mix_temperature", "schedule", "max_segments_per_row", "canonical", "epochs", "sources", "history",
-                "batch_history", "skips", "live"}
+                "batch_history", "skips", "live", "seq_lens"}
 
 
 def is_integer(x) -> bool:
@@ -113,8 +113,9 @@ def _check_summary(c: dict, step: int) -> None:
         fail("schedule", f"must be a list of [start_step, weights], one finite weight >= 0 per source and some "
                          f"positive, not {c.get('schedule')!r:.80}")
     try:
-        if "batch_sizes" in c:
-            check_segments(c["batch_sizes"], "state config.batch_sizes")
+        for key in ("batch_sizes", "seq_lens"):
+            if key in c:
+                check_segments(c[key], f"state config.{key}")
         for key, check, at in (("history", history.check, "until_step"),
                                ("batch_history", history.check_batches, "until_step"),
                                ("skips", history.check_skips, "at_step")):
@@ -155,6 +156,7 @@ def summarize(config: DataConfig, opened: list, canonical: list | None, aligned:
         "seq_len": c.seq_len,
         "global_batch_size": c.global_batch_size,
         **({"batch_sizes": config_batches(c)} if len(c.batch_schedule()) > 1 else {}),
+        **({"seq_lens": [list(x) for x in c.seq_len_schedule()]} if len(c.seq_len_schedule()) > 1 else {}),
         "seed": c.seed,
         "num_epochs": c.num_epochs,
         "mix_temperature": c.mix_temperature,

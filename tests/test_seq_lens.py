@@ -1,0 +1,209 @@
+"""Sequence-length schedules (`seq_lens`), as a property and through what a trainer meets.
+
+The stores' tokens are unique (document d's tokens are ids nobody else has), so what a batch
+trains is known from the batch alone: the targets under its loss mask. With that, whatever
+the schedule, batch-size schedule and resumes (on 1, 2 or 4 shards):
+
+- a `bestfit` source trains every target exactly once per epoch across each change: when the
+  last target of an epoch is trained, every target has been trained exactly that many times;
+- no source trains a target twice in its first epoch (the `concat` and `bos_bestfit` sources
+  are large enough not to finish one; they lose a partial row or crop at a change, as they
+  do within an epoch, so their epochs' ends are not seen in the batches);
+- the steps before each change are those of the run whose schedule ends before it (what a
+  user who had not yet added the change trained), rows and all;
+- `consumed` counts the targets trained; every batch is `[rows, the step's length]`.
+
+A seeded subset of the property runs by default; FORGE_GRAIN_SLOW=1 runs many more.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+from conftest import SLOW
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from forge_grain import ConfigError, DataConfig, Pipeline, write_store
+
+NAMES = ["a", "b", "c"]
+STRATEGIES = {"a": "bestfit", "b": "concat", "c": "bos_bestfit"}
+LENGTHS = [16, 24, 32, 48, 64]
+STEPS = 90
+
+
+def unique_store(path, n_docs, seed, first):
+    """Documents of unique tokens (BOS first, then ids from `first` on); returns (path, end id)."""
+    rng = np.random.default_rng(seed)
+    docs, g = [], first
+    for n in rng.integers(2, 160, n_docs).tolist():
+        docs.append(np.concatenate([[0], np.arange(g, g + n - 1)]))
+        g += n - 1
+    return write_store(path, docs, vocab_size=1 << 24, bos_id=0, eos_id=1), g
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    base = tmp_path_factory.mktemp("seq_lens")
+    out, first = {}, 2
+    for k, n in enumerate(NAMES):  # the bestfit source runs through many epochs, the others not one
+        path, end = unique_store(base / n, 60 if k == 0 else 800, 40 + k, first)
+        out[n] = (path, range(first, end))
+        first = end
+    return out
+
+
+def make_config(stores, seq_lens=None, batch_sizes=None, seq_len=None) -> DataConfig:
+    seq_len = seq_len or (seq_lens[-1][1] if seq_lens else 64)
+    return DataConfig.from_dict(dict(
+        sources=[dict(name=n, path=str(stores[n][0]), weight=w, strategy=STRATEGIES[n])
+                 for n, w in zip(NAMES, (0.6, 0.25, 0.15))],
+        seq_len=seq_len, global_batch_size=batch_sizes[-1][1] if batch_sizes else 8, seed=13, num_epochs=None, max_steps=STEPS,
+        **({"seq_lens": seq_lens} if seq_lens else {}), **({"batch_sizes": batch_sizes} if batch_sizes else {})))
+
+
+@st.composite
+def schedules(draw):
+    """A length schedule of 1-3 changes, a batch-size schedule or none, and resumes."""
+    steps = sorted(draw(st.lists(st.integers(1, STEPS - 10), min_size=1, max_size=3, unique=True)))
+    lengths = [draw(st.sampled_from(LENGTHS)) for _ in range(len(steps) + 1)]
+    batch_sizes = draw(st.sampled_from([None, [[0, 4], [20, 8]], [[0, 8], [35, 16]]]))
+    resumes = draw(st.lists(st.tuples(st.integers(1, STEPS - 1), st.sampled_from([1, 2, 4])), max_size=3))
+    return [[0, lengths[0]], *([s, n] for s, n in zip(steps, lengths[1:]))], batch_sizes, resumes
+
+
+class Trained:
+    """Per source: how often each of its targets was trained, checked as rows come in order."""
+
+    def __init__(self, ids: range, exact: bool):
+        self.ids, self.exact = ids, exact
+        self.count = np.zeros(len(ids), np.int64)
+        self.epoch = 0  # epochs completed: every target trained this many times at least
+        self.total = 0
+
+    def add(self, targets: np.ndarray) -> None:
+        i = targets - self.ids.start
+        assert ((i >= 0) & (i < len(self.ids))).all(), "a target of another source"
+        np.add.at(self.count, i, 1)
+        self.total += len(i)
+        assert self.count.max() <= self.epoch + 1, "a target trained twice in one epoch"
+        if self.exact and self.count.min() > self.epoch:  # the epoch's last target: all trained alike
+            assert self.count.max() == self.epoch + 1, "an epoch ended with targets trained twice"
+            self.epoch += 1
+
+
+def check_run(stores, seq_lens, batch_sizes, resumes):
+    config = make_config(stores, seq_lens, batch_sizes)
+    p = Pipeline(config, 0, 1, num_threads=0)
+    trained = {n: Trained(stores[n][1], STRATEGIES[n] == "bestfit") for n in NAMES}
+    batches = []
+    for s in range(STEPS):
+        b = p.global_batch(s)
+        length = next(n for start, n in reversed(seq_lens) if start <= s)
+        assert b["inputs"].shape == (p.batches.size(s), length)
+        for row in range(len(b["inputs"])):
+            trained[NAMES[b["source_id"][row]]].add(b["targets"][row][b["loss_mask"][row]])
+        batches.append(b)
+    assert {n: v["trained_tokens"] for n, v in p.consumed(STEPS).items()} == {n: t.total for n, t in trained.items()}
+    assert trained["a"].epoch >= 1  # the oracle saw an epoch end
+    for k in range(1, len(seq_lens)):  # the steps before each change: as the run without it trained them
+        before = Pipeline(make_config(stores, seq_lens[:k] if k > 1 else None, batch_sizes, seq_lens[k - 1][1]),
+                          0, 1, num_threads=0)
+        for s in range(seq_lens[k][0]):
+            assert all(np.array_equal(before.global_batch(s)[key], batches[s][key]) for key in batches[s])
+    for step, shards in resumes:  # plain and elastic resumes: the same batches
+        state = json.loads(json.dumps(p.state_at(step)))
+        shard = step % shards
+        q = Pipeline(config, shard, shards, num_threads=0, resume_from=state)
+        for s in range(step, min(step + 3, STEPS)):
+            n = p.batches.size(s) // shards
+            assert np.array_equal(q.batch(s)["inputs"], batches[s]["inputs"][shard * n:(shard + 1) * n])
+
+
+@settings(max_examples=150 if SLOW else 8, deadline=None, derandomize=not SLOW,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(plan=schedules())
+def test_any_length_schedule_trains_each_target_once_per_epoch(three, plan):
+    check_run(three, *plan)
+
+
+def test_rows_before_a_change_are_not_replanned_and_the_rest_is(three):
+    """The mechanism each half of the property needs, shown apart: without the rest of the
+    epoch, targets would be skipped; starting the epoch again would train them twice."""
+    seq_lens = [[0, 32], [10, 48]]
+    p = Pipeline(make_config(three, seq_lens), 0, 1, num_threads=0)
+    a = p.mixture.datasets[0]
+    a.get_batch(np.array([0]))
+    changed = a.changes[1][0]
+    pieces = a._pieces_to(changed + 1)
+    assert [x.rest for x in pieces] == [False, True, False]
+    assert pieces[1].start == changed and pieces[1].dataset.seq_len == 48
+    assert pieces[2].base == pieces[2].dataset.num_rows  # the next epoch, whole, at the new length
+
+
+def test_skip_steps_and_explain_follow_the_schedule(three):
+    seq_lens = [[0, 24], [12, 48]]
+    config = make_config(three, seq_lens)
+    p = Pipeline(config, 0, 1, num_threads=0)
+    state = p.state_at(20)
+    q = Pipeline(config, 0, 1, num_threads=0, resume_from=state, skip_steps=5)
+    for s in range(20, 40):  # after the change: step s trains what the run trained at s + 5
+        assert np.array_equal(q.batch(s)["inputs"], p.batch(s + 5)["inputs"])
+    early = Pipeline(config, 0, 1, num_threads=0, resume_from=p.state_at(6), skip_steps=3)
+    assert early.batch(11)["inputs"].shape[1] == 24 and early.batch(12)["inputs"].shape[1] == 48
+    for s in (3, 12, 13, 30):  # explain's documents are the batch's tokens, before and after the change
+        b = p.global_batch(s)
+        for row in p.explain(s):
+            store = p.stores[NAMES.index(row["source"])]
+            for seg in row["segments"]:
+                lo, hi = seg["tokens"]
+                got = b["inputs"][row["row"]][seg["slots"][0]:seg["slots"][1]]
+                assert np.array_equal(got, store[seg["document"]][lo:hi])
+
+
+def test_a_resumed_state_names_another_schedule(three):
+    p = Pipeline(make_config(three, [[0, 24], [12, 48]]), 0, 1, num_threads=0)
+    with pytest.raises(Exception, match="seq_lens"):
+        Pipeline(make_config(three, [[0, 24], [14, 48]]), 0, 1, num_threads=0, resume_from=p.state_at(5))
+
+
+def test_what_a_schedule_refuses_is_said(three, tmp_path):
+    with pytest.raises(ConfigError, match="last length must be seq_len"):
+        make_config(three, [[0, 16], [5, 32]], seq_len=64)
+    with pytest.raises(ConfigError, match="first at step 0"):
+        make_config(three, [[3, 16], [5, 64]])
+    d = make_config(three, [[0, 16], [5, 64]]).to_dict()
+    with pytest.raises(ConfigError, match="set max_steps and num_epochs = inf"):
+        DataConfig.from_dict({**d, "num_epochs": 1})
+    d["sources"][0]["stride"] = 8
+    with pytest.raises(ConfigError, match=r"sources \['a'\] are streaming or set a stride"):
+        DataConfig.from_dict(d)
+    config = make_config(three, [[0, 16], [5, 64]])
+    p = Pipeline(config, 0, 1, num_threads=0)
+    with pytest.raises(ConfigError, match="skip_documents with seq_lens"):
+        Pipeline(config, 0, 1, num_threads=0, resume_from=p.state_at(3), skip_documents={"a": [1]})
+
+
+def test_plan_reports_the_lengths_and_the_tokens(three):
+    p = Pipeline(make_config(three, [[0, 16], [10, 64]], [[0, 4], [5, 8]]), 0, 1, num_threads=0)
+    d = p.describe(20)
+    assert d["seq_lens"] == [[0, 16], [10, 64]]
+    assert d["tokens"] == 5 * 4 * 16 + 5 * 8 * 16 + 10 * 8 * 64
+    assert d["tokens"] == sum(p.global_batch(s)["inputs"].size for s in range(20))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_torch_loader_changes_length_in_its_workers(three, workers):
+    torch = pytest.importorskip("torch")
+    from bridges.torch import GrainIterableDataset
+
+    config = make_config(three, [[0, 16], [7, 48]])
+    ds = GrainIterableDataset(config, rank=0, world_size=1)
+    want = Pipeline(config, 0, 1, num_threads=0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    for batch, s in zip(loader, range(14)):
+        assert int(batch["step"]) == s
+        assert torch.equal(batch["inputs"], torch.from_numpy(want.batch(s)["inputs"]).long())
