@@ -207,7 +207,8 @@ def _recorded_pipeline(a, rank: int = 0, world_size: int = 1):
             # weights set live are in the state: a plain resume of it rebuilds the run (`pipeline.live`)
             change = state is not None and saved_live(state) is None
             return Pipeline(config, rank, world_size, num_threads=0, resume_from=state,
-                            allow_mixture_change=change, allow_batch_size_change=state is not None), state
+                            allow_mixture_change=change, allow_batch_size_change=state is not None,
+                            allow_seq_len_change=state is not None), state
         except StateError as e:
             raise StateError(f"--state {path}: {e}") from None
 

@@ -440,10 +440,13 @@ def test_sources_added_and_removed_then_changed_again(stores):
 def test_a_mixture_change_may_not_change_a_sources_data_or_the_geometry(stores, tmp_path):
     a = Pipeline(mix_config(stores, {"web": 0.5, "code": 0.5}), 0, 1, num_threads=0)
     state = a.state_at(3)
-    geometry = DataConfig.from_dict({**dict(sources=[dict(name="web", path=str(stores["web"]))]),
+    geometry = DataConfig.from_dict({**dict(sources=[dict(name="web", path=str(stores["web"]), strategy="bos_bestfit")]),
                                      "seq_len": 32, "global_batch_size": 8, "seed": 7, "num_epochs": None})
-    with pytest.raises(StateError, match=r"may not change \['seq_len'\]"):
+    with pytest.raises(StateError, match=r"sequence length differs .* pass allow_seq_len_change=True"):
         Pipeline(geometry, 0, 1, num_threads=0, resume_from=state, allow_mixture_change=True)
+    with pytest.raises(StateError, match=r"may not change \['seed'\]"):
+        Pipeline(DataConfig.from_dict({**geometry.to_dict(), "seq_len": 64, "seed": 8}), 0, 1, num_threads=0,
+                 resume_from=state, allow_mixture_change=True)
     other = dict(mix_config(stores, {"web": 0.5, "code": 0.5}).sources[1].__dict__)
     other.update(path=str(stores["math"]))  # 'code' now names other data
     cfg = DataConfig.from_dict(dict(sources=[dict(name="web", path=str(stores["web"]), strategy="bos_bestfit"), other],

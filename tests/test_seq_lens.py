@@ -207,3 +207,26 @@ def test_the_torch_loader_changes_length_in_its_workers(three, workers):
     for batch, s in zip(loader, range(14)):
         assert int(batch["step"]) == s
         assert torch.equal(batch["inputs"], torch.from_numpy(want.batch(s)["inputs"]).long())
+
+
+def test_a_change_at_resume_is_the_schedule_with_that_change(three):
+    """A run at 32 resumed at step 20 with seq_len 64 trains what `seq_lens = [[0, 32], [20, 64]]`
+    trains; without allow_seq_len_change the state is refused with what to pass; the changed
+    run's own states resume it, elastically too."""
+    first = make_config(three, seq_len=32)
+    p = Pipeline(first, 0, 1, num_threads=0)
+    state = json.loads(json.dumps(p.state_at(20)))
+    longer = make_config(three, seq_len=64)
+    with pytest.raises(Exception, match="allow_seq_len_change=True"):
+        Pipeline(longer, 0, 1, num_threads=0, resume_from=state)
+    q = Pipeline(longer, 0, 1, num_threads=0, resume_from=state, allow_seq_len_change=True)
+    want = Pipeline(make_config(three, [[0, 32], [20, 64]]), 0, 1, num_threads=0)
+    for s in (0, 19, 20, 21, 60, STEPS - 1):
+        assert np.array_equal(q.global_batch(s)["inputs"], want.global_batch(s)["inputs"])
+    assert q.consumed(STEPS) == want.consumed(STEPS)
+    later = json.loads(json.dumps(q.state_at(40)))
+    assert later["config"]["seq_len_history"] == [{"until_step": 20, "seq_lens": [[0, 32]]}]
+    r = Pipeline(longer, 1, 2, num_threads=0, resume_from=later)  # a plain resume: no flag needed
+    assert np.array_equal(r.batch(40)["inputs"], want.global_batch(40)["inputs"][4:])
+    back = Pipeline(first, 0, 1, num_threads=0, resume_from=later, allow_seq_len_change=True)
+    assert back.batch(45)["inputs"].shape == (8, 32) and back.batch(39)["inputs"].shape == (8, 64)

@@ -136,13 +136,14 @@ def ramp_segments(start: int, increment: int, tokens: int | float, full: int, se
     return segments
 
 
-def combined(history: list[dict], segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def combined(history: list[dict], segments: list[tuple[int, int]], key: str = "batches") -> list[tuple[int, int]]:
     """The segments a run follows: each history segment's own batch sizes (`batches`, saved
     when it ended) up to its `until_step`, then the config's `segments` from there on (the
     size in force at the change starts at it). Segments without `batches` were saved when
-    the batch size could not change: they used the config's."""
+    the batch size could not change: they used the config's. (`key="seq_lens"`: the same for
+    sequence lengths.)"""
     out, lo = [], 0
-    for hi, segs in [*((seg["until_step"], seg.get("batches", segments)) for seg in history), (None, segments)]:
+    for hi, segs in [*((seg["until_step"], seg.get(key, segments)) for seg in history), (None, segments)]:
         if hi is not None and hi <= lo:
             continue
         in_force = [k for k, (s, _) in enumerate(segs) if s <= lo][-1]

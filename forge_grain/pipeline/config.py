@@ -304,7 +304,12 @@ class DataConfig:
         if segments[-1][1] != self.seq_len:
             raise ConfigError(f"seq_lens ends at {segments[-1][1]} tokens a row (from step {segments[-1][0]}); its "
                               f"last length must be seq_len ({self.seq_len}), the full length")
-        if len(segments) == 1:
+        self.check_lengths(segments)
+
+    def check_lengths(self, segments: list) -> None:
+        """What a run whose rows change length needs (`segments`: its lengths by step, the
+        config's or, after a change at resume, the ones it trained, then the config's)."""
+        if len({n for _, n in segments}) == 1:
             return
         if self.num_epochs is not None or self.max_steps is None:
             raise ConfigError("seq_lens: a run whose rows change length is counted in steps, not epochs (an "

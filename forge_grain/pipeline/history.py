@@ -22,8 +22,11 @@ from forge_grain.errors import ForgeGrainError
 from forge_grain.pipeline.batches import ScheduleError, check_segments
 
 # what a mixture change may not touch: the rows of every source and the row length (a change of
-# batch size is checked before, and allowed on its own terms: see `batch_change`)
+# batch size or of sequence length is checked before, and allowed on its own terms: see
+# `batch_change` and `length_change`)
 FIXED_KEYS = ("stream_version", "seq_len", "seed", "num_epochs")
+LENGTH_KEYS = ("seq_len", "seq_lens", "seq_len_history")  # what a sequence-length change changes
+PLAN_KEYS = ("plan", "plan_sha256")  # a source's plan: it follows from its data and the length
 SOURCE_KEYS = ("strategy", "stride", "window", "plan", "plan_sha256", "data")
 
 
@@ -62,7 +65,9 @@ def extend(state: dict, current: dict) -> list[dict]:
 
 def check_fixed(saved: dict, current: dict) -> None:
     """A HistoryError naming what no resume may change between the summaries `saved` and
-    `current`: the keys that decide every source's rows, and a kept source's data or packing."""
+    `current`: the keys that decide every source's rows, and a kept source's data or packing
+    (`seq_len` and the plans it makes, when the sequence length changes: `length_change`)."""
+    saved, current = without_lengths(saved, current)
     fixed = [k for k in FIXED_KEYS if saved.get(k) != current.get(k)]
     if fixed:
         raise HistoryError(f"a resume may not change {fixed}; only weights, phases, temperature, sources and batch "
@@ -110,6 +115,39 @@ def check(history) -> list[dict]:
     return history
 
 
+def saved_lengths(summary: dict) -> list[list[int]]:
+    """The [start_step, length] pairs of a summary's config (its `seq_len` alone without a schedule)."""
+    return [list(x) for x in summary.get("seq_lens") or [[0, summary.get("seq_len")]]]
+
+
+def without_lengths(saved: dict, current: dict) -> tuple[dict, dict]:
+    """Both summaries without their sequence lengths and the plans those make, where their
+    lengths differ (a change `length_change` records); else both as they are."""
+    if saved_lengths(saved) == saved_lengths(current):
+        return saved, current
+
+    def strip(summary):
+        sources = [{k: v for k, v in s.items() if k not in PLAN_KEYS} if isinstance(s, dict) else s
+                   for s in summary.get("sources") or []]
+        return {**{k: v for k, v in summary.items() if k not in LENGTH_KEYS}, "sources": sources}
+    return strip(saved), strip(current)
+
+
+def length_change(state: dict, length_history: list[dict]) -> list[dict]:
+    """The sequence-length history of a pipeline that resumes `state` with other lengths: the
+    saved one plus the saved config's lengths up to the saved step (the steps before it keep
+    their lengths; at it, the rest of each source's epoch is planned at the new length)."""
+    saved = state.get("config")
+    if not isinstance(saved, dict) or digest(saved) != state.get("fingerprint"):
+        raise HistoryError("the state's config does not match its fingerprint: it was changed after it was saved")
+    if "streams" in state:
+        raise HistoryError("streaming sources resume only with the sequence length they were saved with")
+    step = state["step"]
+    if length_history and step < length_history[-1]["until_step"]:
+        raise HistoryError(f"the state's step {step} is before its own last sequence-length change")
+    return check_batches([*length_history, {"until_step": step, "seq_lens": saved_lengths(saved)}], "seq_lens")
+
+
 def saved_batches(saved: dict) -> list[list[int]]:
     """The [start_step, size] pairs of a saved summary's config (its `global_batch_size` alone
     when it had no schedule)."""
@@ -133,23 +171,25 @@ def batch_change(state: dict, batch_history: list[dict]) -> list[dict]:
     return check_batches([*batch_history, {"until_step": step, "batches": saved_batches(saved)}])
 
 
-def check_batches(batch_history) -> list[dict]:
+def check_batches(batch_history, key: str = "batches") -> list[dict]:
     """`batch_history` if it has the structure a pipeline writes (a list of {until_step,
-    batches: [[start_step, size], ...]}, until_step not decreasing), else a HistoryError."""
+    batches: [[start_step, size], ...]}, until_step not decreasing), else a HistoryError;
+    `key="seq_lens"`: the sequence-length history ({until_step, seq_lens: [[start_step, length]]})."""
+    what = "batch" if key == "batches" else "sequence-length"
     if not isinstance(batch_history, list):
-        raise HistoryError(f"the state's batch history is malformed: a list, not {batch_history!r:.80}")
+        raise HistoryError(f"the state's {what} history is malformed: a list, not {batch_history!r:.80}")
     last = 0
     for i, seg in enumerate(batch_history):
         until = seg.get("until_step") if isinstance(seg, dict) else None
-        ok = isinstance(seg, dict) and set(seg) == {"until_step", "batches"} and isinstance(until, int) and not \
+        ok = isinstance(seg, dict) and set(seg) == {"until_step", key} and isinstance(until, int) and not \
             isinstance(until, bool) and until >= last
         try:
-            ok = ok and bool(check_segments(seg["batches"]))
+            ok = ok and bool(check_segments(seg[key]))
         except ScheduleError:
             ok = False
         if not ok:
-            raise HistoryError(f"the state's batch history is malformed: segment {i} is {seg!r:.100}, not "
-                               f"{{until_step, batches: [[start_step, size], ...]}} ending at or after step {last}")
+            raise HistoryError(f"the state's {what} history is malformed: segment {i} is {seg!r:.100}, not "
+                               f"{{until_step, {key}: [[start_step, value], ...]}} ending at or after step {last}")
         last = until
     return batch_history
 

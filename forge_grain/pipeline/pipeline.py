@@ -80,6 +80,12 @@ class Pipeline:
     before the state's step keep the sizes they had (`batch_history` in the states), and
     the rows after it continue the same row sequence in the new sizes.
 
+    `seq_lens` in the config changes the row length at steps; `allow_seq_len_change=True`
+    with `resume_from=state` lets the config's lengths (`seq_len`, `seq_lens`) differ from
+    the state's: the steps before its step keep theirs (`seq_len_history` in the states),
+    and at it the rest of each source's epoch is planned at the new length
+    (`forge_grain.packing.lengths`).
+
     Its parts: `order` (`RowOrder`: which rows every step trains; every method naming a step
     asks it), `positions` (`StreamPositions`; None without streaming sources), `fetching`
     (shards told of ahead); see the module docstring and docs/architecture.md.
@@ -102,6 +108,7 @@ class Pipeline:
         resume_from: dict | None = None,
         allow_mixture_change: bool = False,
         allow_batch_size_change: bool = False,
+        allow_seq_len_change: bool = False,
         skip_steps: int = 0,
         skip_documents: dict | None = None,
         progress: bool | None = None,
@@ -137,10 +144,12 @@ class Pipeline:
         runs = resume.Runs()
         if resume_from is not None:  # what the runs before recorded, and a change the caller allows
             runs = resume.adopt(resume_from, config, functools.partial(self._summarize, batches),
-                                allow_mixture_change, allow_batch_size_change)
+                                allow_mixture_change, allow_batch_size_change, allow_seq_len_change)
             if runs.batch_history:  # the sizes each earlier run trained, then the config's
                 batches = BatchSchedule(batch_plan(runs.batch_history, config.batch_schedule()))
                 check_shards(batches, shard_index, shard_count, start)
+        lengths = batch_plan(runs.length_history, config.seq_len_schedule(), "seq_lens")  # (likewise)
+        config.check_lengths(lengths)
         if skip_steps or skip_documents:
             resume.add_skips(runs, resume_from, skip_steps, skip_documents, self.layout is not None,
                              history.digest(self._summarize(batches, runs.recorded())))
@@ -148,9 +157,9 @@ class Pipeline:
         self._resumed_from = runs.resumed_from
         # for copies rebuilt in worker processes
         self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents, allow_batch_size_change,
-                             _live)
+                             _live, allow_seq_len_change)
         self.order = RowOrder(config, self.datasets, batches, shard_index, shard_count, runs.history, runs.skips,
-                              self._pack_args(plan_workers))
+                              lengths, self._pack_args(plan_workers))
         self._summary = self._summarize(batches, runs.recorded())
         self.fingerprint = history.digest(self._summary)
         self._not_as_sent: StoreError | None = None  # set where a process rebuilt it on other data (_rebuild)
@@ -362,7 +371,7 @@ class Pipeline:
 
 def _rebuild(sent, config, shard_index, shard_count, cache_dir, dtype, tokenize_threads=None, resume_from=None,
              allow_mixture_change=False, skip_steps=0, skip_documents=None, allow_batch_size_change=False,
-             live=None):
+             live=None, allow_seq_len_change=False):
     """The pipeline sent to this process (a spawned DataLoader worker), built again from its
     config. Where the data changed since it was sent, its first batch raises an error naming
     the sources: a worker reading other data than its parent would give batches that no state
@@ -371,7 +380,7 @@ def _rebuild(sent, config, shard_index, shard_count, cache_dir, dtype, tokenize_
                  tokenize_threads=tokenize_threads, resume_from=resume_from,
                  allow_mixture_change=allow_mixture_change, skip_steps=skip_steps,
                  skip_documents=skip_documents, allow_batch_size_change=allow_batch_size_change, progress=False,
-                 _live=live)
+                 _live=live, allow_seq_len_change=allow_seq_len_change)
     fingerprint, sources = sent
     if p.fingerprint != fingerprint:  # raised by its first batch: an error while unpickling kills a worker unheard
         changed = [src.where() for src, mine, theirs in zip(config.sources, p._summary["sources"], sources)

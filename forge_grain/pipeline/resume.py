@@ -32,27 +32,30 @@ class Runs:
     batch_history: list = dataclasses.field(default_factory=list)  # batch-size changes: [{until_step, batches}]
     # [{at_step, steps} or {at_step, documents: {source: [document]}}]: what resumes skipped, in trainer steps
     skips: list = dataclasses.field(default_factory=list)
+    length_history: list = dataclasses.field(default_factory=list)  # sequence lengths: [{until_step, seq_lens}]
     resumed_from: tuple | None = None  # (fingerprint, step) of a state resumed with a change
 
     def recorded(self) -> dict:
         """The records as a summary holds them (`states.summarize`'s `runs`)."""
-        return {"history": self.history, "batch_history": self.batch_history, "skips": self.skips}
+        return {"history": self.history, "batch_history": self.batch_history, "skips": self.skips,
+                "seq_len_history": self.length_history}
 
 
 def adopt(state: dict, config: DataConfig, summary_of: Callable[[dict | None], dict], allow_change: bool = False,
-          allow_batches: bool = False) -> Runs:
+          allow_batches: bool = False, allow_lengths: bool = False) -> Runs:
     """The records of `state`, extended by a change to `config` where allowed. `summary_of(runs)`
     is the resuming pipeline's summary with those records (None: without them). A change
     not allowed is left for `Pipeline.check_state` to name."""
     saved = states.check(state)["config"]
     try:
         runs = Runs(list(history.check(saved.get("history", []))), list(history.check_batches(
-            saved.get("batch_history", []))), list(history.check_skips(saved.get("skips", []))))
+            saved.get("batch_history", []))), list(history.check_skips(saved.get("skips", []))),
+            list(history.check_batches(saved.get("seq_len_history", []), "seq_lens")))
     except history.HistoryError as e:
         raise StateError(str(e)) from None
     if state["fingerprint"] == history.digest(summary_of(runs.recorded())):
-        return runs  # the same mixture and batch sizes: an ordinary resume
-    if not (allow_change or allow_batches):
+        return runs  # the same mixture, batch sizes and lengths: an ordinary resume
+    if not (allow_change or allow_batches or allow_lengths):
         return Runs()  # strict: check_state names what differs
     mixtures, runs.history = runs.history, []
     try:
@@ -63,10 +66,17 @@ def adopt(state: dict, config: DataConfig, summary_of: Callable[[dict | None], d
                                  "batch_ramp): pass allow_batch_size_change=True to continue its rows in the new "
                                  "sizes")
             runs.batch_history = history.batch_change(state, runs.batch_history)
+        if history.saved_lengths(saved) != [list(x) for x in config.seq_len_schedule()]:
+            if not allow_lengths:
+                raise StateError("the sequence length differs from the state's (seq_len or seq_lens): pass "
+                                 "allow_seq_len_change=True to plan the rest of each source's epoch at the new "
+                                 "length from the state's step")
+            runs.length_history = history.length_change(state, runs.length_history)
         runs.history = mixtures
-        if _without_batches(saved) == _without_batches(summary_of(runs.recorded())):
+        before, now = history.without_lengths(saved, summary_of(runs.recorded()))
+        if _without_batches(before) == _without_batches(now):
             runs.resumed_from = (state["fingerprint"], int(state["step"]))
-            return runs  # only the batch size changed
+            return runs  # only the batch size or the sequence length changed
         if not allow_change:
             return runs  # strict: check_state names what differs
         _check_mixture_change(runs, config)

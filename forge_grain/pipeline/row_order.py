@@ -84,7 +84,7 @@ class RowOrder:
 
     def __init__(self, config: DataConfig, datasets: list, batches: BatchSchedule, shard_index: int,
                  shard_count: int, mixtures: list[dict] = (), skips: list[dict] = (),
-                 pack_args: list[dict] | None = None):
+                 seq_lens: list[tuple[int, int]] | None = None, pack_args: list[dict] | None = None):
         self.config, self.batches = config, batches
         self.shard_index, self.shard_count = shard_index, shard_count
         self.rows_per_epoch = sum(d.num_rows for d in datasets)
@@ -103,7 +103,7 @@ class RowOrder:
             leaves=[leaves for _, leaves, _ in phases],
         )
         self.rowmap = self._apply_skips(list(skips))
-        self.seq_lens = config.seq_len_schedule()
+        self.seq_lens = list(seq_lens or config.seq_len_schedule())  # [(start step, length)]
         self._schedule_lengths(pack_args)
 
     # -- the rows of a step -----------------------------------------------------------------
@@ -221,7 +221,7 @@ class RowOrder:
         """Under a sequence-length schedule, each stored source's rows change length at the
         rows it has given when each change's step starts (`forge_grain.packing.lengths`)."""
         changes = [(s, n) for s, n in self.seq_lens if s < self.step_limit]
-        if len(self.seq_lens) == 1:
+        if len({n for _, n in self.seq_lens}) == 1:
             return
         if any(self.rowmap.docs):
             raise ConfigError("skip_documents with seq_lens: the rows holding a document differ at each length; "

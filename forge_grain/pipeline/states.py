@@ -38,7 +38,7 @@ STREAM_VERSION = 3
 MAX_STEP = MAX_ROWS  # every step holds at least one row
 SUMMARY_KEYS = {"stream_version", "seq_len", "global_batch_size", "batch_sizes", "seed", "num_epochs",
                 "mix_temperature", "schedule", "max_segments_per_row", "canonical", "epochs", "sources", "history",
-                "batch_history", "skips", "live", "seq_lens"}
+                "batch_history", "skips", "live", "seq_lens", "seq_len_history"}
 
 
 def is_integer(x) -> bool:
@@ -118,6 +118,7 @@ def _check_summary(c: dict, step: int) -> None:
                 check_segments(c[key], f"state config.{key}")
         for key, check, at in (("history", history.check, "until_step"),
                                ("batch_history", history.check_batches, "until_step"),
+                               ("seq_len_history", lambda h: history.check_batches(h, "seq_lens"), "until_step"),
                                ("skips", history.check_skips, "at_step")):
             entries = check(c.get(key, []))
             late = [e[at] for e in entries if e[at] > step]
@@ -172,6 +173,8 @@ def summarize(config: DataConfig, opened: list, canonical: list | None, aligned:
             summary["batch_history"] = runs["batch_history"]
         if runs["skips"]:  # (absent without: the fingerprints of runs that never skipped are unchanged)
             summary["skips"] = runs["skips"]
+        if runs.get("seq_len_history"):  # (absent without, likewise)
+            summary["seq_len_history"] = runs["seq_len_history"]
         if runs.get("live") is not None:  # weights set live (`forge_grain.pipeline.live`)
             summary["live"] = runs["live"]
     return summary
@@ -216,8 +219,9 @@ def check_same_run(state: dict, summary: dict, sources: list, canonical: list | 
         "this state was saved by a pipeline with another config or other data; differing: "
         f"{diff or ['(unknown)']}. What may change on resume: shard count, workers, threads, prefetch; "
         "weights, phases, temperature and the set of sources with Pipeline(config, resume_from=state, "
-        "allow_mixture_change=True); the batch sizes with allow_batch_size_change=True. What may not: "
-        "a source's data or packing, seq_len, seed, num_epochs."
+        "allow_mixture_change=True); the batch sizes with allow_batch_size_change=True; the sequence length "
+        "(seq_len, seq_lens) with allow_seq_len_change=True. What may not: a source's data or packing, seed, "
+        "num_epochs."
     )
 
 
