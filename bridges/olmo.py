@@ -93,6 +93,9 @@ class ForgeGrainDataLoader(TextDataLoaderBase):
         if not pipeline.batches.constant:
             raise ValueError("OLMo-core changes batch sizes itself (its BatchSizeSchedulerCallback): "
                              "remove batch_sizes / batch_ramp from the forge-grain config")
+        if len({n for _, n in pipeline.order.seq_lens}) > 1:
+            raise ValueError("OLMo-core's loader keeps one batch size in tokens and one sequence length: remove "
+                             "seq_lens from the forge-grain config (or feed the pipeline through the torch bridge)")
         pad = pipeline.datasets[0].pad_id
         super().__init__(collator=DataCollator(pad_token_id=int(pad)), work_dir=work_dir,
                          global_batch_size=config.global_batch_size * config.seq_len,

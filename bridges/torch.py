@@ -301,9 +301,10 @@ class GrainIterableDataset(IterableDataset):
         return ring.send(batch) if ring is not None else batch
 
     def _growth(self, step: int) -> float:
-        """How many times step `step`'s batch the largest batch is."""
+        """How many times step `step`'s batch the largest batch is (most rows, longest rows)."""
         p = self.pipeline
-        return max(p.batches.sizes_used) / p.batches.size(step)
+        longest = max(n for _, n in p.order.seq_lens)
+        return max(p.batches.sizes_used) * longest / (p.batches.size(step) * p.order.seq_len_at(step))
 
     def _tensors(self, batch: dict) -> dict:
         out = to_torch(batch, self.convention, self.dtype)

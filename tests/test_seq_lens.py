@@ -114,7 +114,8 @@ def check_run(stores, seq_lens, batch_sizes, resumes):
                           0, 1, num_threads=0)
         for s in range(seq_lens[k][0]):
             assert all(np.array_equal(before.global_batch(s)[key], batches[s][key]) for key in batches[s])
-    for step, shards in resumes:  # plain and elastic resumes: the same batches
+    at_changes = [(start + d, shards) for start, _ in seq_lens[1:] for d, shards in ((-1, 4), (0, 2), (0, 4))]
+    for step, shards in [*resumes, *at_changes]:  # plain and elastic resumes, at and across changes
         state = json.loads(json.dumps(p.state_at(step)))
         shard = step % shards
         q = Pipeline(config, shard, shards, num_threads=0, resume_from=state)
@@ -230,3 +231,20 @@ def test_a_change_at_resume_is_the_schedule_with_that_change(three):
     assert np.array_equal(r.batch(40)["inputs"], want.global_batch(40)["inputs"][4:])
     back = Pipeline(first, 0, 1, num_threads=0, resume_from=later, allow_seq_len_change=True)
     assert back.batch(45)["inputs"].shape == (8, 32) and back.batch(39)["inputs"].shape == (8, 64)
+
+
+def test_the_rest_of_an_epoch_is_planned_once_and_cached(three, tmp_path, monkeypatch):
+    """DataLoader workers and ranks reaching a change together plan its rest once: the plan
+    lands in the plan cache (not beside the data), and a later process reads it from there."""
+    from forge_grain.packing import lengths
+
+    config = make_config(three, [[0, 24], [10, 48]])
+    first = Pipeline(config, 0, 1, num_threads=0, cache_dir=tmp_path / "cache").global_batch(30)
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "cache").glob("rest-*")) == ["48"] * 3  # one a source
+    assert not any(p.name.startswith("rest-") for s in NAMES for p in three[s][0].rglob("*"))
+
+    def planned_again(*args, **kwargs):
+        raise AssertionError("the rest of the epoch was planned again")
+    monkeypatch.setattr(lengths, "rest_plan", planned_again)
+    again = Pipeline(config, 0, 1, num_threads=0, cache_dir=tmp_path / "cache").global_batch(30)
+    assert all(np.array_equal(first[k], again[k]) for k in first)

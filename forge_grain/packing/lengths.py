@@ -21,13 +21,20 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
+import json
+import logging
 import threading
 
 import numpy as np
 
+from forge_grain.locks import file_lock
 from forge_grain.packing.packed import PackedDataset, empty_rows, pack
-from forge_grain.packing.plans import stream_key
+from forge_grain.packing.plans import PackingPlan, stream_key
 from forge_grain.packing.rest import rest_plan
+from forge_grain.paths import plan_cache_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -187,12 +194,41 @@ class LengthSchedule:
         if position == 0 and not last.rest:  # at an epoch's start: the new length's epoch
             pieces.append(Piece(row, None, whole, epoch * whole.num_rows, epoch))
         else:
-            first = (0 if last.rest else epoch * n)
-            unread = d.rows_of(np.arange(first + position, first + n, dtype=np.int64))
             key = stream_key("rest-of-epoch", self.seed, row, seq_len)
-            q = rest_plan(d.plan, unread, d.store.offsets, seq_len, key, self.pack_args.get("max_segments"))
+            q = self._rest(d, 0 if last.rest else epoch * n, position, seq_len, key)
             if q.num_rows:
                 rest = PackedDataset(d.store, q, seed=key, shuffle=True, num_epochs=1, pad_id=d.pad_id)
                 pieces.append(Piece(row, row + q.num_rows, rest, 0, epoch, rest=True))
             pieces.append(Piece(row + q.num_rows, None, whole, (epoch + 1) * whole.num_rows, epoch + 1))
         self._pieces = pieces
+
+    def _rest(self, d: PackedDataset, first: int, position: int, seq_len: int, key: int) -> PackingPlan:
+        """The rest of the epoch of `d` starting at its index `first`, from `position` on, planned
+        at `seq_len`: from the plan cache, else planned and saved there (processes that reach the
+        change together wait for the first: DataLoader workers and ranks plan it once a host)."""
+        def plan() -> PackingPlan:
+            unread = d.rows_of(np.arange(first + position, first + d.num_rows, dtype=np.int64))
+            return rest_plan(d.plan, unread, d.store.offsets, seq_len, key, self.pack_args.get("max_segments"))
+
+        cache = plan_cache_dir(d.store.path, self.pack_args.get("cache_dir"))
+        if cache is None:
+            return plan()
+        what = [d.plan.checksum(), d.seed, d.shuffle, d.shuffle_window, first, position, seq_len, key,
+                self.pack_args.get("max_segments")]
+        name = f"rest-{seq_len}-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]}"
+        directory = cache / name
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with file_lock(cache / f".{name}.lock"):
+                if (directory / "plan.json").exists():
+                    try:
+                        return PackingPlan.load(directory)
+                    except (OSError, ValueError, KeyError) as e:
+                        log.warning("forge-grain: planning the rest of an epoch again: %s (%s)", directory, e)
+                        return plan()
+                q = plan()
+                q.save(directory)
+                return q
+        except OSError as e:  # a read-only or full cache: planned here, kept in memory
+            log.warning("forge-grain: cannot cache the rest of an epoch in %s (%s); planned in memory", cache, e)
+            return plan()

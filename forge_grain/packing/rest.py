@@ -48,13 +48,10 @@ def untrained_runs(p: PackingPlan, plan_rows, offsets) -> tuple[np.ndarray, np.n
     if not len(first):
         return first, last
     # targets continue where the previous run's end: first == previous last (one document;
-    # a document's first token is never a target, so two documents never join)
+    # a document's first token is never a target, so two documents never join). Runs of
+    # targets trained once are disjoint, so a joined run ends where its last part does.
     new = np.concatenate([[True], first[1:] != last[:-1]])
-    group = np.cumsum(new) - 1
-    out_first = first[new]
-    out_last = np.zeros(len(out_first), np.int64)
-    np.maximum.at(out_last, group, last)
-    return out_first, out_last
+    return first[new], last[np.concatenate([new[1:], [True]])]
 
 
 def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
