@@ -156,10 +156,14 @@ def format_plan(path, d: dict) -> str:
     full = "up to " if len(d["batch_sizes"]) > 1 else ""
     lines = [f"{path}: {steps} steps of {full}{d['global_batch_size']} rows x {d['seq_len']} tokens "
              f"({d['tokens_per_step']:,} tokens a step; an epoch of all sources' rows is {d['steps_per_epoch']:,} steps)"]
+    tokens = "" if d["tokens"] is None else f"; {d['tokens']:,} tokens in all"
     if len(d["batch_sizes"]) > 1:
         sizes = ", ".join(f"{b:,} from step {s:,}" for s, b in d["batch_sizes"])
-        tokens = "" if d["tokens"] is None else f"; {d['tokens']:,} tokens in all"
         lines.append(f"\nbatch sizes (rows a step): {sizes}{tokens}")
+    if "seq_lens" in d:
+        lengths = ", ".join(f"{n:,} from step {s:,}" for s, n in d["seq_lens"])
+        lines.append(f"\nsequence lengths (tokens a row; each change plans the rest of the epoch at the new "
+                     f"length): {lengths}{tokens}")
     if len(d["phases"]) > 1:
         lines.append("\nphases:")
         for p in d["phases"]:

@@ -42,7 +42,7 @@ def unique_store(path, n_docs, seed, first):
     for n in rng.integers(2, 160, n_docs).tolist():
         docs.append(np.concatenate([[0], np.arange(g, g + n - 1)]))
         g += n - 1
-    return write_store(path, docs, vocab_size=1 << 24, bos_id=0, eos_id=1), g
+    return write_store(path, docs, vocab_size=1 << 24, bos_id=0, eos_id=1), g, np.array([d[-1] for d in docs])
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def three(tmp_path_factory):
     base = tmp_path_factory.mktemp("seq_lens")
     out, first = {}, 2
     for k, n in enumerate(NAMES):  # the bestfit source runs through many epochs, the others not one
-        path, end = unique_store(base / n, 60 if k == 0 else 800, 40 + k, first)
-        out[n] = (path, range(first, end))
+        path, end, ends = unique_store(base / n, 60 if k == 0 else 800, 40 + k, first)
+        out[n] = (path, range(first, end), ends)
         first = end
     return out
 
@@ -78,15 +78,18 @@ def schedules(draw):
 class Trained:
     """Per source: how often each of its targets was trained, checked as rows come in order."""
 
-    def __init__(self, ids: range, exact: bool):
+    def __init__(self, ids: range, ends: np.ndarray, exact: bool):
         self.ids, self.exact = ids, exact
+        self.last = np.zeros(len(ids), np.bool_)  # the documents' last tokens
+        self.last[ends - ids.start] = True
         self.count = np.zeros(len(ids), np.int64)
         self.epoch = 0  # epochs completed: every target trained this many times at least
         self.total = 0
 
-    def add(self, targets: np.ndarray) -> None:
+    def add(self, targets: np.ndarray, natural_stop: np.ndarray) -> None:
         i = targets - self.ids.start
         assert ((i >= 0) & (i < len(self.ids))).all(), "a target of another source"
+        assert np.array_equal(natural_stop, self.last[i]), "natural_stop where a document does not end, or not where it does"
         np.add.at(self.count, i, 1)
         self.total += len(i)
         assert self.count.max() <= self.epoch + 1, "a target trained twice in one epoch"
@@ -98,14 +101,15 @@ class Trained:
 def check_run(stores, seq_lens, batch_sizes, resumes):
     config = make_config(stores, seq_lens, batch_sizes)
     p = Pipeline(config, 0, 1, num_threads=0)
-    trained = {n: Trained(stores[n][1], STRATEGIES[n] == "bestfit") for n in NAMES}
+    trained = {n: Trained(stores[n][1], stores[n][2], STRATEGIES[n] == "bestfit") for n in NAMES}
     batches = []
     for s in range(STEPS):
         b = p.global_batch(s)
         length = next(n for start, n in reversed(seq_lens) if start <= s)
         assert b["inputs"].shape == (p.batches.size(s), length)
         for row in range(len(b["inputs"])):
-            trained[NAMES[b["source_id"][row]]].add(b["targets"][row][b["loss_mask"][row]])
+            mask = b["loss_mask"][row]
+            trained[NAMES[b["source_id"][row]]].add(b["targets"][row][mask], b["natural_stop"][row][mask])
         batches.append(b)
     assert {n: v["trained_tokens"] for n, v in p.consumed(STEPS).items()} == {n: t.total for n, t in trained.items()}
     assert trained["a"].epoch >= 1  # the oracle saw an epoch end
@@ -188,12 +192,24 @@ def test_what_a_schedule_refuses_is_said(three, tmp_path):
         Pipeline(config, 0, 1, num_threads=0, resume_from=p.state_at(3), skip_documents={"a": [1]})
 
 
-def test_plan_reports_the_lengths_and_the_tokens(three):
-    p = Pipeline(make_config(three, [[0, 16], [10, 64]], [[0, 4], [5, 8]]), 0, 1, num_threads=0)
+def test_plan_reports_the_lengths_and_the_tokens(three, tmp_path, capsys):
+    from forge_grain.cli import main
+
+    config = make_config(three, [[0, 16], [10, 64]], [[0, 4], [5, 8]])
+    p = Pipeline(config, 0, 1, num_threads=0)
     d = p.describe(20)
     assert d["seq_lens"] == [[0, 16], [10, 64]]
     assert d["tokens"] == 5 * 4 * 16 + 5 * 8 * 16 + 10 * 8 * 64
     assert d["tokens"] == sum(p.global_batch(s)["inputs"].size for s in range(20))
+    toml = tmp_path / "data.toml"
+    sources = "".join(f'[[sources]]\nname = "{n}"\npath = "{three[n][0]}"\nstrategy = "{STRATEGIES[n]}"\n'
+                      for n in NAMES)
+    toml.write_text(f"seq_len = 64\nseq_lens = [[0, 16], [10, 64]]\nglobal_batch_size = 8\nnum_epochs = inf\n"
+                    f"max_steps = 20\n{sources}")
+    assert main(["plan", str(toml)]) == 0
+    total = 10 * 8 * 16 + 10 * 8 * 64
+    assert f"sequence lengths (tokens a row; each change plans the rest of the epoch at the new length): 16 from " \
+           f"step 0, 64 from step 10; {total:,} tokens in all" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -248,3 +264,18 @@ def test_the_rest_of_an_epoch_is_planned_once_and_cached(three, tmp_path, monkey
     monkeypatch.setattr(lengths, "rest_plan", planned_again)
     again = Pipeline(config, 0, 1, num_threads=0, cache_dir=tmp_path / "cache").global_batch(30)
     assert all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def test_the_jax_iterator_changes_length_on_the_devices(three):
+    jax = pytest.importorskip("jax")
+    from bridges.jax import JaxIterator
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    p = Pipeline(make_config(three, [[0, 16], [5, 32]]), 0, 1, num_threads=0)
+    it = JaxIterator(p, sharding, prefetch=3)
+    for s in range(9):
+        b = next(it)
+        assert int(b["step"]) == s and b["inputs"].shape == (8, 16 if s < 5 else 32)
+        assert np.array_equal(np.asarray(b["inputs"]), p.global_batch(s)["inputs"])
+    it.close()

@@ -168,6 +168,7 @@ def plan_offsets(
     chunk: int | None = None,
     max_segments: int | None = None,
     filler: np.ndarray | None = None,
+    documents: np.ndarray | None = None,
 ) -> PackingPlan:
     """Plan rows for documents [offsets[i], offsets[i + 1]) of a token space.
 
@@ -177,6 +178,7 @@ def plan_offsets(
     kernels that need a bound (MaxText, TransformerEngine); rows that reach it are padded.
     `filler` (bos_bestfit; a bool per document): these only fill gaps, as long documents'
     tails do, never start a row (the rest of an epoch: runs starting inside a document).
+    `documents`: plan only these (the others are gaps of the token space, never read).
     """
     offsets = np.asarray(offsets, np.int64)
     _check_args(offsets, seq_len, strategy, stride, name)
@@ -185,7 +187,11 @@ def plan_offsets(
     k = int(max_segments or 0)
     t0 = time.perf_counter()
     key = stream_key("document-order", seed) if chunk is None else stream_key("document-order", seed, chunk)
-    order = kernels.permutation(len(offsets) - 1, key)
+    if documents is None:
+        order = kernels.permutation(len(offsets) - 1, key)
+    else:
+        documents = np.asarray(documents, np.int64)
+        order = documents[kernels.permutation(len(documents), key)]
     if strategy == "concat" and k:
         row_ptr, start, length, skip, flags, lost = kernels.plan_concat_capped(offsets, order, seq_len, k)
         cropped = 0
@@ -203,7 +209,7 @@ def plan_offsets(
             order = order[~filler[order]]
         row_ptr, start, length, skip, flags, cropped = _plan_bos_bestfit(offsets, order, seq_len + 1, k, tails)
         lost = cropped
-    total = int(offsets[-1] - offsets[0])
+    total = int(offsets[-1] - offsets[0]) if documents is None else int(np.diff(offsets)[documents].sum())
     if len(row_ptr) < 2 and chunk is None:  # a chunk may be too small for a row: the store's plan may not
         raise PackingError(f"{name}: {total} tokens cannot fill one row of {seq_len} + 1 tokens")
     stats = _stats(total, seq_len, strategy, row_ptr, length, skip, int(cropped), int(lost), k)

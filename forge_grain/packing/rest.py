@@ -25,31 +25,21 @@ from forge_grain.packing import kernels
 from forge_grain.packing.plans import PackingPlan, plan_offsets
 
 
-def untrained_runs(p: PackingPlan, plan_rows, offsets) -> tuple[np.ndarray, np.ndarray]:
+def untrained_runs(p: PackingPlan, plan_rows) -> tuple[np.ndarray, np.ndarray]:
     """(first, last) token of each run of consecutive targets that plan rows `plan_rows`
     would train, sorted: the targets are tokens first + 1 .. last (the first token is the
     run's context only, as a document's first token is)."""
-    rows = np.asarray(plan_rows, np.int64)
-    seg = kernels.row_segments(rows, np.asarray(p.row_ptr))
-    start = np.asarray(p.seg_start, np.int64)[seg]
-    length = np.asarray(p.seg_len, np.int64)[seg]
-    skip = np.asarray(p.seg_skip, np.int64)[seg]
-    # each segment's first slot in its row: the lengths of the segments before it in the row
-    per_row = np.diff(np.asarray(p.row_ptr))[rows]
-    ends = np.cumsum(length)
-    slot = (ends - length) - np.repeat(np.concatenate([[0], ends])[np.cumsum(per_row) - per_row], per_row)
-    # trained targets: slots [slot + skip, min(slot + len - 1, seq_len)), tokens start + (that - slot) + 1
-    first = start + skip
-    last = start + np.minimum(length - 1, p.seq_len - slot)
-    keep = last > first
-    first, last = first[keep], last[keep]
-    order = np.argsort(first, kind="stable")
-    first, last = first[order], last[order]
+    rows = np.sort(np.asarray(plan_rows, np.int64))  # (read in plan order: the runs are sorted below anyway)
+    first, last = kernels.row_targets(rows, np.asarray(p.row_ptr), np.asarray(p.seg_start), np.asarray(p.seg_len),
+                                      np.asarray(p.seg_skip), p.seq_len)
+    # runs of targets trained once are disjoint: sorted apart, their firsts and lasts still pair
+    # up (a sort of each is several times faster than sorting by one and gathering the other)
+    first, last = np.sort(first), np.sort(last)
     if not len(first):
         return first, last
     # targets continue where the previous run's end: first == previous last (one document;
-    # a document's first token is never a target, so two documents never join). Runs of
-    # targets trained once are disjoint, so a joined run ends where its last part does.
+    # a document's first token is never a target, so two documents never join); a joined run
+    # ends where its last part does.
     new = np.concatenate([[True], first[1:] != last[:-1]])
     return first[new], last[np.concatenate([new[1:], [True]])]
 
@@ -58,27 +48,34 @@ def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
               max_segments: int | None = None) -> PackingPlan:
     """The targets of `plan_rows` of plan `p` (the rows an epoch has not read yet), planned
     into rows of `seq_len` with `p`'s strategy; seeded by `seed` (see the module docstring)."""
-    offsets = np.asarray(offsets, np.int64)
-    first, last = untrained_runs(p, plan_rows, offsets)
+    first, last = untrained_runs(p, plan_rows)
     if not len(first):
         return _empty(p.strategy, seq_len)
-    doc = np.searchsorted(offsets, first, side="right") - 1
-    natural = last == offsets[doc + 1] - 1  # the run ends where its document ends
-    inside = first != offsets[doc]  # starts within a document: no row may start at it (bos_bestfit)
-    lengths = last - first + 1
-    fake = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # the runs side by side
-    q = plan_offsets(fake, seq_len, p.strategy, seed=seed, chunk=0, max_segments=max_segments,
-                     filler=inside if p.strategy == "bos_bestfit" else None)
-    # back to the store's tokens: every segment lies within one run
-    s = np.asarray(q.seg_start, np.int64)
-    run = np.searchsorted(fake, s, side="right") - 1
-    ends_run = s + np.asarray(q.seg_len, np.int64) == fake[run + 1]
-    flags = np.where(ends_run & ~natural[run], np.asarray(q.seg_flags) & ~kernels.NATURAL_END, q.seg_flags)
-    q.seg_start = first[run] + (s - fake[run])
-    q.seg_flags = flags.astype(np.uint8)
+    starts, natural = kernels.runs_in_documents(first, last, np.asarray(offsets, np.int64))
+    # the runs as the documents of a token space whose gaps (the tokens between them) are
+    # documents never planned: segments come out at the store's own token positions
+    spaced = np.empty(2 * len(first), np.int64)
+    spaced[0::2], spaced[1::2] = first, last + 1
+    runs = 2 * np.arange(len(first), dtype=np.int64)
+    filler = None
+    if p.strategy == "bos_bestfit":  # a run starting inside a document fills gaps, as a tail does
+        filler = np.zeros(len(spaced) - 1, np.bool_)
+        filler[runs] = ~starts
+    q = plan_offsets(spaced, seq_len, p.strategy, seed=seed, chunk=0, max_segments=max_segments, filler=filler,
+                     documents=runs)
+    q.seg_flags = _unnatural_ends(q, np.sort(last[~natural] + 1))
     q.stats["rest_of_epoch"] = {"runs": int(len(first)), "targets": int((last - first).sum())}
     q.__dict__.pop("_checksum", None)
     return q
+
+
+def _unnatural_ends(q: PackingPlan, ends: np.ndarray) -> np.ndarray:
+    """`q`'s flags, without the natural end where a segment ends at one of `ends` (sorted):
+    where a run ends before its document does, the rest of which was trained already."""
+    flags = np.asarray(q.seg_flags).copy()
+    if len(ends):
+        kernels.clear_natural_ends(np.asarray(q.seg_start), np.asarray(q.seg_len), flags, ends)
+    return flags
 
 
 def _empty(strategy: str, seq_len: int) -> PackingPlan:

@@ -16,10 +16,12 @@ from forge_grain.packing.kernels.gather import (
 )
 from forge_grain.packing.kernels.mixing import mix_counts, mix_locate
 from forge_grain.packing.kernels.planning import (
-    NATURAL_END, best_fit, fill_gaps, group_by_bin, plan_concat, plan_concat_capped, split_items,
+    NATURAL_END, best_fit, clear_natural_ends, fill_gaps, group_by_bin, plan_concat, plan_concat_capped, row_targets, runs_in_documents,
+    split_items,
 )
 from forge_grain.packing.kernels.shuffle import EXACT_SHUFFLE_MAX, epoch_positions, epoch_rows, permutation
 
-__all__ = ["NATURAL_END", "EXACT_SHUFFLE_MAX", "arrays_read", "best_fit", "epoch_positions", "epoch_rows", "fill_gaps",
+__all__ = ["NATURAL_END", "EXACT_SHUFFLE_MAX", "arrays_read", "best_fit", "clear_natural_ends", "epoch_positions", "epoch_rows", "fill_gaps",
            "fill_rows", "group_by_bin", "mix_counts", "mix_locate", "one_piece", "permutation", "plan_concat",
-           "plan_concat_capped", "row_loss_positions", "row_segments", "split_items", "token_arrays"]
+           "plan_concat_capped", "row_loss_positions", "row_segments", "row_targets", "runs_in_documents", "split_items",
+           "token_arrays"]

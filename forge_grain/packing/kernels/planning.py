@@ -275,3 +275,66 @@ def fill_gaps(bin_fill, cap, pool_start, pool_len, pool_natural_end, bin_room):
                 q += 1
                 used = 0
     return p_start[:n], p_len[:n], p_flags[:n], p_bin[:n]
+
+
+@nb.njit(cache=CACHE)
+def row_targets(rows, row_ptr, seg_start, seg_len, seg_skip, seq_len):
+    """(first, last) of the targets each segment of plan rows `rows` trains: tokens
+    first + 1 .. last (slots [slot + skip, min(slot + len - 1, seq_len)) of its row);
+    segments that train none are left out."""
+    n = 0
+    for r in rows:
+        n += row_ptr[r + 1] - row_ptr[r]
+    first = np.empty(n, np.int64)
+    last = np.empty(n, np.int64)
+    k = 0
+    for r in rows:
+        slot = 0
+        for s in range(row_ptr[r], row_ptr[r + 1]):
+            g, length = seg_start[s], seg_len[s]
+            a = g + seg_skip[s]
+            b = g + min(length - 1, seq_len - slot)
+            if b > a:
+                first[k] = a
+                last[k] = b
+                k += 1
+            slot += length
+    return first[:k], last[:k]
+
+
+@nb.njit(cache=CACHE)
+def runs_in_documents(first, last, offsets):
+    """For runs sorted by `first` (tokens first .. last of one document each): whether each
+    starts at its document's first token, and whether it ends at its last (a merge of two
+    sorted lists: linear, where a search per run would be cache misses)."""
+    n = len(first)
+    starts = np.zeros(n, np.bool_)
+    ends = np.zeros(n, np.bool_)
+    d = 0
+    for i in range(n):
+        while offsets[d + 1] <= first[i]:
+            d += 1
+        starts[i] = first[i] == offsets[d]
+        ends[i] = last[i] == offsets[d + 1] - 1
+    return starts, ends
+
+
+@nb.njit(cache=CACHE)
+def clear_natural_ends(seg_start, seg_len, seg_flags, ends):
+    """Clear the natural-end flag of segments that end at one of `ends` (sorted): in place.
+    A coarse map of where `ends` fall (a bucket per few of them) spares most segments the
+    search, which misses the cache at every level."""
+    top, shift = ends[-1], 0
+    while (top >> shift) > 8 * len(ends):
+        shift += 1
+    near = np.zeros((top >> shift) + 1, np.bool_)
+    for e in ends:
+        near[e >> shift] = True
+    for s in range(len(seg_flags)):
+        if seg_flags[s] & NATURAL_END:
+            at = seg_start[s] + seg_len[s]
+            if at > top or not near[at >> shift]:
+                continue
+            i = np.searchsorted(ends, at)
+            if i < len(ends) and ends[i] == at:
+                seg_flags[s] &= ~NATURAL_END
