@@ -135,6 +135,59 @@ def test_any_length_schedule_trains_each_target_once_per_epoch(three, plan):
     check_run(three, *plan)
 
 
+@st.composite
+def operations(draw):
+    """1-4 operations at increasing steps: a change of length at resume (a new schedule from
+    the state's step), a live mixture change, or a plain resume on 1, 2 or 4 shards."""
+    ops, step = [], 0
+    for _ in range(draw(st.integers(1, 4))):
+        step += draw(st.integers(1, 15))
+        kind = draw(st.sampled_from(["length", "length", "live", "resume"]))
+        later = draw(st.integers(step + 1, STEPS))
+        lengths = [[0, draw(st.sampled_from(LENGTHS))]] + ([[later, draw(st.sampled_from(LENGTHS))]]
+                                                           if draw(st.booleans()) else [])
+        weights = dict(zip(NAMES, (draw(st.sampled_from([0.2, 1.0, 3.0])) for _ in NAMES)))
+        ops.append((kind, min(step, STEPS - 1), lengths if kind == "length" else weights, draw(st.sampled_from([1, 2, 4]))))
+    return ops
+
+
+def test_any_sequence_of_length_and_mixture_changes_and_resumes_trains_each_target_once(three):
+    """Seeded sequences of changes of length at resume, live mixture changes and elastic
+    resumes: the same checks as above, and the steps before each change rebuilt as trained."""
+    @settings(max_examples=100 if SLOW else 6, deadline=None, derandomize=not SLOW,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(ops=operations())
+    def run(ops):
+        config = make_config(three, [[0, 32]])
+        p = Pipeline(config, 0, 1, num_threads=0)
+        batches = []
+        for kind, step, arg, shards in ops:
+            batches += [p.global_batch(s) for s in range(len(batches), step)]
+            state = json.loads(json.dumps(p.state_at(step)))
+            if kind == "live":
+                p = p.with_weights(arg, step)
+            elif kind == "length":
+                config = make_config(three, arg if len(arg) > 1 else None, seq_len=arg[-1][1])
+                p = Pipeline(config, 0, 1, num_threads=0, resume_from=state, allow_seq_len_change=True)
+            else:
+                shard = step % shards
+                q = Pipeline(config, shard, shards, num_threads=0, resume_from=state)
+                n = p.batches.size(step) // shards
+                assert np.array_equal(q.batch(step)["inputs"], p.global_batch(step)["inputs"][shard * n:(shard + 1) * n])
+                p = Pipeline(config, 0, 1, num_threads=0, resume_from=state)
+            for s in range(step):  # the steps before: rebuilt as trained
+                assert np.array_equal(p.global_batch(s)["inputs"], batches[s]["inputs"])
+        batches += [p.global_batch(s) for s in range(len(batches), STEPS)]
+        trained = {n: Trained(three[n][1], three[n][2], STRATEGIES[n] == "bestfit") for n in NAMES}
+        for b in batches:
+            for row in range(len(b["inputs"])):
+                mask = b["loss_mask"][row]
+                trained[NAMES[b["source_id"][row]]].add(b["targets"][row][mask], b["natural_stop"][row][mask])
+        assert {n: v["trained_tokens"] for n, v in p.consumed(STEPS).items()} == {n: t.total for n, t in trained.items()}
+
+    run()
+
+
 def test_rows_before_a_change_are_not_replanned_and_the_rest_is(three):
     """The mechanism each half of the property needs, shown apart: without the rest of the
     epoch, targets would be skipped; starting the epoch again would train them twice."""
