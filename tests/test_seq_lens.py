@@ -241,8 +241,39 @@ def test_what_a_schedule_refuses_is_said(three, tmp_path):
         DataConfig.from_dict(d)
     config = make_config(three, [[0, 16], [5, 64]])
     p = Pipeline(config, 0, 1, num_threads=0)
-    with pytest.raises(ConfigError, match="skip_documents with seq_lens"):
-        Pipeline(config, 0, 1, num_threads=0, resume_from=p.state_at(3), skip_documents={"a": [1]})
+    with pytest.raises(ConfigError, match=r"skip_documents\['a'\]: document 60 is not in"):
+        Pipeline(config, 0, 1, num_threads=0, resume_from=p.state_at(3), skip_documents={"a": [60]})
+
+
+def test_skipped_documents_stay_out_across_changes(three):
+    """Documents skipped before a change are in no row after the skip, at any length: the rows
+    holding them are found in each piece's own plan (the rows go, with the other documents
+    they hold, as without a schedule). No target is trained twice in the sources' first
+    epoch; `consumed` counts what was trained; the skipped run resumes elastically."""
+    seq_lens = [[0, 24], [12, 48], [40, 32]]
+    config = make_config(three, seq_lens)
+    p = Pipeline(config, 0, 1, num_threads=0)
+    skip = {"a": [3, 7], "c": [11]}
+    stores = p.stores
+    gone = {n: np.concatenate([stores[NAMES.index(n)][d][1:] for d in docs]) for n, docs in skip.items()}
+    q = Pipeline(config, 0, 1, num_threads=0, resume_from=p.state_at(8), skip_documents=skip)
+    trained = {n: Trained(three[n][1], three[n][2], False) for n in NAMES[1:]}
+    trained["a"] = Trained(three["a"][1], three["a"][2], False)
+    trained["a"].epoch = 10 ** 6  # it runs through several epochs: their ends are not seen with rows skipped
+    for s in range(q.num_steps):  # (fewer: the skipped rows are not made up)
+        b = (p if s < 8 else q).global_batch(s)
+        assert b["inputs"].shape[1] == next(n for start, n in reversed(seq_lens) if start <= s)
+        for row in range(len(b["inputs"])):
+            name = NAMES[b["source_id"][row]]
+            if s >= 8 and name in gone:
+                assert not np.isin(b["inputs"][row], gone[name]).any(), f"a skipped document at step {s}"
+            mask = b["loss_mask"][row]
+            trained[name].add(b["targets"][row][mask], b["natural_stop"][row][mask])
+    assert {n: v["trained_tokens"] for n, v in q.consumed(q.num_steps).items()} == {
+        n: t.total for n, t in trained.items()}
+    state = json.loads(json.dumps(q.state_at(30)))
+    r = Pipeline(config, 1, 2, num_threads=0, resume_from=state)
+    assert np.array_equal(r.batch(45)["inputs"], q.global_batch(45)["inputs"][4:])
 
 
 def test_plan_reports_the_lengths_and_the_tokens(three, tmp_path, capsys):

@@ -52,8 +52,9 @@ class Piece:
 
 class LengthSchedule:
     """The rows of one packed source whose length changes at source rows `changes`
-    ([(first row, length)], the first at row 0). `base` is the source packed at one of the
-    lengths (its store is shared); `pack_args` are what `pack` is given for the others."""
+    ([(first row, length)], the first at row 0; `add_change` appends one). `base` is the
+    source packed at one of the lengths (its store is shared); `pack_args` are what `pack` is
+    given for the others."""
 
     sequential = False
 
@@ -62,8 +63,15 @@ class LengthSchedule:
         self.seq_len = self.changes[0][1]  # (the mixture's length of reference: the first)
         self._init_runtime()
 
+    def add_change(self, row: int, seq_len: int) -> None:
+        """Rows from `row` on (at or after the last change's) are `seq_len` long."""
+        if row < self.changes[-1][0]:
+            raise ValueError(f"a change at row {row} before the last one, at {self.changes[-1][0]}")
+        self.changes.append((int(row), int(seq_len)))
+
     def _init_runtime(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._holding: dict = {}  # (dataset id, documents' digest) -> the dataset's plan rows holding them
         self._by_length: dict[int, PackedDataset] = {}
         self._pieces: list[Piece] | None = None
         self._applied = 0  # changes worked out into pieces
@@ -137,6 +145,37 @@ class LengthSchedule:
                 d = piece.dataset
                 total += d.trained_tokens(piece.base + hi - piece.start) - d.trained_tokens(piece.base)
         return total
+
+    def holding_count(self, documents: np.ndarray, lo: int, hi: int, weighed: bool = False) -> int:
+        """Rows in [lo, hi) holding any of `documents` (`weighed`: their trained tokens), each
+        piece's rows found in its own plan (skipping documents: `forge_grain.pipeline.skips`)."""
+        from forge_grain.pipeline.skips import tally
+
+        total = 0
+        for piece in self._pieces_to(hi):
+            a, b = max(lo, piece.start), hi if piece.end is None else min(hi, piece.end)
+            if b > a:
+                d, rows = piece.dataset, self._rows_holding(piece.dataset, documents)
+                a, b = piece.base + a - piece.start, piece.base + b - piece.start
+                total += tally(d.num_rows, rows, a, b, d.loss_positions if weighed else None,
+                               lambda e, d=d, rows=rows: d.positions_of(rows, e))
+        return total
+
+    def holds(self, j: np.ndarray, documents: np.ndarray) -> np.ndarray:
+        """Whether each of rows `j` holds any of `documents`."""
+        j = np.asarray(j, np.int64)
+        out = np.zeros(len(j), np.bool_)
+        for piece, sel in self._by_piece(j):
+            d = piece.dataset
+            out[sel] = np.isin(d.rows_of(piece.base + j[sel] - piece.start), self._rows_holding(d, documents))
+        return out
+
+    def _rows_holding(self, d: PackedDataset, documents: np.ndarray) -> np.ndarray:
+        key = (id(d), hashlib.sha256(np.ascontiguousarray(documents, np.int64).tobytes()).hexdigest())
+        held = self._holding.get(key)
+        if held is None or held[0] is not d:  # (the dataset kept with its rows: an id is not reused meanwhile)
+            held = self._holding[key] = (d, d.rows_holding(documents))
+        return held[1]
 
     def locate(self, j: int) -> tuple[PackedDataset, int, int]:
         """(dataset, its index, the source's epoch) of source row `j` (for `explain`)."""

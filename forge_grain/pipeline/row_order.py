@@ -102,9 +102,8 @@ class RowOrder:
             length=None if self.num_steps is None else batches.row(self.num_steps),
             leaves=[leaves for _, leaves, _ in phases],
         )
-        self.rowmap = self._apply_skips(list(skips))
         self.seq_lens = list(seq_lens or config.seq_len_schedule())  # [(start step, length)]
-        self._schedule_lengths(pack_args)
+        self.rowmap = self._apply_changes(list(skips), pack_args)
 
     # -- the rows of a step -----------------------------------------------------------------
 
@@ -217,33 +216,32 @@ class RowOrder:
         return sum((self.batches.row(min(hi, step)) - self.batches.row(lo)) * n
                    for (lo, n), hi in zip(self.seq_lens, ends) if lo < step)
 
-    def _schedule_lengths(self, pack_args: list[dict] | None) -> None:
-        """Under a sequence-length schedule, each stored source's rows change length at the
-        rows it has given when each change's step starts (`forge_grain.packing.lengths`)."""
-        changes = [(s, n) for s, n in self.seq_lens if s < self.step_limit]
-        if len({n for _, n in self.seq_lens}) == 1:
-            return
-        if any(self.rowmap.docs):
-            raise ConfigError("skip_documents with seq_lens: the rows holding a document differ at each length; "
-                              "skip steps instead (skip_steps)")
-        at = [self.reached(s) if s else np.zeros(len(self.mixture.datasets), np.int64) for s, _ in changes]
-        for k, d in enumerate(self.mixture.datasets):
-            if isinstance(d, PackedDataset):
-                rows = [(int(r[k]), n) for r, (_, n) in zip(at, changes)]
-                self.mixture.datasets[k] = LengthSchedule(d, rows, pack_args[k], d.seed)
-
-    # -- skips ------------------------------------------------------------------------------
-
-    def _apply_skips(self, skips: list[dict]) -> RowMap:
-        """The map from the trainer's rows to the uninterrupted stream's, after the skips;
-        phases and mixture changes stay where the uninterrupted stream has them, and the
-        run's steps are its rows less the skipped ones, in whole batches."""
-        rowmap = RowMap(self.mixture, self.batches.row)
-        for s in skips:
-            if "steps" in s:
-                rowmap.skip_steps(s["at_step"], s["steps"])
+    def _apply_changes(self, skips: list[dict], pack_args: list[dict] | None) -> RowMap:
+        """The map from the trainer's rows to the uninterrupted stream's, after the skips, and
+        under a sequence-length schedule each stored source's rows changing length at the rows
+        it has given when each change's step starts (`forge_grain.packing.lengths`). Both in step
+        order, a skip before a change at its step: where a change falls depends on the rows
+        skipped before it, and the rows holding a skipped document on the lengths before it.
+        Phases and mixture changes stay where the uninterrupted stream has them, and the run's
+        steps are its rows less the skipped ones, in whole batches."""
+        rowmap = self.rowmap = RowMap(self.mixture, self.batches.row)
+        changes = []
+        if len({n for _, n in self.seq_lens}) > 1:
+            changes = [(s, n) for s, n in self.seq_lens[1:] if s < self.step_limit]
+            for k, d in enumerate(self.mixture.datasets):
+                if isinstance(d, PackedDataset):
+                    self.mixture.datasets[k] = LengthSchedule(d, [(0, self.seq_lens[0][1])], pack_args[k], d.seed)
+        events = [(s["at_step"], 0, s) for s in skips] + [(step, 1, n) for step, n in changes]
+        for step, kind, what in sorted(events, key=lambda e: e[:2]):
+            if kind == 1:
+                at = self.reached(step)
+                for k, d in enumerate(self.mixture.datasets):
+                    if isinstance(d, LengthSchedule):
+                        d.add_change(int(at[k]), what)
+            elif "steps" in what:
+                rowmap.skip_steps(step, what["steps"])
             else:
-                rowmap.skip_rows(s["at_step"], self._rows_holding(s["documents"]))
+                rowmap.skip_rows(step, self._rows_holding(what["documents"]))
         if skips:
             length = self.batches.row(self.step_limit)
             self.step_limit = self.batches.steps_within(length - rowmap.removed(length))
@@ -253,6 +251,8 @@ class RowOrder:
                                       f"{self.num_steps} steps and would keep {self.step_limit}")
                 self.num_steps = self.step_limit
         return rowmap
+
+    # -- skips ------------------------------------------------------------------------------
 
     def _rows_holding(self, documents: dict) -> dict:
         """{source index: plan rows holding any of its `documents`}, by source name."""
@@ -264,6 +264,13 @@ class RowOrder:
             d = self.mixture.datasets[i]
             if isinstance(d, RemovedSource):
                 continue  # removed by a mixture change: none of its rows come again
+            if isinstance(d, LengthSchedule):  # its pieces find the rows holding them (skips.RowMap)
+                docs = np.unique(np.asarray(docs, np.int64))
+                if len(docs) and docs[-1] >= len(d.store.offsets) - 1:
+                    raise ConfigError(f"skip_documents[{name!r}]: document {int(docs[-1])} is not in "
+                                      f"{d.store.path} ({len(d.store.offsets) - 1} documents)")
+                out[i] = docs
+                continue
             if not isinstance(d, PackedDataset):
                 raise ConfigError(f"skip_documents: source {name!r} is streaming; documents are skipped in stored "
                                   "sources only")

@@ -19,6 +19,23 @@ from __future__ import annotations
 import numpy as np
 
 
+def tally(n: int, rows: np.ndarray, lo: int, hi: int, weights, positions) -> int:
+    """Indices in [lo, hi) of a dataset of `n` rows an epoch (reshuffled each epoch) whose plan
+    row is among `rows` (weighed by `weights` per plan row, when given); `positions(e)` is
+    where `rows` fall in epoch e (`PackedDataset.positions_of`)."""
+    if hi <= lo or not len(rows):
+        return 0
+    w = np.ones(len(rows), np.int64) if weights is None else np.asarray(weights)[rows]
+    e0, e1 = lo // n, (hi - 1) // n
+    total = 0
+    for e in sorted({e0, e1}):
+        at = positions(e) + e * n
+        total += int(w[(at >= lo) & (at < hi)].sum())
+    if e1 - e0 > 1:
+        total += (e1 - e0 - 1) * int(w.sum())
+    return total
+
+
 class RowMap:
     """Trainer rows -> rows of the uninterrupted stream, after the skips added in order."""
 
@@ -30,6 +47,9 @@ class RowMap:
         self.docs: list[dict[int, int]] = [{} for _ in range(m)]  # plan row -> first source row it is skipped at
         self._groups: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(m)]  # (start, plan rows) by start
         self._positions: dict = {}  # (source, start, epoch) -> positions of that group's rows in the epoch
+        # sources whose rows change length (`LengthSchedule`): [(first source row, documents)], documents
+        # held by other plan rows in each piece of the schedule, which the source itself finds
+        self.doc_skips: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(m)]
         self.touched: set[int] = set()  # sources with removed rows (so that a map without skips costs nothing)
 
     @property
@@ -49,9 +69,14 @@ class RowMap:
 
     def skip_rows(self, at_step: int, plan_rows: dict[int, np.ndarray]) -> None:
         """Leave out, from step `at_step` on, every row of source i whose plan row is in
-        `plan_rows[i]` (the rows holding skipped documents), in every epoch."""
+        `plan_rows[i]` (the rows holding skipped documents), in every epoch; for a source whose
+        rows change length, `plan_rows[i]` are the documents themselves."""
         start = self.mixture.counts(self.stream_row(self.row_of(at_step)))
         for i, rows in plan_rows.items():
+            if hasattr(self.mixture.datasets[i], "holding_count"):  # a LengthSchedule
+                self.doc_skips[i].append((int(start[i]), np.asarray(rows, np.int64)))
+                self.touched.add(i)
+                continue
             for r in np.asarray(rows, np.int64).tolist():
                 self.docs[i][r] = min(self.docs[i].get(r, int(start[i])), int(start[i]))
                 self.touched.add(i)
@@ -76,22 +101,26 @@ class RowMap:
             total += self._tally(i, start, rows, start, j, weights)
             for lo, hi in self.ranges[i]:  # rows a skipped batch already removed count once
                 total -= self._tally(i, start, rows, max(lo, start), min(hi, j), weights)
+        for start, end, docs in self._doc_spans(i, j):  # documents of a source whose rows change length
+            total += d.holding_count(docs, start, end, weights is not None)
+            for lo, hi in self.ranges[i]:
+                total -= d.holding_count(docs, max(lo, start), min(hi, end), weights is not None)
         return total
+
+    def _doc_spans(self, i: int, j: int) -> list[tuple[int, int, np.ndarray]]:
+        """(first row, end row, documents) over rows below j: each skip's documents join those
+        of the skips before it from its first row on (a row holding several counts once)."""
+        skips, out = sorted(self.doc_skips[i], key=lambda x: x[0]), []
+        for k, (start, _) in enumerate(skips):
+            end = min(j, skips[k + 1][0]) if k + 1 < len(skips) else j
+            if end > start:
+                out.append((start, end, np.unique(np.concatenate([d for _, d in skips[:k + 1]]))))
+        return out
 
     def _tally(self, i: int, start: int, rows: np.ndarray, lo: int, hi: int, weights) -> int:
         """Source i's rows in [lo, hi) whose plan row is among `rows` (counted or weighed)."""
-        if hi <= lo:
-            return 0
         n = self.mixture.datasets[i].num_rows
-        w = np.ones(len(rows), np.int64) if weights is None else np.asarray(weights)[rows]
-        e0, e1 = lo // n, (hi - 1) // n
-        total = 0
-        for e in sorted({e0, e1}):
-            at = self._epoch_positions(i, start, rows, e) + e * n
-            total += int(w[(at >= lo) & (at < hi)].sum())
-        if e1 - e0 > 1:
-            total += (e1 - e0 - 1) * int(w.sum())
-        return total
+        return tally(n, rows, lo, hi, weights, lambda e: self._epoch_positions(i, start, rows, e))
 
     def _epoch_positions(self, i: int, start: int, rows: np.ndarray, e: int) -> np.ndarray:
         key = (i, start, e)
@@ -146,5 +175,7 @@ class RowMap:
                 plan_rows = self.mixture.datasets[i].rows_of(j)
                 first = np.array([self.docs[i].get(r, -1) for r in plan_rows.tolist()], np.int64)
                 hit |= (first >= 0) & (j >= first)
+            for start, docs in self.doc_skips[i]:
+                hit |= (j >= start) & self.mixture.datasets[i].holds(j, docs)
             gone[sel] = hit
         return gone
