@@ -56,11 +56,11 @@ def three(tmp_path_factory):
     return out
 
 
-def make_config(stores, seq_lens=None, batch_sizes=None, seq_len=None) -> DataConfig:
+def make_config(stores, seq_lens=None, batch_sizes=None, seq_len=None, weights=(0.6, 0.25, 0.15)) -> DataConfig:
     seq_len = seq_len or (seq_lens[-1][1] if seq_lens else 64)
     return DataConfig.from_dict(dict(
         sources=[dict(name=n, path=str(stores[n][0]), weight=w, strategy=STRATEGIES[n])
-                 for n, w in zip(NAMES, (0.6, 0.25, 0.15))],
+                 for n, w in zip(NAMES, weights)],
         seq_len=seq_len, global_batch_size=batch_sizes[-1][1] if batch_sizes else 8, seed=13, num_epochs=None, max_steps=STEPS,
         **({"seq_lens": seq_lens} if seq_lens else {}), **({"batch_sizes": batch_sizes} if batch_sizes else {})))
 
@@ -138,37 +138,50 @@ def test_any_length_schedule_trains_each_target_once_per_epoch(three, plan):
 @st.composite
 def operations(draw):
     """1-4 operations at increasing steps: a change of length at resume (a new schedule from
-    the state's step), a live mixture change, or a plain resume on 1, 2 or 4 shards."""
+    the state's step), a live mixture change, a change of the config's mixture at resume,
+    skipping steps at resume, or a plain resume on 1, 2 or 4 shards."""
     ops, step = [], 0
     for _ in range(draw(st.integers(1, 4))):
         step += draw(st.integers(1, 15))
-        kind = draw(st.sampled_from(["length", "length", "live", "resume"]))
+        kind = draw(st.sampled_from(["length", "length", "live", "mixture", "skip", "resume"]))
         later = draw(st.integers(step + 1, STEPS))
         lengths = [[0, draw(st.sampled_from(LENGTHS))]] + ([[later, draw(st.sampled_from(LENGTHS))]]
                                                            if draw(st.booleans()) else [])
-        weights = dict(zip(NAMES, (draw(st.sampled_from([0.2, 1.0, 3.0])) for _ in NAMES)))
+        # (the concat and bos_bestfit sources kept light, so that they do not finish an epoch)
+        weights = {"a": draw(st.sampled_from([1.0, 3.0])), **{n: draw(st.sampled_from([0.1, 0.2, 0.3])) for n in NAMES[1:]}}
         ops.append((kind, min(step, STEPS - 1), lengths if kind == "length" else weights, draw(st.sampled_from([1, 2, 4]))))
     return ops
 
 
 def test_any_sequence_of_length_and_mixture_changes_and_resumes_trains_each_target_once(three):
-    """Seeded sequences of changes of length at resume, live mixture changes and elastic
-    resumes: the same checks as above, and the steps before each change rebuilt as trained."""
+    """Seeded sequences of changes of length at resume, live and at-resume mixture changes,
+    skips and elastic resumes: the same checks as above (a run that skipped rows is not
+    checked for whole epochs: it left targets out), and the steps before each change rebuilt
+    as trained."""
     @settings(max_examples=100 if SLOW else 6, deadline=None, derandomize=not SLOW,
               suppress_health_check=[HealthCheck.too_slow])
     @given(ops=operations())
     def run(ops):
-        config = make_config(three, [[0, 32]])
+        lengths, weights = [[0, 32]], (0.6, 0.25, 0.15)
+        config = make_config(three, lengths)
         p = Pipeline(config, 0, 1, num_threads=0)
-        batches = []
+        batches, skipped = [], False
         for kind, step, arg, shards in ops:
+            step = min(step, p.num_steps - 1)
             batches += [p.global_batch(s) for s in range(len(batches), step)]
             state = json.loads(json.dumps(p.state_at(step)))
             if kind == "live":
                 p = p.with_weights(arg, step)
-            elif kind == "length":
-                config = make_config(three, arg if len(arg) > 1 else None, seq_len=arg[-1][1])
-                p = Pipeline(config, 0, 1, num_threads=0, resume_from=state, allow_seq_len_change=True)
+            elif kind in ("length", "mixture"):
+                lengths = arg if kind == "length" else lengths
+                weights = tuple(arg.values()) if kind == "mixture" else weights
+                config = make_config(three, lengths if len(lengths) > 1 else None, seq_len=lengths[-1][1],
+                                     weights=weights)
+                p = Pipeline(config, 0, 1, num_threads=0, resume_from=state, allow_seq_len_change=True,
+                             allow_mixture_change=kind == "mixture")
+            elif kind == "skip":
+                p = Pipeline(config, 0, 1, num_threads=0, resume_from=state, skip_steps=shards)
+                skipped = True
             else:
                 shard = step % shards
                 q = Pipeline(config, shard, shards, num_threads=0, resume_from=state)
@@ -177,13 +190,16 @@ def test_any_sequence_of_length_and_mixture_changes_and_resumes_trains_each_targ
                 p = Pipeline(config, 0, 1, num_threads=0, resume_from=state)
             for s in range(step):  # the steps before: rebuilt as trained
                 assert np.array_equal(p.global_batch(s)["inputs"], batches[s]["inputs"])
-        batches += [p.global_batch(s) for s in range(len(batches), STEPS)]
-        trained = {n: Trained(three[n][1], three[n][2], STRATEGIES[n] == "bestfit") for n in NAMES}
+        batches += [p.global_batch(s) for s in range(len(batches), p.num_steps)]
+        trained = {n: Trained(three[n][1], three[n][2], STRATEGIES[n] == "bestfit" and not skipped) for n in NAMES}
+        if skipped:
+            trained["a"].epoch = 10 ** 6  # (its epochs' ends are not seen with rows skipped)
         for b in batches:
             for row in range(len(b["inputs"])):
                 mask = b["loss_mask"][row]
                 trained[NAMES[b["source_id"][row]]].add(b["targets"][row][mask], b["natural_stop"][row][mask])
-        assert {n: v["trained_tokens"] for n, v in p.consumed(STEPS).items()} == {n: t.total for n, t in trained.items()}
+        assert {n: v["trained_tokens"] for n, v in p.consumed(p.num_steps).items()} == {
+            n: t.total for n, t in trained.items()}
 
     run()
 
