@@ -379,3 +379,23 @@ def test_the_jax_iterator_changes_length_on_the_devices(three):
         assert int(b["step"]) == s and b["inputs"].shape == (8, 16 if s < 5 else 32)
         assert np.array_equal(np.asarray(b["inputs"]), p.global_batch(s)["inputs"])
     it.close()
+
+
+def test_explain_and_plan_with_a_state_follow_a_change_at_resume(three, tmp_path, capsys):
+    """A run changed from 32 to 64 at resume: `explain --state` names the rows as trained
+    (the rest of the epoch at 64), `plan --state` lists both lengths."""
+    from forge_grain.cli import main
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("seq_len = 64\nglobal_batch_size = 8\nseed = 13\nnum_epochs = inf\nmax_steps = 90\n" + "".join(
+        f'[[sources]]\nname = "{n}"\npath = "{three[n][0]}"\nweight = {w}\nstrategy = "{STRATEGIES[n]}"\n'
+        for n, w in zip(NAMES, (0.6, 0.25, 0.15))))
+    at_32 = make_config(three, seq_len=32)
+    changed = Pipeline(DataConfig.from_toml(toml), 0, 1, num_threads=0, allow_seq_len_change=True,
+                       resume_from=Pipeline(at_32, 0, 1, num_threads=0).state_at(10))
+    (tmp_path / "state.json").write_text(json.dumps(changed.state_at(12)))
+    for step in (5, 11):
+        assert main(["explain", str(toml), "--state", str(tmp_path / "state.json"), "--step", str(step), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(changed.explain(step), default=int))
+    assert main(["plan", str(toml), "--state", str(tmp_path / "state.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_lens"] == [[0, 32], [10, 64]]
