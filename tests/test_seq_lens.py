@@ -18,7 +18,6 @@ A seeded subset of the property runs by default; FORGE_GRAIN_SLOW=1 runs many mo
 
 from __future__ import annotations
 
-import collections
 import json
 
 import numpy as np

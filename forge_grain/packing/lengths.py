@@ -29,6 +29,7 @@ import threading
 import numpy as np
 
 from forge_grain.locks import file_lock
+from forge_grain.packing.epoch_counts import tally
 from forge_grain.packing.packed import PackedDataset, empty_rows, pack
 from forge_grain.packing.plans import PackingPlan, stream_key
 from forge_grain.packing.rest import rest_plan
@@ -149,8 +150,6 @@ class LengthSchedule:
     def holding_count(self, documents: np.ndarray, lo: int, hi: int, weighed: bool = False) -> int:
         """Rows in [lo, hi) holding any of `documents` (`weighed`: their trained tokens), each
         piece's rows found in its own plan (skipping documents: `forge_grain.pipeline.skips`)."""
-        from forge_grain.pipeline.skips import tally
-
         total = 0
         for piece in self._pieces_to(hi):
             a, b = max(lo, piece.start), hi if piece.end is None else min(hi, piece.end)

@@ -251,7 +251,8 @@ class DataConfig:
         if self.plan_chunk_docs is not None:
             positive_int("plan_chunk_docs", self.plan_chunk_docs)
         self._check_batch_schedule()
-        self._check_seq_lens()
+        if self.seq_lens is not None:
+            check_lengths(self, self.seq_lens)
         if self.max_segments_per_row is not None:
             positive_int("max_segments_per_row", self.max_segments_per_row)
         if self.canonical_streams is not None:
@@ -294,34 +295,6 @@ class DataConfig:
                     f"global_batch_size {self.global_batch_size} exactly (start below it, increment dividing "
                     f"{self.global_batch_size - r['start']})")
 
-    def _check_seq_lens(self) -> None:
-        if self.seq_lens is None:
-            return
-        try:
-            segments = check_segments(self.seq_lens, "seq_lens")
-        except ScheduleError as e:
-            raise ConfigError(str(e).replace("batch size", "length")) from None
-        if segments[-1][1] != self.seq_len:
-            raise ConfigError(f"seq_lens ends at {segments[-1][1]} tokens a row (from step {segments[-1][0]}); its "
-                              f"last length must be seq_len ({self.seq_len}), the full length")
-        self.check_lengths(segments)
-
-    def check_lengths(self, segments: list) -> None:
-        """What a run whose rows change length needs (`segments`: its lengths by step, the
-        config's or, after a change at resume, the ones it trained, then the config's)."""
-        if len({n for _, n in segments}) == 1:
-            return
-        if self.num_epochs is not None or self.max_steps is None:
-            raise ConfigError("seq_lens: a run whose rows change length is counted in steps, not epochs (an "
-                              "epoch's rows change with the length): set max_steps and num_epochs = inf")
-        if self.batch_ramp is not None:
-            raise ConfigError("seq_lens with batch_ramp: the ramp counts tokens at one length; give batch_sizes")
-        bad = [s.name for s in self.sources if s.hf_streaming or s.stride is not None]
-        if bad:
-            raise ConfigError(f"seq_lens: sources {bad} are streaming or set a stride; a sequence-length schedule "
-                              "replans stored sources at each length (streaming sources and strides are tied "
-                              "to one length)")
-
     def seq_len_schedule(self) -> list[tuple[int, int]]:
         """[(start_step, length)]: the config's row lengths by step (one entry without a schedule)."""
         return check_segments(self.seq_lens, "seq_lens") if self.seq_lens is not None else [(0, self.seq_len)]
@@ -352,6 +325,32 @@ class DataConfig:
             total = sum(ws)
             out.append((step, [w / total for w in ws]))
         return out
+
+
+def check_lengths(config: DataConfig, segments) -> None:
+    """What a run whose rows change length needs: `segments` ([start_step, length] pairs; the
+    config's `seq_lens`, or after a change at resume the lengths trained, then the config's)
+    checked, the last at `seq_len`, and a run counted in steps over stored sources."""
+    c = config
+    try:
+        segments = check_segments(segments, "seq_lens")
+    except ScheduleError as e:
+        raise ConfigError(str(e).replace("batch size", "length")) from None
+    if segments[-1][1] != c.seq_len:
+        raise ConfigError(f"seq_lens ends at {segments[-1][1]} tokens a row (from step {segments[-1][0]}); its "
+                          f"last length must be seq_len ({c.seq_len}), the full length")
+    if len({n for _, n in segments}) == 1:
+        return
+    if c.num_epochs is not None or c.max_steps is None:
+        raise ConfigError("seq_lens: a run whose rows change length is counted in steps, not epochs (an "
+                          "epoch's rows change with the length): set max_steps and num_epochs = inf")
+    if c.batch_ramp is not None:
+        raise ConfigError("seq_lens with batch_ramp: the ramp counts tokens at one length; give batch_sizes")
+    bad = [s.name for s in c.sources if s.hf_streaming or s.stride is not None]
+    if bad:
+        raise ConfigError(f"seq_lens: sources {bad} are streaming or set a stride; a sequence-length schedule "
+                          "replans stored sources at each length (streaming sources and strides are tied "
+                          "to one length)")
 
 
 def _check_phases(phases: list[Phase], written: int, names: list[str]) -> None:

@@ -53,6 +53,14 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
     return opened
 
 
+def pack_args(config: DataConfig, cache_dir, plan_workers: int | None, progress: bool) -> list[dict]:
+    """What each source is packed with (`pack`'s arguments), for the other lengths of a
+    `seq_lens` schedule (`forge_grain.packing.lengths`)."""
+    c = config
+    return [dict(strategy=s.strategy, cache_dir=cache_dir, chunk_docs=c.plan_chunk_docs, plan_workers=plan_workers,
+                 max_segments=c.max_segments_per_row, progress=progress) for s in c.sources]
+
+
 def source_seed(seed: int, name: str) -> int:
     """Each source shuffles differently, and adding a source does not change the others."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")

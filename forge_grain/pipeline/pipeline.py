@@ -20,11 +20,11 @@ from forge_grain.errors import StateError, StoreError
 from forge_grain.pipeline import describe as describing
 from forge_grain.pipeline import explain as flight
 from forge_grain.pipeline import history, live as live_changes, resume, states
-from forge_grain.pipeline.batches import BatchSchedule, combined as batch_plan
+from forge_grain.pipeline.batches import BatchSchedule
 from forge_grain.pipeline.config import ConfigError, DataConfig
 from forge_grain.pipeline.fetching import FetchWindow
 from forge_grain.pipeline.iteration import PipelineIterator
-from forge_grain.pipeline.opening import AheadOpener, open_sources
+from forge_grain.pipeline.opening import AheadOpener, open_sources, pack_args
 from forge_grain.pipeline.row_order import RowOrder, check_shards, count_steps
 from forge_grain.pipeline.states import merge_states
 from forge_grain.pipeline.streams import StreamPositions, epoch_aligned, layout_for
@@ -62,9 +62,8 @@ class Pipeline:
     shards sources in object storage download ahead: the lookahead stops at `FETCH_SHARDS`
     shards a source), nor `tokenize_threads` (threads tokenizing streaming sources; default
     one per core).
-    `dtype` is that of ids and positions (int32; int64 for torch embedding lookups).
-    `progress`: progress bars of first-use work (planning, tokenizing, counting); by default
-    shown by shard 0 only, so that ranks do not print interleaved bars.
+    `dtype`: of ids and positions (int32; int64 for torch embedding lookups). `progress`: bars
+    of first-use work (planning, tokenizing, counting); by default shard 0's only (not interleaved).
 
     `skip_steps=N` with `resume_from=state` continues the run without the next N global
     batches (rewind past a loss spike): step s >= the state's step trains what the
@@ -78,17 +77,11 @@ class Pipeline:
     `allow_batch_size_change=True` with `resume_from=state` lets the config's batch sizes
     (`global_batch_size`, `batch_sizes`, `batch_ramp`) differ from the state's: the steps
     before the state's step keep the sizes they had (`batch_history` in the states), and
-    the rows after it continue the same row sequence in the new sizes.
+    the rows after it continue the same row sequence in the new sizes. `allow_seq_len_change`
+    likewise for `seq_len`, `seq_lens`: the rest of each epoch at the new length (`packing.lengths`).
 
-    `seq_lens` in the config changes the row length at steps; `allow_seq_len_change=True`
-    with `resume_from=state` lets the config's lengths (`seq_len`, `seq_lens`) differ from
-    the state's: the steps before its step keep theirs (`seq_len_history` in the states),
-    and at it the rest of each source's epoch is planned at the new length
-    (`forge_grain.packing.lengths`).
-
-    Its parts: `order` (`RowOrder`: which rows every step trains; every method naming a step
-    asks it), `positions` (`StreamPositions`; None without streaming sources), `fetching`
-    (shards told of ahead); see the module docstring and docs/architecture.md.
+    Its parts: `order` (`RowOrder`: which rows each step trains; every method naming a step asks
+    it), `positions` (streaming sources'), `fetching` (shards told of ahead); see docs/architecture.md.
     """
 
     def __init__(
@@ -145,11 +138,8 @@ class Pipeline:
         if resume_from is not None:  # what the runs before recorded, and a change the caller allows
             runs = resume.adopt(resume_from, config, functools.partial(self._summarize, batches),
                                 allow_mixture_change, allow_batch_size_change, allow_seq_len_change)
-            if runs.batch_history:  # the sizes each earlier run trained, then the config's
-                batches = BatchSchedule(batch_plan(runs.batch_history, config.batch_schedule()))
-                check_shards(batches, shard_index, shard_count, start)
-        lengths = batch_plan(runs.length_history, config.seq_len_schedule(), "seq_lens")  # (likewise)
-        config.check_lengths(lengths)
+        batches, lengths = runs.schedules(config)  # the sizes and lengths each earlier run trained, then the config's
+        check_shards(batches, shard_index, shard_count, start)
         if skip_steps or skip_documents:
             resume.add_skips(runs, resume_from, skip_steps, skip_documents, self.layout is not None,
                              history.digest(self._summarize(batches, runs.recorded())))
@@ -159,7 +149,7 @@ class Pipeline:
         self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents, allow_batch_size_change,
                              _live, allow_seq_len_change)
         self.order = RowOrder(config, self.datasets, batches, shard_index, shard_count, runs.history, runs.skips,
-                              lengths, self._pack_args(plan_workers))
+                              lengths, pack_args(config, cache_dir, plan_workers, self.progress))
         self._summary = self._summarize(batches, runs.recorded())
         self.fingerprint = history.digest(self._summary)
         self._not_as_sent: StoreError | None = None  # set where a process rebuilt it on other data (_rebuild)
@@ -171,13 +161,6 @@ class Pipeline:
         if resume_from is not None:
             self.check_state(resume_from)  # its step is one of this run's, before anything is opened
         self._opener = AheadOpener(self, start)
-
-    def _pack_args(self, plan_workers: int | None) -> list[dict]:
-        """What each source is packed with, for the lengths of a `seq_lens` schedule."""
-        c = self.config
-        return [dict(strategy=s.strategy, cache_dir=self.cache_dir, chunk_docs=c.plan_chunk_docs,
-                     plan_workers=plan_workers, max_segments=c.max_segments_per_row, progress=self.progress)
-                for s in c.sources]
 
     def _summarize(self, batches: BatchSchedule, runs: dict | None = None) -> dict:
         """This pipeline's summary (`states.summarize`) under `batches`, with the records `runs`."""

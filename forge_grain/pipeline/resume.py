@@ -21,7 +21,7 @@ import numpy as np
 from forge_grain.errors import StateError
 from forge_grain.pipeline import history, states
 from forge_grain.pipeline.batches import BatchSchedule, combined as batch_plan
-from forge_grain.pipeline.config import ConfigError, DataConfig
+from forge_grain.pipeline.config import ConfigError, DataConfig, check_lengths
 
 
 @dataclasses.dataclass
@@ -34,6 +34,12 @@ class Runs:
     skips: list = dataclasses.field(default_factory=list)
     length_history: list = dataclasses.field(default_factory=list)  # sequence lengths: [{until_step, seq_lens}]
     resumed_from: tuple | None = None  # (fingerprint, step) of a state resumed with a change
+
+    def schedules(self, config: DataConfig) -> tuple[BatchSchedule, list[tuple[int, int]]]:
+        """The batch sizes and the sequence lengths each earlier run trained, then the config's."""
+        lengths = batch_plan(self.length_history, config.seq_len_schedule(), "seq_lens")
+        check_lengths(config, lengths)
+        return BatchSchedule(batch_plan(self.batch_history, config.batch_schedule())), lengths
 
     def recorded(self) -> dict:
         """The records as a summary holds them (`states.summarize`'s `runs`)."""

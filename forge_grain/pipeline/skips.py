@@ -18,22 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def tally(n: int, rows: np.ndarray, lo: int, hi: int, weights, positions) -> int:
-    """Indices in [lo, hi) of a dataset of `n` rows an epoch (reshuffled each epoch) whose plan
-    row is among `rows` (weighed by `weights` per plan row, when given); `positions(e)` is
-    where `rows` fall in epoch e (`PackedDataset.positions_of`)."""
-    if hi <= lo or not len(rows):
-        return 0
-    w = np.ones(len(rows), np.int64) if weights is None else np.asarray(weights)[rows]
-    e0, e1 = lo // n, (hi - 1) // n
-    total = 0
-    for e in sorted({e0, e1}):
-        at = positions(e) + e * n
-        total += int(w[(at >= lo) & (at < hi)].sum())
-    if e1 - e0 > 1:
-        total += (e1 - e0 - 1) * int(w.sum())
-    return total
+from forge_grain.packing.epoch_counts import tally
 
 
 class RowMap:
