@@ -23,7 +23,7 @@ from forge_grain.pipeline.batches import ScheduleError, check_segments
 
 # what a mixture change may not touch: the rows of every source and the row length (a change of
 # batch size or of sequence length is checked before, and allowed on its own terms: see
-# `batch_change` and `length_change`)
+# `schedule_change`)
 FIXED_KEYS = ("stream_version", "seq_len", "seed", "num_epochs")
 LENGTH_KEYS = ("seq_len", "seq_lens", "seq_len_history")  # what a sequence-length change changes
 PLAN_KEYS = ("plan", "plan_sha256")  # a source's plan: it follows from its data and the length
@@ -66,7 +66,7 @@ def extend(state: dict, current: dict) -> list[dict]:
 def check_fixed(saved: dict, current: dict) -> None:
     """A HistoryError naming what no resume may change between the summaries `saved` and
     `current`: the keys that decide every source's rows, and a kept source's data or packing
-    (`seq_len` and the plans it makes, when the sequence length changes: `length_change`)."""
+    (`seq_len` and the plans it makes, when the sequence length changes: `schedule_change`)."""
     saved, current = without_lengths(saved, current)
     fixed = [k for k in FIXED_KEYS if saved.get(k) != current.get(k)]
     if fixed:
@@ -122,7 +122,7 @@ def saved_lengths(summary: dict) -> list[list[int]]:
 
 def without_lengths(saved: dict, current: dict) -> tuple[dict, dict]:
     """Both summaries without their sequence lengths and the plans those make, where their
-    lengths differ (a change `length_change` records); else both as they are."""
+    lengths differ (a change `schedule_change` records); else both as they are."""
     if saved_lengths(saved) == saved_lengths(current):
         return saved, current
 
@@ -133,42 +133,31 @@ def without_lengths(saved: dict, current: dict) -> tuple[dict, dict]:
     return strip(saved), strip(current)
 
 
-def length_change(state: dict, length_history: list[dict]) -> list[dict]:
-    """The sequence-length history of a pipeline that resumes `state` with other lengths: the
-    saved one plus the saved config's lengths up to the saved step (the steps before it keep
-    their lengths; at it, the rest of each source's epoch is planned at the new length)."""
-    saved = state.get("config")
-    if not isinstance(saved, dict) or digest(saved) != state.get("fingerprint"):
-        raise HistoryError("the state's config does not match its fingerprint: it was changed after it was saved")
-    if "streams" in state:
-        raise HistoryError("streaming sources resume only with the sequence length they were saved with")
-    step = state["step"]
-    if length_history and step < length_history[-1]["until_step"]:
-        raise HistoryError(f"the state's step {step} is before its own last sequence-length change")
-    return check_batches([*length_history, {"until_step": step, "seq_lens": saved_lengths(saved)}], "seq_lens")
-
-
 def saved_batches(saved: dict) -> list[list[int]]:
     """The [start_step, size] pairs of a saved summary's config (its `global_batch_size` alone
     when it had no schedule)."""
     return saved.get("batch_sizes") or [[0, saved.get("global_batch_size")]]
 
 
-def batch_change(state: dict, batch_history: list[dict]) -> list[dict]:
-    """The batch history of a pipeline that resumes `state` with other batch sizes: the saved
-    one plus the saved config's sizes up to the saved step (steps before it keep the sizes
-    they were trained with; the rows after it continue in the new sizes)."""
+def schedule_change(state: dict, seg_history: list[dict], key: str = "batches") -> list[dict]:
+    """The batch history (`key="batches"`) or sequence-length history (`"seq_lens"`) of a
+    pipeline that resumes `state` with other batch sizes or lengths: the saved one plus the
+    saved config's schedule up to the saved step. The steps before it keep what they were
+    trained with; the rows after it continue in the new sizes, or, at a new length, the rest of
+    each source's epoch is planned at it (`forge_grain.packing.lengths`)."""
+    what = "batch-size" if key == "batches" else "sequence-length"
     saved = state.get("config")
     if not isinstance(saved, dict) or digest(saved) != state.get("fingerprint"):
         raise HistoryError("the state's config does not match its fingerprint: it was changed after it was saved")
     if "streams" in state:
-        raise HistoryError("streaming sources resume only with the batch sizes they were saved with")
+        raise HistoryError(f"streaming sources resume only with the {what} schedule they were saved with")
     step = state["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise HistoryError(f"the state's step {step!r} is not a step")
-    if batch_history and step < batch_history[-1]["until_step"]:
-        raise HistoryError(f"the state's step {step} is before its own last batch-size change")
-    return check_batches([*batch_history, {"until_step": step, "batches": saved_batches(saved)}])
+    if seg_history and step < seg_history[-1]["until_step"]:
+        raise HistoryError(f"the state's step {step} is before its own last {what} change")
+    schedule = saved_batches(saved) if key == "batches" else saved_lengths(saved)
+    return check_batches([*seg_history, {"until_step": step, key: schedule}], key)
 
 
 def check_batches(batch_history, key: str = "batches") -> list[dict]:

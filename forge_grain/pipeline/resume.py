@@ -71,13 +71,13 @@ def adopt(state: dict, config: DataConfig, summary_of: Callable[[dict | None], d
                 raise StateError("the batch size differs from the state's (global_batch_size, batch_sizes or "
                                  "batch_ramp): pass allow_batch_size_change=True to continue its rows in the new "
                                  "sizes")
-            runs.batch_history = history.batch_change(state, runs.batch_history)
+            runs.batch_history = history.schedule_change(state, runs.batch_history)
         if history.saved_lengths(saved) != [list(x) for x in config.seq_len_schedule()]:
             if not allow_lengths:
                 raise StateError("the sequence length differs from the state's (seq_len or seq_lens): pass "
                                  "allow_seq_len_change=True to plan the rest of each source's epoch at the new "
                                  "length from the state's step")
-            runs.length_history = history.length_change(state, runs.length_history)
+            runs.length_history = history.schedule_change(state, runs.length_history, "seq_lens")
         runs.history = mixtures
         before, now = history.without_lengths(saved, summary_of(runs.recorded()))
         if _without_batches(before) == _without_batches(now):
