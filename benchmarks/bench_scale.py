@@ -95,7 +95,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
         size = sum(f.stat().st_size for f in local.iterdir() if f.suffix == ".bin")
         limit = max(size // 10, 3 * size // shards)  # 10%, or 3 shards where shards are larger than 3%
         common = dict(name="web", strategy="bos_bestfit", shuffle_window=1)
-        # planning chunks of whole shards' documents (about 40 of them), as the README advises for
+        # planning chunks of whole shards' documents (about 40 of them), as the scale guide advises for
         # object storage: a window then downloads only the shards it reads (LitData's chunk is its
         # unit of both download and shuffle); 2.5 shards a chunk downloaded a chunk's shards twice over
         per_chunk = max(1, round(shards / 40))
@@ -215,7 +215,7 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
                 lines.append(f"  the link's ceiling, obstore with {n} ranged GETs in flight: {ceil[n] / 1e6:7.2f} M "
                              f"tok/s (idle {idle:.0%})")
                 print(lines[-1], flush=True)
-            per_chunk = max(1, round(shards / 40))  # the locality order the README advises for object storage
+            per_chunk = max(1, round(shards / 40))  # the locality order the scale guide advises for object storage
             src = dict(name="web", path=f"s3://bench/s{shards}", storage_options=opts, shuffle_window=1,
                        object_cache=str(work / f"objects-{shards}"))
             chunk_docs = max(1, round(num_docs / shards * per_chunk))

@@ -14,6 +14,7 @@ from forge_grain import DataConfig, Pipeline
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+EXPLAIN_PAGE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "plan-and-explain.md"
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +51,14 @@ def test_demo_prepares_mixes_checkpoints_and_resumes_exactly(demo):
 
 
 def test_the_readmes_explain_example_is_what_the_demo_gives(demo):
-    """The README shows `forge-grain explain` on the demo's config with its output: that output
+    """The docs show `forge-grain explain` on the demo's config with its output: that output
     is what the command prints on the demo the README's first command makes (an earlier README
     showed lines no demo could give)."""
     workdir, r = demo
     assert r.returncode == 0, r.stderr
-    text = README.read_text()
+    text = EXPLAIN_PAGE.read_text()
     block = re.search(r"```bash\n(forge-grain explain forge-grain-demo/data\.toml [^\n]+)\n((?:#[^\n]*\n)+)", text)
-    assert block, "the README's explain example"
+    assert block, "the docs' explain example"
     command, shown = block.group(1), [line[1:].strip() for line in block.group(2).splitlines()]
     args = command.replace("forge-grain-demo", str(workdir)).split()[1:]
     out = subprocess.run([sys.executable, "-m", "forge_grain", *args], capture_output=True, text=True, timeout=300)

@@ -16,7 +16,7 @@ import pytest
 from forge_grain.moved import BECAME_PACKAGES, MOVED
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTED = ("README.md", "docs/*.md", "examples/*.py")
+DOCUMENTED = ("README.md", "docs/**/*.md", "examples/*.py")
 # frameworks a documented import needs that the test environment does not hold (torchtitan's
 # pins conflict with it: tests/test_torchtitan.py runs it in an environment of its own)
 ELSEWHERE = {"torchtitan"}

@@ -105,11 +105,15 @@ class DataConfig:
     anneal_start_step: int | None = None
     """A shortcut for one more phase: from this step on, mix with `anneal_weights` (give
     both or neither).
-    Example: anneal_start_step = 90000"""
+    Example:
+    anneal_start_step = 90000
+    anneal_weights = { code = 1.0 }"""
 
     anneal_weights: dict[str, float] | None = None
     """The weights from `anneal_start_step` on (sources not named get 0).
-    Example: anneal_weights = { code = 1.0 }"""
+    Example:
+    anneal_weights = { code = 1.0 }
+    anneal_start_step = 90000"""
 
     max_steps: int | None = None
     """Stop after this many steps, or at the end of `num_epochs`, whichever comes first.
@@ -139,7 +143,10 @@ class DataConfig:
     in rows: a step trains its batch size times its length (pair it with `batch_sizes` to
     keep tokens per step constant). Stored sources only; the run is counted in steps
     (`max_steps`, with `num_epochs = inf`), as an epoch's rows change with the length.
-    Example: seq_lens = [[0, 512], [2000, 1024], [6000, 2048]]"""
+    Example:
+    seq_lens = [[0, 512], [2000, 1024], [6000, 2048]]
+    num_epochs = inf
+    max_steps = 20000"""
 
     plan_chunk_docs: int | None = None
     """A store of more documents is planned a chunk of this many at a time (default about

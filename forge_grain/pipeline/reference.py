@@ -31,7 +31,7 @@ A config is a TOML file, its keys at the top level or under a `[data]` table, re
 the same keys in Python: `DataConfig(...)`, `DataConfig.from_dict({...})`. Sources are
 `[[sources]]` tables and phases `[[phases]]` tables. An unknown key, a missing required key
 or a value of the wrong type is an error naming it. A KempnerForge job file is read with
-KempnerForge's own keys and meaning (see the README, "Coming from KempnerForge").
+KempnerForge's own keys and meaning (see docs/peers/kempnerforge.md).
 
 ```toml
 seq_len = 2048

@@ -128,7 +128,11 @@ class SourceConfig:
     every process reads every row and keeps its share. Unset ("auto"): "files" for files at
     URLs at least as many as the streams whose sizes deal evenly (within 2%), else "rows".
     It is data (a state records it).
-    Example: dealing = "files"
+    Example:
+    hf_dataset = "json"
+    hf_data_files = "https://example.com/web/*.jsonl"
+    hf_streaming = true
+    dealing = "files"
     """
 
     dtype: str | None = None

@@ -1,0 +1,87 @@
+"""The code blocks of the README and the documentation pages, and how each is run.
+
+A fenced block runs by its language: `python` in the page's own interpreter session (blocks
+share names in page order, as a reader's session would), `bash` line by line where a line
+is a cheap `forge-grain` command (`prepare`, `plan`, `inspect`, `explain`, `hashes`,
+`config-reference`, `--version`; other lines, such as `pip install`, are shown, not run),
+and `toml` parsed and checked as a config (`DataConfig`). An HTML comment just before a
+fence (invisible on the page) says more:
+
+- `<!-- file: NAME -->`: the block is written to NAME in the page's directory (a config the
+  next blocks read);
+- `<!-- before: CODE -->`: CODE runs first, unseen (what a fragment assumes: a batch, a
+  model, a mesh);
+- `<!-- not run: REASON -->`: the block is not run, for the reason given (another project's
+  code, a GPU, a cluster); tests/test_docs.py lists them.
+
+Other blocks (`text`, unlabelled: file listings, outputs) are not code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHEAP = ("prepare", "plan", "inspect", "explain", "hashes", "config-reference", "--version")
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_NOTE = re.compile(r"<!--\s*(file|before|not run):\s*(.*?)\s*-->", re.S)
+
+
+@dataclasses.dataclass
+class Block:
+    page: Path
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+    file: str | None = None
+    before: str | None = None
+    not_run: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def pages() -> list[Path]:
+    """The README and every page of the site."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced blocks of `page`, with the notes just before each."""
+    lines = page.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("```"):
+            j += 1
+        block = Block(page, i + 1, m.group(1), "\n".join(lines[i + 1:j]) + "\n")
+        k = i - 1  # notes: the comments right above the fence
+        while k >= 0 and lines[k].strip().endswith("-->"):
+            start = k
+            while start >= 0 and "<!--" not in lines[start]:
+                start -= 1
+            for kind, text in _NOTE.findall("\n".join(lines[start:k + 1])):
+                setattr(block, {"file": "file", "before": "before", "not run": "not_run"}[kind], text)
+            k = start - 1
+        out.append(block)
+        i = j + 1
+    return out
+
+
+def cheap_commands(code: str) -> list[str]:
+    """The lines of a bash block that are cheap forge-grain commands (continuations joined)."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    out = []
+    for line in joined.splitlines():
+        line = line.split(" #")[0].strip()
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "forge-grain" and parts[1] in CHEAP:
+            out.append(line)
+    return out
