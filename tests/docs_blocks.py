@@ -12,7 +12,10 @@ fence (invisible on the page) says more:
 - `<!-- before: CODE -->`: CODE runs first, unseen (what a fragment assumes: a batch, a
   model, a mesh);
 - `<!-- not run: REASON -->`: the block is not run, for the reason given (another project's
-  code, a GPU, a cluster); tests/test_docs.py lists them.
+  code, a GPU, a cluster); tests/test_docs.py lists them;
+- `<!-- output of: COMMAND -->` (before a `text` block): COMMAND runs there, and what it prints
+  must match the block line by line (`...` in a line stands for any text; a line of `...`
+  alone for any lines), so an example output cannot go stale.
 
 Other blocks (`text`, unlabelled: file listings, outputs) are not code.
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = ("prepare", "plan", "inspect", "explain", "hashes", "config-reference", "--version")
 _FENCE = re.compile(r"^```(\w*)\s*$")
-_NOTE = re.compile(r"<!--\s*(file|before|not run):\s*(.*?)\s*-->", re.S)
+_NOTE = re.compile(r"<!--\s*(file|before|not run|output of):\s*(.*?)\s*-->", re.S)
 
 
 @dataclasses.dataclass
@@ -38,6 +41,7 @@ class Block:
     file: str | None = None
     before: str | None = None
     not_run: str | None = None
+    output_of: str | None = None
 
     @property
     def where(self) -> str:
@@ -68,7 +72,8 @@ def blocks(page: Path) -> list[Block]:
             while start >= 0 and "<!--" not in lines[start]:
                 start -= 1
             for kind, text in _NOTE.findall("\n".join(lines[start:k + 1])):
-                setattr(block, {"file": "file", "before": "before", "not run": "not_run"}[kind], text)
+                setattr(block, {"file": "file", "before": "before", "not run": "not_run",
+                                "output of": "output_of"}[kind], text)
             k = start - 1
         out.append(block)
         i = j + 1
@@ -85,3 +90,21 @@ def cheap_commands(code: str) -> list[str]:
         if len(parts) >= 2 and parts[0] == "forge-grain" and parts[1] in CHEAP:
             out.append(line)
     return out
+
+
+def matches(shown: str, printed: str) -> bool:
+    """Whether `printed` is what `shown` shows: line by line, `...` within a line any text, a
+    line of `...` any lines (blank lines are not compared)."""
+    want = [line.rstrip() for line in shown.splitlines() if line.strip()]
+    got = [line.rstrip() for line in printed.splitlines() if line.strip()]
+
+    def line(w: str, g: str) -> bool:
+        return re.fullmatch(".*".join(map(re.escape, w.split("..."))), g) is not None
+
+    def walk(i: int, j: int) -> bool:
+        if i == len(want):
+            return j == len(got)
+        if want[i].strip() == "...":
+            return any(walk(i + 1, k) for k in range(j, len(got) + 1))
+        return j < len(got) and line(want[i], got[j]) and walk(i + 1, j + 1)
+    return walk(0, 0)

@@ -21,10 +21,16 @@ from forge_grain import DataConfig, Phase, SourceConfig
 
 RUNNER = r"""
 import json, subprocess, sys, traceback
+sys.path.insert(0, sys.argv[2])
+from docs_blocks import matches
 ns = {"__name__": "__main__"}
 for kind, what, code, where in json.load(open(sys.argv[1])):
     if kind == "file":
         open(what, "w").write(code)
+    elif kind == "output":
+        r = subprocess.run(what, shell=True, capture_output=True, text=True)
+        if r.returncode or not matches(code, r.stdout):
+            sys.exit(f"{where}: `{what}` printed other than the page shows ({r.returncode}):\n{r.stdout}\n{r.stderr[-2000:]}")
     elif kind == "bash":
         r = subprocess.run(what, shell=True, capture_output=True, text=True)
         if r.returncode:
@@ -66,7 +72,7 @@ def test_every_block_not_run_says_why():
 def workspace(tmp_path_factory) -> Path:
     """What the pages' examples read: the demo's corpus (`forge-grain-demo/*.jsonl`, as the
     README's first command leaves it), two stores prepared from it (`data/web`, `data/code`),
-    the pipeline guide's `data.toml` over them and a KempnerForge job file (`job.toml`)."""
+    the pipeline guide's `data.toml` over them and the `plan` guide's KempnerForge job file (`job.toml`)."""
     from forge_grain import prepare
     from forge_grain.demo import write_demo_corpus
 
@@ -74,10 +80,8 @@ def workspace(tmp_path_factory) -> Path:
     corpus = write_demo_corpus(ws / "forge-grain-demo", max_files=300)
     prepare(corpus["docs"], ws / "data" / "web", progress=False)
     prepare(corpus["code"], ws / "data" / "code", progress=False)
-    config = next(b for b in blocks(ROOT / "docs" / "guides" / "pipeline.md") if b.file == "data.toml")
-    (ws / "data.toml").write_text(config.code)
-    (ws / "job.toml").write_text('[data]\ndataset_path = "data/web"\n\n[train]\nseq_len = 64\nbatch_size = 2\n'
-                                 "grad_accum_steps = 2\nmax_steps = 2000\n")
+    for page, name in (("pipeline.md", "data.toml"), ("plan-and-explain.md", "job.toml")):  # as the guides show them
+        (ws / name).write_text(next(b for b in blocks(ROOT / "docs" / "guides" / page) if b.file == name).code)
     return ws
 
 
@@ -85,6 +89,8 @@ def check_toml(block) -> None:
     """A config block: a whole config, or the keys it shows among the required ones (the full
     batch and length from a schedule's last entry)."""
     d = tomllib.loads(block.code)
+    if "train" in d:
+        return  # a KempnerForge job file: the commands that read it run it (test_the_pages_code_runs)
     d = d.get("data", d)
     fields = {c: {f.name for f in dataclasses.fields(c)} for c in (DataConfig, SourceConfig, Phase)}
     if d and not set(d) & fields[DataConfig] and set(d) <= fields[SourceConfig]:  # a source's keys
@@ -113,6 +119,8 @@ def steps_of(page: Path) -> list[list]:
             out.append(["python", "", b.before, b.where + " (before)"])
         if b.file:
             out.append(["file", b.file, b.code, b.where])
+        elif b.output_of:
+            out.append(["output", b.output_of, b.code, b.where])
         elif b.lang == "python":
             out.append(["python", b.before or "", b.code, b.where])
         elif b.lang == "bash":
@@ -123,6 +131,15 @@ def steps_of(page: Path) -> list[list]:
 CODE_PAGES = [p for p in pages() if any(s[0] != "file" for s in steps_of(p))]
 
 
+def test_an_output_block_is_compared_as_shown():
+    from docs_blocks import matches
+
+    shown = "plan: 2,000 steps (... epochs)\n...\nwarnings:\n  ! read ... times"
+    assert matches(shown, "plan: 2,000 steps (3.5 epochs)\nsources:\n  a\n\nwarnings:\n  ! read 25.3 times")
+    assert not matches(shown, "plan: 1,000 steps (3.5 epochs)\nwarnings:\n  ! read 25.3 times")
+    assert not matches(shown, "plan: 2,000 steps (3.5 epochs)\nwarnings:\n  ! read 25.3 times\n  ! more")
+
+
 @pytest.mark.parametrize("page", CODE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_pages_code_runs(page, workspace, tmp_path):
     work = tmp_path / "work"
@@ -130,6 +147,7 @@ def test_the_pages_code_runs(page, workspace, tmp_path):
     (tmp_path / "steps.json").write_text(json.dumps(steps_of(page)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "steps.json")], cwd=work, env=env,
+    r = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "steps.json"), str(Path(__file__).parent)],
+                       cwd=work, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stderr[-6000:]}\n{r.stdout[-2000:]}"
