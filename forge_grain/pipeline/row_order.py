@@ -180,7 +180,7 @@ class RowOrder:
         out = {}
         for k, (name, d) in enumerate(zip(self.source_names, self.mixture.datasets)):
             j, epochs, trained = int(reached[k]), None, None
-            if isinstance(d, LengthSchedule):  # (no document skips under a schedule: see _schedule_lengths)
+            if isinstance(d, LengthSchedule):  # (its pieces weigh their own rows: skips.RowMap asks them)
                 trained, epochs = d.trained_tokens(j) - self.rowmap.removed_below(k, j, ()), d.epochs(j)
             elif isinstance(d, PackedDataset):
                 trained = d.trained_tokens(j) - self.rowmap.removed_below(k, j, d.loss_positions)
