@@ -398,3 +398,40 @@ def test_explain_and_plan_with_a_state_follow_a_change_at_resume(three, tmp_path
         assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(changed.explain(step), default=int))
     assert main(["plan", str(toml), "--state", str(tmp_path / "state.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["seq_lens"] == [[0, 32], [10, 64]]
+
+
+def test_a_fork_while_a_thread_plans_the_rest_waits_for_it(three, tmp_path, monkeypatch):
+    """A DataLoader worker forked while a prefetch thread plans the rest of an epoch: the fork
+    waits for the planning, and the child reads on (it inherited no lock held by a thread it
+    does not have)."""
+    import os
+    import threading
+    import time
+
+    from forge_grain.packing import lengths
+
+    real, started = lengths.rest_plan, threading.Event()
+
+    def slow(*args, **kwargs):
+        started.set()
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(lengths, "rest_plan", slow)
+    p = Pipeline(make_config(three, [[0, 24], [10, 48]]), 0, 1, num_threads=0, cache_dir=tmp_path)
+    planning = threading.Thread(target=p.global_batch, args=(30,))
+    planning.start()
+    assert started.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: a batch past the change
+        try:
+            p.global_batch(31)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    planning.join()
+    assert done[0] == pid, "the forked child hung on the planning lock"

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import threading
 
 import numpy as np
@@ -36,6 +37,12 @@ from forge_grain.packing.rest import rest_plan
 from forge_grain.paths import plan_cache_dir
 
 log = logging.getLogger(__name__)
+# Held while a schedule works out its pieces (planning the rest of an epoch can take seconds). A
+# process forked meanwhile (a DataLoader worker, while a prefetch thread plans) would start with
+# it taken by a thread it does not have, and wait forever: a fork waits for the planning instead,
+# as for `packed._OPENING`. One lock for all schedules: changes are few.
+_PLANNING = threading.RLock()
+os.register_at_fork(before=_PLANNING.acquire, after_in_parent=_PLANNING.release, after_in_child=_PLANNING.release)
 
 
 @dataclasses.dataclass
@@ -71,7 +78,6 @@ class LengthSchedule:
         self.changes.append((int(row), int(seq_len)))
 
     def _init_runtime(self) -> None:
-        self._lock = threading.RLock()
         self._holding: dict = {}  # (dataset id, documents' digest) -> the dataset's plan rows holding them
         self._by_length: dict[int, PackedDataset] = {}
         self._pieces: list[Piece] | None = None
@@ -206,7 +212,7 @@ class LengthSchedule:
 
     def _pieces_to(self, n: int) -> list[Piece]:
         """The pieces covering rows [0, n), changes up to row n worked out."""
-        with self._lock:
+        with _PLANNING:
             if self._pieces is None:
                 self._pieces = [Piece(0, None, self.at_length(self.seq_len), 0, 0)]
                 self._applied = 1

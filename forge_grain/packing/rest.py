@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from forge_grain.packing import kernels
-from forge_grain.packing.plans import PackingPlan, plan_offsets
+from forge_grain.packing.plans import PLAN_ARRAYS, PackingPlan, plan_offsets
 
 
 def untrained_runs(p: PackingPlan, plan_rows) -> tuple[np.ndarray, np.ndarray]:
@@ -66,6 +66,9 @@ def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
     q.seg_flags = _unnatural_ends(q, np.sort(last[~natural] + 1))
     q.stats["rest_of_epoch"] = {"runs": int(len(first)), "targets": int((last - first).sum())}
     q.__dict__.pop("_checksum", None)
+    for name in PLAN_ARRAYS:  # read-only, as a plan mapped from the cache is: the gather's compiled
+        setattr(q, name, np.ascontiguousarray(getattr(q, name)))  # code is the one those use (no
+        getattr(q, name).setflags(write=False)  # compiling on the first batch past a change)
     return q
 
 
