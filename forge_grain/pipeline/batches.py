@@ -103,16 +103,17 @@ class BatchSchedule:
 
 def check_segments(segments, where: str = "batch_sizes") -> list[tuple[int, int]]:
     """[(start_step, size)] from a list of pairs, or a ScheduleError naming the bad entry."""
+    noun = "length" if "seq_lens" in where else "batch size"
     if not isinstance(segments, (list, tuple)) or not segments:
-        raise ScheduleError(f"{where}: a list of [start_step, batch size] pairs, not {segments!r:.80}")
+        raise ScheduleError(f"{where}: a list of [start_step, {noun}] pairs, not {segments!r:.80}")
     out, last = [], -1
     for i, pair in enumerate(segments):
         ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
             isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in pair)
         if not ok or pair[0] <= last or pair[1] < 1 or (i == 0 and pair[0] != 0):
             first = "the first at step 0, " if i == 0 else ""
-            raise ScheduleError(f"{where}[{i}] is {pair!r:.80}: [start_step, batch size] pairs, {first}steps "
-                                "increasing, sizes positive integers")
+            raise ScheduleError(f"{where}[{i}] is {pair!r:.80}: [start_step, {noun}] pairs, {first}steps "
+                                f"increasing, {noun}s positive integers")
         out.append((int(pair[0]), int(pair[1])))
         last = int(pair[0])
     return out

@@ -342,7 +342,7 @@ def check_lengths(config: DataConfig, segments) -> None:
     try:
         segments = check_segments(segments, "seq_lens")
     except ScheduleError as e:
-        raise ConfigError(str(e).replace("batch size", "length")) from None
+        raise ConfigError(str(e)) from None
     if segments[-1][1] != c.seq_len:
         raise ConfigError(f"seq_lens ends at {segments[-1][1]} tokens a row (from step {segments[-1][0]}); its "
                           f"last length must be seq_len ({c.seq_len}), the full length")

@@ -70,8 +70,8 @@ def check_fixed(saved: dict, current: dict) -> None:
     saved, current = without_lengths(saved, current)
     fixed = [k for k in FIXED_KEYS if saved.get(k) != current.get(k)]
     if fixed:
-        raise HistoryError(f"a resume may not change {fixed}; only weights, phases, temperature, sources and batch "
-                           "sizes")
+        raise HistoryError(f"a resume may not change {fixed}; only weights, phases, temperature, sources, batch "
+                           "sizes and sequence lengths")
     before = {s["name"]: s for s in saved["sources"]}
     changed = [s["name"] for s in current["sources"] if s["name"] in before
                and any(before[s["name"]].get(k) != s.get(k) for k in SOURCE_KEYS)]
