@@ -17,4 +17,4 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if page.file.src_uri != "index.md":
         return markdown
     text = README.read_text()
-    return re.sub(r"\]\(docs/", "](", text).replace("](docs/)", "](index.md)")
+    return re.sub(r"\]\(docs/", "](", text.replace("](docs/)", "](index.md)"))

@@ -55,6 +55,7 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     assert api.count("forge_grain.pipeline.pipeline.Pipeline.") > 10  # the docstrings, generated
     home = (tmp_path / "site" / "index.html").read_text()
     assert "What it does that its peers do not" in home  # the README, as the home page
+    assert 'href="guides/pipeline/"' in home and 'href="docs/' not in home  # its links, made the site's
 
 
 def test_the_readme_fits_on_a_few_screens():
