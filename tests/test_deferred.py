@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from multiproc import wait_forked
 
 from forge_grain import DataConfig, Pipeline, StoreError
 from forge_grain.pipeline.pipeline import StateError
@@ -176,11 +177,7 @@ def test_a_process_forked_while_sources_open_in_the_background_makes_its_batches
         if pid == 0:
             ok = all(np.array_equal(again.batch(s)["inputs"], want[s]) for s in range(6))
             os._exit(0 if ok else 3)
-        deadline = time.monotonic() + 60
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if done[0] == 0:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
+        code = wait_forked(pid)
+        if code is None:
             pytest.fail(f"the forked process hung (trial {trial})")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert code == 0

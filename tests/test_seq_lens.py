@@ -408,6 +408,8 @@ def test_a_fork_while_a_thread_plans_the_rest_waits_for_it(three, tmp_path, monk
     import threading
     import time
 
+    from multiproc import wait_forked
+
     from forge_grain.packing import lengths
 
     real, started = lengths.rest_plan, threading.Event()
@@ -427,11 +429,6 @@ def test_a_fork_while_a_thread_plans_the_rest_waits_for_it(three, tmp_path, monk
             p.global_batch(31)
         finally:
             os._exit(0)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
+    code = wait_forked(pid)
     planning.join()
-    assert done[0] == pid, "the forked child hung on the planning lock"
+    assert code is not None, "the forked child hung on the planning lock"
