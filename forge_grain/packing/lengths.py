@@ -212,6 +212,10 @@ class LengthSchedule:
 
     def _pieces_to(self, n: int) -> list[Piece]:
         """The pieces covering rows [0, n), changes up to row n worked out."""
+        applied = self._applied  # (read before the pieces: a change sets them, then counts itself)
+        pieces = self._pieces
+        if pieces is not None and (applied == len(self.changes) or self.changes[applied][0] >= n):
+            return pieces  # every batch but those reaching a change: no lock, no copy
         with _PLANNING:
             if self._pieces is None:
                 self._pieces = [Piece(0, None, self.at_length(self.seq_len), 0, 0)]
@@ -219,7 +223,7 @@ class LengthSchedule:
             while self._applied < len(self.changes) and self.changes[self._applied][0] < n:
                 self._change(*self.changes[self._applied])
                 self._applied += 1
-            return list(self._pieces)
+            return self._pieces  # (never changed in place: a change makes a new list)
 
     def _change(self, row: int, seq_len: int) -> None:
         """Rows from `row` on are `seq_len` long: the rest of the epoch planned at it, then whole epochs."""
