@@ -908,6 +908,78 @@ def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path,
     assert len(data_gets) <= 1, data_gets  # the last document's file, unless it was still cached
 
 
+@pytest.mark.parametrize("name", ["megatron", "raw"])
+def test_a_megatron_or_raw_dataset_larger_than_cache_limit_reads_in_blocks(tmp_path, s3, peers, name):
+    """A Megatron dataset or raw token files in a bucket, with a cache_limit below their size,
+    open without a copy of the file (Megatron: its .idx, then ranges; raw: read through once to
+    find its documents) and read equal to the local copy, with its fingerprint, the cache never
+    above the limit; a second open reads neither the index nor the data, and a read fetches one
+    block of documents, not the file."""
+    import pickle
+
+    options = PEER_OPTIONS.get(name, {})
+    local = TokenStore.open(peers[name], **options)
+    data = [f for f in Path(peers[name]).iterdir() if f.suffix == ".bin"]
+    limit = sum(f.stat().st_size for f in data) // 3
+    opts = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "c"), cache_limit=limit)
+    remote = TokenStore.open(f"s3://peers/{name}", **opts, **options)
+    assert remote.fetches and remote.format == local.format and len(remote) == len(local)
+    assert remote.fingerprint == local.fingerprint  # a state saved over the local copy resumes here
+    assert len(remote._parts) >= 8
+    for i in range(len(local)):
+        assert np.array_equal(remote[i], local[i]), i
+        assert i % 10 or remote.cache.used() <= limit
+    assert remote.cache.used() <= limit
+    s3.proxy.clear()
+    again = pickle.loads(pickle.dumps(remote))  # as a DataLoader worker reopens it: the record is kept
+    middle = len(local) // 2
+    assert np.array_equal(again[middle], local[middle])
+    assert not any(p.endswith(".idx") for p in s3.proxy.gets)
+    fetched = sum(n for p, n in s3.proxy.sent.items() if p.endswith(".bin"))
+    assert 0 < fetched <= max(b.size for b in remote._parts) < limit  # one block (evicted since it was read)
+
+
+def test_megatron_and_raw_files_read_in_blocks_keep_the_local_checks(tmp_path, s3, peers):
+    """With cache_limit (blocks of documents) what is refused on disk is refused too, naming the
+    object in the bucket: a raw file without a dtype, with a dtype its bytes contradict, cut
+    short, or really Parquet; a document larger than the cache; a Megatron .bin cut short, a
+    dtype its index contradicts, an EOS its documents do not end with."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from test_formats import EOS, make_docs
+
+    fs, opts = s3.fs(), dict(storage_options=s3.options(), cache_limit=20_000)
+
+    def refused(url, match, **extra):
+        with pytest.raises(StoreError, match=match):
+            TokenStore.open(url, object_cache=str(tmp_path / url.replace("/", "_")), **opts, **extra)
+
+    refused("s3://peers/raw", r"s3://peers/raw/part-0\.bin: a raw token file does not record its dtype")
+    docs = np.concatenate(make_docs(200, seed=4))
+    fs.pipe_file("peers/raw-wide/part-0.bin", docs.astype(np.int32).tobytes())
+    refused("s3://peers/raw-wide", r"s3://peers/raw-wide/part-0\.bin: read as uint16.*32-bit ids", dtype="uint16")
+    fs.pipe_file("peers/raw-cut/part-0.bin", docs.astype(np.uint16).tobytes()[:-1])
+    refused("s3://peers/raw-cut", r"s3://peers/raw-cut/part-0\.bin: .* not a multiple", dtype="uint16")
+    pq.write_table(pa.table({"text": ["a document"] * 50}), tmp_path / "part.parquet")
+    fs.put_file(str(tmp_path / "part.parquet"), "peers/raw-pq/part-0.bin")
+    refused("s3://peers/raw-pq", r"s3://peers/raw-pq/part-0\.bin: this is a Parquet file", dtype="uint16")
+    fs.pipe_file("peers/raw-stream/part-0.bin", docs.astype(np.uint16).tobytes())
+    refused("s3://peers/raw-stream", r"s3://peers/raw-stream/part-0\.bin: document 0 of this file is [0-9]+ bytes, "
+            r"more than cache_limit 20000 holds.*eos_id", dtype="uint16")  # no eos_id: one document
+    fs.put(str(peers["megatron"]), "peers/meg-cut", recursive=True)
+    fs.pipe_file("peers/meg-cut/c4_text_document.bin", fs.cat_file("peers/meg-cut/c4_text_document.bin")[:-8])
+    refused("s3://peers/meg-cut", r"s3://peers/meg-cut/c4_text_document\.bin: .* bytes, but its index describes .* "
+            r"truncated")
+    refused("s3://peers/megatron", r"s3://peers/megatron/c4_text_document\.idx: dtype=uint16 was declared, but the "
+            r"Megatron index records int32",
+            dtype="uint16")
+    refused("s3://peers/megatron", r"s3://peers/megatron/c4_text_document\.bin: eos_id=3 was declared, but "
+            r"document 0 does not end with it", eos_id=3)  # (EOS is 1)
+    store = TokenStore.open("s3://peers/megatron", eos_id=EOS, object_cache=str(tmp_path / "ok"), **opts)
+    assert len(store) == len(TokenStore.open(peers["megatron"]))
+
+
 def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (a file at a time) what is refused on disk is refused too, naming the
     object in the bucket: a declared dtype the data disagrees with, a shard cut short, and a
@@ -970,13 +1042,16 @@ def test_a_megatron_prefix_in_object_storage_opens_like_its_local_prefix(tmp_pat
     assert len(remote) == len(local) and np.array_equal(remote[5], local[5])
 
 
-@pytest.mark.parametrize("name,limit", [("mds", None), ("mds", 30_000), ("litdata", 70_000)])
+@pytest.mark.parametrize("name,limit", [("mds", None), ("mds", 30_000), ("litdata", 70_000), ("megatron", 20_000),
+                                        ("raw", 10_000)])
 def test_a_peer_dataset_source_gives_the_stream_of_its_local_copy(tmp_path, s3, peers, name, limit):
     """The same batches as the local copy's: copied whole, or (with a cache_limit below the
-    dataset's size) a file at a time, the coming steps' files fetched ahead."""
+    dataset's size) a file at a time or, Megatron and raw files, a block of documents at a time,
+    the coming steps' fetched ahead."""
+    options = PEER_OPTIONS.get(name, {})
     remote = config(source(f"s3://peers/{name}", storage_options=s3.options(), object_cache=str(tmp_path / "c"),
-                           cache_limit=limit))
-    local = config(source(peers[name]))
+                           cache_limit=limit, **options))
+    local = config(source(peers[name], **options))
     a, b = Pipeline(local, 0, 1, cache_dir=tmp_path / "p1"), Pipeline(remote, 0, 1, cache_dir=tmp_path / "p2")
     assert a.num_steps == b.num_steps
     it = b.iterator()
@@ -989,8 +1064,8 @@ def test_a_peer_dataset_source_gives_the_stream_of_its_local_copy(tmp_path, s3, 
 def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, peers):
     """What is refused on disk is refused from a bucket, naming the URL: a raw file without a
     dtype, a declared dtype the data disagrees with, a Parquet file among raw token files, an
-    MDS shard cut short, a dataset larger than cache_limit (copied whole) or with a file larger
-    (read a file at a time), and a peer's dataset opened as a forge-grain store."""
+    MDS shard cut short, a dataset with a file larger than cache_limit (read a file at a time),
+    and a peer's dataset opened as a forge-grain store."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -1016,9 +1091,6 @@ def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, pee
         with pytest.raises(StoreError, match=r"s3://peers/arrow-cut/data-00000-of-00001\.arrow: the Arrow stream is "
                                              r"truncated or damaged"):
             TokenStore.open("s3://peers/arrow-cut", **{**opts, "object_cache": str(tmp_path / f"cut{cut}")})
-    with pytest.raises(StoreError, match="s3://peers/megatron: a Megatron .* is copied into the cache whole.*"
-                                         "exceed cache_limit 100"):
-        TokenStore.open("s3://peers/megatron", cache_limit=100, **opts)
     with pytest.raises(StoreError, match="s3://peers/litdata: its data file of [0-9]+ bytes cannot fit cache_limit "
                                          "100"):  # read a file at a time: one file must fit
         TokenStore.open("s3://peers/litdata", cache_limit=100, **opts)

@@ -37,7 +37,8 @@ pytest.importorskip("moto")
 from s3server import S3Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ["bin", "arrayrecord", "megatron", "s3", "s3_mds_parted", "s3_arrow_parted", "streaming", "streaming_s3"]
+KINDS = ["bin", "arrayrecord", "megatron", "s3", "s3_mds_parted", "s3_arrow_parted", "s3_megatron_ranged", "streaming",
+         "streaming_s3"]
 LOADERS = [(0, None, False)] + [(2, ctx, persistent) for ctx in ("fork", "spawn", "forkserver")
                                 for persistent in (False, True)]
 PAUSES = [0.0, 1.0]
@@ -72,10 +73,12 @@ def data(tmp_path_factory, s3):
     out["mds_limit"] = 3 * max(f.stat().st_size for f in mds.glob("*.mds"))  # below the dataset: read in parts
     arrow = write_arrow(base / "arrow", make_docs(200, seed=7), num_shards=5)
     out["arrow_limit"] = 3 * max(f.stat().st_size for f in arrow.glob("*.arrow"))
+    out["megatron_limit"] = (base / "meg" / "text_document.bin").stat().st_size // 2  # read in blocks of documents
     fs = s3.fs()
     fs.put(str(out["bin"]), "workers/nat", recursive=True)
     fs.put(str(mds), "workers/mds", recursive=True)
     fs.put(str(arrow), "workers/arrow", recursive=True)
+    fs.put(str(base / "meg"), "workers/meg", recursive=True)
     for f in files:
         fs.put(str(f), f"workers/texts/{f.name}")
     out["options"] = s3.options()
@@ -95,6 +98,9 @@ def source(data, kind: str) -> dict:
         "s3_arrow_parted": dict(name="t", path="s3://workers/arrow", strategy="bestfit",
                                 storage_options=data["options"], object_cache=str(data["objects"]),
                                 cache_limit=data["arrow_limit"]),
+        "s3_megatron_ranged": dict(name="t", path="s3://workers/meg", strategy="bestfit",
+                                   storage_options=data["options"], object_cache=str(data["objects"]),
+                                   cache_limit=data["megatron_limit"]),
         "streaming": dict(streaming, hf_data_files=data["files"]),
         "streaming_s3": dict(streaming, hf_data_files=["s3://workers/texts/s0.jsonl", "s3://workers/texts/s1.jsonl"],
                              storage_options=data["options"]),

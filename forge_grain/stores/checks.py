@@ -141,13 +141,20 @@ def aligned_sample(tokens: np.ndarray) -> np.ndarray:
     bytes from the data's start and cut to a multiple of 8 bytes, so that every view of the
     sample (as 16-, 32- or 64-bit items) puts each item of the true width in the same lane."""
     item = tokens.dtype.itemsize
-    parts = []
-    for off in sample_offsets(len(tokens) * item):
-        lo = off // 8 * 8
-        hi = min(lo + SAMPLE_BLOCK_BYTES, len(tokens) * item) // 8 * 8
-        if hi > lo:
-            parts.append(np.ascontiguousarray(tokens[lo // item : hi // item]).view(np.uint8))
+    parts = [np.ascontiguousarray(tokens[lo // item : hi // item]).view(np.uint8)
+             for lo, hi in aligned_spans(len(tokens) * item)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def aligned_spans(nbytes: int) -> list[tuple[int, int]]:
+    """The byte spans of `aligned_sample` in data of `nbytes` bytes (a reader of ranges reads them)."""
+    spans = []
+    for off in sample_offsets(nbytes):
+        lo = off // 8 * 8
+        hi = min(lo + SAMPLE_BLOCK_BYTES, nbytes) // 8 * 8
+        if hi > lo:
+            spans.append((lo, hi))
+    return spans
 
 
 def _lanes(raw: np.ndarray, item: int, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -266,16 +273,16 @@ def check_special_ids(path: Path, dtype: np.dtype, vocab_size: int | None, eos_i
 
 
 def check_special_ends(path: Path, tokens_at, offsets: np.ndarray, eos_id, bos_id,
-                       remedy: str = "check the id, or leave it out") -> None:
+                       remedy: str = "check the id, or leave it out", limit: int = CHECK_ALL_BOUNDARIES) -> None:
     """Documents found by the format's own index must end with a declared EOS id and start
-    with a declared BOS id (all documents, or an evenly spaced sample of a million);
+    with a declared BOS id (all documents, or an evenly spaced sample of `limit`, a million);
     `tokens_at(positions)` reads the tokens at positions of the store."""
     starts, ends = offsets[:-1], offsets[1:]
     nonempty = np.flatnonzero(ends > starts)
     for name, special, at, what in (("eos_id", eos_id, ends - 1, "end with"), ("bos_id", bos_id, starts, "start with")):
         if special is None or not len(nonempty):
             continue
-        picked = spread(nonempty)
+        picked = spread(nonempty, limit)
         values = np.asarray(tokens_at(at[picked]))
         bad = np.flatnonzero(values != special)
         if len(bad):

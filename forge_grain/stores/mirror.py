@@ -8,7 +8,8 @@ Megatron `.idx`), so counting a dataset's documents reads every data file. Witho
 file checked against the size the listing gives, written to a temporary name and renamed),
 then read by the format's own local reader with the same checks as on disk. With a
 `cache_limit`, LitData, MDS and Arrow datasets are read a data file at a time instead
-(`mirror_parts.py`); the other formats must fit the limit whole. The copy's directory is
+(`mirror_parts.py`), and Megatron datasets and raw token files in ranges, blocks of whole
+documents (`mirror_ranges.py`): no format is copied whole then. The copy's directory is
 named by the listing (names, sizes, ETags), so a dataset rewritten in place gets a new copy
 and nothing stale is read; a copy made once is reused by every process of the host. A
 forge-grain store (a `manifest.json`) is what fetches shards as the plan needs them:
@@ -27,7 +28,6 @@ from forge_grain.errors import StoreError
 from forge_grain.stores import identify
 from forge_grain.stores.base import TokenStore
 from forge_grain.stores.manifest import MANIFEST_NAME
-from forge_grain.stores.mirror_parts import PARTED
 from forge_grain.stores.object_cache import ObjectCache
 from forge_grain.stores.remote import changed_under
 from forge_grain.stores.remote_dir import RemoteDir, listing
@@ -83,7 +83,7 @@ class Mirrored:
     def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, **options):
         self.url = str(path).rstrip("/")
         remote = dict(storage_options=storage_options, object_cache=object_cache, cache_limit=cache_limit)
-        home, base, prefix = copy_dataset(self.url, self.description, storage_options, object_cache, cache_limit)
+        home, base, prefix = copy_dataset(self.url, storage_options, object_cache)
         try:
             super().__init__(home / prefix if prefix else home, **options)
         except StoreError as e:  # name the objects, not their local copies
@@ -107,8 +107,7 @@ def _reopen_mirrored(format, url, options, copy=None):
     return store
 
 
-def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
-                 cache_limit=None) -> tuple[Path, str, str | None]:
+def copy_dataset(url: str, storage_options=None, object_cache=None) -> tuple[Path, str, str | None]:
     """The local copy of the dataset at `url`, downloaded first where the cache lacks it:
     (the local directory, the URL it copies, the Megatron prefix in it when `url` is one)."""
     from tqdm.auto import tqdm
@@ -119,12 +118,6 @@ def copy_dataset(url: str, what: str, storage_options=None, object_cache=None,
         found = {n: v for n, v in listing(RemoteDir(url, storage_options)).items()
                  if n in (f"{prefix}.idx", f"{prefix}.bin")}
     files = sorted((name, size, tag) for name, (size, tag) in found.items())
-    total = sum(size for _, size, _ in files)
-    if cache_limit is not None and total > cache_limit:
-        raise StoreError(f"{url}: {what} is copied into the cache whole (its documents are found inside its data "
-                         f"files, and only {', '.join(sorted(PARTED))} datasets are read a file at a time), and its "
-                         f"{total} bytes exceed cache_limit {cache_limit}; raise cache_limit, or prepare a forge-grain "
-                         "store from it (read a few shards at a time)")
     cache = ObjectCache(url, storage_options, object_cache)
     digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
     home = f"copy-{digest}"

@@ -55,11 +55,78 @@ def parted_class(base: type) -> type:
                                   "__module__": __name__, "__qualname__": name})
 
 
-class Parted(TokenStore):
+class FetchedParts(TokenStore):
+    """A dataset at a URL whose token arrays are in parts fetched into the bounded cache as
+    the reads need them (`_parts`: each with its `size`, its `copy` in the cache, `fetch` and
+    `arrays`; `_first_array`: each part's first token array), the coming steps' parts fetched
+    ahead; `Parted` and `mirror_ranges.Ranged` say what the parts are."""
+
+    fetches = True
+    _parts: list
+    _first_array: list
+
+    @per_process
+    def _opened(self) -> dict:
+        """The token arrays of the parts this process has mapped, by part."""
+        return {}
+
+    @per_process
+    def _lock(self):
+        return threading.Lock()
+
+    @per_process
+    def _pool(self):
+        return concurrent.futures.ThreadPoolExecutor(INDEXING_THREADS, thread_name_prefix="forge-grain-part")
+
+    @per_process
+    def _pending(self) -> dict:
+        return {}
+
+    def _array(self, k: int) -> np.ndarray:
+        p = int(np.searchsorted(self._first_array, k, side="right") - 1)
+        with self._lock:
+            arrays, future = self._opened.get(p), self._pending.pop(p, None)
+        if arrays is None:
+            if future is not None:
+                future.result()  # a failed prefetch raises here, naming the object
+            arrays = self._parts[p].arrays(self._keep)
+            with self._lock:
+                self._opened[p] = arrays
+        return arrays[k - self._first_array[p]]
+
+    def prefetch(self, needed) -> None:
+        """Fetch the files holding token arrays `needed` (in reading order) in the background,
+        as many as the cache holds ahead (`within_cache`); files no longer hinted are
+        unmapped, so eviction frees their space."""
+        first = np.searchsorted(self._first_array, np.asarray(needed, np.int64), side="right") - 1
+        parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.limit)
+        with self._lock:
+            self._keep = frozenset(self._parts[p].copy for p in parts)
+            for p in [p for p in self._opened if p not in parts]:
+                del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
+            for p in parts:
+                if p not in self._opened and p not in self._pending:
+                    self._pending[p] = self._pool.submit(self._parts[p].fetch, self._keep, True,
+                                                         self.cache.requests.job())
+
+    def close(self) -> None:
+        super().close()
+        self._opened.clear()
+        pool = FetchedParts._pool.made(self)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def __reduce__(self):
+        return (_reopen_parted, (self.format, self.url, self._options, str(self.home)))
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
+
+
+class Parted(FetchedParts):
     """A peer's dataset at a URL whose data files are fetched as the reads need them."""
 
     local: type  # the format's local reader
-    fetches = True
 
     def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=None,
                  **options):
@@ -162,66 +229,6 @@ class Parted(TokenStore):
         for part in self._parts:
             part.open()._verify_files()
 
-    # -- reading: files fetched as needed --------------------------------------------------------
-
-    @per_process
-    def _opened(self) -> dict:
-        """The token arrays of the parts this process has mapped, by part."""
-        return {}
-
-    @per_process
-    def _lock(self):
-        return threading.Lock()
-
-    @per_process
-    def _pool(self):
-        return concurrent.futures.ThreadPoolExecutor(INDEXING_THREADS, thread_name_prefix="forge-grain-part")
-
-    @per_process
-    def _pending(self) -> dict:
-        return {}
-
-    def _array(self, k: int) -> np.ndarray:
-        p = int(np.searchsorted(self._first_array, k, side="right") - 1)
-        with self._lock:
-            arrays, future = self._opened.get(p), self._pending.pop(p, None)
-        if arrays is None:
-            if future is not None:
-                future.result()  # a failed prefetch raises here, naming the object
-            arrays = self._parts[p].open(self._keep)._arrays  # (maps that outlive their store object)
-            with self._lock:
-                self._opened[p] = arrays
-        return arrays[k - self._first_array[p]]
-
-    def prefetch(self, needed) -> None:
-        """Fetch the files holding token arrays `needed` (in reading order) in the background,
-        as many as the cache holds ahead (`within_cache`); files no longer hinted are
-        unmapped, so eviction frees their space."""
-        first = np.searchsorted(self._first_array, np.asarray(needed, np.int64), side="right") - 1
-        parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.limit)
-        with self._lock:
-            self._keep = frozenset(self._parts[p].copy for p in parts)
-            for p in [p for p in self._opened if p not in parts]:
-                del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
-            for p in parts:
-                if p not in self._opened and p not in self._pending:
-                    self._pending[p] = self._pool.submit(self._parts[p].fetch, self._keep, True,
-                                                         self.cache.requests.job())
-
-    def close(self) -> None:
-        super().close()
-        self._opened.clear()
-        pool = Parted._pool.made(self)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def __reduce__(self):
-        return (_reopen_parted, (self.format, self.url, self._options, str(self.home)))
-
-    def __repr__(self) -> str:
-        return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
-
-
 class _Part:
     """One data file of a parted dataset: its copy in the cache, its one-file dataset
     directory (its index listing only it), and its record."""
@@ -261,6 +268,10 @@ class _Part:
     def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
         c = self.owner.cache
         return c.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job)
+
+    def arrays(self, keep=frozenset()) -> list[np.ndarray]:
+        """The file's token arrays (maps that outlive the store object that made them)."""
+        return self.open(keep)._arrays
 
     def open(self, keep=frozenset()) -> TokenStore:
         """The local reader over this file, fetched first if the cache lacks it (again if it was

@@ -12,6 +12,7 @@ which objects it needs.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -82,8 +83,9 @@ class ObjectCache(RemoteDir):
         return str(path.relative_to(self.dir))
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
-            upcoming=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
-        """The local copy (at `copy`, relative to the cache directory) of object `name`,
+            upcoming=frozenset(), ahead: bool = False, job: int | None = None, start: int = 0) -> Path | None:
+        """The local copy (at `copy`, relative to the cache directory) of object `name` (or of
+        its `size` bytes from `start`: a range of one large object, copied as a file of its own),
         downloaded first if the cache lacks it, once per host: other processes wait for the
         download. `upcoming`: copies the next steps read, evicted only when a copy needed now
         finds no other room. `ahead`: a prefetch, which evicts none of those and is skipped
@@ -96,7 +98,7 @@ class ObjectCache(RemoteDir):
         with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
             if local.exists():
                 return local
-            if not self._download(name, local, sha256, size, upcoming, ahead, job):
+            if not self._download(name, local, sha256, size, upcoming, ahead, job, start):
                 return None
         return local
 
@@ -114,6 +116,37 @@ class ObjectCache(RemoteDir):
             return data
 
         return self.retry(name, attempt, missing_ok=missing_ok)
+
+    def read_spans(self, name: str, spans, ahead: int = SPLIT):
+        """The bytes of each span [a, b) of object `name`, in order, `ahead` of them read at
+        once on the request threads (each retried, and checked to be whole), so that reading
+        an object through once holds `ahead` spans in memory, not the object."""
+        job, spans, pending = self.requests.job(), iter(spans), collections.deque()
+
+        def read(a, b):
+            def attempt():
+                with read_slot():
+                    data = memoryview(self.read_range(name, a, b))
+                if data.nbytes != b - a:
+                    raise _Damaged(f"{data.nbytes} bytes arrived of the {b - a} asked for at {a}")
+                return data
+            return self.retry(name, attempt)
+
+        def submit():
+            span = next(spans, None)
+            if span is not None:
+                pending.append(self.requests.submit(True, job, read, *span, size=span[1] - span[0]))
+
+        try:
+            for _ in range(ahead):
+                submit()
+            while pending:
+                data = pending.popleft().result()
+                submit()
+                yield data
+        finally:  # (a reader that stops early leaves no reads queued)
+            for f in pending:
+                f.cancel()
 
     def sizes(self) -> dict[str, int]:
         """Each object's size directly under the URL, from one listing (empty if it fails: then
@@ -149,7 +182,7 @@ class ObjectCache(RemoteDir):
         return StoreError(f"{self.url}: nothing at this URL (no such object or prefix); check the URL and credentials")
 
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead,
-                  job: int | None = None) -> bool:
+                  job: int | None = None, start: int = 0) -> bool:
         tmp = temporary(local)
         whole = []  # an object got in one GET before its size was known
         if size is None and sha256 is not None:  # (an index) its sha256 checks it: no listing or HEAD first
@@ -172,7 +205,8 @@ class ObjectCache(RemoteDir):
                 def part(span):  # one ranged GET (no HEAD first), written where it belongs
                     a, b = span
                     with read_slot():  # (a retry reads ranges: the whole object's bytes are used once)
-                        block = whole.pop() if whole else memoryview(bounded(self.read_range, name, a, b))
+                        block = whole.pop() if whole else memoryview(bounded(self.read_range, name, start + a,
+                                                                             start + b))
                         if block.nbytes != b - a:
                             raise _Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
                         os.pwrite(dst.fileno(), block, a)

@@ -233,16 +233,25 @@ def _unmarked_special(tokens: np.ndarray, offsets: np.ndarray, eos_id, bos_id, b
 
 
 def _scan(tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None) -> tuple[np.ndarray, int, int]:
-    n = len(tokens)
-    cuts, lo_id, hi_id = [], None, -1
-    for lo in range(0, n, _SCAN_CHUNK):
-        chunk = np.asarray(tokens[lo : lo + _SCAN_CHUNK])
+    chunks = (np.asarray(tokens[lo : lo + _SCAN_CHUNK]) for lo in range(0, len(tokens), _SCAN_CHUNK))
+    return scan_chunks(chunks, eos_id=eos_id, bos_id=bos_id)
+
+
+def scan_chunks(chunks, *, eos_id: int | None, bos_id: int | None) -> tuple[np.ndarray, int, int]:
+    """Document offsets of a file's tokens given as consecutive chunks (a memory map's, or
+    ranged reads' of a file in object storage), and its smallest and largest ids."""
+    cuts, lo_id, hi_id, at = [], None, -1, 0
+    for chunk in chunks:
+        if not len(chunk):
+            continue
         hi_id = max(hi_id, int(chunk.max()))
         lo_id = int(chunk.min()) if lo_id is None else min(lo_id, int(chunk.min()))
         if eos_id is not None:
-            cuts.append(np.flatnonzero(chunk == eos_id) + lo + 1)  # a document ends after its EOS
+            cuts.append(np.flatnonzero(chunk == eos_id) + at + 1)  # a document ends after its EOS
         elif bos_id is not None:
-            cuts.append(np.flatnonzero(chunk == bos_id) + lo)  # a document starts at its BOS
+            cuts.append(np.flatnonzero(chunk == bos_id) + at)  # a document starts at its BOS
+        at += len(chunk)
+    n = at
     inner = np.concatenate(cuts) if cuts else np.zeros(0, np.int64)
     offsets = np.unique(np.concatenate([[0], inner, [n]]).astype(np.int64))  # drops empty documents
     return offsets, (0 if lo_id is None else lo_id), hi_id
@@ -251,18 +260,19 @@ def _scan(tokens: np.ndarray, *, eos_id: int | None, bos_id: int | None) -> tupl
 SHORT_DOCUMENT = 2  # tokens: documents this short are rare; most of them means the wrong delimiter
 
 
-def _check_delimiters(path: Path, tokens: np.ndarray, offsets: np.ndarray, eos_id, bos_id, whole: bool) -> None:
+def check_delimiters(path: Path, tokens: np.ndarray, offsets: np.ndarray, eos_id, bos_id, whole: bool,
+                      limit: int = checks.CHECK_ALL_BOUNDARIES) -> None:
     """A declared EOS (BOS) must really delimit the documents: every document of a file of
     whole documents ends with it (starts with it), the last (first) one included, and the
     documents it cuts must not be mostly 1-2 tokens long (the mark of a common token taken
     for the delimiter). `whole=False` exempts a file's first and last documents, for files
-    cut inside a document."""
+    cut inside a document; `limit`: how many documents' ends are read, evenly spaced."""
     if eos_id is None and bos_id is None or not len(tokens):
         return
     inner = offsets if whole else offsets[1:-1]  # not whole: the first and last documents are exempt
     remedy = "check the id" + (", or pass whole_documents=False if the file begins or ends inside a document"
                                if whole else "")
-    checks.check_special_ends(path, lambda at: tokens[at], inner, eos_id, bos_id, remedy=remedy)
+    checks.check_special_ends(path, lambda at: tokens[at], inner, eos_id, bos_id, remedy=remedy, limit=limit)
     docs = checks.spread(np.arange(len(offsets) - 1))
     lengths = offsets[docs + 1] - offsets[docs]
     short = int(np.count_nonzero(lengths <= SHORT_DOCUMENT))
@@ -302,7 +312,7 @@ class RawStore(TokenStore):
             content = checks.content_fingerprint(f, full=self._full)
             off, lo, hi = document_offsets(f, a, eos_id=eos_id, bos_id=bos_id, fingerprint=content, sample=sample)
             checks.check_ids(f, lo, hi, vocab_size)
-            _check_delimiters(f, a, off, eos_id, bos_id, whole_documents)
+            check_delimiters(f, a, off, eos_id, bos_id, whole_documents)
             offsets.append(off)
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)

@@ -1,0 +1,388 @@
+"""Megatron datasets and raw token files at a URL, read in ranges through the bounded cache.
+
+A Megatron `.bin` or a raw token file is one object, often larger than the cache may hold.
+With a `cache_limit`, such a dataset is read in blocks of whole documents, each a ranged GET
+of its object copied into the cache as a file of its own and evicted like a shard, the
+coming steps' blocks fetched ahead (`FetchedParts`). Where the documents are comes first: a
+Megatron `.idx` is fetched whole (it lists them); a raw file is read through once, in ranged
+parts held in memory only while they are scanned for the EOS (or BOS) ids that end (start)
+its documents. That first open also makes the local reader's checks, with errors naming the
+object: the file's type, its dtype and width, its id range, its delimiters, a Megatron index
+against its `.bin`. It takes the file's content fingerprint as the local reader does (from
+the same sampled ranges), so a state saved over a local copy resumes here and back. What it
+found (the record) is kept in the cache, in a directory named by the listing (names, sizes,
+ETags) and the options: a later open, in this process or another, reads the listing and
+the record, and a dataset rewritten in place is indexed anew.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fnmatch
+import functools
+import hashlib
+import io
+import json
+import os
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+
+from forge_grain.errors import StoreError
+from forge_grain.splits import select_split
+from forge_grain.stores import checks, identify
+from forge_grain.stores.base import join_offsets
+from forge_grain.stores.manifest import temporary
+from forge_grain.stores.mirror_parts import FetchedParts
+from forge_grain.stores.object_cache import ObjectCache
+from forge_grain.stores.remote_dir import RemoteDir, listing
+
+RANGED = ("megatron", "raw")
+BLOCK = 64 << 20  # the bytes of a block at most (one document at least) ...
+BLOCKS_IN_CACHE = 8  # ... and at most this fraction of cache_limit: the coming steps' blocks fit beside
+SCAN_PART = 8 << 20  # bytes of each ranged read while a raw file is scanned for its documents
+GAP = 1 << 16  # places in an object closer than this are read in one ranged GET
+SAMPLED_ENDS = 1024  # documents whose delimiters are read at the first open (all of them by `verify`)
+HEAD = 4096  # bytes of a raw file's start that say what it is
+RECORD = "record.npz"
+
+
+@functools.cache
+def ranged_class(base: type) -> type:
+    """The store class reading `base`'s format (Megatron, raw) at a URL in ranges."""
+    name = f"Ranged{base.__name__}"
+    return type(name, (Ranged,), {"format": base.format, "description": base.description,
+                                  "OPTIONS": base.OPTIONS | {"storage_options", "object_cache", "cache_limit",
+                                                             "fetch_threads"},
+                                  "__module__": __name__, "__qualname__": name})
+
+
+class Ranged(FetchedParts):
+    """A Megatron dataset or raw token files at a URL, read in blocks of documents."""
+
+    def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=None,
+                 **options):
+        self.url = str(path).rstrip("/")
+        base, self._objects = self._find_objects(storage_options, options.get("split"), options.get("file_pattern"))
+        self.cache = ObjectCache(base, storage_options, object_cache, cache_limit, requests=fetch_threads)
+        chosen = {k: v for k, v in options.items() if v is not None and k != "format"}
+        key = json.dumps([self.format, sorted(self._objects.items()), sorted(chosen.items())], default=str)
+        self.home = Path(f"ranges-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+        home = self.cache.dir / self.home
+        home.mkdir(exist_ok=True)
+        try:
+            super().__init__(home, **options)
+        except StoreError as e:  # name the objects, not their local copies
+            raise StoreError(str(e).replace(str(home), self.url)) from None
+        remote = dict(storage_options=storage_options, object_cache=object_cache, cache_limit=cache_limit,
+                      fetch_threads=fetch_threads)
+        self._options = {**options, **{k: v for k, v in remote.items() if v is not None}}
+
+    # -- which objects ---------------------------------------------------------------------------
+
+    def _find_objects(self, storage_options, split, file_pattern) -> tuple[str, dict]:
+        """(the URL the objects are under, {name: (size, ETag)} of those read): a directory's,
+        or a Megatron prefix's `.idx` and `.bin`."""
+        found, base = listing(RemoteDir(self.url, storage_options)), self.url
+        if not found and self.format == "megatron":  # a prefix: its .idx and .bin beside each other
+            base, stem = self.url.rsplit("/", 1)
+            found = {n: v for n, v in listing(RemoteDir(base, storage_options)).items()
+                     if n in (f"{stem}.idx", f"{stem}.bin")}
+        found = {n: v for n, v in found.items() if "/" not in n}  # (as on disk: a directory's own files)
+        if self.format == "megatron":
+            stems = sorted(n[:-4] for n in found if n.endswith(".idx"))
+            for s in stems:
+                if f"{s}.bin" not in found:
+                    raise StoreError(f"{base}/{s}.idx: its data file {s}.bin is not beside it")
+            if not stems:
+                raise StoreError(f"{self.url}: no Megatron .idx and .bin at this URL")
+            return base, {n: found[n] for s in stems for n in (f"{s}.idx", f"{s}.bin")}
+        names = [n for n in found if n.endswith((".npy", ".bin")) and not n.endswith(".idx.npy")]
+        if file_pattern:
+            names = [n for n in names if fnmatch.fnmatch(n, file_pattern)]
+        if not names:
+            raise StoreError(f"{self.url}: no .npy/.bin token files" + (f" matching {file_pattern!r}" if file_pattern
+                                                                         else ""))
+        picked = select_split([PurePosixPath(n) for n in sorted(names)], split, self.url, StoreError, default=None)
+        return base, {p.name: found[p.name] for p in picked}
+
+    def _data_names(self) -> list[str]:
+        return sorted(n for n in self._objects if not n.endswith(".idx"))
+
+    def _where(self, name: str) -> str:
+        return f"{self.cache.url}/{name}"
+
+    # -- opening ----------------------------------------------------------------------------------
+
+    def _open(self, dtype=None, whole_documents=True, split=None, file_pattern=None) -> None:
+        names = self._data_names()
+        meta, offsets = self._record(names, dtype, whole_documents)
+        self.dtype = np.dtype(meta["dtype"])
+        self._files = [self.path / n for n in names]
+        self._file_docs = [len(o) - 1 for o in offsets]
+        self._offsets = join_offsets(offsets)
+        self._parts, starts, at = [], [], 0
+        target = max(1, self._block_bytes() // self.dtype.itemsize)
+        for name, file, off in zip(names, meta["files"], offsets):
+            cuts = block_cuts(off, target)
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                self._parts.append(_Block(self, name, file["start"] + int(a) * self.dtype.itemsize,
+                                          int(b - a) * self.dtype.itemsize))
+                starts.append(at + int(a))
+                self._check_fits(name, int(np.searchsorted(off, a)), self._parts[-1].size)
+            at += int(off[-1])
+        n = len(self._parts)
+        self._pieces = (np.array(starts + [at], np.int64), np.arange(n), np.zeros(n, np.int64))
+        self._arrays = [checks.empty_tokens(self.dtype)] * n
+        self._first_array = np.arange(n + 1)
+        self._fingerprint = self._fingerprint_of([[n, f["print"]] for n, f in zip(names, meta["files"])],
+                                                 meta["extra"])
+        self._keep: frozenset = frozenset()
+
+    def _block_bytes(self) -> int:
+        limit = self.cache.limit
+        return BLOCK if limit is None else max(1, min(BLOCK, limit // BLOCKS_IN_CACHE))
+
+    def _check_fits(self, name: str, doc: int, size: int) -> None:
+        """A block is a document at least: one larger than the cache can hold is refused at open."""
+        limit = self.cache.limit
+        if limit is not None and size > limit:
+            hint = "" if self.format == "megatron" else " (check eos_id/bos_id: without them a file is one document)"
+            raise StoreError(f"{self._where(name)}: document {doc} of this file is {size} bytes, more than "
+                             f"cache_limit {limit} holds; raise cache_limit{hint}")
+
+    def _record(self, names, dtype, whole) -> tuple[dict, list[np.ndarray]]:
+        """What the first open found (each file's data start, content fingerprint and document
+        offsets, the dtype): from the cache, or made now and kept there."""
+        path = self.path / RECORD
+        if not path.exists():
+            files, offsets, dtypes, extra = [], [], set(), []
+            for name in names:
+                file_dtype, start, off, more = (self._index_megatron(name, dtype) if self.format == "megatron"
+                                                else self._index_raw(name, dtype, whole))
+                reader = _Tokens(self, name, start, file_dtype, int(off[-1]))
+                files.append({"start": start, "print": reader.fingerprint(self._full)})
+                offsets.append(off)
+                dtypes.add(file_dtype)
+                extra += more
+            meta = {"dtype": str(self._one_dtype(dtypes, "its data files")), "files": files,
+                    "extra": extra if self.format == "megatron" else None}
+            tmp = temporary(path)
+            with open(tmp, "wb") as f:
+                np.savez(f, meta=np.array(json.dumps(meta)), **{f"offsets_{i}": o for i, o in enumerate(offsets)})
+            os.replace(tmp, path)
+            self.cache.record(path)
+        with np.load(path) as r:
+            return json.loads(str(r["meta"])), [r[f"offsets_{i}"] for i in range(len(names))]
+
+    def _index_megatron(self, name: str, dtype):
+        """A Megatron `.bin`'s dtype and documents, from its `.idx` (fetched whole), checked as
+        the local reader checks them."""
+        from forge_grain.stores.megatron import read_index
+
+        stem = name[: -len(".bin")]
+        idx = f"{stem}.idx"
+        local = self.cache.get(idx, f"{self.home}/{idx}", size=self._objects[idx][0])
+        try:
+            file_dtype, offsets = read_index(local)
+            checks.check_declared_dtype(local, dtype, file_dtype, "the Megatron index")
+        except StoreError as e:
+            raise StoreError(str(e).replace(str(local), self._where(idx))) from None
+        size, expected = self._objects[name][0], int(offsets[-1]) * file_dtype.itemsize
+        if size != expected:
+            raise StoreError(f"{self._where(name)}: {size} bytes, but its index describes {int(offsets[-1])} "
+                             f"{file_dtype} tokens ({expected} bytes); the file is truncated or belongs to another "
+                             "index")
+        tokens = _Tokens(self, name, 0, file_dtype, int(offsets[-1]))
+        checks.check_arrays_ids(self._where(name), [tokens.sample()], self.vocab_size)
+        checks.check_special_ends(self._where(name), tokens.at, offsets, self.eos_id, self.bos_id, limit=SAMPLED_ENDS)
+        return file_dtype, 0, offsets, [checks.content_fingerprint(local, self._full)]
+
+    def _index_raw(self, name: str, dtype, whole: bool):
+        """A raw file's dtype, data start and documents, found by reading it through once, with
+        the local reader's checks (`RawStore`)."""
+        from forge_grain.stores import raw
+
+        where, size = self._where(name), self._objects[name][0]
+        head = bytes(self.cache.retry(name, lambda: self.cache.read_range(name, 0, min(HEAD, size)))) if size else b""
+        self._refuse_other_formats(name, head)
+        file_dtype, start, declared = self._raw_dtype(name, head, size, dtype)
+        n = (size - start) // file_dtype.itemsize
+        if n == 0:
+            raise StoreError(f"{where}: holds no tokens ({size} bytes); a token file holds at least one (write it "
+                             "again, or leave it out with file_pattern)")
+        tokens = _Tokens(self, name, start, file_dtype, n)
+        checks.check_width(where, tokens.sample(np.uint8), file_dtype, declared=declared, vocab_size=self.vocab_size)
+        offsets, lo, hi = raw.scan_chunks(tokens.chunks(), eos_id=self.eos_id, bos_id=self.bos_id)
+        checks.check_ids(where, lo, hi, self.vocab_size)
+        raw.check_delimiters(where, tokens, offsets, self.eos_id, self.bos_id, whole, limit=SAMPLED_ENDS)
+        return file_dtype, start, offsets, []
+
+    def _refuse_other_formats(self, name: str, head: bytes) -> None:
+        """A file that is something else (Parquet, text, ...), named by its URL: `identify` reads
+        its head, kept in the cache under the file's name."""
+        local = self.path / "heads" / name
+        local.parent.mkdir(exist_ok=True)
+        local.write_bytes(head)
+        self.cache.record(local)
+        found = identify.describe(local)
+        if found:
+            raise StoreError(found.replace(str(local), self._where(name)))
+
+    def _raw_dtype(self, name: str, head: bytes, size: int, dtype) -> tuple[np.dtype, int, bool]:
+        """(dtype, the byte its tokens start at, whether the dtype was declared or recorded): a
+        `.npy` header's, or the declared (or vocabulary's) one, as `raw.map_tokens` decides."""
+        from forge_grain.stores.raw import raw_dtype
+
+        where = self._where(name)
+        if not head.startswith(identify.NPY_MAGIC):
+            file_dtype = raw_dtype(where, dtype, self.vocab_size)
+            if size % file_dtype.itemsize:
+                raise StoreError(f"{where}: {size} bytes is not a multiple of the {file_dtype} item size "
+                                 f"({file_dtype.itemsize}); the file is truncated or the dtype is wrong")
+            return file_dtype, 0, dtype is not None
+        f = io.BytesIO(head)
+        try:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, file_dtype = read(f)
+        except ValueError as e:
+            raise StoreError(f"{where}: not a readable .npy array ({e})") from None
+        if len(shape) != 1 or file_dtype.kind not in "iu":
+            raise StoreError(f"{where}: expected a 1-D integer token array, found {len(shape)}-D {file_dtype}")
+        if dtype is not None and checks.declared_dtype(where, dtype) != file_dtype:
+            raise StoreError(f"{where}: the .npy header says {file_dtype}, but dtype={np.dtype(dtype)} was declared")
+        start = f.tell()
+        if size != start + shape[0] * file_dtype.itemsize:
+            raise StoreError(f"{where}: {size} bytes, but its .npy header describes {shape[0]} {file_dtype} tokens "
+                             f"after {start} header bytes; the file is truncated or damaged")
+        return file_dtype, start, True
+
+    def _validate(self) -> None:
+        """The checks were made when the record was (`_index_megatron`, `_index_raw`)."""
+
+    def _verify_files(self) -> None:
+        """No checksums in these formats; `verify` reads every token id."""
+
+
+class _Block:
+    """Whole documents of one object: `size` bytes from byte `start`, copied into the cache."""
+
+    def __init__(self, owner: Ranged, name: str, start: int, size: int):
+        self.owner, self.name, self.start, self.size = owner, name, start, size
+        self.copy = f"{owner.home}/{name}.{start}-{start + size}.bin"
+
+    def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
+        return self.owner.cache.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job,
+                                    start=self.start)
+
+    def arrays(self, keep=frozenset()) -> list[np.ndarray]:
+        """The block's tokens, fetched first if the cache lacks them (again if they were evicted
+        between their fetch and their mapping)."""
+        for attempt in range(4):
+            path = self.fetch(keep)
+            try:
+                tokens = checks.map_array(path, self.owner.dtype)
+            except FileNotFoundError:
+                if attempt == 3:
+                    raise StoreError(f"{self.owner._where(self.name)}: bytes {self.start}-{self.start + self.size} "
+                                     "were evicted before they could be read, 4 times: cache_limit "
+                                     f"{self.owner.cache.limit} bytes cannot hold the blocks one step reads; raise "
+                                     "it") from None
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)  # recently used: evicted last
+            return [tokens]
+
+
+class _Tokens:
+    """The tokens of one object (`n` of `dtype` from byte `start`) as the first open reads
+    them: in order, in ranged parts (`chunks`), or at scattered places (`at`, `sample`), each
+    place's bytes read once, places near each other in one GET."""
+
+    def __init__(self, owner: Ranged, name: str, start: int, dtype: np.dtype, n: int):
+        self.cache, self.name, self.start, self.dtype, self.n = owner.cache, name, start, np.dtype(dtype), n
+        self.where = owner._where(name)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, positions) -> np.ndarray:
+        return self.at(positions)
+
+    def chunks(self):
+        """The tokens in order, `SCAN_PART` bytes at a time (a progress bar on a terminal)."""
+        from tqdm.auto import tqdm
+
+        item, end = self.dtype.itemsize, self.start + self.n * self.dtype.itemsize
+        step = max(item, SCAN_PART // item * item)
+        spans = [(a, min(a + step, end)) for a in range(self.start, end, step)]
+        with tqdm(total=end - self.start, unit="B", unit_scale=True, desc=f"index {self.where}", disable=None,
+                  leave=False) as bar:
+            for data in self.cache.read_spans(self.name, spans):
+                bar.update(data.nbytes)
+                yield np.frombuffer(data, self.dtype)
+
+    def at(self, positions) -> np.ndarray:
+        """The tokens at `positions`."""
+        positions = np.asarray(positions, np.int64)
+        item = self.dtype.itemsize
+        got = self.read([(self.start + int(p) * item, self.start + (int(p) + 1) * item) for p in positions])
+        return np.array([np.frombuffer(got(self.start + int(p) * item, item), self.dtype)[0] for p in positions],
+                        self.dtype)
+
+    def sample(self, as_dtype=None) -> np.ndarray:
+        """The tokens of `checks.aligned_sample`'s spans (as bytes with `as_dtype=np.uint8`)."""
+        spans = [(self.start + a, self.start + b) for a, b in checks.aligned_spans(self.n * self.dtype.itemsize)]
+        got = self.read(spans)
+        raw = np.frombuffer(b"".join(bytes(got(a, b - a)) for a, b in spans), np.uint8)
+        return raw if as_dtype is not None else raw.view(self.dtype)
+
+    def fingerprint(self, full: bool) -> str:
+        """`checks.content_fingerprint` of the whole object, from ranged reads of the same bytes."""
+        size = self.start + self.n * self.dtype.itemsize
+        h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
+        if full or size <= checks.WHOLE_BELOW:
+            for data in self.cache.read_spans(self.name, [(a, min(a + SCAN_PART, size))
+                                                          for a in range(0, size, SCAN_PART)]):
+                h.update(data)
+            return h.hexdigest()
+        h.update(b"blocks+probes:")
+        blocks = [(o, min(o + checks.SAMPLE_BLOCK_BYTES, size)) for o in checks.sample_offsets(size)]
+        probes = [(int(p), int(p) + checks.PROBE_BYTES) for p in checks.probe_offsets(size)]
+        got = self.read(blocks + probes)
+        for a, b in blocks:
+            h.update(got(a, b - a))
+        h.update(b"".join(bytes(got(a, b - a)) for a, b in probes))
+        return h.hexdigest()
+
+    def read(self, spans):
+        """A function giving `length` bytes at any offset inside `spans`, after reading them
+        (those less than `GAP` apart in one ranged GET, many GETs at once)."""
+        merged = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1] + GAP:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        starts = [a for a, _ in merged]
+        data = list(self.cache.read_spans(self.name, [tuple(m) for m in merged], ahead=64))
+
+        def got(offset: int, length: int) -> memoryview:
+            i = bisect.bisect_right(starts, offset) - 1
+            return data[i][offset - starts[i] : offset - starts[i] + length]
+        return got
+
+
+def block_cuts(offsets: np.ndarray, target: int) -> np.ndarray:
+    """Where a file's blocks start, its end appended (token positions): whole documents of
+    about `target` tokens together, a longer document a block by itself."""
+    cuts, at, end = [0], 0, int(offsets[-1])
+    while at < end:
+        nxt = int(offsets[np.searchsorted(offsets, at + target, side="right") - 1])
+        if nxt <= at:  # the next document alone is longer than a block
+            nxt = int(offsets[np.searchsorted(offsets, at, side="right")])
+        cuts.append(nxt)
+        at = nxt
+    return np.array(cuts, np.int64)
