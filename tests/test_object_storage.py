@@ -939,6 +939,17 @@ def test_a_megatron_or_raw_dataset_larger_than_cache_limit_reads_in_blocks(tmp_p
     assert 0 < fetched <= max(b.size for b in remote._parts) < limit  # one block (evicted since it was read)
 
 
+@pytest.mark.parametrize("limit", [None, 10_000])
+def test_one_raw_token_file_at_a_url_opens_like_the_local_file(tmp_path, s3, peers, limit):
+    """nanoGPT's `train.bin` in a bucket, named by its own URL: copied, or read in blocks under
+    a cache_limit, and equal to the local file."""
+    local = TokenStore.open(peers["raw"] / "part-0.bin", **PEER_OPTIONS["raw"])
+    remote = TokenStore.open("s3://peers/raw/part-0.bin", storage_options=s3.options(), cache_limit=limit,
+                             object_cache=str(tmp_path / "c"), **PEER_OPTIONS["raw"])
+    assert remote.fetches == (limit is not None) and remote.fingerprint == local.fingerprint
+    assert all(np.array_equal(remote[i], local[i]) for i in range(len(local)))
+
+
 def test_megatron_and_raw_files_read_in_blocks_keep_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (blocks of documents) what is refused on disk is refused too, naming the
     object in the bucket: a raw file without a dtype, with a dtype its bytes contradict, cut

@@ -61,8 +61,13 @@ def remote_format(url: str, storage_options: dict | None = None) -> str:
                          f"it cannot be read both ways: pass format= one of {', '.join(sorted(found))}")
     if found:
         return next(iter(found))
-    if not files and _megatron_prefix(url, storage_options):
-        return "megatron"
+    if not files:  # a Megatron prefix (its .idx and .bin beside each other), or one token file
+        parent, stem = url.rsplit("/", 1)
+        beside = listing(RemoteDir(parent, storage_options))
+        if f"{stem}.idx" in beside and f"{stem}.bin" in beside:
+            return "megatron"
+        if stem in beside and stem.endswith((".bin", ".npy")):
+            return "raw"
     if any(n.endswith((".bin", ".npy")) for n in names) and not any(n.startswith("shard-") for n in names):
         return "raw"
     return "native"
@@ -109,14 +114,14 @@ def _reopen_mirrored(format, url, options, copy=None):
 
 def copy_dataset(url: str, storage_options=None, object_cache=None) -> tuple[Path, str, str | None]:
     """The local copy of the dataset at `url`, downloaded first where the cache lacks it:
-    (the local directory, the URL it copies, the Megatron prefix in it when `url` is one)."""
+    (the local directory, the URL it copies, the Megatron prefix or file in it when `url` is one)."""
     from tqdm.auto import tqdm
 
     found, prefix = listing(RemoteDir(url, storage_options)), None
-    if not found:  # a Megatron prefix: its .idx and .bin beside each other
+    if not found:  # a Megatron prefix (its .idx and .bin beside each other), or one token file
         url, prefix = url.rsplit("/", 1)
         found = {n: v for n, v in listing(RemoteDir(url, storage_options)).items()
-                 if n in (f"{prefix}.idx", f"{prefix}.bin")}
+                 if n in (f"{prefix}.idx", f"{prefix}.bin", prefix)}
     files = sorted((name, size, tag) for name, (size, tag) in found.items())
     cache = ObjectCache(url, storage_options, object_cache)
     digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
@@ -134,7 +139,3 @@ def copy_dataset(url: str, storage_options=None, object_cache=None) -> tuple[Pat
     return cache.dir / home, url, prefix
 
 
-def _megatron_prefix(url: str, storage_options) -> bool:
-    parent, stem = url.rsplit("/", 1)
-    names = listing(RemoteDir(parent, storage_options))
-    return f"{stem}.idx" in names and f"{stem}.bin" in names

@@ -83,12 +83,12 @@ class Ranged(FetchedParts):
 
     def _find_objects(self, storage_options, split, file_pattern) -> tuple[str, dict]:
         """(the URL the objects are under, {name: (size, ETag)} of those read): a directory's,
-        or a Megatron prefix's `.idx` and `.bin`."""
+        a Megatron prefix's `.idx` and `.bin`, or one token file's."""
         found, base = listing(RemoteDir(self.url, storage_options)), self.url
-        if not found and self.format == "megatron":  # a prefix: its .idx and .bin beside each other
+        if not found:  # a Megatron prefix (its .idx and .bin beside each other), or one token file
             base, stem = self.url.rsplit("/", 1)
             found = {n: v for n, v in listing(RemoteDir(base, storage_options)).items()
-                     if n in (f"{stem}.idx", f"{stem}.bin")}
+                     if n in ((f"{stem}.idx", f"{stem}.bin") if self.format == "megatron" else (stem,))}
         found = {n: v for n, v in found.items() if "/" not in n}  # (as on disk: a directory's own files)
         if self.format == "megatron":
             stems = sorted(n[:-4] for n in found if n.endswith(".idx"))
