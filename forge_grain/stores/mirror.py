@@ -29,8 +29,7 @@ from forge_grain.stores import identify
 from forge_grain.stores.base import TokenStore
 from forge_grain.stores.manifest import MANIFEST_NAME
 from forge_grain.stores.object_cache import ObjectCache
-from forge_grain.stores.remote import changed_under
-from forge_grain.stores.remote_dir import RemoteDir, listing
+from forge_grain.stores.remote_dir import RemoteDir, changed_under, listing
 
 REMOTE_OPTIONS = frozenset({"storage_options", "object_cache", "cache_limit"})
 THREADS = 8  # concurrent downloads while copying a dataset

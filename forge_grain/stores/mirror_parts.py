@@ -38,7 +38,7 @@ from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
 from forge_grain.stores.manifest import temporary, write_text_atomic
 from forge_grain.stores.object_cache import ObjectCache, within_cache
-from forge_grain.stores.remote_dir import listing
+from forge_grain.stores.remote_dir import changed_under, listing
 
 # format -> (its index file, the list in it naming the data files)
 PARTED = {"litdata": ("index.json", "chunks"), "mds": ("index.json", "shards"), "arrow": ("state.json", "_data_files")}
@@ -242,7 +242,7 @@ class _Part:
                              "missing file, or only a compressed one): with cache_limit a dataset is read a raw data "
                              "file at a time; open it without cache_limit (copied whole), or prepare a forge-grain "
                              "store from it")
-        self.size = files[self.name][0]
+        self.size, self.tag = files[self.name][0], files[self.name][1] or None
         self.dir = owner.cache.dir / owner.home / f"part-{k:05d}"
         self.copy = f"{owner.home}/part-{k:05d}/{self.name}"
         self.local = self.dir / self.name
@@ -267,7 +267,7 @@ class _Part:
 
     def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
         c = self.owner.cache
-        return c.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job)
+        return c.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job, tag=self.tag)
 
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:
         """The file's token arrays (maps that outlive the store object that made them)."""
@@ -314,8 +314,6 @@ class _Part:
 def _reopen_parted(format, url, options, home=None):
     """The dataset at `url` opened again in another process (a spawned DataLoader worker), only
     if it is still the one the pipeline opened (its listing names the same records)."""
-    from forge_grain.stores.remote import changed_under
-
     store = TokenStore.open(url, **{**options, "format": format})
     if home is not None and str(store.home) != home:
         raise changed_under(url)

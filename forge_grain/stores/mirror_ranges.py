@@ -275,7 +275,7 @@ class _Block:
 
     def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
         return self.owner.cache.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job,
-                                    start=self.start)
+                                    start=self.start, tag=self.owner._objects[self.name][1] or None)
 
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:
         """The block's tokens, fetched first if the cache lacks them (again if they were evicted

@@ -28,7 +28,7 @@ from forge_grain.paths import cache_root, private_cache
 from forge_grain.stores import handles, identify
 from forge_grain.stores.cache_ledger import Ledger
 from forge_grain.stores.manifest import remove_stale_temporaries, temporary
-from forge_grain.stores.remote_dir import RemoteDir, remote_sizes
+from forge_grain.stores.remote_dir import RemoteDir, check_unchanged, remote_sizes
 from forge_grain.stores.request_pool import RETRIES, bounded, read_slot, shared_requests
 
 BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
@@ -83,14 +83,17 @@ class ObjectCache(RemoteDir):
         return str(path.relative_to(self.dir))
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
-            upcoming=frozenset(), ahead: bool = False, job: int | None = None, start: int = 0) -> Path | None:
+            upcoming=frozenset(), ahead: bool = False, job: int | None = None, start: int = 0,
+            tag: str | None = None) -> Path | None:
         """The local copy (at `copy`, relative to the cache directory) of object `name` (or of
         its `size` bytes from `start`: a range of one large object, copied as a file of its own),
         downloaded first if the cache lacks it, once per host: other processes wait for the
         download. `upcoming`: copies the next steps read, evicted only when a copy needed now
         finds no other room. `ahead`: a prefetch, which evicts none of those and is skipped
         (None) when they fill the cache. `job` (from `requests.job()`): where its reads queue
-        among other objects' (by default after every object asked for before)."""
+        among other objects' (by default after every object asked for before). `tag`: the
+        object's version in the listing a dataset was indexed from (ETag); an object found
+        rewritten since is an error (`changed_under`), not read."""
         local = self.dir / copy
         if local.exists():
             return local
@@ -98,7 +101,7 @@ class ObjectCache(RemoteDir):
         with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
             if local.exists():
                 return local
-            if not self._download(name, local, sha256, size, upcoming, ahead, job, start):
+            if not self._download(name, local, sha256, size, upcoming, ahead, job, start, tag):
                 return None
         return local
 
@@ -182,7 +185,7 @@ class ObjectCache(RemoteDir):
         return StoreError(f"{self.url}: nothing at this URL (no such object or prefix); check the URL and credentials")
 
     def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead,
-                  job: int | None = None, start: int = 0) -> bool:
+                  job: int | None = None, start: int = 0, tag: str | None = None) -> bool:
         tmp = temporary(local)
         whole = []  # an object got in one GET before its size was known
         if size is None and sha256 is not None:  # (an index) its sha256 checks it: no listing or HEAD first
@@ -225,6 +228,8 @@ class ObjectCache(RemoteDir):
                     digest = hashlib.sha256(data).hexdigest()
                 if digest != sha256:
                     raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
+            if tag is not None:  # (a HEAD after the reads: a rewrite before or during them is seen)
+                check_unchanged(self, name, tag)
             with self._accounting():  # the ledger and the directory change together
                 os.replace(tmp, local)
                 self.ledger.sync()

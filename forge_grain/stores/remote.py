@@ -37,6 +37,7 @@ from forge_grain.stores.manifest import (
 )
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.object_cache import ObjectCache, within_cache
+from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import START
 
 OBJECTS = 64  # shards downloading at once ahead of need (each waits on its parts' reads): FETCH_SHARDS
@@ -233,10 +234,3 @@ def _reopen_remote(url, options, mirror=None):
     if mirror is not None and str(store.mirror) != mirror:
         raise changed_under(url)
     return store
-
-
-def changed_under(url: str) -> StoreError:
-    """The error of a process that finds other data at a URL than the pipeline it serves opened."""
-    return StoreError(f"{url}: the data at this URL changed after the pipeline opened it (it was rewritten in "
-                      "place); this process would read other documents than the pipeline's plan and states describe. "
-                      "Build the pipeline again, and resume only from a state saved with the data there now")

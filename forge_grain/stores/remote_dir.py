@@ -89,6 +89,8 @@ class RemoteDir:
                 raise StoreError(f"{where}: FileNotFoundError (no such object); check the URL and credentials") from None
             except PermissionError as e:
                 raise StoreError(f"{where}: {e.__class__.__name__} ({e}); check the URL and credentials") from None
+            except StoreError:  # (what no attempt can mend: the object changed)
+                raise
             except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
                 last = e
                 time.sleep(min(0.05 * 2**k, 2.0))
@@ -163,9 +165,30 @@ def listing(remote: RemoteDir) -> dict[str, tuple[int, str]]:
         name = str(path)[len(remote.root):].lstrip("/")
         if entry.get("type", "file") != "file" or not name or any(p.startswith(".") for p in name.split("/")):
             continue
-        tag = entry.get("ETag") or entry.get("etag") or entry.get("LastModified") or entry.get("mtime") or ""
-        out[name] = (int(entry["size"]), str(tag))
+        out[name] = (int(entry["size"]), _tag(entry))
     return out
+
+
+def _tag(entry: dict) -> str:
+    """What says an object's version in a listing's (or a HEAD's) entry: its ETag, or where the
+    file system has none its modification time."""
+    return str(entry.get("ETag") or entry.get("etag") or entry.get("LastModified") or entry.get("mtime") or "")
+
+
+def check_unchanged(remote: RemoteDir, name: str, tag: str) -> None:
+    """Object `name` still has the version `tag` its listing gave (one HEAD): bytes read from it
+    since the listing belong to the version the dataset was indexed from."""
+    remote.fs.invalidate_cache(remote.path(name))
+    now = _tag(remote.retry(name, lambda: remote.fs.info(remote.path(name))))
+    if now != tag:
+        raise changed_under(f"{remote.url}/{name}")
+
+
+def changed_under(url: str) -> StoreError:
+    """The error of a process that finds other data at a URL than the pipeline it serves opened."""
+    return StoreError(f"{url}: the data at this URL changed after the pipeline opened it (it was rewritten in "
+                      "place); this process would read other documents than the pipeline's plan and states describe. "
+                      "Build the pipeline again, and resume only from a state saved with the data there now")
 
 
 def remote_sizes(remote: RemoteDir) -> dict[str, int]:
