@@ -350,7 +350,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             counts = [int(n) for n in args.link_shards.split(",")]
             lines = shaped_link(args.docs, counts, Path(tmp), args.link, args.peer_python, args.mosaic)
-        publish("scale-link", lines)
+        spec = args.link.replace("_ms", "").replace("=", "").replace(",", "-")
+        publish("scale-link" if spec == "ttfb30-mbps10" else f"scale-link-{spec}", lines)
         return
     if args.mosaic and not args.peer_python:
         ap.error("--mosaic runs MosaicML Streaming with --peer-python: give that too")
