@@ -930,6 +930,7 @@ def test_a_megatron_or_raw_dataset_larger_than_cache_limit_reads_in_blocks(tmp_p
         assert np.array_equal(remote[i], local[i]), i
         assert i % 10 or remote.cache.used() <= limit
     assert remote.cache.used() <= limit
+    assert sum(remote._parts[p].size for p in remote._opened) <= limit  # (evicted blocks are not held mapped)
     s3.proxy.clear()
     again = pickle.loads(pickle.dumps(remote))  # as a DataLoader worker reopens it: the record is kept
     middle = len(local) // 2

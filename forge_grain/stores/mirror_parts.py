@@ -92,7 +92,23 @@ class FetchedParts(TokenStore):
             arrays = self._parts[p].arrays(self._keep)
             with self._lock:
                 self._opened[p] = arrays
+                self._forget_unhinted(p)
         return arrays[k - self._first_array[p]]
+
+    def _forget_unhinted(self, now: int) -> None:
+        """Drop the maps of parts no hint keeps, oldest first, while the mapped parts exceed
+        `cache_limit`: a read across the whole dataset without the pipeline's hints (`verify`,
+        random access) keeps no more of it mapped than the cache holds (an evicted file's disk
+        space is freed only with its maps)."""
+        limit = self.cache.limit
+        if limit is None:
+            return
+        held = sum(self._parts[q].size for q in self._opened)
+        for q in [q for q in self._opened if q != now and self._parts[q].copy not in self._keep]:
+            if held <= limit:
+                break
+            held -= self._parts[q].size
+            del self._opened[q]
 
     def prefetch(self, needed) -> None:
         """Fetch the files holding token arrays `needed` (in reading order) in the background,

@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from forge_grain.errors import StoreError
+from forge_grain.locks import file_lock
 from forge_grain.splits import select_split
 from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
@@ -154,27 +155,33 @@ class Ranged(FetchedParts):
 
     def _record(self, names, dtype, whole) -> tuple[dict, list[np.ndarray]]:
         """What the first open found (each file's data start, content fingerprint and document
-        offsets, the dtype): from the cache, or made now and kept there."""
+        offsets, the dtype): from the cache, or made now and kept there, by one process of
+        the host while the others wait (a raw file is read through once, not once a rank)."""
         path = self.path / RECORD
         if not path.exists():
-            files, offsets, dtypes, extra = [], [], set(), []
-            for name in names:
-                file_dtype, start, off, more = (self._index_megatron(name, dtype) if self.format == "megatron"
-                                                else self._index_raw(name, dtype, whole))
-                reader = _Tokens(self, name, start, file_dtype, int(off[-1]))
-                files.append({"start": start, "print": reader.fingerprint(self._full)})
-                offsets.append(off)
-                dtypes.add(file_dtype)
-                extra += more
-            meta = {"dtype": str(self._one_dtype(dtypes, "its data files")), "files": files,
-                    "extra": extra if self.format == "megatron" else None}
-            tmp = temporary(path)
-            with open(tmp, "wb") as f:
-                np.savez(f, meta=np.array(json.dumps(meta)), **{f"offsets_{i}": o for i, o in enumerate(offsets)})
-            os.replace(tmp, path)
-            self.cache.record(path)
+            with file_lock(self.path / ".record.lock"):
+                if not path.exists():
+                    self._make_record(path, names, dtype, whole)
         with np.load(path) as r:
             return json.loads(str(r["meta"])), [r[f"offsets_{i}"] for i in range(len(names))]
+
+    def _make_record(self, path: Path, names, dtype, whole) -> None:
+        files, offsets, dtypes, extra = [], [], set(), []
+        for name in names:
+            file_dtype, start, off, more = (self._index_megatron(name, dtype) if self.format == "megatron"
+                                            else self._index_raw(name, dtype, whole))
+            files.append({"start": start, "print": _Tokens(self, name, start, file_dtype, int(off[-1]))
+                         .fingerprint(self._full)})
+            offsets.append(off)
+            dtypes.add(file_dtype)
+            extra += more
+        meta = {"dtype": str(self._one_dtype(dtypes, "its data files")), "files": files,
+                "extra": extra if self.format == "megatron" else None}
+        tmp = temporary(path)
+        with open(tmp, "wb") as f:
+            np.savez(f, meta=np.array(json.dumps(meta)), **{f"offsets_{i}": o for i, o in enumerate(offsets)})
+        os.replace(tmp, path)
+        self.cache.record(path)
 
     def _index_megatron(self, name: str, dtype):
         """A Megatron `.bin`'s dtype and documents, from its `.idx` (fetched whole), checked as
