@@ -117,6 +117,7 @@ class Ranged(FetchedParts):
     # -- opening ----------------------------------------------------------------------------------
 
     def _open(self, dtype=None, whole_documents=True, split=None, file_pattern=None) -> None:
+        """(`split` and `file_pattern` chose the objects: `_find_objects`.)"""
         names = self._data_names()
         meta, offsets = self._record(names, dtype, whole_documents)
         self.dtype = np.dtype(meta["dtype"])
@@ -133,11 +134,11 @@ class Ranged(FetchedParts):
                 starts.append(at + int(a))
                 self._check_fits(name, int(np.searchsorted(off, a)), self._parts[-1].size)
             at += int(off[-1])
-        n = len(self._parts)
-        self._pieces = (np.array(starts + [at], np.int64), np.arange(n), np.zeros(n, np.int64))
-        self._arrays = [checks.empty_tokens(self.dtype)] * n
-        self._first_array = np.arange(n + 1)
-        self._fingerprint = self._fingerprint_of([[n, f["print"]] for n, f in zip(names, meta["files"])],
+        blocks = len(self._parts)
+        self._pieces = (np.array(starts + [at], np.int64), np.arange(blocks), np.zeros(blocks, np.int64))
+        self._arrays = [checks.empty_tokens(self.dtype)] * blocks
+        self._first_array = np.arange(blocks + 1)
+        self._fingerprint = self._fingerprint_of([[name, f["print"]] for name, f in zip(names, meta["files"])],
                                                  meta["extra"])
         self._keep: frozenset = frozenset()
 
