@@ -41,9 +41,11 @@ from forge_grain.stores.remote_dir import RemoteDir, listing
 
 RANGED = ("megatron", "raw")
 BLOCK = 64 << 20  # the bytes of a block at most (one document at least) ...
-BLOCKS_IN_CACHE = 8  # ... and at most this fraction of cache_limit: the coming steps' blocks fit beside
+BLOCKS_IN_CACHE = 32  # ... and at most this fraction of cache_limit: the coming steps' blocks fit beside
 SCAN_PART = 8 << 20  # bytes of each ranged read while a raw file is scanned for its documents
-GAP = 1 << 16  # places in an object closer than this are read in one ranged GET
+# places in an object closer than this are read in one ranged GET (a request costs what some
+# 100s of KB take to arrive), up to SCAN_PART bytes a GET
+GAP = 1 << 18
 SAMPLED_ENDS = 1024  # documents whose delimiters are read at the first open (all of them by `verify`)
 HEAD = 4096  # bytes of a raw file's start that say what it is
 RECORD = "record.npz"
@@ -367,10 +369,11 @@ class _Tokens:
 
     def read(self, spans):
         """A function giving `length` bytes at any offset inside `spans`, after reading them
-        (those less than `GAP` apart in one ranged GET, many GETs at once)."""
+        (those less than `GAP` apart in one ranged GET of `SCAN_PART` bytes at most, many GETs
+        at once)."""
         merged = []
         for a, b in sorted(spans):
-            if merged and a <= merged[-1][1] + GAP:
+            if merged and a <= merged[-1][1] + GAP and max(merged[-1][1], b) - merged[-1][0] <= SCAN_PART:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])

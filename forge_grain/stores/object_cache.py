@@ -200,6 +200,7 @@ class ObjectCache(RemoteDir):
 
         if job is None:
             job = self.requests.job()  # its parts are read before those of any object asked for later
+        condition = self.conditional(tag)  # (a rewritten object: an error at the GET, or the HEAD after)
 
         def attempt():
             step = min(BLOCK, max(PART_MIN, -(-size // max(SPLIT, self.requests.workers))))
@@ -209,7 +210,7 @@ class ObjectCache(RemoteDir):
                     a, b = span
                     with read_slot():  # (a retry reads ranges: the whole object's bytes are used once)
                         block = whole.pop() if whole else memoryview(bounded(self.read_range, name, start + a,
-                                                                             start + b))
+                                                                             start + b, condition))
                         if block.nbytes != b - a:
                             raise _Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
                         os.pwrite(dst.fileno(), block, a)
@@ -228,8 +229,8 @@ class ObjectCache(RemoteDir):
                     digest = hashlib.sha256(data).hexdigest()
                 if digest != sha256:
                     raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
-            if tag is not None:  # (a HEAD after the reads: a rewrite before or during them is seen)
-                check_unchanged(self, name, tag)
+            if tag is not None and condition is None:  # a HEAD after the reads: a rewrite before or during
+                check_unchanged(self, name, tag)        # them is seen
             with self._accounting():  # the ledger and the directory change together
                 os.replace(tmp, local)
                 self.ledger.sync()

@@ -49,26 +49,38 @@ class RemoteDir:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def read_range(self, name: str, start: int, end: int | None = None):
+    def read_range(self, name: str, start: int, end: int | None = None, if_match: str | None = None):
         """Bytes [start, end) of object `name` (`read_range(name, 0)`: all of it, in one GET
         whose size need not be known first), as a bytes-like buffer: through obstore where
         `fast_client` made one (a Rust client: a fraction of s3fs's CPU a request; its buffer
         is written and hashed as it is, not copied into `bytes` under the GIL first), else
-        through fsspec."""
+        through fsspec. `if_match` (an ETag, with `end`): through obstore the read is of that
+        version only, or an error (`changed_under`); through fsspec the caller checks it
+        (`check_unchanged`), as fsspec's reads take no conditions."""
         if self._fast is None:
             return self.fs.cat_file(self.path(name), start=start, end=end)
         import obstore
-        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+        from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
         store, prefix = self._fast
         try:
             if end is None:
                 return memoryview(obstore.get(store, f"{prefix}{name}").bytes())[start:]
+            if if_match is not None:
+                got = obstore.get(store, f"{prefix}{name}", options={"range": (start, end), "if_match": if_match})
+                return memoryview(got.bytes())
             return memoryview(obstore.get_range(store, f"{prefix}{name}", start=start, end=end))
         except NotFoundError:
             raise FileNotFoundError(f"{self.url}/{name}") from None
+        except PreconditionError:
+            raise changed_under(f"{self.url}/{name}") from None
         except (PermissionDeniedError, UnauthenticatedError) as e:
             raise PermissionError(str(e).splitlines()[0]) from None
+
+    def conditional(self, tag: str | None) -> str | None:
+        """`tag` (a listing's) as a read's condition: an ETag, read through obstore (which
+        sends it with every GET), or None (the reads are checked after, `check_unchanged`)."""
+        return tag if tag and tag.startswith('"') and self._fast is not None else None
 
     def retry(self, name: str, attempt, missing_ok: bool = False, bound: bool = True):
         """`attempt()`, retried with exponential backoff until `retries` attempts or `deadline()`
