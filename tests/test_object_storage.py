@@ -973,6 +973,23 @@ def test_a_dataset_rewritten_while_read_in_parts_is_refused_not_read(tmp_path, s
         store[len(store) - 1]
 
 
+@pytest.mark.parametrize("kind", ["drop", "truncate"])
+def test_faults_while_a_raw_file_is_scanned_and_read_in_blocks_are_retried(tmp_path, s3, peers, kind):
+    """Dropped connections and bodies cut short, while a raw file is read through at its first
+    open and while its blocks are fetched, are retried: the documents are exact."""
+    s3.fs().put(str(peers["raw"]), f"peers/raw-faults-{kind}", recursive=True)
+    s3.proxy.clear()
+    s3.proxy.fail(f"raw-faults-{kind}/part-0.bin", kind, times=3)
+    store = TokenStore.open(f"s3://peers/raw-faults-{kind}", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "c"), cache_limit=100_000, **PEER_OPTIONS["raw"])
+    assert len(store._parts) >= 4 and all(f[2] == 0 for f in s3.proxy.faults)  # they happened at the open
+    s3.proxy.fail(f"raw-faults-{kind}/part-0.bin", kind, times=3)
+    local = TokenStore.open(peers["raw"], **PEER_OPTIONS["raw"])
+    assert all(np.array_equal(store[i], local[i]) for i in range(len(local)))
+    assert all(f[2] == 0 for f in s3.proxy.faults)  # ... and at the blocks' reads
+    s3.proxy.clear()
+
+
 def test_megatron_and_raw_files_read_in_blocks_keep_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (blocks of documents) what is refused on disk is refused too, naming the
     object in the bucket: a raw file without a dtype, with a dtype its bytes contradict, cut
