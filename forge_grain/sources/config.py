@@ -28,9 +28,10 @@ class SourceConfig:
     path: str | None = None
     """A token store, opened as by `TokenStore.open` in any format read in place: a
     forge-grain store, raw `.bin`/`.npy` files, Megatron, Hugging Face Arrow
-    (`save_to_disk`), LitData, MDS. A URL (`s3://bucket/store`, any fsspec URL) is a
-    forge-grain store in object storage read through a local cache. Relative paths in a
-    TOML file are taken from the file's directory.
+    (`save_to_disk`), LitData, MDS. A URL (`s3://bucket/store`, any fsspec URL) is read
+    through a local cache: a forge-grain store a shard at a time, a peer's dataset copied
+    whole or, with `cache_limit`, a file (or a block of documents) at a time. Relative
+    paths in a TOML file are taken from the file's directory.
     Example: path = "data/web"
     """
 
@@ -193,8 +194,9 @@ class SourceConfig:
     Example: storage_options = { endpoint_url = "http://127.0.0.1:9000", anon = false }"""
 
     cache_limit: int | None = None
-    """A `path` in object storage: the most bytes of its shards kept in the local cache
-    (default unbounded); the least recently used shards no upcoming step needs are evicted.
+    """A `path` in object storage: the most bytes of it kept in the local cache (default
+    unbounded); the least recently used shards (a peer's files, blocks of a Megatron or raw
+    file) no upcoming step needs are evicted.
     Example: cache_limit = 53687091200"""
 
     object_cache: str | None = None
