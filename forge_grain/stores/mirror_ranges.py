@@ -116,6 +116,11 @@ class Ranged(FetchedParts):
     def _where(self, name: str) -> str:
         return f"{self.cache.url}/{name}"
 
+    def _tag(self, name: str) -> str | None:
+        """The version of object `name` in the listing the dataset is indexed from (its ETag):
+        every read of it must come from that version (`ObjectCache.get`)."""
+        return self._objects[name][1] or None
+
     # -- opening ----------------------------------------------------------------------------------
 
     def _open(self, dtype=None, whole_documents=True, split=None, file_pattern=None) -> None:
@@ -193,7 +198,7 @@ class Ranged(FetchedParts):
 
         stem = name[: -len(".bin")]
         idx = f"{stem}.idx"
-        local = self.cache.get(idx, f"{self.home}/{idx}", size=self._objects[idx][0])
+        local = self.cache.get(idx, f"{self.home}/{idx}", size=self._objects[idx][0], tag=self._tag(idx))
         try:
             file_dtype, offsets = read_index(local)
             checks.check_declared_dtype(local, dtype, file_dtype, "the Megatron index")
@@ -215,7 +220,8 @@ class Ranged(FetchedParts):
         from forge_grain.stores import raw
 
         where, size = self._where(name), self._objects[name][0]
-        head = bytes(self.cache.retry(name, lambda: self.cache.read_range(name, 0, min(HEAD, size)))) if size else b""
+        spans = [(0, min(HEAD, size))] if size else []
+        head = b"".join(bytes(b) for b in self.cache.read_spans(name, spans, tag=self._tag(name)))
         self._refuse_other_formats(name, head)
         file_dtype, start, declared = self._raw_dtype(name, head, size, dtype)
         n = (size - start) // file_dtype.itemsize
@@ -285,7 +291,7 @@ class _Block:
 
     def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
         return self.owner.cache.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job,
-                                    start=self.start, tag=self.owner._objects[self.name][1] or None)
+                                    start=self.start, tag=self.owner._tag(self.name))
 
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:
         """The block's tokens, fetched first if the cache lacks them (again if they were evicted
@@ -313,7 +319,7 @@ class _Tokens:
 
     def __init__(self, owner: Ranged, name: str, start: int, dtype: np.dtype, n: int):
         self.cache, self.name, self.start, self.dtype, self.n = owner.cache, name, start, np.dtype(dtype), n
-        self.where = owner._where(name)
+        self.where, self.tag = owner._where(name), owner._tag(name)
 
     def __len__(self) -> int:
         return self.n
@@ -330,7 +336,7 @@ class _Tokens:
         spans = [(a, min(a + step, end)) for a in range(self.start, end, step)]
         with tqdm(total=end - self.start, unit="B", unit_scale=True, desc=f"index {self.where}", disable=None,
                   leave=False) as bar:
-            for data in self.cache.read_spans(self.name, spans):
+            for data in self.cache.read_spans(self.name, spans, tag=self.tag):
                 bar.update(data.nbytes)
                 yield np.frombuffer(data, self.dtype)
 
@@ -355,7 +361,7 @@ class _Tokens:
         h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
         if full or size <= checks.WHOLE_BELOW:
             for data in self.cache.read_spans(self.name, [(a, min(a + SCAN_PART, size))
-                                                          for a in range(0, size, SCAN_PART)]):
+                                                          for a in range(0, size, SCAN_PART)], tag=self.tag):
                 h.update(data)
             return h.hexdigest()
         h.update(b"blocks+probes:")
@@ -378,7 +384,7 @@ class _Tokens:
             else:
                 merged.append([a, b])
         starts = [a for a, _ in merged]
-        data = list(self.cache.read_spans(self.name, [tuple(m) for m in merged], ahead=64))
+        data = list(self.cache.read_spans(self.name, [tuple(m) for m in merged], ahead=64, tag=self.tag))
 
         def got(offset: int, length: int) -> memoryview:
             i = bisect.bisect_right(starts, offset) - 1

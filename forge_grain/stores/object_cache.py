@@ -120,16 +120,18 @@ class ObjectCache(RemoteDir):
 
         return self.retry(name, attempt, missing_ok=missing_ok)
 
-    def read_spans(self, name: str, spans, ahead: int = SPLIT):
+    def read_spans(self, name: str, spans, ahead: int = SPLIT, tag: str | None = None):
         """The bytes of each span [a, b) of object `name`, in order, `ahead` of them read at
         once on the request threads (each retried, and checked to be whole), so that reading
-        an object through once holds `ahead` spans in memory, not the object."""
+        an object through once holds `ahead` spans in memory, not the object. `tag`: the
+        version they must all come from, as `get`'s."""
         job, spans, pending = self.requests.job(), iter(spans), collections.deque()
+        condition = self.conditional(tag)
 
         def read(a, b):
             def attempt():
                 with read_slot():
-                    data = memoryview(self.read_range(name, a, b))
+                    data = memoryview(self.read_range(name, a, b, condition))
                 if data.nbytes != b - a:
                     raise _Damaged(f"{data.nbytes} bytes arrived of the {b - a} asked for at {a}")
                 return data
@@ -147,6 +149,8 @@ class ObjectCache(RemoteDir):
                 data = pending.popleft().result()
                 submit()
                 yield data
+            if tag is not None and condition is None:
+                check_unchanged(self, name, tag)
         finally:  # (a reader that stops early leaves no reads queued)
             for f in pending:
                 f.cancel()
