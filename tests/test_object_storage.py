@@ -940,12 +940,18 @@ def test_a_megatron_or_raw_dataset_larger_than_cache_limit_reads_in_blocks(tmp_p
     assert 0 < fetched <= max(b.size for b in remote._parts) < limit  # one block (evicted since it was read)
 
 
-@pytest.mark.parametrize("limit", [None, 10_000])
-def test_one_raw_token_file_at_a_url_opens_like_the_local_file(tmp_path, s3, peers, limit):
-    """nanoGPT's `train.bin` in a bucket, named by its own URL: copied, or read in blocks under
-    a cache_limit, and equal to the local file."""
-    local = TokenStore.open(peers["raw"] / "part-0.bin", **PEER_OPTIONS["raw"])
-    remote = TokenStore.open("s3://peers/raw/part-0.bin", storage_options=s3.options(), cache_limit=limit,
+@pytest.mark.parametrize("limit,suffix", [(None, "bin"), (10_000, "bin"), (10_000, "npy")])
+def test_one_raw_token_file_at_a_url_opens_like_the_local_file(tmp_path, s3, peers, limit, suffix):
+    """nanoGPT's `train.bin` (or a `.npy` with its header) in a bucket, named by its own URL:
+    copied, or read in blocks under a cache_limit, and equal to the local file."""
+    path = peers["raw"] / "part-0.bin"
+    if suffix == "npy":
+        path = tmp_path / "tokens.npy"
+        np.save(path, np.fromfile(peers["raw"] / "part-0.bin", np.uint16))
+        s3.fs().put_file(str(path), "peers/raw-npy/tokens.npy")
+    local = TokenStore.open(path, **PEER_OPTIONS["raw"])
+    url = "s3://peers/raw/part-0.bin" if suffix == "bin" else "s3://peers/raw-npy/tokens.npy"
+    remote = TokenStore.open(url, storage_options=s3.options(), cache_limit=limit,
                              object_cache=str(tmp_path / "c"), **PEER_OPTIONS["raw"])
     assert remote.fetches == (limit is not None) and remote.fingerprint == local.fingerprint
     assert all(np.array_equal(remote[i], local[i]) for i in range(len(local)))
