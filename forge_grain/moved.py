@@ -43,6 +43,14 @@ MOVED = {  # old module -> new module
     "forge_grain.varlen": "forge_grain.packing.varlen",
     "forge_grain.writer": "forge_grain.stores.writer",
 }
+# old modules some of whose names were split out of the module they moved to -> where those are
+# now (a module, or "module:object" for names that became an object's attributes)
+ALSO = {
+    "forge_grain.kempnerforge": ["forge_grain.pipeline.config:DataConfig"],
+    "forge_grain.kernels": ["forge_grain.packing.kernels.cache"],
+    "forge_grain.streaming": ["forge_grain.sources.stream_cursors"],
+    "forge_grain.texts": ["forge_grain.hub"],
+}
 # old modules whose name is a package now -> the module that holds what they held
 BECAME_PACKAGES = {
     "forge_grain.packing": "forge_grain.packing.plans",
@@ -81,10 +89,25 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = MOVED[module.__name__]
         _warn(module.__name__, new)
         target = importlib.import_module(new)
+        others = [_holder(where) for where in ALSO.get(module.__name__, [])]
+
+        def attribute(name):
+            for holder in (target, *others):
+                if hasattr(holder, name):
+                    return getattr(holder, name)
+            raise AttributeError(f"module {module.__name__!r} (moved to {new}) has no attribute {name!r}")
+
         module.__doc__ = f"Deprecated: moved to {new}."
-        module.__getattr__ = lambda name: getattr(target, name)
+        module.__getattr__ = attribute
         module.__dir__ = lambda: dir(target)
         module.__all__ = list(getattr(target, "__all__", [n for n in vars(target) if not n.startswith("_")]))
+
+
+def _holder(where: str):
+    """The module (or "module:object") that `ALSO` names."""
+    module, _, name = where.partition(":")
+    held = importlib.import_module(module)
+    return getattr(held, name) if name else held
 
 
 def install() -> None:
