@@ -1037,6 +1037,36 @@ def test_megatron_and_raw_files_read_in_blocks_keep_the_local_checks(tmp_path, s
     assert len(store) == len(TokenStore.open(peers["megatron"]))
 
 
+def test_compressed_litdata_chunks_read_a_file_at_a_time_stay_within_cache_limit(tmp_path, s3, monkeypatch):
+    """LitData chunks written with compression, in a bucket, under a cache_limit: each is
+    decompressed inside the bounded cache (its compressed copy then dropped), nothing is written
+    outside it, and the documents and the fingerprint are the local dataset's."""
+    import shutil
+
+    import zstd
+
+    from test_formats import LITDATA
+
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    packed = shutil.copytree(LITDATA / "dataset", tmp_path / "zstd")
+    index = json.loads((packed / "index.json").read_text())
+    index["config"]["compression"] = "zstd"
+    for chunk in index["chunks"]:
+        (packed / chunk["filename"]).write_bytes(zstd.compress((packed / chunk["filename"]).read_bytes(), 1))
+    (packed / "index.json").write_text(json.dumps(index))
+    s3.fs().put(str(packed), "peers/litdata-zstd", recursive=True)
+    limit = 3 * max(c["chunk_bytes"] for c in index["chunks"])  # below the dataset's 157 KB
+    remote = TokenStore.open("s3://peers/litdata-zstd", storage_options=s3.options(), cache_limit=limit)
+    assert remote.fetches and not (tmp_path / "cache" / "litdata").exists()
+    local = TokenStore.open(packed)  # (decompresses into $FORGE_GRAIN_CACHE/litdata)
+    assert remote.fingerprint == local.fingerprint and len(remote) == len(local)
+    for i in range(len(local)):
+        assert np.array_equal(remote[i], local[i]), i
+        assert i % 10 or remote.cache.used() <= limit
+    assert not list(remote.cache.dir.rglob("chunk-0-*.bin")) or all(
+        p.name.startswith("plain-") for p in remote.cache.dir.rglob("chunk-0-*.bin"))  # compressed copies gone
+
+
 def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (a file at a time) what is refused on disk is refused too, naming the
     object in the bucket: a declared dtype the data disagrees with, a shard cut short, and a

@@ -28,21 +28,31 @@ ALGORITHMS = ("gz", "bz2", "zstd", "br", "brotli", "snappy")
 def cached_copy(source: Path, algorithm: str, name: str, kind: str) -> Path:
     """The decompressed copy of `source` (compressed with `algorithm`, "zstd:3" as "zstd"),
     made once under the cache's `kind` directory as `<content key>-<name>`."""
-    algorithm = str(algorithm or "").split(":")[0]
-    decompress = _decompressor(algorithm, source)
-    key = checks.content_fingerprint(source, full=True)[:24]
-    cached = private_cache(cache_root() / kind) / f"{key}-{Path(name).name}"
+    cached = private_cache(cache_root() / kind) / copy_name(source, name)
     if cached.exists():
         return cached
     tmp = temporary(cached)
-    try:
-        decompress(source, tmp)
-    except (OSError, EOFError, ValueError, RuntimeError) as e:  # each library names a damaged stream its own way
-        tmp.unlink(missing_ok=True)
-        raise StoreError(f"{source}: cannot decompress this {algorithm} file ({type(e).__name__}: {e}); it is "
-                         "truncated or damaged") from None
+    decompress_into(source, algorithm, tmp)
     tmp.replace(cached)
     return cached
+
+
+def copy_name(source: Path, name: str) -> str:
+    """The name of the decompressed copy of `source`: keyed by the compressed file's content."""
+    return f"{checks.content_fingerprint(source, full=True)[:24]}-{Path(name).name}"
+
+
+def decompress_into(source: Path, algorithm: str, dst: Path) -> None:
+    """`source` (compressed with `algorithm`, "zstd:3" as "zstd") decompressed into `dst`; a
+    damaged stream is an error naming `source` (and leaves no `dst`)."""
+    algorithm = str(algorithm or "").split(":")[0]
+    decompress = _decompressor(algorithm, source)
+    try:
+        decompress(source, dst)
+    except (OSError, EOFError, ValueError, RuntimeError) as e:  # each library names a damaged stream its own way
+        Path(dst).unlink(missing_ok=True)
+        raise StoreError(f"{source}: cannot decompress this {algorithm} file ({type(e).__name__}: {e}); it is "
+                         "truncated or damaged") from None
 
 
 def _decompressor(algorithm: str, source: Path):

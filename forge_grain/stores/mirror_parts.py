@@ -224,7 +224,7 @@ class Parted(FetchedParts):
 
             state = json.loads((self.path / "state.json").read_text())
             extra = [self._local_options.get("token_field") or DEFAULT_FIELD, state.get("_fingerprint")]
-            return self._fingerprint_of([[p.local.name, p.fingerprint(r, self._full)]
+            return self._fingerprint_of([[_name(p, r), p.fingerprint(r, self._full)]
                                          for p, r in zip(self._parts, records)], extra)
         index_print = checks.content_fingerprint(self.path / "index.json", self._full)
         extra = index_print
@@ -234,7 +234,7 @@ class Parted(FetchedParts):
             field = self._local_options.get("token_field") or _default_field(
                 self.path / "index.json", json.loads((self.path / "index.json").read_text())["shards"][0])
             extra = [field, index_print]
-        return self._fingerprint_of([[p.local.name, p.fingerprint(r, self._full)]
+        return self._fingerprint_of([[_name(p, r), p.fingerprint(r, self._full)]
                                      for p, r in zip(self._parts, records)], extra)
 
     def _validate(self) -> None:
@@ -260,9 +260,18 @@ class _Part:
                              "store from it")
         self.size, self.tag = files[self.name][0], files[self.name][1] or None
         self.dir = owner.cache.dir / owner.home / f"part-{k:05d}"
-        self.copy = f"{owner.home}/part-{k:05d}/{self.name}"
+        self.copy = self.fetched = f"{owner.home}/part-{k:05d}/{self.name}"
         self.local = self.dir / self.name
         self._index = {**index, key: [entry]}
+        # a compressed LitData chunk: decompressed beside its copy, in the bounded cache, and read
+        # there as an uncompressed chunk (its one-file index says so); the compressed copy goes
+        self.compression = (index.get("config") or {}).get("compression") if owner.local.format == "litdata" else None
+        if self.compression:
+            plain, self.packed_size = f"plain-{self.name}", self.size
+            self.size = int(entry.get("chunk_bytes") or 0) or self.size  # (what it decompresses to, or a guess)
+            self.copy, self.local = f"{owner.home}/part-{k:05d}/{plain}", self.dir / plain
+            self._index = {**index, "config": {**index["config"], "compression": None},
+                           key: [{**entry, "filename": plain}]}
 
     def indexed(self) -> bool:
         return (self.dir / "part.npz").exists()
@@ -283,7 +292,25 @@ class _Part:
 
     def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
         c = self.owner.cache
-        return c.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job, tag=self.tag)
+        if not self.compression:
+            return c.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job, tag=self.tag)
+        if (c.dir / self.copy).exists():
+            return c.dir / self.copy
+        packed = c.get(self.name, self.fetched, size=self.packed_size, upcoming=keep, ahead=ahead, job=job,
+                       tag=self.tag)
+        if packed is None:  # a prefetch that found no room
+            return None
+        from forge_grain.stores.decompress import copy_name, decompress_into
+
+        try:
+            if not (self.dir / "copy-name").exists():  # the local reader's name for the copy (its fingerprint's)
+                write_text_atomic(self.dir / "copy-name", copy_name(packed, self.name))
+                c.record(self.dir / "copy-name")
+            plain = c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp), keep)
+        except StoreError as e:  # named as the object, not its copy in the cache
+            raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
+        c.discard(self.fetched)
+        return plain
 
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:
         """The file's token arrays (maps that outlive the store object that made them)."""
@@ -320,11 +347,19 @@ class _Part:
                       dtype=str(store.dtype), sampled=checks.content_fingerprint(self.local),
                       full=checks.content_fingerprint(self.local, True) if self.owner._full else "")
         store.close()
+        if self.compression:  # the local reader's name for its decompressed copy
+            record["name"] = (self.dir / "copy-name").read_text()
         tmp = temporary(self.dir / "part.npz")
         with open(tmp, "wb") as f:
             np.savez(f, **record)
         os.replace(tmp, self.dir / "part.npz")
         self.owner.cache.record(self.dir / "part.npz")
+
+
+def _name(part: _Part, record: dict) -> str:
+    """The data file's name as the local reader's fingerprint takes it: a decompressed copy's
+    for a compressed chunk (its record says), else the file's own."""
+    return str(record["name"]) if "name" in record else part.local.name
 
 
 def _reopen_parted(format, url, options, home=None):

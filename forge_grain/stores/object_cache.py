@@ -105,6 +105,43 @@ class ObjectCache(RemoteDir):
                 return None
         return local
 
+    def derive(self, copy: str, size: int | None, write, upcoming=frozenset()) -> Path:
+        """A file made in the cache from copies there (a compressed chunk's decompressed copy), at
+        `copy`, made once per host: `size` bytes (what it will hold, when known) are reserved
+        first as a download's are, `write(path)` writes it to a temporary name, then it is
+        renamed and counted at its real size."""
+        local = self.dir / copy
+        if local.exists():
+            return local
+        with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
+            if local.exists():
+                return local
+            tmp = temporary(local)
+            if self.limit is not None and size:
+                self._make_room(size, upcoming, tmp, ahead=False)
+            try:
+                write(tmp)
+                with self._accounting():
+                    os.replace(tmp, local)
+                    self.ledger.sync()
+                    self.ledger.drop(self._name(tmp))
+                    self.ledger.add(self._name(local), local.stat().st_size)
+            finally:
+                if tmp.exists():
+                    with self._accounting():
+                        tmp.unlink(missing_ok=True)
+                        self.ledger.sync()
+                        self.ledger.drop(self._name(tmp))
+        return local
+
+    def discard(self, copy: str) -> None:
+        """Remove the copy at `copy` (a compressed chunk once decompressed) and its bytes from
+        the count."""
+        with self._accounting():
+            (self.dir / copy).unlink(missing_ok=True)
+            self.ledger.sync()
+            self.ledger.drop(copy)
+
     def fresh(self, name: str, missing_ok: bool = False) -> bytes | None:
         """Object `name`'s current bytes (no cache): the manifest, which says what else to trust.
         Through obstore one GET (a body cut short is the client's error); through fsspec the
