@@ -36,7 +36,7 @@ from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
 from forge_grain.stores.manifest import temporary
 from forge_grain.stores.mirror_parts import FetchedParts
-from forge_grain.stores.object_cache import ObjectCache
+from forge_grain.stores.object_cache import ObjectCache, read_spans
 from forge_grain.stores.remote_dir import RemoteDir, listing
 
 RANGED = ("megatron", "raw")
@@ -221,7 +221,7 @@ class Ranged(FetchedParts):
 
         where, size = self._where(name), self._objects[name][0]
         spans = [(0, min(HEAD, size))] if size else []
-        head = b"".join(bytes(b) for b in self.cache.read_spans(name, spans, tag=self._tag(name)))
+        head = b"".join(bytes(b) for b in read_spans(self.cache, name, spans, tag=self._tag(name)))
         self._refuse_other_formats(name, head)
         file_dtype, start, declared = self._raw_dtype(name, head, size, dtype)
         n = (size - start) // file_dtype.itemsize
@@ -336,7 +336,7 @@ class _Tokens:
         spans = [(a, min(a + step, end)) for a in range(self.start, end, step)]
         with tqdm(total=end - self.start, unit="B", unit_scale=True, desc=f"index {self.where}", disable=None,
                   leave=False) as bar:
-            for data in self.cache.read_spans(self.name, spans, tag=self.tag):
+            for data in read_spans(self.cache, self.name, spans, tag=self.tag):
                 bar.update(data.nbytes)
                 yield np.frombuffer(data, self.dtype)
 
@@ -360,8 +360,8 @@ class _Tokens:
         size = self.start + self.n * self.dtype.itemsize
         h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
         if full or size <= checks.WHOLE_BELOW:
-            for data in self.cache.read_spans(self.name, [(a, min(a + SCAN_PART, size))
-                                                          for a in range(0, size, SCAN_PART)], tag=self.tag):
+            spans = [(a, min(a + SCAN_PART, size)) for a in range(0, size, SCAN_PART)]
+            for data in read_spans(self.cache, self.name, spans, tag=self.tag):
                 h.update(data)
             return h.hexdigest()
         h.update(b"blocks+probes:")
@@ -384,7 +384,7 @@ class _Tokens:
             else:
                 merged.append([a, b])
         starts = [a for a, _ in merged]
-        data = list(self.cache.read_spans(self.name, [tuple(m) for m in merged], ahead=64, tag=self.tag))
+        data = list(read_spans(self.cache, self.name, [tuple(m) for m in merged], ahead=64, tag=self.tag))
 
         def got(offset: int, length: int) -> memoryview:
             i = bisect.bisect_right(starts, offset) - 1

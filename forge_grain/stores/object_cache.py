@@ -157,41 +157,6 @@ class ObjectCache(RemoteDir):
 
         return self.retry(name, attempt, missing_ok=missing_ok)
 
-    def read_spans(self, name: str, spans, ahead: int = SPLIT, tag: str | None = None):
-        """The bytes of each span [a, b) of object `name`, in order, `ahead` of them read at
-        once on the request threads (each retried, and checked to be whole), so that reading
-        an object through once holds `ahead` spans in memory, not the object. `tag`: the
-        version they must all come from, as `get`'s."""
-        job, spans, pending = self.requests.job(), iter(spans), collections.deque()
-        condition = self.conditional(tag)
-
-        def read(a, b):
-            def attempt():
-                with read_slot():
-                    data = memoryview(self.read_range(name, a, b, condition))
-                if data.nbytes != b - a:
-                    raise _Damaged(f"{data.nbytes} bytes arrived of the {b - a} asked for at {a}")
-                return data
-            return self.retry(name, attempt)
-
-        def submit():
-            span = next(spans, None)
-            if span is not None:
-                pending.append(self.requests.submit(True, job, read, *span, size=span[1] - span[0]))
-
-        try:
-            for _ in range(ahead):
-                submit()
-            while pending:
-                data = pending.popleft().result()
-                submit()
-                yield data
-            if tag is not None and condition is None:
-                check_unchanged(self, name, tag)
-        finally:  # (a reader that stops early leaves no reads queued)
-            for f in pending:
-                f.cancel()
-
     def sizes(self) -> dict[str, int]:
         """Each object's size directly under the URL, from one listing (empty if it fails: then
         each download asks for its object's size first)."""
@@ -390,6 +355,42 @@ class ObjectCache(RemoteDir):
         """The lock under which the cache's bytes change by more than a shrink (reservations,
         renames, eviction) and are counted, and its ledger written, across the host's processes."""
         return file_lock(self.dir / ".evict.lock")
+
+
+def read_spans(cache: ObjectCache, name: str, spans, ahead: int = SPLIT, tag: str | None = None):
+    """The bytes of each span [a, b) of object `name` at `cache`'s URL, in order, `ahead` of them
+    read at once on the request threads (each retried, and checked to be whole), so that reading
+    an object through once holds `ahead` spans in memory, not the object. `tag`: the
+    version they must all come from, as `get`'s."""
+    job, spans, pending = cache.requests.job(), iter(spans), collections.deque()
+    condition = cache.conditional(tag)
+
+    def read(a, b):
+        def attempt():
+            with read_slot():
+                data = memoryview(cache.read_range(name, a, b, condition))
+            if data.nbytes != b - a:
+                raise _Damaged(f"{data.nbytes} bytes arrived of the {b - a} asked for at {a}")
+            return data
+        return cache.retry(name, attempt)
+
+    def submit():
+        span = next(spans, None)
+        if span is not None:
+            pending.append(cache.requests.submit(True, job, read, *span, size=span[1] - span[0]))
+
+    try:
+        for _ in range(ahead):
+            submit()
+        while pending:
+            data = pending.popleft().result()
+            submit()
+            yield data
+        if tag is not None and condition is None:
+            check_unchanged(cache, name, tag)
+    finally:  # (a reader that stops early leaves no reads queued)
+        for f in pending:
+            f.cancel()
 
 
 def _mapped(path: Path) -> mmap.mmap:
