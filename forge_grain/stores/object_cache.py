@@ -121,26 +121,16 @@ class ObjectCache(RemoteDir):
                 self._make_room(size, upcoming, tmp, ahead=False)
             try:
                 write(tmp)
-                with self._accounting():
-                    os.replace(tmp, local)
-                    self.ledger.sync()
-                    self.ledger.drop(self._name(tmp))
-                    self.ledger.add(self._name(local), local.stat().st_size)
+                self._commit(tmp, local, tmp.stat().st_size)
             finally:
                 if tmp.exists():
-                    with self._accounting():
-                        tmp.unlink(missing_ok=True)
-                        self.ledger.sync()
-                        self.ledger.drop(self._name(tmp))
+                    self._forget(tmp)
         return local
 
     def discard(self, copy: str) -> None:
         """Remove the copy at `copy` (a compressed chunk once decompressed) and its bytes from
         the count."""
-        with self._accounting():
-            (self.dir / copy).unlink(missing_ok=True)
-            self.ledger.sync()
-            self.ledger.drop(copy)
+        self._forget(self.dir / copy)
 
     def fresh(self, name: str, missing_ok: bool = False) -> bytes | None:
         """Object `name`'s current bytes (no cache): the manifest, which says what else to trust.
@@ -237,22 +227,32 @@ class ObjectCache(RemoteDir):
                     raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
             if tag is not None and condition is None:  # a HEAD after the reads: a rewrite before or during
                 check_unchanged(self, name, tag)        # them is seen
-            with self._accounting():  # the ledger and the directory change together
-                os.replace(tmp, local)
-                self.ledger.sync()
-                self.ledger.drop(self._name(tmp))
-                self.ledger.add(self._name(local), size)
+            self._commit(tmp, local, size)
 
         try:
             self.retry(name, attempt, bound=False)  # each ranged read is bounded
         finally:
             if tmp.exists():  # a failed download: its reservation goes with it
-                with self._accounting():
-                    tmp.unlink(missing_ok=True)
-                    self.ledger.sync()
-                    self.ledger.drop(self._name(tmp))
+                self._forget(tmp)
         self.downloads += 1
         return True
+
+    def _commit(self, tmp: Path, local: Path, size: int) -> None:
+        """A finished temporary renamed into place, counted at `size` in place of its reservation
+        (the ledger and the directory change together)."""
+        with self._accounting():
+            os.replace(tmp, local)
+            self.ledger.sync()
+            self.ledger.drop(self._name(tmp))
+            self.ledger.add(self._name(local), size)
+
+    def _forget(self, path: Path) -> None:
+        """A file removed from the cache and from its count (a failed download's reservation, a
+        copy no longer wanted)."""
+        with self._accounting():
+            path.unlink(missing_ok=True)
+            self.ledger.sync()
+            self.ledger.drop(self._name(path))
 
     def _make_room(self, size: int, upcoming: set, reserve: Path, ahead: bool) -> bool:
         """Evict shards until `size` more bytes fit the limit, least recently used first and
