@@ -1067,6 +1067,37 @@ def test_compressed_litdata_chunks_read_a_file_at_a_time_stay_within_cache_limit
         p.name.startswith("plain-") for p in remote.cache.dir.rglob("chunk-0-*.bin"))  # compressed copies gone
 
 
+@pytest.mark.parametrize("compression", ["zstd", "br", "snappy", "gz"])
+def test_compressed_mds_shards_read_a_file_at_a_time_stay_within_cache_limit(tmp_path, s3, monkeypatch, compression):
+    """MDS shards written compressed (only `zip_data` in the bucket), under a cache_limit below
+    the dataset: each is fetched and decompressed inside the bounded cache (to the size
+    `raw_data.bytes` promises), read, and its compressed copy dropped; the documents and the
+    fingerprint are the local dataset's, and nothing lands outside the limit. (They were refused
+    as "only a compressed one".)"""
+    from mds_writer import write_mds
+    from test_formats import make_docs
+
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    docs = make_docs(120, seed=4)
+    packed = write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
+                       samples_per_shard=30, compression=compression)
+    index = json.loads((packed / "index.json").read_text())
+    assert all(s["zip_data"] and not (packed / s["raw_data"]["basename"]).exists() for s in index["shards"])
+    s3.fs().put(str(packed), f"peers/mds-{compression}", recursive=True)
+    raw = [s["raw_data"]["bytes"] for s in index["shards"]]
+    limit = 9 * sum(raw) // 10  # below the dataset decompressed: the records, a shard compressed and decompressed
+
+    remote = TokenStore.open(f"s3://peers/mds-{compression}", storage_options=s3.options(), cache_limit=limit)
+    assert remote.fetches and not (tmp_path / "cache" / "mds").exists()
+    local = TokenStore.open(packed)  # (decompresses into $FORGE_GRAIN_CACHE/mds)
+    assert remote.fingerprint == local.fingerprint and len(remote) == len(local) == len(docs)
+    for i in range(len(local)):
+        assert np.array_equal(remote[i], local[i]) and np.array_equal(remote[i], docs[i]), i
+        assert remote.cache.used() <= limit
+    names = {s["zip_data"]["basename"] for s in index["shards"]}
+    assert not [p for p in remote.cache.dir.rglob("*") if p.name in names]  # compressed copies gone
+
+
 def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (a file at a time) what is refused on disk is refused too, naming the
     object in the bucket: a declared dtype the data disagrees with, a shard cut short, and a

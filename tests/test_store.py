@@ -241,3 +241,61 @@ def test_importing_forge_grain_loads_neither_torch_nor_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- fingerprints and orders owe nothing to numpy's generators -------------------------------
+
+
+def test_a_large_files_sampled_fingerprint_is_the_one_saved_states_recorded(tmp_path):
+    """The sampled fingerprint of a file past 8 MiB (blocks and 2,048 probes) is the value states
+    saved since the probes were introduced recorded: a moved probe would make every state over
+    a large raw or Megatron file refuse to resume."""
+    from forge_grain.stores.checks import content_fingerprint
+
+    n = 9 * 2**20 + 12345
+    data = ((np.arange(n, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(13)).astype(np.uint8)
+    (tmp_path / "big.bin").write_bytes(data.tobytes())
+    assert content_fingerprint(tmp_path / "big.bin") == \
+        "1282581c798f5443c5d731775a6e4185f22a2d332fc5b359e653d77283cc275e"
+
+
+@pytest.mark.parametrize("size", [9, 10, 4096, 123457, 2**31, 2**32 - 1, 2**32 + 9, 2**40 + 7, 10**15])
+def test_probe_offsets_are_the_stream_numpy_gave_them(size):
+    """`probe_stream` spells out numpy's `default_rng(entropy).integers` (SeedSequence, PCG64,
+    Lemire's bounded draws, 32- and 64-bit): while this numpy still gives that stream, the two
+    agree; afterwards the spelled-out one keeps the offsets."""
+    from forge_grain.stores import probe_stream
+    from forge_grain.stores.checks import PROBE_BYTES, PROBES, probe_offsets
+
+    want = np.sort(np.random.default_rng([size, 0x46475046]).integers(0, size - PROBE_BYTES + 1, PROBES,
+                                                                      dtype=np.int64))
+    assert np.array_equal(probe_offsets(size), want)
+    assert probe_stream.integers([size, 7, 2**70], size, 3) == \
+        np.random.default_rng([size, 7, 2**70]).integers(0, size, 3, dtype=np.int64).tolist()
+
+
+def test_no_order_or_fingerprint_comes_from_numpys_generators():
+    """NumPy does not promise its generators' streams across versions; every order, shuffle and
+    fingerprint of forge-grain comes from its own seeded functions, so an upgrade moves nothing."""
+    import ast
+    from pathlib import Path
+
+    def uses(tree) -> list[int]:
+        """Lines of code (not text) that reach numpy's generators."""
+        out = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and (
+                    node.attr in ("default_rng", "RandomState", "SeedSequence")
+                    or node.attr == "random" and isinstance(node.value, ast.Name) and node.value.id in ("np", "numpy")):
+                out.append(node.lineno)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("numpy") and (
+                    "random" in (node.module or "") or any(a.name == "random" for a in node.names)):
+                out.append(node.lineno)
+            elif isinstance(node, ast.Import) and any(a.name.startswith("numpy.random") for a in node.names):
+                out.append(node.lineno)
+        return out
+
+    root = Path(__file__).resolve().parents[1]
+    found = [f"{f.relative_to(root)}:{line}" for package in ("forge_grain", "bridges")
+             for f in sorted((root / package).rglob("*.py")) for line in uses(ast.parse(f.read_text()))]
+    assert found == []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from forge_grain.stores import mapping
+from forge_grain.stores import mapping, probe_stream
 from forge_grain.errors import StoreError
 
 MAX_TOKEN_ID = 2**31 - 1  # batches hold ids as int32 by default
@@ -118,9 +118,11 @@ def content_fingerprint(path: Path, full: bool = False) -> str:
 def probe_offsets(size: int) -> np.ndarray:
     """The sorted offsets of a sampled fingerprint's probes in a file of `size` bytes: uniform
     over the file, the same for every file of that size (so that a fingerprint is
-    reproducible), from a generator no writer's layout follows."""
-    rng = np.random.default_rng([size, 0x46475046])  # ("FGPF")
-    return np.sort(rng.integers(0, size - PROBE_BYTES + 1, PROBES, dtype=np.int64))
+    reproducible), from a generator no writer's layout follows: numpy's PCG64 stream of
+    `default_rng([size, "FGPF"])`, spelled out in `probe_stream` so that no numpy upgrade
+    moves an offset (and with it every sampled fingerprint)."""
+    drawn = probe_stream.integers([size, 0x46475046], size - PROBE_BYTES + 1, PROBES)  # ("FGPF")
+    return np.sort(np.array(drawn, np.int64))
 
 
 def fingerprint_mode(path: Path, fingerprint: str) -> bool:

@@ -252,26 +252,27 @@ class _Part:
     def __init__(self, owner: Parted, k: int, index: dict, entry: dict, files: dict):
         self.owner, self.k = owner, k
         self.index_name, key = PARTED[owner.local.format]
-        self.name = entry.get("filename") or (entry.get("raw_data") or {}).get("basename")
+        self.compression, self.name, raw_name, plain_size, plain_entry = _file_of(owner.local.format, index, entry,
+                                                                                   files)
         if not self.name or self.name not in files:
             raise StoreError(f"{owner.url}/{self.index_name}: data file {k} ({self.name or entry}) is not at the URL (a "
-                             "missing file, or only a compressed one): with cache_limit a dataset is read a raw data "
-                             "file at a time; open it without cache_limit (copied whole), or prepare a forge-grain "
-                             "store from it")
+                             "missing file): with cache_limit a dataset is read a data file at a time; check the "
+                             "upload, or open it without cache_limit")
         self.size, self.tag = files[self.name][0], files[self.name][1] or None
         self.dir = owner.cache.dir / owner.home / f"part-{k:05d}"
         self.copy = self.fetched = f"{owner.home}/part-{k:05d}/{self.name}"
         self.local = self.dir / self.name
         self._index = {**index, key: [entry]}
-        # a compressed LitData chunk: decompressed beside its copy, in the bounded cache, and read
-        # there as an uncompressed chunk (its one-file index says so); the compressed copy goes
-        self.compression = (index.get("config") or {}).get("compression") if owner.local.format == "litdata" else None
+        # a compressed file (a LitData chunk, an MDS zip_data shard): decompressed beside its copy, in
+        # the bounded cache, and read there as an uncompressed file (its one-file index says so);
+        # the compressed copy goes
         if self.compression:
-            plain, self.packed_size = f"plain-{self.name}", self.size
-            self.size = int(entry.get("chunk_bytes") or 0) or self.size  # (what it decompresses to, or a guess)
+            plain, self.packed_size, self.raw_name = f"plain-{raw_name}", self.size, raw_name
+            self.size = plain_size or self.size  # (what it decompresses to, or a guess)
             self.copy, self.local = f"{owner.home}/part-{k:05d}/{plain}", self.dir / plain
-            self._index = {**index, "config": {**index["config"], "compression": None},
-                           key: [{**entry, "filename": plain}]}
+            self._index = {**index, key: [plain_entry(plain)]}
+            if owner.local.format == "litdata":
+                self._index["config"] = {**index["config"], "compression": None}
 
     def indexed(self) -> bool:
         return (self.dir / "part.npz").exists()
@@ -304,7 +305,7 @@ class _Part:
 
         try:
             if not (self.dir / "copy-name").exists():  # the local reader's name for the copy (its fingerprint's)
-                write_text_atomic(self.dir / "copy-name", copy_name(packed, self.name))
+                write_text_atomic(self.dir / "copy-name", copy_name(packed, self.raw_name))
                 c.record(self.dir / "copy-name")
             plain = c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp), keep)
         except StoreError as e:  # named as the object, not its copy in the cache
@@ -354,6 +355,23 @@ class _Part:
             np.savez(f, **record)
         os.replace(tmp, self.dir / "part.npz")
         self.owner.cache.record(self.dir / "part.npz")
+
+
+def _file_of(fmt: str, index: dict, entry: dict, files: dict):
+    """How a data file of the index is stored at the URL: (its compression or None, its name
+    there, its name uncompressed, its size uncompressed as the index promises, and a function
+    of a name giving the index entry of the file decompressed under that name). An MDS shard
+    whose raw file is at the URL is read raw; else its `zip_data`, if that is there."""
+    if fmt == "litdata":
+        name = entry.get("filename")
+        return ((index.get("config") or {}).get("compression"), name, name, int(entry.get("chunk_bytes") or 0),
+                lambda plain: {**entry, "filename": plain})
+    raw, zipped = entry.get("raw_data") or {}, entry.get("zip_data") or {}
+    name = raw.get("basename")
+    if name in files or not zipped.get("basename") or zipped["basename"] not in files:
+        return None, name, name, 0, None
+    return (entry.get("compression") or "(none named)", zipped["basename"], name, int(raw.get("bytes") or 0),
+            lambda plain: {**entry, "raw_data": {**raw, "basename": plain}, "zip_data": None, "compression": None})
 
 
 def _name(part: _Part, record: dict) -> str:
