@@ -154,8 +154,11 @@ def _plan(a) -> None:
 def format_plan(path, d: dict) -> str:
     steps = "unlimited" if d["steps"] is None else f"{d['steps']:,}"
     full = "up to " if len(d["batch_sizes"]) > 1 else ""
-    lines = [f"{path}: {steps} steps of {full}{d['global_batch_size']} rows x {d['seq_len']} tokens "
-             f"({d['tokens_per_step']:,} tokens a step; an epoch of all sources' rows is {d['steps_per_epoch']:,} steps)"]
+    lengths = sorted({n for _, n in d.get("seq_lens", [[0, d["seq_len"]]])})
+    row = f"{lengths[0]:,} tokens" if len(lengths) == 1 else f"{lengths[0]:,} to {lengths[-1]:,} tokens (below)"
+    most = "up to " if full or len(lengths) > 1 else ""
+    lines = [f"{path}: {steps} steps of {full}{d['global_batch_size']} rows x {row} ({most}{d['tokens_per_step']:,} "
+             f"tokens a step; an epoch of all sources' rows is {d['steps_per_epoch']:,} steps)"]
     tokens = "" if d["tokens"] is None else f"; {d['tokens']:,} tokens in all"
     if len(d["batch_sizes"]) > 1:
         sizes = ", ".join(f"{b:,} from step {s:,}" for s, b in d["batch_sizes"])
@@ -260,19 +263,34 @@ def _replay(a) -> None:
         batches = _made(p, state, a.steps)
     else:
         batches = [p.batch(step) for step in a.steps]
-    sizes = sorted({len(b["inputs"]) for b in batches})
-    if len(sizes) == 1:  # [steps, rows, seq_len]
-        arrays = {k: np.stack([b[k] for b in batches]) for k in batches[0] if k != "step"}
-    else:  # a batch-size schedule: the steps' rows one after another, and how many each step has
-        arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0] if k != "step"}
-        arrays["rows_per_step"] = np.array([len(b["inputs"]) for b in batches], np.int64)
     out = Path(a.out)
     tmp = temporary(out)
+    arrays, shape = _replay_arrays(batches)
     with open(tmp, "wb") as f:
         np.savez(f, step=np.array(list(a.steps), np.int64), **arrays)
     fsync_rename(tmp, out)
     print(f"{out}: steps {a.steps.start}..{a.steps.stop - 1} of rank {a.rank} of {a.world_size or 1}, "
-          f"{len(batches)} batches of {'/'.join(map(str, sizes))} rows x {p.config.seq_len}")
+          f"{len(batches)} batches of {shape}")
+
+
+def _replay_arrays(batches: list[dict]) -> tuple[dict, str]:
+    """`replay`'s arrays, and their shape in words. One shape of batch: `[steps, rows, seq_len]`
+    per key. A batch-size schedule: the steps' rows one after another, `[rows, seq_len]`, with
+    `rows_per_step`. A sequence-length schedule: every row's values one after another, flat,
+    with `rows_per_step` and `seq_len_per_step` (step i is the next rows_i x seq_len_i values)."""
+    import numpy as np
+
+    keys = [k for k in batches[0] if k != "step"]
+    rows = [len(b["inputs"]) for b in batches]
+    lengths = [b["inputs"].shape[1] for b in batches]
+    words = f"{'/'.join(map(str, sorted(set(rows))))} rows x {'/'.join(map(str, sorted(set(lengths))))}"
+    if len(set(rows)) == 1 and len(set(lengths)) == 1:
+        return {k: np.stack([b[k] for b in batches]) for k in keys}, words
+    per_step = {"rows_per_step": np.array(rows, np.int64)}
+    if len(set(lengths)) == 1:
+        return {**{k: np.concatenate([b[k] for b in batches]) for k in keys}, **per_step}, words
+    return ({**{k: np.concatenate([np.asarray(b[k]).reshape(-1) for b in batches]) for k in keys}, **per_step,
+             "seq_len_per_step": np.array(lengths, np.int64)}, words + " (flat: see seq_len_per_step)")
 
 
 def _hashes(a) -> None:
@@ -378,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = recorded("replay", "write the exact batches a rank saw at some steps to an .npz file")
     rp.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")
     rp.add_argument("--rank", type=_at_least(0), default=0)
-    rp.add_argument("--out", required=True, type=_output_file, help="the .npz file: one array per batch key, [steps, rows, seq_len]")
+    rp.add_argument("--out", required=True, type=_output_file, help="the .npz file: one array per batch key, [steps, rows, seq_len] (under a batch-size or sequence-length schedule see rows_per_step and seq_len_per_step)")
     rp.set_defaults(func=_replay)
     ha = recorded("hashes", "a digest of each global batch's content (Pipeline.batch_hash), one line a step")
     ha.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A..B-1")

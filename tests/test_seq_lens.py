@@ -432,3 +432,35 @@ def test_a_fork_while_a_thread_plans_the_rest_waits_for_it(three, tmp_path, monk
     code = wait_forked(pid)
     planning.join()
     assert code is not None, "the forked child hung on the planning lock"
+
+
+def test_replay_plan_and_plot_across_a_length_change(three, tmp_path, capsys):
+    """`replay` over steps on both sides of a change writes every row (flat, with the rows and the
+    length of each step), the pipeline's batches exactly; `plan`'s first line gives the lengths the
+    run trains, not only the last; `plan --plot` marks the change. (replay ended in "internal
+    error: ValueError: all input arrays must have the same shape"; plan said "x 64 tokens".)"""
+    from forge_grain.cli import main
+    from forge_grain.pipeline.plot import changes
+
+    sources = "".join(f'[[sources]]\nname = "{n}"\npath = "{three[n][0]}"\nstrategy = "{STRATEGIES[n]}"\n'
+                      for n in NAMES)
+    toml = tmp_path / "data.toml"
+    toml.write_text(f"seq_len = 64\nseq_lens = [[0, 16], [10, 64]]\nglobal_batch_size = 8\nnum_epochs = inf\n"
+                    f"max_steps = 20\n{sources}")
+    p = Pipeline(DataConfig.from_toml(toml), 0, 1, num_threads=0)
+    assert main(["replay", str(toml), "--steps", "8:12", "--out", str(tmp_path / "r.npz")]) == 0
+    got = np.load(tmp_path / "r.npz")
+    assert got["seq_len_per_step"].tolist() == [16, 16, 64, 64] and got["rows_per_step"].tolist() == [8] * 4
+    at = 0
+    for k, step in enumerate(range(8, 12)):
+        want = p.batch(step)
+        n = got["rows_per_step"][k] * got["seq_len_per_step"][k]
+        for key in ("inputs", "targets", "segment_ids", "loss_mask"):
+            assert np.array_equal(got[key][at : at + n].reshape(want[key].shape), want[key]), (step, key)
+        at += n
+    assert at == len(got["inputs"])
+    assert main(["plan", str(toml), "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "20 steps of 8 rows x 16 to 64 tokens (below) (up to 512 tokens a step;" in out
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert (10, "seq_len 64", ":") in changes(p.describe())

@@ -36,10 +36,18 @@ def describe(order, steps: int | None = None) -> dict:
         warn += _source_warnings(entry, end, c.seq_len)
     B = c.global_batch_size
     return {"steps": end, "steps_per_epoch": order.steps_per_epoch, "global_batch_size": B, "seq_len": c.seq_len,
-            "tokens_per_step": B * c.seq_len, "batch_sizes": order.batches.to_list(),
+            "tokens_per_step": _most_tokens_a_step(order, end), "batch_sizes": order.batches.to_list(),
             **({"seq_lens": [list(x) for x in order.seq_lens]} if len(order.seq_lens) > 1 else {}),
             "tokens": None if end is None else order.tokens_before(end),
             "phases": phases, "sources": sources, "warnings": warn}
+
+
+def _most_tokens_a_step(order, end: int | None) -> int:
+    """The most tokens a step of the run holds (rows x length), schedules of both included: a
+    step where either changes is where it can be largest."""
+    starts = {s for s, _ in order.batches.to_list()} | {s for s, _ in order.seq_lens}
+    steps = [s for s in starts if end is None or s < end] or [0]
+    return max(order.batches.size(s) * order.seq_len_at(s) for s in steps)
 
 
 def _source(name: str, d, got: dict, streaming: bool) -> dict:

@@ -23,15 +23,25 @@ def shares_over_steps(pipeline, end: int, points: int = 200) -> tuple[np.ndarray
     return bounds, dict(zip(pipeline.source_names, shares.T))
 
 
+def changes(description: dict) -> list[tuple[int, str, str]]:
+    """The steps the plot marks, with a label and a line style: each phase that starts (dashed),
+    and each change of sequence length or batch size (dotted)."""
+    end = description["steps"]
+    marks = [(p["start_step"], "phase", "--") for p in description["phases"][1:] if p["reached"]]
+    marks += [(s, f"seq_len {n:,}", ":") for s, n in description.get("seq_lens", [])[1:]]
+    marks += [(s, f"{b:,} rows", ":") for s, b in description["batch_sizes"][1:]]
+    return sorted(m for m in marks if end is None or m[0] < end)
+
+
 def plot_shares(pipeline, description: dict, png: str | Path, title: str) -> Path:
-    """Draw `shares_over_steps` as stacked areas, with the phases that start marked."""
+    """Draw `shares_over_steps` as stacked areas, with the `changes` marked."""
     plt = pyplot()
     bounds, shares = shares_over_steps(pipeline, description["steps"])
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.stackplot(bounds, *[np.append(s, s[-1]) for s in shares.values()], labels=list(shares), step="post")
-    for p in description["phases"][1:]:
-        if p["reached"]:
-            ax.axvline(p["start_step"], color="black", linestyle="--", linewidth=0.8)
+    for step, label, style in changes(description):
+        ax.axvline(step, color="black", linestyle=style, linewidth=0.8)
+        ax.text(step, 1.01, label, transform=ax.get_xaxis_transform(), fontsize=7, ha="left", va="bottom")
     ax.set(xlim=(0, bounds[-1]), ylim=(0, 1), xlabel="step", ylabel="share of rows", title=title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
