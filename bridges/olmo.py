@@ -73,22 +73,30 @@ class _OlmoDataset(GrainIterableDataset):
 
 
 class ForgeGrainDataLoader(TextDataLoaderBase):
-    """An OLMo-core data loader over a forge-grain config (a `DataConfig`, or a TOML path).
+    """An OLMo-core data loader over a forge-grain config (a `DataConfig`, or a TOML path), or a
+    `Pipeline` built for this rank (one resumed with `skip_steps`, `skip_documents` or a mixture
+    change: what a config alone cannot say).
 
     num_workers: torch DataLoader workers making the batches (each worker makes whole steps,
     in order; see `bridges.torch`). intra_document: add `doc_lens`/`max_doc_lens`, which
     OLMo-core's attention reads to keep attention within documents.
     """
 
-    def __init__(self, config: DataConfig | str | Path, *, work_dir, dp_world_size: Optional[int] = None,
+    def __init__(self, config: DataConfig | Pipeline | str | Path, *, work_dir, dp_world_size: Optional[int] = None,
                  dp_rank: Optional[int] = None, fs_local_rank: Optional[int] = None, num_workers: int = 0,
                  cache_dir=None, intra_document: bool = True):
-        if not isinstance(config, DataConfig):
-            config = DataConfig.from_toml(config)
-        world = dp_world_size if dp_world_size is not None else get_world_size()
-        rank = dp_rank if dp_rank is not None else get_rank()
-        self.dataset = _OlmoDataset(config, rank=rank, world_size=world, cache_dir=cache_dir,
-                                    intra_document=intra_document)
+        if isinstance(config, Pipeline):  # built by the caller: resumed with skips or a mixture change
+            world = dp_world_size if dp_world_size is not None else config.shard_count
+            rank = dp_rank if dp_rank is not None else config.shard_index
+            self.dataset = _OlmoDataset(config, rank=rank, world_size=world, intra_document=intra_document)
+            config = config.config
+        else:
+            if not isinstance(config, DataConfig):
+                config = DataConfig.from_toml(config)
+            world = dp_world_size if dp_world_size is not None else get_world_size()
+            rank = dp_rank if dp_rank is not None else get_rank()
+            self.dataset = _OlmoDataset(config, rank=rank, world_size=world, cache_dir=cache_dir,
+                                        intra_document=intra_document)
         pipeline: Pipeline = self.dataset.pipeline
         if not pipeline.batches.constant:
             raise ValueError("OLMo-core changes batch sizes itself (its BatchSizeSchedulerCallback): "

@@ -321,7 +321,13 @@ class GrainIterableDataset(IterableDataset):
         if self._next_step is None and self._resume is not None:
             return dict(self._resume)
         w, W = self._worker()
-        if self._next_step is None:  # not started: at the start of the pass set_epoch chose
+        posted = self._channel.peek(W) if self._next_step is None else None
+        if posted is not None and posted.get("kind") != "worker":  # not started, resumed by a global state
+            self.pipeline = adopting(self.pipeline, posted)  # (StatefulDataLoader asks before the pass starts)
+            next_step, end = int(posted["step"]) + w, self._pass_end(int(posted["step"]))
+            if self.pipeline.streams:
+                self.pipeline.start_streams(next_step, W, posted.get("streams"))
+        elif self._next_step is None:  # not started: at the start of the pass set_epoch chose
             start = self._pass_start()
             next_step, end = start + w, self._pass_end(start)
             if self.pipeline.streams:
@@ -415,9 +421,17 @@ class ResumeChannel:
 
     def take(self, num_workers: int) -> dict | None:
         """Count one pass start; the posted state if this start belongs to the pass after it."""
+        return self._next(num_workers, count=True)
+
+    def peek(self, num_workers: int) -> dict | None:
+        """The posted state the next pass start would take (`take`), without counting it."""
+        return self._next(num_workers, count=False)
+
+    def _next(self, num_workers: int, count: bool) -> dict | None:
         with file_lock(self.dir / "lock"):
             n = self._read("calls.json", 0)
-            self._write("calls.json", n + 1)
+            if count:
+                self._write("calls.json", n + 1)
             posted = self._read("posted.json", None)
         if posted is None or not posted["at"] <= n < posted["at"] + num_workers:
             return None

@@ -294,7 +294,13 @@ def _replay_arrays(batches: list[dict]) -> tuple[dict, str]:
 
 
 def _hashes(a) -> None:
-    p, _ = _recorded_pipeline(a)
+    p, state = _recorded_pipeline(a)
+    if p.streams:  # a streaming row is known once read: the steps made in order (one shard: the global batch)
+        from forge_grain.pipeline.explain import hash_batch
+
+        for step, batch in zip(a.steps, _made(p, state, a.steps)):
+            print(step, hash_batch(batch))
+        return
     for step in a.steps:
         print(step, p.batch_hash(step))
 

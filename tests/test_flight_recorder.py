@@ -417,6 +417,11 @@ def test_replay_of_a_streaming_run_reads_from_its_saved_state(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == explained and explained[0]["segments"]
     assert main(["explain", str(toml), "--state", str(tmp_path / "state.json"), "--step", "6"]) == 0
     assert "canonical stream 0 window" in capsys.readouterr().out
+    # hashes likewise: the steps made in order from the state's (it was refused: "no global batch")
+    from forge_grain.pipeline.explain import hash_batch
+
+    assert main(["hashes", str(toml), "--state", str(tmp_path / "state.json"), "--steps", "4:7"]) == 0
+    assert capsys.readouterr().out.split() == [x for s in range(4, 7) for x in (str(s), hash_batch(reference[s]))]
 
 
 def test_explain_decode_finds_the_stores_tokenizer_from_any_directory(tmp_path, monkeypatch):

@@ -65,6 +65,27 @@ def test_stateful_dataloader_resumes_exactly_across_an_epoch_boundary(stores, wo
     assert_same(consumed + rest, reference)
 
 
+@pytest.mark.parametrize("taken", [0, 1])
+def test_a_stateful_dataloader_resumed_from_the_global_step_saves_its_own_state_at_once(stores, taken):
+    """A StatefulDataLoader whose dataset resumed from the tracker's global state (a resume that
+    changed something: another world size, a skip) saves its own state before every worker has
+    made a batch: that state resumes where the run is, not at the pass start (a worker that had
+    not begun reported step 1, and the next process trained steps 1, 3, ... again)."""
+    cfg = small(stores)
+    want = steps_and_inputs(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1), batch_size=None))
+    state = Pipeline(cfg, 0, 1, num_threads=0).state_at(4)
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1)
+    ds.tracker().load_state_dict(state)
+    first = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    it = iter(first)
+    head = steps_and_inputs(next(it) for _ in range(taken))
+    saved = first.state_dict()
+    del it
+    again = StatefulDataLoader(GrainIterableDataset(cfg, rank=0, world_size=1), batch_size=None, num_workers=2)
+    again.load_state_dict(saved)
+    assert_same(head + steps_and_inputs(again), want[4:])
+
+
 def test_hf_convention_follows_the_loss_mask(stores):
     forge = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1)))
     hf = next(iter(GrainIterableDataset(small(stores), rank=0, world_size=1, convention="hf", dtype=torch.int32)))

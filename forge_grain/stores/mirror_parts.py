@@ -367,8 +367,8 @@ def _file_of(fmt: str, index: dict, entry: dict, files: dict):
         return ((index.get("config") or {}).get("compression"), name, name, int(entry.get("chunk_bytes") or 0),
                 lambda plain: {**entry, "filename": plain})
     raw, zipped = entry.get("raw_data") or {}, entry.get("zip_data") or {}
-    name = raw.get("basename")
-    if name in files or not zipped.get("basename") or zipped["basename"] not in files:
+    name = entry.get("filename") or raw.get("basename")  # (an Arrow file's, an MDS shard's)
+    if fmt != "mds" or name in files or not zipped.get("basename") or zipped["basename"] not in files:
         return None, name, name, 0, None
     return (entry.get("compression") or "(none named)", zipped["basename"], name, int(raw.get("bytes") or 0),
             lambda plain: {**entry, "raw_data": {**raw, "basename": plain}, "zip_data": None, "compression": None})
