@@ -36,27 +36,62 @@ def _at_least(low: int):
 
 
 def _output_file(text: str) -> str:
-    """An argparse type: a file to write, in a directory that exists, not a directory itself."""
+    """An argparse type: a file to write, in a directory that exists, not a directory itself, and
+    not something that is not a regular file (written to a temporary and renamed over the path,
+    `/dev/full` was replaced by the output, as root)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name to write")
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a regular file (a device, a FIFO or a socket); "
+                                         "give a file name to write")
     if not path.resolve().parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: the directory {path.parent} does not exist")
     return text
 
 
+MAX_STATE_BYTES = 16 << 20  # a saved state is kilobytes (a streaming run's, with its streams' positions, more)
+
+
 def _state_file(text: str) -> tuple[str, dict]:
-    """An argparse type: (the path, the saved data state read from it as JSON)."""
+    """An argparse type: (the path, the saved data state read from it as JSON): a regular file
+    of at most `MAX_STATE_BYTES` (`/dev/zero` was read until memory ran out)."""
+    from forge_grain.pipeline.config import read_capped
+
     try:
-        return text, json.loads(Path(text).read_text())
+        return text, json.loads(read_capped(Path(text), MAX_STATE_BYTES, "saved state"))
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{text}: cannot read ({e.strerror or e})") from None
+    except ForgeGrainError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise argparse.ArgumentTypeError(f"{text}: not a saved state (invalid JSON: {e})") from None
 
 
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object (fsspec's storage options are keyword arguments)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of options is needed, not {text!r:.80}")
+    return value
+
+
+def _row_length(text: str) -> int:
+    """An argparse type: a row length, 1 to `MAX_SEQ_LEN` tokens."""
+    from forge_grain.pipeline.batches import MAX_SEQ_LEN
+
+    value = _at_least(1)(text)
+    if value > MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"{value:,} tokens a row is past {MAX_SEQ_LEN:,}, the longest row "
+                                         "forge-grain makes")
+    return value
+
+
 def _storage_options(parser) -> None:
-    parser.add_argument("--storage-options", type=json.loads, metavar="JSON",
+    parser.add_argument("--storage-options", type=_json_object, metavar="JSON",
                         help="for an s3:// (or other fsspec) URL: fsspec options as JSON, e.g. "
                         "'{\"endpoint_url\": \"http://minio:9000\"}' (credentials come from the environment)")
 
@@ -431,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="raw files may begin or end inside a document (not checked against --bos-id/--eos-id)")
     ins.add_argument("--full-fingerprint", action="store_true",
                      help="foreign files: hash every byte for the fingerprint (default: sampled blocks)")
-    ins.add_argument("--seq-len", type=_at_least(1), help="also report how each packing strategy fills rows of this length")
+    ins.add_argument("--seq-len", type=_row_length, help="also report how each packing strategy fills rows of this length")
     ins.add_argument("--seed", type=int, default=0, help="document shuffle seed for the packing report")
     ins.add_argument("--max-segments", type=_at_least(1), metavar="K",
                      help="with --seq-len: also plan with at most K documents (segments) a row, and show the fill "

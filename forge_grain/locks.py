@@ -85,5 +85,5 @@ def _holder(path: Path) -> str:
         d = json.loads(path.read_text())
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"]))
         return f"process {d['pid']} on {d['host']} (since {since})"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return "another process"

@@ -163,7 +163,11 @@ def resolve(name) -> tuple[Path, str]:
     if not name:
         return DEFAULT_TOKENIZER, str(DEFAULT_TOKENIZER)
     path = Path(name)
-    if path.exists():  # recorded absolute: a store's tokenizer is found again from any directory
+    try:
+        here = path.exists()
+    except OSError:  # a name too long for a path ("File name too long"): not a local file
+        here = False
+    if here:  # recorded absolute: a store's tokenizer is found again from any directory
         return path, str(path.resolve())
     if not hub.looks_like_repo_id(str(name)):
         return path, str(name)

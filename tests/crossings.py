@@ -117,7 +117,7 @@ def covering(axes: dict = AXES, absent=ABSENT, refused=REFUSED) -> list[dict]:
 
 
 def _greedy(axes: dict, names: list, todo: set, absent: set) -> list[dict]:
-    cases = []
+    cases, used = [], {(a, v): 0 for a in names for v in axes[a]}  # ties go to the value used least
     while todo:
         # start from the first uncovered pair, then take for each other axis the value covering most
         (a, x), (b, y) = min(todo, key=lambda p: (names.index(p[0][0]), axes[p[0][0]].index(p[0][1]),
@@ -126,19 +126,21 @@ def _greedy(axes: dict, names: list, todo: set, absent: set) -> list[dict]:
         for axis in names:
             if axis in case:
                 continue
-            best, score = None, -1
+            best, score = None, (-1, 0)
             for v in axes[axis]:
                 trial = [((c, case[c]), (axis, v)) if names.index(c) < names.index(axis) else ((axis, v), (c, case[c]))
                          for c in case]
                 if any(p in absent for p in trial):
                     continue
-                gain = sum(p in todo for p in trial)
+                gain = (sum(p in todo for p in trial), -used[(axis, v)])
                 if gain > score:
                     best, score = v, gain
             case[axis] = best
         case = {k: case[k] for k in names}
         todo -= pairs_of(case)
         cases.append(case)
+        for a in names:
+            used[(a, case[a])] += 1
     return cases
 
 
@@ -147,9 +149,14 @@ def case_id(case: dict) -> str:
 
 
 def default_subset(cases: list[dict], n: int = 10, seed: int = 60) -> list[dict]:
-    """The cases the default suite runs: a seeded sample, chosen with the standard library's
-    generator (its stream is stable across Python versions for a seeded `sample`)."""
-    return random.Random(seed).sample(cases, min(n, len(cases)))
+    """The cases the default suite runs: a seeded sample (the standard library's generator),
+    holding every location and every interruption at least once, and one refusal."""
+    rng = random.Random(seed)
+    chosen = [rng.choice([c for c in cases if c[axis] == v and not refusal(c)])
+              for axis in ("location", "interruption") for v in AXES[axis]]
+    chosen.append(rng.choice([c for c in cases if refusal(c)]))
+    rest = [c for c in cases if c not in chosen]
+    return chosen + rng.sample(rest, max(0, n - len(chosen)))
 
 
 def table(cases: list[dict]) -> str:

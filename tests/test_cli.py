@@ -82,6 +82,17 @@ BAD = [  # (arguments, what the one line must say)
     ("demo --steps -1", r"--steps: -1 is not positive"),
     ("demo --max-files 0", r"--max-files: 0 is not positive"),
     ("config-reference extra", r"unrecognized arguments: extra"),
+    # what an input controls is bounded, and nothing but a regular file is read or replaced
+    ("plan run.toml --state /dev/zero", r"--state: /dev/zero: not a regular file"),
+    ("explain run.toml --step 1 --state /dev/zero", r"--state: /dev/zero: not a regular file"),
+    ("plan /dev/zero", r"/dev/zero: not a regular file; a config file is a file"),
+    ("replay run.toml --steps 0:2 --out /dev/full", r"--out: /dev/full exists and is not a regular file"),
+    ("plan run.toml --plot /dev/full", r"--plot: /dev/full exists and is not a regular file"),
+    ("inspect web --plot /dev/full", r"--plot: /dev/full exists and is not a regular file"),
+    ("inspect web --seq-len 1000000000000", r"--seq-len: 1,000,000,000,000 tokens a row is past 16,777,216"),
+    ("prepare notes.txt s3://b/x --storage-options [1,2]", r"--storage-options: a JSON object of options is needed"),
+    ("prepare notes.txt out2 --runner beam --beam-option garbage",
+     r"Beam options \['--garbage'\]: not options Beam knows"),
 ]
 
 

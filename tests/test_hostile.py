@@ -206,6 +206,15 @@ HOSTILE_STATES = {  # (the state from a real one at step 3, the resume's options
     "a float seq_len": (lambda s: forged(s, seq_len=64.0), {"allow_mixture_change": True},
                         r"config\.seq_len must be a positive integer"),
     "a fingerprint that is a number": (lambda s: {**s, "fingerprint": 7}, {}, r"state fingerprint must be a string"),
+    "a seq_len of 2**40": (lambda s: forged(s, seq_len=2**40), {"allow_mixture_change": True},
+                           r"(sequence length differs from the state's|differing: \['seq_len'\])"),
+    "a length history of 2**40": (
+        lambda s: forged(s, seq_len_history=[{"until_step": 3, "seq_lens": [[0, 2**40]]}]),
+        {"allow_seq_len_change": True}, r"sequence-length history is malformed"),
+    "live weights that sum past a float": (
+        lambda s: forged(s, live={"web": 1e308, "code": 1e308, "math": 0.0}), {}, r"config\.live must be the weights"),
+    "a live weight that is a string": (lambda s: forged(s, live={"web": "1", "code": 1.0, "math": 0.0}), {},
+                                       r"config\.live must be the weights"),
 }
 
 
@@ -405,3 +414,51 @@ def test_a_resume_with_only_the_seed_changed_names_only_the_seed(stores):
         Pipeline(config(stores, seed=8), 0, 1, num_threads=0).iterator(state)
     with pytest.raises(StateError, match=r"differing: \['seq_len'\]\."):
         Pipeline(config(stores, seq_len=32), 0, 1, num_threads=0).iterator(state)
+
+
+# -- huge or malformed values: the project's error naming the field ------------------------------
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(seq_len=10**9), r"seq_len: 1,000,000,000 is past 16,777,216"),
+    (dict(seq_len=2**31, seq_lens=[[0, 64], [5, 2**31]], num_epochs=None, max_steps=10), r"seq_len: "),
+    (dict(seq_len=64, seq_lens=[[0, 2**40], [5, 64]], num_epochs=None, max_steps=10),
+     r"seq_lens\[0\] is \[0, 1099511627776\]: a length past 16,777,216"),
+    (dict(global_batch_size=2**40), r"global_batch_size: 1,099,511,627,776 is past"),
+    (dict(batch_sizes=[[0, 8], [3, 2**40]]), r"batch_sizes\[1\] .*a batch size past"),
+])
+def test_huge_lengths_and_batch_sizes_are_config_errors(stores, fields, match):
+    """`seq_lens` of 2**40, 10**9 or 2**31 ended in a raw MemoryError."""
+    from forge_grain import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        Pipeline(config(stores, **fields), 0, 1, num_threads=0)
+
+
+@pytest.mark.parametrize("weights, match", [
+    ({"web": 1e308, "code": 1e308, "math": 0.0}, r"set_weights: the weights sum past the largest float"),
+    ({"web": "1", "code": 1.0}, r"set_weights: the weight of 'web': must be a finite number >= 0, got '1'"),
+    ({"web": True, "code": 1.0}, r"the weight of 'web': must be a finite number"),
+    ({"web": float("nan"), "code": 1.0}, r"the weight of 'web': must be a finite number"),
+])
+def test_set_weights_takes_what_a_config_file_takes(stores, weights, match):
+    """One rule for weights everywhere: 1e308 + 1e308 overflowed into a raw "all zero" ValueError,
+    and a string weight passed `set_weights` though config files and states refuse it."""
+    from forge_grain import ConfigError
+
+    p = Pipeline(config(stores), 0, 1, num_threads=0)
+    with pytest.raises(ConfigError, match=match):
+        p.with_weights(weights, 4)
+    with pytest.raises(ConfigError, match=r"sources: the weights sum past the largest float"):
+        Pipeline(config(stores, sources=[dict(s, weight=1e308) for s in config(stores).to_dict()["sources"]]), 0, 1,
+                 num_threads=0)
+
+
+@pytest.mark.parametrize("step", [-1, 10**30, "3", 2.5])
+def test_global_and_shard_rows_take_steps_like_every_method(stores, step):
+    """`global_rows(2.5)` returned rows straddling steps 2 and 3; -1, 10**30 and '3' raised raw errors."""
+    p = Pipeline(config(stores), 0, 2, num_threads=0)
+    with pytest.raises(StepError):
+        p.global_rows(step)
+    with pytest.raises(StepError):
+        p.shard_rows(step)

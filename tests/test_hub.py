@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,3 +120,75 @@ def test_a_local_directory_of_that_name_wins_over_the_hub(hf_cache, tmp_path, mo
     (tmp_path / "acme" / "tiny-bpe").mkdir(parents=True)
     shutil.copy(DEFAULT_TOKENIZER, tmp_path / "acme" / "tiny-bpe" / "tokenizer.json")
     assert load_tokenizer("acme/tiny-bpe").path == str(tmp_path / "acme" / "tiny-bpe")  # recorded absolute
+
+
+# -- what the cache gives stays inside it --------------------------------------------------------
+
+
+def _repo(cache, repo="acme/tiny-bpe"):
+    return cache / "hub" / f"models--{repo.replace('/', '--')}"
+
+
+def _elsewhere(tmp_path):
+    """A folder outside the cache holding a tokenizer with one more token: loading it would pass
+    for the cached one."""
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    changed = json.loads(DEFAULT_TOKENIZER.read_text())
+    changed["added_tokens"].append({**changed["added_tokens"][-1], "id": 99999, "content": "<|planted|>"})
+    (other / "tokenizer.json").write_text(json.dumps(changed))
+    return other
+
+
+def test_a_revision_climbing_out_of_the_cache_is_refused_naming_it(hf_cache, tmp_path):
+    """`org/tok@../../../some/dir/ref` read a ref file outside the cache and loaded what it
+    named; a revision is a branch, a tag or a commit, and the name says which it is not."""
+    other = _elsewhere(tmp_path)
+    (other / "ref").write_text(REV_A)
+    for bad in ["acme/tiny-bpe@" + "../" * 11 + str(other / "ref").lstrip("/"), "acme/tiny-bpe@/abs/ref",
+                "acme/tiny-bpe@main/../x", "acme/tiny-bpe@v1/"]:
+        with pytest.raises(PrepareError, match=r"is not a revision"):
+            load_tokenizer(bad)
+    assert load_tokenizer("acme/tiny-bpe@main").path == f"acme/tiny-bpe@{REV_A}"  # a branch name is one
+
+
+@pytest.mark.parametrize("how", ["ref", "snapshot link", "file link"])
+def test_a_cache_pointing_out_of_itself_is_refused(hf_cache, tmp_path, how):
+    """refs/main holding an absolute path, a snapshot folder that is a link out of the cache, and
+    a snapshot's tokenizer.json whose link leads outside `blobs/`: each was followed."""
+    other, base = _elsewhere(tmp_path), _repo(hf_cache)
+    folder = base / "snapshots" / REV_A
+    if how == "ref":
+        (base / "refs" / "main").write_text(str(other))
+    elif how == "snapshot link":
+        shutil.rmtree(folder)
+        folder.symlink_to(other, target_is_directory=True)
+    else:
+        (folder / "tokenizer.json").unlink()
+        (folder / "tokenizer.json").symlink_to(other / "tokenizer.json")
+    with pytest.raises(PrepareError, match=r"acme/tiny-bpe: .*(not a commit's folder|outside the repository's cache)"):
+        load_tokenizer("acme/tiny-bpe")
+
+
+def test_a_blob_is_checked_against_its_hash_name(hf_cache):
+    """As huggingface_hub lays out a file: a link from the snapshot into `blobs/<sha256>`. A blob
+    whose content is not what its name says is refused (it was used, and caught only later by
+    the recorded sha256)."""
+    import hashlib
+
+    base, data = _repo(hf_cache), DEFAULT_TOKENIZER.read_bytes()
+    (base / "blobs").mkdir()
+    blob = base / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.write_bytes(data)
+    link = base / "snapshots" / REV_A / "tokenizer.json"
+    link.unlink()
+    link.symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    assert load_tokenizer("acme/tiny-bpe").sha256 == load_tokenizer(DEFAULT_TOKENIZER).sha256
+    blob.write_bytes(data.replace(b"<|endoftext|>", b"<|endoftexT|>"))
+    with pytest.raises(PrepareError, match=r"blob [0-9a-f]{64} does not hold what its name"):
+        load_tokenizer("acme/tiny-bpe")
+
+
+def test_a_name_too_long_for_a_path_is_an_error_naming_it(hf_cache):
+    with pytest.raises(PrepareError, match=r"a Hugging Face Hub name of 5000 characters"):
+        load_tokenizer("a" * 5000)

@@ -131,7 +131,7 @@ def test_what_set_weights_refuses_is_said(four, tmp_path):
         p.with_weights({"a": -1.0}, 3)
     with pytest.raises(ConfigError, match="at_step must be a step"):
         p.with_weights({"a": 1.0}, -1)
-    with pytest.raises(ConfigError, match="the weight of 'a' must be a finite number >= 0, not True"):
+    with pytest.raises(ConfigError, match="the weight of 'a': must be a finite number >= 0, got True"):
         p.with_weights({"a": True}, 3)
     # what a reweighting rule computes: numpy arrays and scalars, in source order or by name
     same = [p.with_weights(w, 3).fingerprint for w in (np.array([1, 2, 0, 0], np.float32),

@@ -747,6 +747,38 @@ def test_a_lock_whose_lease_ran_out_is_taken_over_and_a_live_one_is_not(s3, capl
     assert not fs.exists("bucket/leased/.forge-grain-writer.lock")
 
 
+FORGED_LEASES = {"lease_s a string": dict(lease_s="inf"), "lease_s NaN": dict(lease_s=float("nan")),
+                 "lease_s 1e308": dict(lease_s=1e308), "since past a float": dict(since=10**400, renewed=None),
+                 "renewed in the future": dict(renewed=time.time() + 86400), "pid a string": dict(pid="4242")}
+
+
+def test_a_lock_that_is_not_a_valid_lease_expires_after_the_default_lease(s3, monkeypatch, caplog):
+    """A lock whose lease is `inf`, NaN or 1e308, whose time is past the largest float or in the
+    future: `prepare` ended in "internal error" or never took the lock over. Such a record counts
+    as expired the default lease after the lock object was written, and the messages say so."""
+    from forge_grain.locks import LockedError
+    from forge_grain.stores.writer_lock import writer_lock
+
+    monkeypatch.setenv("FORGE_GRAIN_LOCK_LEASE", "2")
+    fs = s3.fs()
+    for k, fields in enumerate(FORGED_LEASES.values()):
+        record = {"owner": "x" * 32, "pid": 4242, "host": "another-host", "since": time.time(), "renewed": time.time(),
+                  "lease_s": 300, **fields}
+        fs.pipe(f"bucket/forged-{k}/.forge-grain-writer.lock",
+                json.dumps({key: v for key, v in record.items() if v is not None}).encode())
+        with pytest.raises(LockedError, match=r"taken over once its lease runs out \(2 s after the lock was written: "
+                                              r"its record is not a valid lease unrenewed\)"):
+            with writer_lock(f"s3://bucket/forged-{k}", s3.options()):
+                pass
+    time.sleep(3.5)  # past the default lease (the store's times are whole seconds)
+    for k, name in enumerate(FORGED_LEASES):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="forge_grain.stores.writer_lock"):
+            with writer_lock(f"s3://bucket/forged-{k}", s3.options()):
+                pass
+        assert "its record is not a valid lease" in caplog.text and "counted as expired 2 s" in caplog.text, name
+
+
 def test_a_live_holder_renews_its_lease_and_one_of_two_takers_wins(s3, monkeypatch):
     """A job holding the lock longer than its lease renews it (a second job stays refused); of
     two jobs taking over one dead lock at once, exactly one gets it."""

@@ -101,9 +101,15 @@ class BatchSchedule:
         return f"BatchSchedule({self.to_list()})"
 
 
+MAX_SEQ_LEN = 1 << 24  # tokens a row: its arrays (ids, targets, positions, segments, mask) fit in memory
+MAX_BATCH = 1 << 24  # rows a step, likewise (a step of more rows than this is no batch a host makes)
+
+
 def check_segments(segments, where: str = "batch_sizes") -> list[tuple[int, int]]:
-    """[(start_step, size)] from a list of pairs, or a ScheduleError naming the bad entry."""
+    """[(start_step, size)] from a list of pairs, or a ScheduleError naming the bad entry;
+    lengths at most `MAX_SEQ_LEN`, batch sizes at most `MAX_BATCH`."""
     noun = "length" if "seq_lens" in where else "batch size"
+    most = MAX_SEQ_LEN if "seq_lens" in where else MAX_BATCH
     if not isinstance(segments, (list, tuple)) or not segments:
         raise ScheduleError(f"{where}: a list of [start_step, {noun}] pairs, not {segments!r:.80}")
     out, last = [], -1
@@ -114,6 +120,9 @@ def check_segments(segments, where: str = "batch_sizes") -> list[tuple[int, int]
             first = "the first at step 0, " if i == 0 else ""
             raise ScheduleError(f"{where}[{i}] is {pair!r:.80}: [start_step, {noun}] pairs, {first}steps "
                                 f"increasing, {noun}s positive integers")
+        if pair[1] > most:
+            raise ScheduleError(f"{where}[{i}] is {pair!r:.80}: a {noun} past {most:,} (the largest forge-grain makes: "
+                                f"a step's arrays must fit in a host's memory)")
         out.append((int(pair[0]), int(pair[1])))
         last = int(pair[0])
     return out

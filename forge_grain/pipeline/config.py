@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from forge_grain.errors import ConfigError
-from forge_grain.pipeline.batches import ScheduleError, check_segments, ramp_segments
-from forge_grain.sources.config import SourceConfig, check_weight, positive_int
+from forge_grain.pipeline.batches import MAX_BATCH, MAX_SEQ_LEN, ScheduleError, check_segments, ramp_segments
+from forge_grain.sources.config import SourceConfig, check_weight, check_weight_sum, positive_int
 
 __all__ = ["ConfigError", "DataConfig", "Phase", "SourceConfig", "register_reader"]
 
@@ -249,6 +249,10 @@ class DataConfig:
             s.check(f"sources[{i}]")
         positive_int("seq_len", self.seq_len)
         positive_int("global_batch_size", self.global_batch_size)
+        for key, most in (("seq_len", MAX_SEQ_LEN), ("global_batch_size", MAX_BATCH)):
+            if getattr(self, key) > most:
+                raise ConfigError(f"{key}: {getattr(self, key):,} is past {most:,}, the largest forge-grain makes (a "
+                                  "step's arrays must fit in a host's memory)")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
         if self.num_epochs is not None and not (isinstance(self.num_epochs, (int, float)) and self.num_epochs > 0):
@@ -273,8 +277,7 @@ class DataConfig:
                 raise ConfigError(f"loader.{key}: must be {LOADER_KEYS[key].__name__}, got {value!r}")
         if not (isinstance(self.mix_temperature, (int, float)) and self.mix_temperature > 0):
             raise ConfigError(f"mix_temperature: must be positive, got {self.mix_temperature!r}")
-        if sum(s.weight for s in self.sources) <= 0:
-            raise ConfigError("sources: the weights are all zero")
+        check_weight_sum("sources", [s.weight for s in self.sources])
         if (self.anneal_start_step is None) != (self.anneal_weights is None):
             raise ConfigError("anneal_start_step and anneal_weights: give both or neither")
         _check_phases(self.all_phases(), len(self.phases), names)
@@ -378,8 +381,7 @@ def _check_phases(phases: list[Phase], written: int, names: list[str]) -> None:
             if name not in names:
                 raise ConfigError(f"{where}.weights: unknown source {name!r} (sources: {names})")
             check_weight(f"{where}.weights.{name}", w)
-        if sum(p.weights.values()) <= 0:
-            raise ConfigError(f"{where}.weights: the weights are all zero")
+        check_weight_sum(f"{where}.weights", list(p.weights.values()))
 
 
 def _source(d: Any, i: int) -> SourceConfig:
@@ -405,9 +407,30 @@ def _phase(d: Any, i: int) -> Phase:
 
 def _read_toml(path: Path) -> dict:
     try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
+        return tomllib.loads(read_capped(path, MAX_CONFIG_BYTES, "config file").decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+MAX_CONFIG_BYTES = 16 << 20  # a config is kilobytes; a file past this is not one (`/dev/zero` read forever)
+
+
+def read_capped(path: Path, cap: int, what: str) -> bytes:
+    """The bytes of `path`, a regular file of at most `cap` bytes: else a `ConfigError` naming it
+    (a device, a FIFO or a huge file would be read into memory without end); a file that cannot
+    be read raises its `OSError`."""
+    import stat
+
+    st = path.stat()  # (a missing file: its OSError, as reading it gave)
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: not a regular file; a {what} is a file")
+    if st.st_size > cap:
+        raise ConfigError(f"{path}: {st.st_size:,} bytes, past the {cap:,} a {what} may have")
+    with open(path, "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise ConfigError(f"{path}: past the {cap:,} bytes a {what} may have")
+    return data
 
 
 def unknown_keys(unknown, known, table: str = "") -> str:

@@ -17,11 +17,11 @@ replace the config's mixture from `at_step` on: its later phases and anneal no l
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 from forge_grain.pipeline.config import ConfigError, DataConfig
+from forge_grain.sources.config import check_weight, check_weight_sum
 
 
 def weights_by_name(weights, names: list[str]) -> dict[str, float]:
@@ -37,21 +37,9 @@ def weights_by_name(weights, names: list[str]) -> dict[str, float]:
     unknown = sorted(set(weights) - set(names))
     if unknown:
         raise ConfigError(f"set_weights: no source named {unknown} (sources: {names})")
-    out = {name: _weight(name, weights.get(name, 0.0)) for name in names}
-    if not sum(out.values()) > 0:
-        raise ConfigError("set_weights: the weights are all zero")
+    out = {name: check_weight(f"set_weights: the weight of {name!r}", weights.get(name, 0.0)) for name in names}
+    check_weight_sum("set_weights", list(out.values()))
     return out
-
-
-def _weight(name: str, w) -> float:
-    """A weight as a float (numpy and torch scalars too), or a ConfigError."""
-    try:
-        f = float(w) if not isinstance(w, bool) else math.nan
-    except (TypeError, ValueError):
-        f = math.nan
-    if not math.isfinite(f) or f < 0:
-        raise ConfigError(f"set_weights: the weight of {name!r} must be a finite number >= 0, not {w!r}")
-    return f
 
 
 def live_config(config: DataConfig, weights: dict[str, float]) -> DataConfig:
@@ -65,7 +53,10 @@ def starting(config: DataConfig, live: dict | None, resume_from: dict | None, al
     """(the config a pipeline runs, the weights set live it records): `live` (a live change),
     else those of the run `resume_from` was saved in, unless the caller changes the mixture at
     this resume (`allow_change`: the config's mixture wins from the resumed step on)."""
-    live = live if live is not None else (None if allow_change else saved_live(resume_from))
+    if live is None and not allow_change and saved_live(resume_from) is not None:
+        from forge_grain.pipeline import states
+
+        live = saved_live(states.check(resume_from))  # (its fields checked before they make the config)
     if live is not None and set(live) == {s.name for s in config.sources}:
         config = live_config(config, live)
     return config, live

@@ -189,12 +189,12 @@ class Pipeline:
         return self.order.local_size(step)
 
     def global_rows(self, step: int) -> np.ndarray:
-        """The mixture rows of global batch `step`."""
-        return self.order.global_rows(step)
+        """The mixture rows of global batch `step` (an integer step of the run, else `StepError`)."""
+        return self.order.global_rows(states.step_number(step, self.step_limit))
 
     def shard_rows(self, step: int) -> np.ndarray:
         """The mixture rows of this shard's part of global batch `step`."""
-        return self.order.shard_rows(step)
+        return self.order.shard_rows(states.step_number(step, self.step_limit))
 
     def phase_at(self, step: int) -> dict:
         """The mixture in force at `step`: its `start_step`, `weights` by source name (after the

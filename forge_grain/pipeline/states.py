@@ -23,12 +23,13 @@ import math
 
 import numpy as np
 
-from forge_grain.errors import StateError, StepError
+from forge_grain.errors import ConfigError, StateError, StepError
 from forge_grain.packing.packed import PackedDataset
 from forge_grain.pipeline import history
 from forge_grain.pipeline.batches import ScheduleError, check_segments
 from forge_grain.pipeline.config import DataConfig
 from forge_grain.pipeline.mixture import MAX_ROWS
+from forge_grain.sources.config import check_weight, check_weight_sum
 
 STATE_VERSION = 1
 # Bumped whenever an algorithm that decides the stream changes (plans carry PLAN_VERSION too),
@@ -43,6 +44,15 @@ SUMMARY_KEYS = {"stream_version", "seq_len", "global_batch_size", "batch_sizes",
 
 def is_integer(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _weights(weights: dict) -> bool:
+    """Whether `weights` are ones a config could mix with (the rule of `check_weight`)."""
+    try:
+        check_weight_sum("live", [check_weight("live", w) for w in weights.values()])
+    except ConfigError:
+        return False
+    return True
 
 
 def step_number(step, limit: int, *, end: bool = False, what: str = "step") -> int:
@@ -103,10 +113,9 @@ def _check_summary(c: dict, step: int) -> None:
         fail("sources", f"must be a list of sources, each with a name, not {sources!r:.80}")
     names = [s["name"] for s in sources]
     live = c.get("live")
-    if live is not None and (not isinstance(live, dict) or set(live) != set(names) or not all(
-            _number(w) and w >= 0 for w in live.values()) or not sum(live.values()) > 0):
-        fail("live", f"must be the weights set live, one finite weight >= 0 per source and some positive, not "
-                     f"{live!r:.80}")
+    if live is not None and (not isinstance(live, dict) or set(live) != set(names) or not _weights(live)):
+        fail("live", f"must be the weights set live, one finite weight >= 0 per source, some positive and their "
+                     f"sum finite, not {live!r:.80}")
     try:
         history.check([{"until_step": 0, "sources": names, "schedule": c.get("schedule")}])
     except history.HistoryError:

@@ -85,10 +85,29 @@ from forge_grain.tokenizer import TextTokenizer
 METRICS = "forge_grain"  # the namespace of the job's counters
 
 
+def check_options(options: list[str]) -> None:
+    """Every option is one Beam knows, as `--name[=value]`: Beam itself drops the others with
+    a log line and runs on (`--beam-option garbage` ran as if not given)."""
+    import logging
+
+    bare = [o for o in options if not str(o).startswith("--")]
+    logger = logging.getLogger("apache_beam.options.pipeline_options")
+    level, logger.level = logger.level, logging.ERROR  # (its "Discarding unparseable args" is said here)
+    try:
+        parsed = PipelineOptions(list(options))
+        unknown = sorted(set(parsed.get_all_options(retain_unknown_options=True)) - set(parsed.get_all_options()))
+    finally:
+        logger.setLevel(level)
+    if bare or unknown:
+        raise PrepareError(f"Beam options {bare + [f'--{u}' for u in unknown]}: not options Beam knows (give them as "
+                           "KEY=VALUE, e.g. runner=DataflowRunner, direct_num_workers=2; see Beam's pipeline options)")
+
+
 def prepare_beam(spec, num_shards: int | None, overwrite: bool, options: list[str], progress: bool,
                  storage_options: dict | None = None) -> Path | str:
     """`prepare` with the Beam runner (see the module docstring); `spec` is local prepare's
     checked options (`preparation.Spec`); `storage_options` reach fsspec for URLs."""
+    check_options(options)
     inputs = Inputs.find(spec, storage_options)
     out = Output(spec.out, storage_options)
     with out.lock():

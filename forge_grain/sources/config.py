@@ -268,9 +268,37 @@ class SourceConfig:
         check_weight(f"{where}.weight", self.weight)
 
 
-def check_weight(key: str, w: Any) -> None:
-    if not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0 or w != w or w == float("inf"):
+def check_weight(key: str, w: Any) -> float:
+    """A mixture weight as a float: a finite real number >= 0 (numpy and torch scalars too; a
+    string, a bool or NaN is not one), else a ConfigError naming `key`. One rule for config
+    files, phases, `set_weights` and the weights a state records."""
+    f = float(w) if _real(w) else float("nan")
+    if not f >= 0 or f == float("inf"):
         raise ConfigError(f"{key}: must be a finite number >= 0, got {w!r}")
+    return f
+
+
+def _real(w) -> bool:
+    """A real number: an int or float, a numpy scalar, or a 0-d array or tensor holding one."""
+    import numbers
+
+    if isinstance(w, (bool, str, bytes)):
+        return False
+    if isinstance(w, numbers.Real):
+        return True
+    shape = getattr(w, "shape", None)
+    return shape is not None and tuple(shape) == () and hasattr(w, "item") and _real(w.item())
+
+
+def check_weight_sum(key: str, weights) -> None:
+    """Weights (floats, each checked) that mix: their sum positive and finite (1e308 + 1e308 is
+    inf, and every share then 0: "all zero")."""
+    total = sum(weights)
+    if not total > 0:
+        raise ConfigError(f"{key}: the weights are all zero")
+    if total == float("inf"):
+        raise ConfigError(f"{key}: the weights sum past the largest float; give them on a smaller scale "
+                          "(only their ratios matter)")
 
 
 def positive_int(key: str, v: Any) -> None:

@@ -44,7 +44,7 @@ class LitDataStore(TokenStore):
             file = checks.inside(self.path, chunk["filename"], "index.json")
             if compression:  # a compressed chunk cannot be mapped: read from its decompressed copy in the cache
                 checks.require_regular(file, "chunk listed in index.json")
-                file = decompress.cached_copy(file, compression, chunk["filename"], "litdata")
+                file = decompress.cached_copy(file, compression, chunk["filename"], "litdata", chunk.get("chunk_bytes"))
             header, item_offsets = _chunk_table(file, chunk, self.dtype)
             count = (int(item_offsets[-1]) - header) // self.dtype.itemsize
             self._arrays.append(checks.map_array(file, self.dtype, offset=header, count=count))

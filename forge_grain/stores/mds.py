@@ -74,7 +74,8 @@ class MDSStore(TokenStore):
             raise StoreError(f"{file}: shard listed in {self.path / 'index.json'} is missing")
         source = checks.inside(self.path, zipped["basename"], "index.json")
         checks.require_regular(source, "compressed shard listed in index.json")
-        return decompress.cached_copy(source, shard.get("compression"), raw.get("basename", source.name), "mds")
+        return decompress.cached_copy(source, shard.get("compression"), raw.get("basename", source.name), "mds",
+                                      raw.get("bytes"))
 
     def _verify_files(self) -> None:
         """The checksums MDS records for raw shards (those hashlib computes)."""

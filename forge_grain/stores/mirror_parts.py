@@ -268,7 +268,8 @@ class _Part:
         # the compressed copy goes
         if self.compression:
             plain, self.packed_size, self.raw_name = f"plain-{raw_name}", self.size, raw_name
-            self.size = plain_size or self.size  # (what it decompresses to, or a guess)
+            self.promised = plain_size or None  # (what it decompresses to: checked when it does)
+            self.size = plain_size or self.size  # (else a guess, to reserve)
             self.copy, self.local = f"{owner.home}/part-{k:05d}/{plain}", self.dir / plain
             self._index = {**index, key: [plain_entry(plain)]}
             if owner.local.format == "litdata":
@@ -307,7 +308,8 @@ class _Part:
             if not (self.dir / "copy-name").exists():  # the local reader's name for the copy (its fingerprint's)
                 write_text_atomic(self.dir / "copy-name", copy_name(packed, self.raw_name))
                 c.record(self.dir / "copy-name")
-            plain = c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp), keep)
+            plain = c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp,
+                                                                                 self.promised), keep)
         except StoreError as e:  # named as the object, not its copy in the cache
             raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
         c.discard(self.fetched)

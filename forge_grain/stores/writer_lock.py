@@ -74,11 +74,11 @@ class _Lease:
     def acquire(self) -> None:
         if not self.remote.retry(WRITER_LOCK, lambda: self._put(IfNoneMatch="*")):
             etag, holder = self._holder()
-            stale = _stale(holder, self.lease)
+            stale = _stale(holder, self.lease, self.written)
             if stale is None:
                 raise LockedError(f"{self.remote.url} is being written by {_who(holder)}; wait for it to finish, or "
                                   f"choose another output. A lock whose holder died is taken over once its lease "
-                                  f"runs out ({holder.get('lease_s', self.lease):g} s unrenewed), or at once on the "
+                                  f"runs out ({_lease_words(holder, self.lease)} unrenewed), or at once on the "
                                   f"holder's host; to end it sooner, remove {self.where} and run again")
             if etag is None or not self.remote.retry(WRITER_LOCK, lambda: self._put(IfMatch=etag)):
                 raise LockedError(f"{self.remote.url}: another job took over the stale lock of {_who(holder)} first")
@@ -123,11 +123,15 @@ class _Lease:
                             type(e).__name__, e)
 
     def _holder(self) -> tuple[str | None, dict]:
-        """(ETag, record) of the lock object now; (None, {}) when there is none or it is unreadable."""
+        """(ETag, record) of the lock object now; (None, {}) when there is none; the record {} when
+        it is unreadable. `self.written`: the store's time of its last write (None: unknown)."""
         fs, path = self.remote.fs, self.remote.path(WRITER_LOCK)
+        etag, self.written = None, None
         try:
             fs.invalidate_cache(path)
-            etag = self.remote.retry(WRITER_LOCK, lambda: fs.info(path).get("ETag"), missing_ok=True)
+            info = self.remote.retry(WRITER_LOCK, lambda: fs.info(path), missing_ok=True) or {}
+            etag, modified = info.get("ETag"), info.get("LastModified")
+            self.written = modified.timestamp() if hasattr(modified, "timestamp") else None
             body = self.remote.retry(WRITER_LOCK, lambda: fs.cat_file(path), missing_ok=True)
             record = json.loads(body) if body else {}
         except ValueError:
@@ -135,26 +139,68 @@ class _Lease:
         return etag, record if isinstance(record, dict) else {}
 
 
-def _stale(holder: dict, default_lease: float) -> str | None:
+MAX_LEASE_S = 7 * 86400  # a lease longer than a week is no lease a job renews
+CLOCK_SKEW_S = 300  # a renewal this far in the future is a clock's error, not a forged lock
+
+
+def _stale(holder: dict, default_lease: float, written: float | None = None) -> str | None:
     """Why the lock `holder` may be taken over (its process died on this host; its lease ran
-    out), or None while it stands. A lock written before leases counts from its `since`."""
+    out), or None while it stands. A lock written before leases counts from its `since`. A
+    record that cannot be read as a lease (a lease of `inf`, NaN or past a week, a time past
+    the largest float or in the future) counts as expired `default_lease` seconds after the
+    lock object was last written (`written`, the store's time for it), and the reason says so."""
+    now = time.time()
     try:
-        pid, host = int(holder["pid"]), str(holder["host"])
-        renewed = float(holder.get("renewed", holder["since"]))
-        lease = float(holder.get("lease_s", default_lease))
-    except (KeyError, TypeError, ValueError):
-        return "it records no owner forge-grain can read"
+        pid, host, renewed, lease = _lease(holder, default_lease, now)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        why = f"its record is not a valid lease ({e})"
+        idle = None if written is None else now - written
+        if idle is None or idle > default_lease:
+            return f"{why}; counted as expired {default_lease:g} s (the default lease) after it was written"
+        return None
     if host == socket.gethostname() and not process_alive(pid):
         return f"process {pid} no longer runs on this host"
-    idle = time.time() - renewed
+    idle = now - renewed
     if idle > lease:
         return f"its lease ran out ({idle:.0f} s since it was renewed; the lease is {lease:g} s)"
     return None
 
 
+def _lease(holder: dict, default_lease: float, now: float) -> tuple[int, str, float, float]:
+    """(pid, host, when renewed, lease) of a lock's record, each checked (a ValueError says which)."""
+    pid, host = holder["pid"], holder["host"]
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 1 << 32 or not isinstance(host, str):
+        raise ValueError(f"pid {pid!r:.40} on host {host!r:.40}")
+    renewed = _number(holder, "renewed" if "renewed" in holder else "since")
+    lease = _number(holder, "lease_s") if "lease_s" in holder else default_lease
+    if not 0 < lease <= MAX_LEASE_S:
+        raise ValueError(f"lease_s {lease!r} is not in (0, {MAX_LEASE_S}]")
+    if renewed > now + CLOCK_SKEW_S:
+        raise ValueError(f"it was renewed {renewed - now:.0f} s in the future")
+    return pid, host, renewed, lease
+
+
+def _number(holder: dict, key: str) -> float:
+    """A finite number of the record (a JSON number only: "inf" as a string is not one)."""
+    v = holder[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{key} {v!r:.40} is not a number")
+    f = float(v)  # (OverflowError for an integer past the largest float)
+    if f != f or f in (float("inf"), float("-inf")):
+        raise ValueError(f"{key} {v!r:.40} is not finite")
+    return f
+
+
+def _lease_words(holder: dict, default_lease: float) -> str:
+    try:
+        return f"{_lease(holder, default_lease, time.time())[3]:g} s"
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return f"{default_lease:g} s after the lock was written: its record is not a valid lease"
+
+
 def _who(holder: dict) -> str:
     try:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["since"])))
-        return f"process {holder['pid']} on {holder['host']} (since {since})"
-    except (KeyError, TypeError, ValueError):
+        return f"process {str(holder['pid'])[:40]} on {str(holder['host'])[:60]} (since {since})"
+    except (KeyError, TypeError, ValueError, OverflowError, OSError):
         return "another job"
