@@ -60,7 +60,7 @@ class Iterated:
         return {"global": self.it.get_state()}
 
     def close(self):
-        self.it.close() if hasattr(self.it, "close") else None
+        self.it.close()
 
 
 class Torch:
@@ -112,7 +112,7 @@ class Torch:
         del self.it
 
 
-class Jax:
+class Jax(Iterated):
     """`bridges.jax.JaxIterator` on this process's one CPU device."""
 
     def __init__(self, leg, rank, world, state, spec, first):
@@ -127,16 +127,6 @@ class Jax:
             self.it.set_state(g)
         for at, weights in live_to_apply(leg, g, g["step"] if g else 0):
             self.it.set_weights(weights, at)
-
-    def next(self):
-        b = next(self.it)
-        return int(b["step"]), {k: np.asarray(b[k]) for k in KEYS}
-
-    def state(self):
-        return {"global": self.it.get_state()}
-
-    def close(self):
-        self.it.close()
 
 
 class Olmo:
