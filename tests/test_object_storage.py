@@ -1193,7 +1193,9 @@ def test_a_megatron_prefix_in_object_storage_opens_like_its_local_prefix(tmp_pat
     assert len(remote) == len(local) and np.array_equal(remote[5], local[5])
 
 
-@pytest.mark.parametrize("name,limit", [("mds", None), ("mds", 30_000), ("litdata", 70_000), ("megatron", 20_000),
+# (MDS: 3 shards of about 17 KB; a limit of 30,000 held one beside the records, and two batch
+# threads evicted each other's shard until a read failed, now and then on a loaded machine)
+@pytest.mark.parametrize("name,limit", [("mds", None), ("mds", 45_000), ("litdata", 70_000), ("megatron", 20_000),
                                         ("raw", 10_000)])
 def test_a_peer_dataset_source_gives_the_stream_of_its_local_copy(tmp_path, s3, peers, name, limit):
     """The same batches as the local copy's: copied whole, or (with a cache_limit below the

@@ -330,16 +330,19 @@ class _Part:
             try:
                 store = self.owner.local(self.dir, **self.owner._local_options)
             except FileNotFoundError:
-                if self.local.exists() or attempt == 3:
+                if self.local.exists():
                     raise
                 continue
             except StoreError as e:
-                if self.local.exists() or attempt == 3:  # named as the object, not its copy in the cache
+                if self.local.exists():  # named as the object, not its copy in the cache
                     raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self.local)  # recently used: evicted last
             return store
+        raise StoreError(f"{self.owner.url}/{self.name}: evicted before it could be read, 4 times: cache_limit "
+                         f"{self.owner.cache.limit} bytes cannot hold the files the reads in flight need (this one is "
+                         f"{self.size} bytes); raise cache_limit")
 
     def index(self) -> None:
         """The record of this file: what its local reader found, kept beside it."""
