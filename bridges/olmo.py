@@ -85,18 +85,14 @@ class ForgeGrainDataLoader(TextDataLoaderBase):
     def __init__(self, config: DataConfig | Pipeline | str | Path, *, work_dir, dp_world_size: Optional[int] = None,
                  dp_rank: Optional[int] = None, fs_local_rank: Optional[int] = None, num_workers: int = 0,
                  cache_dir=None, intra_document: bool = True):
-        if isinstance(config, Pipeline):  # built by the caller: resumed with skips or a mixture change
-            world = dp_world_size if dp_world_size is not None else config.shard_count
-            rank = dp_rank if dp_rank is not None else config.shard_index
-            self.dataset = _OlmoDataset(config, rank=rank, world_size=world, intra_document=intra_document)
-            config = config.config
-        else:
-            if not isinstance(config, DataConfig):
-                config = DataConfig.from_toml(config)
-            world = dp_world_size if dp_world_size is not None else get_world_size()
-            rank = dp_rank if dp_rank is not None else get_rank()
-            self.dataset = _OlmoDataset(config, rank=rank, world_size=world, cache_dir=cache_dir,
-                                        intra_document=intra_document)
+        built = config if isinstance(config, Pipeline) else None  # (resumed with skips or a mixture change)
+        if built is None and not isinstance(config, DataConfig):
+            config = DataConfig.from_toml(config)
+        world = dp_world_size if dp_world_size is not None else built.shard_count if built else get_world_size()
+        rank = dp_rank if dp_rank is not None else built.shard_index if built else get_rank()
+        self.dataset = _OlmoDataset(config, rank=rank, world_size=world, cache_dir=cache_dir,
+                                    intra_document=intra_document)
+        config = built.config if built else config
         pipeline: Pipeline = self.dataset.pipeline
         if not pipeline.batches.constant:
             raise ValueError("OLMo-core changes batch sizes itself (its BatchSizeSchedulerCallback): "

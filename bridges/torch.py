@@ -206,9 +206,14 @@ class GrainIterableDataset(IterableDataset):
         for it: from a loaded state, else the pass start `set_epoch` chose."""
         state, self._resume = self._resume, None
         posted = self._channel.take(W)
-        state = state if posted is None else posted
-        if posted is not None:  # (a persistent worker made before a state with weights set live was loaded)
-            self.pipeline = adopting(self.pipeline, posted)
+        return self._start(state if posted is None else posted, w, W, posted=posted is not None)
+
+    def _start(self, state: dict | None, w: int, W: int, posted: bool) -> tuple[int, int]:
+        """(the first step, the pass's end) of worker `w` of `W` starting a pass from `state` (a
+        per-worker one, a posted global one, or None: the pass start `set_epoch` chose), its
+        streams positioned for it."""
+        if posted:  # (a persistent worker made before a state with weights set live was loaded)
+            self.pipeline = adopting(self.pipeline, state)
         streams = None
         if state is None:
             start = self._pass_start()
@@ -316,17 +321,9 @@ class GrainIterableDataset(IterableDataset):
         if self._next_step is None and self._resume is not None:
             return dict(self._resume)
         w, W = self._worker()
-        posted = self._channel.peek(W) if self._next_step is None else None
-        if posted is not None and posted.get("kind") != "worker":  # not started, resumed by a global state
-            self.pipeline = adopting(self.pipeline, posted)  # (StatefulDataLoader asks before the pass starts)
-            next_step, end = int(posted["step"]) + w, self._pass_end(int(posted["step"]))
-            if self.pipeline.streams:
-                self.pipeline.start_streams(next_step, W, posted.get("streams"))
-        elif self._next_step is None:  # not started: at the start of the pass set_epoch chose
-            start = self._pass_start()
-            next_step, end = start + w, self._pass_end(start)
-            if self.pipeline.streams:
-                self.pipeline.start_streams(next_step, W, self._streams_at(start))
+        if self._next_step is None:  # not started (StatefulDataLoader asks first): where its pass will start
+            posted = self._channel.peek(W)
+            next_step, end = self._start(posted, w, W, posted=posted is not None)
         else:
             next_step, end = self._next_step, self._end
         state = {"kind": "worker", "next_step": next_step, "pass_end": end, "num_workers": W,
