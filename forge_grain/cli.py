@@ -217,8 +217,21 @@ def format_plan(path, d: dict) -> str:
         epochs = "" if s["epochs"] is None else f" ({s['epochs']:.2f} epochs)"
         trained = "" if s["trained_tokens"] is None else f", {s['trained_tokens']:,} trained tokens"
         lines.append(f"  {s['name']}: {per_epoch}{packing}{read}{epochs}{trained}")
+        if s.get("cache"):
+            lines.append(f"    {_cache_line(s['cache'])}")
     lines += ["\nwarnings:", *(f"  ! {w}" for w in d["warnings"])] if d["warnings"] else []
     return "\n".join(lines)
+
+
+def _cache_line(c: dict) -> str:
+    """A source under cache_limit: its read order and what an epoch fetches."""
+    fit = c["fitted_order"]
+    order = ("an order not fitted to the cache (shuffle_window, or a whole-epoch shuffle)" if fit is None else
+             f"windows of at most {fit['files_together']:,} data file(s) or blocks (shuffle_bytes "
+             f"{fit['shuffle_bytes']:,}), rows shuffled within each")
+    at = "about" if fit is not None else "at least"  # (the replay leaves out a thrashing prefetch's churn)
+    return (f"cache_limit {c['limit']:,}: read in {order}; an epoch fetches {at} {c['fetch_bytes']:,} bytes "
+            f"({c['fetch_bytes'] / max(c['data_bytes'], 1):.2f}x its {c['data_bytes']:,})")
 
 
 # -- the flight recorder: explain, replay, hashes ------------------------------------------------

@@ -133,6 +133,8 @@ def source(data, case: dict, s3, local: bool = False) -> dict:
         out.update(FOREIGN[kind], vocab_size=1000)
     if where == "s3_limit":
         out["cache_limit"] = data["limits"][kind]
+    elif case["location"] == "s3_limit":  # the reference reads its local copy in the order fitted to that cache
+        out["shuffle_bytes"] = data["limits"][kind] // 4
     if where != "local":
         out["object_cache"] = str(data["base"] / "objects" / uuid.uuid4().hex[:8])
     return out

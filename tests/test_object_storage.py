@@ -56,6 +56,9 @@ def config(src) -> DataConfig:
                                      num_epochs=1))
 
 
+LEDGER_ROOM = 8_000  # the cache's own ledger counts against its limit: tests' limits of a few shards leave room for it
+
+
 def same(a: dict, b: dict) -> bool:
     return all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -113,10 +116,12 @@ def settled(cache, timeout: float = 30.0) -> int:
     landing when the iterator closes (the store's fetch threads finish them), so compare once
     they have, and fail if the two never agree."""
     deadline = time.monotonic() + timeout
-    while (counted := cache.ledger.used()) != (walked := cache.used()) and time.monotonic() < deadline:
+    files = lambda: sum(cache.ledger.sync().values())  # (the ledger's own bytes: its reserve, not its size now)
+    while (counted := files()) != (walked := cache.used() - cache.ledger.size()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert counted == walked, (counted, walked)
-    return walked
+    assert cache.ledger.size() <= cache.ledger.reserve()
+    return cache.used()
 
 
 def test_shards_are_downloaded_by_obstore_where_the_options_allow_and_by_s3fs_otherwise(tmp_path, s3, local_stores):
@@ -877,7 +882,8 @@ def peers(tmp_path_factory, s3):
         "raw": base / "raw",
     }
     fs = s3.fs()
-    fs.mkdir("peers")
+    if not fs.exists("peers"):  # (a test putting a dataset of its own there may have made the bucket)
+        fs.mkdir("peers")
     for name, path in local.items():
         fs.put(str(path), f"peers/{name}", recursive=True)
     return local
@@ -924,7 +930,7 @@ def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path,
     local = TokenStore.open(peers[name])
     files = sorted(f for f in Path(peers[name]).iterdir() if f.name not in INDEX_FILES)
     total, largest = sum(f.stat().st_size for f in files), max(f.stat().st_size for f in files)
-    limit = 2 * largest + 1
+    limit = 2 * largest + 1 + LEDGER_ROOM
     assert len(files) >= 3 and limit < total
     opts = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "c"), cache_limit=limit)
     remote = TokenStore.open(f"s3://peers/{name}", **opts)
@@ -1070,17 +1076,14 @@ def test_megatron_and_raw_files_read_in_blocks_keep_the_local_checks(tmp_path, s
     assert len(store) == len(TokenStore.open(peers["megatron"]))
 
 
-def test_compressed_litdata_chunks_read_a_file_at_a_time_stay_within_cache_limit(tmp_path, s3, monkeypatch):
-    """LitData chunks written with compression, in a bucket, under a cache_limit: each is
-    decompressed inside the bounded cache (its compressed copy then dropped), nothing is written
-    outside it, and the documents and the fingerprint are the local dataset's."""
+def zstd_litdata(tmp_path, s3) -> tuple[Path, dict]:
+    """The LitData fixture with its chunks compressed (zstd), on disk and at s3://peers/litdata-zstd."""
     import shutil
 
     import zstd
 
     from test_formats import LITDATA
 
-    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
     packed = shutil.copytree(LITDATA / "dataset", tmp_path / "zstd")
     index = json.loads((packed / "index.json").read_text())
     index["config"]["compression"] = "zstd"
@@ -1088,6 +1091,33 @@ def test_compressed_litdata_chunks_read_a_file_at_a_time_stay_within_cache_limit
         (packed / chunk["filename"]).write_bytes(zstd.compress((packed / chunk["filename"]).read_bytes(), 1))
     (packed / "index.json").write_text(json.dumps(index))
     s3.fs().put(str(packed), "peers/litdata-zstd", recursive=True)
+    return packed, index
+
+
+def test_a_compressed_chunk_that_cannot_fit_with_its_decompressed_copy_says_the_size_it_needs(tmp_path, s3):
+    """A LitData zstd chunk is held with its decompressed copy while it is decompressed: a
+    cache_limit that holds the decompressed chunk but not both says so at open, with the bytes it
+    needs (it said the chunk was "truncated or damaged (FileNotFoundError: ...)"); a limit above
+    that reads it."""
+    packed, index = zstd_litdata(tmp_path, s3)
+    sizes = [(packed / c["filename"]).stat().st_size + c["chunk_bytes"] for c in index["chunks"]]
+    plain = max(c["chunk_bytes"] for c in index["chunks"])
+    opts = dict(storage_options=s3.options(), object_cache=str(tmp_path / "c"))
+    with pytest.raises(StoreError, match=r"s3://peers/litdata-zstd: its data file chunk-0-\d\.bin needs "
+                                         rf"{max(sizes)} bytes of the cache at once \([0-9]+ compressed and {plain} "
+                                         r"decompressed.*raise cache_limit above [0-9]+"):
+        TokenStore.open("s3://peers/litdata-zstd", cache_limit=plain + 2000, **opts)
+    store = TokenStore.open("s3://peers/litdata-zstd", cache_limit=max(sizes) + 45_000, **opts)  # (records, ledger)
+    local = TokenStore.open(packed)
+    assert all(np.array_equal(store[i], local[i]) for i in range(len(local)))
+
+
+def test_compressed_litdata_chunks_read_a_file_at_a_time_stay_within_cache_limit(tmp_path, s3, monkeypatch):
+    """LitData chunks written with compression, in a bucket, under a cache_limit: each is
+    decompressed inside the bounded cache (its compressed copy then dropped), nothing is written
+    outside it, and the documents and the fingerprint are the local dataset's."""
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    packed, index = zstd_litdata(tmp_path, s3)
     limit = 3 * max(c["chunk_bytes"] for c in index["chunks"])  # below the dataset's 157 KB
     remote = TokenStore.open("s3://peers/litdata-zstd", storage_options=s3.options(), cache_limit=limit)
     assert remote.fetches and not (tmp_path / "cache" / "litdata").exists()
@@ -1118,7 +1148,9 @@ def test_compressed_mds_shards_read_a_file_at_a_time_stay_within_cache_limit(tmp
     assert all(s["zip_data"] and not (packed / s["raw_data"]["basename"]).exists() for s in index["shards"])
     s3.fs().put(str(packed), f"peers/mds-{compression}", recursive=True)
     raw = [s["raw_data"]["bytes"] for s in index["shards"]]
-    limit = 9 * sum(raw) // 10  # below the dataset decompressed: the records, a shard compressed and decompressed
+    # below the dataset decompressed: the records and the ledger, a shard compressed and decompressed
+    limit = 9 * sum(raw) // 10 + LEDGER_ROOM
+    assert limit < sum(raw) + sum(f.stat().st_size for f in packed.iterdir())
 
     remote = TokenStore.open(f"s3://peers/mds-{compression}", storage_options=s3.options(), cache_limit=limit)
     assert remote.fetches and not (tmp_path / "cache" / "mds").exists()
@@ -1245,8 +1277,11 @@ def test_peer_datasets_in_object_storage_keep_the_local_checks(tmp_path, s3, pee
                                              r"truncated or damaged"):
             TokenStore.open("s3://peers/arrow-cut", **{**opts, "object_cache": str(tmp_path / f"cut{cut}")})
     with pytest.raises(StoreError, match="s3://peers/litdata: its data file of [0-9]+ bytes cannot fit cache_limit "
-                                         "100"):  # read a file at a time: one file must fit
-        TokenStore.open("s3://peers/litdata", cache_limit=100, **opts)
+                                         "20000"):  # read a file at a time: one file must fit
+        TokenStore.open("s3://peers/litdata", cache_limit=20_000, **opts)
+    with pytest.raises(StoreError, match="s3://peers/litdata: cache_limit 100 bytes cannot hold its index.json "
+                                         r"\(897 bytes\)"):  # nor its index: that is said first
+        TokenStore.open("s3://peers/litdata", cache_limit=100, **{**opts, "object_cache": str(tmp_path / "tiny")})
     with pytest.raises(StoreError, match="s3://peers/arrow: this is a Hugging Face save_to_disk dataset.*not a "
                                          "forge-grain store"):
         TokenStore.open("s3://peers/arrow", format="native", **opts)

@@ -51,14 +51,16 @@ def chunk_bounds(num_docs: int, chunk_docs: int) -> np.ndarray:
 
 def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Path, *, seed: int = 0,
                  stride: int | None = None, chunk_docs: int = CHUNK_DOCS, workers: int | None = None,
-                 name: str = "documents", progress: bool = True, max_segments: int | None = None) -> PackingPlan:
+                 name: str = "documents", progress: bool = True, max_segments: int | None = None,
+                 bounds: np.ndarray | None = None) -> PackingPlan:
     """Plan `offsets` chunk by chunk in `workers` processes (default: in this process up to
     `IN_PROCESS_DOCS` documents, else one per core, at most one per chunk), and save the
     store's plan to `directory` (atomically); returns it, memory-mapped. Chunks finished by an
-    earlier, interrupted run are reused."""
+    earlier, interrupted run are reused. `bounds`: the chunks' document bounds, when not
+    `chunk_docs` documents each (chunks fitted to a cache: `forge_grain.packing.fitted`)."""
     t0 = time.perf_counter()
     offsets = np.asarray(offsets, np.int64)
-    bounds = chunk_bounds(len(offsets) - 1, chunk_docs)
+    bounds = chunk_bounds(len(offsets) - 1, chunk_docs) if bounds is None else np.asarray(bounds, np.int64)
     parts = directory.with_name(directory.name + ".chunks")
     parts.mkdir(parents=True, exist_ok=True)
     jobs = [(k, int(bounds[k]), int(bounds[k + 1])) for k in range(len(bounds) - 1)]

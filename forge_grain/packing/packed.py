@@ -23,6 +23,7 @@ from forge_grain.packing.buffers import BufferPool
 from forge_grain.stores.manifest import remove_stale_temporaries, temporary
 from forge_grain.locks import file_lock
 from forge_grain.packing.chunked import CHUNK_DOCS, plan_chunked
+from forge_grain.packing.fitted import fitted_chunks
 from forge_grain.packing.plans import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos
 from forge_grain.packing.windows import WindowOrder
 from forge_grain.stores import TokenStore
@@ -64,6 +65,7 @@ def pack(
     plan_workers: int | None = None,
     max_segments: int | None = None,
     progress: bool = True,
+    shuffle_bytes: int | None = None,
 ) -> "PackedDataset":
     """Pack a token store into rows of `seq_len`; the plan is cached on disk and reused.
 
@@ -82,35 +84,44 @@ def pack(
     `forge_grain.packing.chunked` for what that changes (nothing a trainer sees but the plan's
     memory and time). `max_segments`: at most this many segments (documents or parts of
     one) a row, for attention kernels that need a bound; rows that reach it are padded.
-    `progress=False` hides the planning bar of a chunked store.
+    `progress=False` hides the planning bar of a chunked store. `shuffle_bytes`: the order
+    fits a bounded cache (`forge_grain.packing.fitted`: chunks of whole data files, as many
+    shuffled together as hold `shuffle_bytes` bytes of tokens; it replaces `shuffle_window`),
+    unless the store holds at most twice that.
     """
     store = store if isinstance(store, TokenStore) else TokenStore.open(store)
     chunk_docs = chunk_docs or CHUNK_DOCS
-    chunked = len(store) > chunk_docs
+    fit = fitted_chunks(store, shuffle_bytes, chunk_docs) if shuffle_bytes else None
+    chunked = fit is not None or len(store) > chunk_docs
     cache = plan_cache_dir(store.path, cache_dir)
     if cache is not None:
         remove_stale_temporaries(cache)  # plans of processes that died while saving
-    key = plan_key(store, seq_len, strategy, seed, stride, chunk_docs if chunked else None, max_segments)
+    key = plan_key(store, seq_len, strategy, seed, stride, chunk_docs if chunked else None, max_segments,
+                   fit.key if fit is not None else None)
     directory = cache / key if cache is not None else None
     p = _load_valid(directory, store, seq_len, strategy)
     if p is None and chunked:
         p = _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, plan_workers,
-                          max_segments, progress)
+                          max_segments, progress, fit.bounds if fit is not None else None)
     elif p is None:
         p = plan(store, seq_len, strategy, seed=seed, stride=stride, bos_id=bos_id, max_segments=max_segments)
         directory = _save(p, directory, store, seq_len, strategy)
         p = _load_valid(directory, store, seq_len, strategy) or p  # memory-mapped when saved
-    return PackedDataset(store, p, seed=seed, shuffle=shuffle, shuffle_window=shuffle_window, num_epochs=num_epochs,
-                         pad_id=pad_id, plan_dir=directory)
+    if fit is not None:
+        shuffle_window = fit.window
+    dataset = PackedDataset(store, p, seed=seed, shuffle=shuffle, shuffle_window=shuffle_window, num_epochs=num_epochs,
+                            pad_id=pad_id, plan_dir=directory)
+    dataset.fitted = fit
+    return dataset
 
 
 def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chunk_docs, workers,
-                  max_segments=None, progress=True) -> PackingPlan:
+                  max_segments=None, progress=True, bounds=None) -> PackingPlan:
     """`chunked.plan_chunked` into the plan cache; without one, into a temporary directory
     and then memory (the plan must not depend on whether a cache could be written)."""
     require_bos(store, strategy, bos_id)
     args = dict(seed=seed, stride=stride, chunk_docs=chunk_docs, workers=workers, name=str(store.path),
-                max_segments=max_segments, progress=progress)
+                max_segments=max_segments, progress=progress, bounds=bounds)
     if directory is not None:
         try:
             # one planner per plan: processes planning the same store at once wait for the first
@@ -129,12 +140,14 @@ def _plan_chunked(store, seq_len, strategy, directory, seed, stride, bos_id, chu
 
 
 def plan_key(store: TokenStore, seq_len: int, strategy: str, seed: int, stride: int | None,
-             chunk_docs: int | None = None, max_segments: int | None = None) -> str:
+             chunk_docs: int | None = None, max_segments: int | None = None, chunks: str | None = None) -> str:
     """Fingerprint of everything a plan depends on: document lengths and the parameters
-    (and the chunk size of a store planned in chunks, and a cap on segments per row)."""
+    (and the chunk size of a store planned in chunks, a cap on segments per row, and the
+    key of chunks fitted to a cache)."""
     h = hashlib.sha256(np.ascontiguousarray(store.offsets).view(np.uint8))
     params = [PLAN_VERSION, seq_len, strategy, seed, stride] + ([chunk_docs] if chunk_docs is not None else [])
     params += [{"max_segments": max_segments}] if max_segments else []
+    params += [{"chunks": chunks}] if chunks else []
     h.update(json.dumps(params).encode())
     return f"{strategy}-{seq_len}-{h.hexdigest()[:20]}"
 
@@ -217,6 +230,7 @@ class PackedDataset(grain.MapDataset):
         self.seq_len, self._num_rows, self.pad_id, self.plan_key = seq_len, num_rows, pad_id, plan_key
         self.seed, self.shuffle, self.num_epochs = seed, shuffle, num_epochs
         self.shuffle_window = shuffle_window
+        self.fitted = None  # the chunks fitted to a bounded cache (`pack`'s shuffle_bytes), if any
         self._chunk_rows = np.asarray(chunk_rows or [num_rows], np.int64)
         # the locality order of `shuffle_window` chunks at a time (None: the whole epoch's shuffle)
         windowed = shuffle and shuffle_window

@@ -12,6 +12,7 @@ import warnings
 from forge_grain.packing.lengths import LengthSchedule
 from forge_grain.packing.packed import PackedDataset
 from forge_grain.pipeline.config import ConfigError, DataConfig
+from forge_grain.pipeline.fetch_estimate import FETCH_WARNING, epoch_fetch
 
 REPEAT_WARNING = 4  # `describe` warns about a source read this many times over a run, or more
 CROP_WARNING = 0.3  # ... and about one losing this share of its tokens to cropping (bos_bestfit loses ~20% on web text)
@@ -32,6 +33,8 @@ def describe(order, steps: int | None = None) -> dict:
     for name, d in zip(order.source_names, order.mixture.datasets):
         stored = isinstance(d, (PackedDataset, LengthSchedule))
         entry = _source(name, d, used.get(name, {}), streaming=not stored and name in names)
+        if stored:
+            entry.update(_fetching(d, c.global_batch_size))
         sources.append(entry)
         warn += _source_warnings(entry, end, c.seq_len)
     B = c.global_batch_size
@@ -63,10 +66,30 @@ def _source(name: str, d, got: dict, streaming: bool) -> dict:
             "trained_tokens": got.get("trained_tokens"), "streaming": streaming}
 
 
+def _fetching(d, rows_per_step: int) -> dict:
+    """A source read through a bounded cache: its order (`forge_grain.packing.fitted`) and
+    what an epoch fetches (`fetch_estimate`)."""
+    fetch = epoch_fetch(d, rows_per_step)
+    if fetch is None:
+        return {}
+    fit = getattr(getattr(d, "base", d), "fitted", None)
+    order = None if fit is None else {"shuffle_bytes": fit.shuffle_bytes, "window_chunks": fit.window,
+                                      "files_together": fit.files_together}
+    return {"cache": {**fetch, "fitted_order": order}}
+
+
 def _source_warnings(s: dict, end: int | None, seq_len: int) -> list[str]:
-    """A source never read, losing much to cropping, or read many times over."""
+    """A source never read, losing much to cropping, read many times over, or fetching much
+    more than its data an epoch under a cache_limit."""
     out = []
     name, epochs = s["name"], s["epochs"]
+    cache = s.get("cache")
+    if cache and cache["fetch_bytes"] > FETCH_WARNING * cache["data_bytes"]:
+        fix = ("remove shuffle_window or give shuffle_bytes (the order then fits the cache)"
+               if cache["fitted_order"] is None else "raise cache_limit (or lower shuffle_bytes)")
+        out.append(f"source '{name}' fetches {cache['fetch_bytes'] / cache['data_bytes']:.1f}x its data "
+                   f"({cache['data_bytes']:,} bytes) from object storage an epoch under cache_limit "
+                   f"{cache['limit']:,}: {fix}")
     if s["rows"] == 0:
         out.append(f"source '{name}' is never read in {end} steps (its weight is 0 in every phase reached)")
     if (s["cropped_share"] or 0) >= CROP_WARNING:

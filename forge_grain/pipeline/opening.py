@@ -24,7 +24,7 @@ from forge_grain.paths import is_url
 from forge_grain.pipeline.config import DataConfig
 from forge_grain.processes import EXITING, stop_at_exit
 from forge_grain.sources.deferred import SourceRecords, source_key
-from forge_grain.sources.factory import open_source
+from forge_grain.sources.factory import fitted_args, open_source
 
 AHEAD = 256  # steps the opener runs ahead of the last step made
 _IDLE_S = 1.0  # how often a waiting opener checks that its pipeline still exists
@@ -58,7 +58,7 @@ def pack_args(config: DataConfig, cache_dir, plan_workers: int | None, progress:
     `seq_lens` schedule (`forge_grain.packing.lengths`)."""
     c = config
     return [dict(strategy=s.strategy, cache_dir=cache_dir, chunk_docs=c.plan_chunk_docs, plan_workers=plan_workers,
-                 max_segments=c.max_segments_per_row, progress=progress) for s in c.sources]
+                 max_segments=c.max_segments_per_row, progress=progress, **fitted_args(s)) for s in c.sources]
 
 
 def source_seed(seed: int, name: str) -> int:

@@ -193,7 +193,8 @@ def _source_summary(s, opened) -> dict:
     d = opened.dataset
     return {"name": s.name, "strategy": s.strategy, "stride": s.stride, "window": s.window if s.hf_streaming else None,
             "plan": d.plan_key, "plan_sha256": d.plan_sha256 if isinstance(d, PackedDataset) else None,
-            "data": opened.identity["data_id"], **({"shuffle_window": s.shuffle_window} if s.shuffle_window else {})}
+            "data": opened.identity["data_id"], **({"shuffle_window": s.shuffle_window} if s.shuffle_window else {}),
+            **({"shuffle_bytes": s.fitted_bytes()} if getattr(getattr(d, "base", d), "fitted", None) else {})}
 
 
 def make(step: int, summary: dict, streams: list | None = None, canonical: list | None = None) -> dict:
@@ -230,7 +231,8 @@ def check_same_run(state: dict, summary: dict, sources: list, canonical: list | 
         "weights, phases, temperature and the set of sources with Pipeline(config, resume_from=state, "
         "allow_mixture_change=True); the batch sizes with allow_batch_size_change=True; the sequence length "
         "(seq_len, seq_lens) with allow_seq_len_change=True. What may not: a source's data or packing, seed, "
-        "num_epochs."
+        "num_epochs, a source's shuffle_bytes (by default a quarter of its cache_limit: keep the cache_limit, or "
+        "give shuffle_bytes its value in the run)."
     )
 
 

@@ -215,8 +215,29 @@ class SourceConfig:
     shuffle_window: int | None = None
     """Shuffle the rows of this many planning chunks at a time instead of the whole
     epoch's, so a store in object storage is read a few shards at a time (see
-    `PackedDataset.rows_of`). It is data.
+    `PackedDataset.rows_of`). It is data. `shuffle_bytes` (the default with `cache_limit`)
+    fits the order to the cache instead.
     Example: shuffle_window = 4"""
+
+    shuffle_bytes: int | None = None
+    """Read the data in windows of whole data files (blocks of a Megatron or raw file)
+    holding at most this many bytes of tokens: each epoch visits the windows in a seeded
+    order and shuffles the rows within each, so a bounded cache never evicts what the
+    coming steps read. Data of at most twice this many bytes is shuffled whole. Default
+    with `cache_limit`: a quarter of it (the window read and the next fetched ahead fit
+    twice over). It is data: a run resumes with the same value (`forge-grain plan` prints
+    it, and how many files a window interleaves); give it to a local copy to read that in
+    the same order.
+    Example: shuffle_bytes = 4000000000"""
+
+    def fitted_bytes(self) -> int | None:
+        """The `shuffle_bytes` in effect: its own, else a quarter of `cache_limit` (unless
+        `shuffle_window` orders the reads instead)."""
+        from forge_grain.packing.fitted import default_shuffle_bytes
+
+        if self.shuffle_bytes is not None or self.shuffle_window is not None:
+            return self.shuffle_bytes
+        return default_shuffle_bytes(self.cache_limit)
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
@@ -242,9 +263,12 @@ class SourceConfig:
             if self.storage_options is not None and not (self.hf_streaming and "://" in str(self.hf_data_files)):
                 raise ConfigError(f"{where}.storage_options: only for streaming hf_data_files at URLs "
                                   "(s3://...); this source has none")
-        for key in ("shuffle_window", "fetch_threads"):
+        for key in ("shuffle_window", "fetch_threads", "shuffle_bytes"):
             if getattr(self, key) is not None:
                 positive_int(f"{where}.{key}", getattr(self, key))
+        if self.shuffle_window is not None and self.shuffle_bytes is not None:
+            raise ConfigError(f"{where}: give one of shuffle_window (planning chunks) and shuffle_bytes (bytes of "
+                              "data files) shuffled together, not both")
         if self.whole_documents is not None and not isinstance(self.whole_documents, bool):
             raise ConfigError(f"{where}.whole_documents: must be true or false, not {self.whole_documents!r}")
         if self.fingerprint not in (None, "sampled", "full"):

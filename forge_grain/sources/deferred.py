@@ -41,9 +41,10 @@ FACTS = ("data_id", "vocab_size", "tokenizer_sha256", "pad_id", "seq_len", "num_
 
 def source_key(src, seq_len: int, seed: int, chunk_docs: int | None, max_segments: int | None = None) -> str | None:
     """What a stored source's facts depend on besides its files; None for a source that is
-    never deferred (Hugging Face datasets, object storage: their files are not stat-able here)."""
-    if src.hf_dataset is not None or src.path is None or is_url(src.path):
-        return None
+    never deferred (Hugging Face datasets, object storage: their files are not stat-able here;
+    `shuffle_bytes`)."""
+    if src.hf_dataset is not None or src.path is None or is_url(src.path) or src.shuffle_bytes is not None:
+        return None  # (an order fitted to a cache: its window is found from the store's files when opened)
     path = _absolute(src.path)
     options = sorted((k, str(v)) for k, v in src.store_options().items())
     return json.dumps([path, options, src.strategy, src.stride, seq_len, seed, chunk_docs]

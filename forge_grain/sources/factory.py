@@ -74,7 +74,8 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
             store = TokenStore.open(src.path, **src.store_options())
         return store, pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None,
                            cache_dir=cache_dir, chunk_docs=chunk_docs, plan_workers=plan_workers,
-                           shuffle_window=src.shuffle_window, max_segments=max_segments, progress=progress)
+                           shuffle_window=src.shuffle_window, max_segments=max_segments, progress=progress,
+                           **fitted_args(src))
 
     record = records.find(key, src.path) if records is not None else None
     if record is not None:
@@ -89,3 +90,9 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
     if records is not None:
         records.add(key, store, dataset)
     return OpenedSource(dataset, opened=store)
+
+
+def fitted_args(src: SourceConfig) -> dict:
+    """`pack`'s arguments for an order fitted to a bounded cache (`forge_grain.packing.fitted`)."""
+    shuffle_bytes = src.fitted_bytes()
+    return dict(shuffle_bytes=shuffle_bytes) if shuffle_bytes else {}

@@ -223,6 +223,11 @@ class TokenStore:
         return (self._files[k] if self._files else None), doc - int(self._file_doc_starts[k])
 
     @property
+    def file_doc_starts(self) -> np.ndarray:
+        """The first document of each data file, and the document count appended."""
+        return self._file_doc_starts
+
+    @property
     def offsets(self) -> np.ndarray:
         """Start of each document (and the end of the last) in the store's tokens taken in order."""
         return self._offsets

@@ -62,7 +62,24 @@ class Ledger:
             self._append(f"-\t{name}\n")
 
     def used(self) -> int:
-        return sum(self.files.values())
+        """The files' bytes and the ledger's own, at the most it can grow to (`reserve`)."""
+        return sum(self.files.values()) + self.reserve()
+
+    def reserve(self) -> int:
+        """The most bytes the ledger holds before its next rewrite, with that rewrite's
+        temporary beside it: it lives in the cache, so it counts against the limit."""
+        line = max((len(name.encode()) for name in self.files), default=64) + 24
+        return (3 * len(self.files) + 34) * line  # (the lines before a rewrite, and the rewrite's)
+
+    def size(self) -> int:
+        """The ledger's bytes on disk now (and a rewrite's temporary, if one is there)."""
+        total = 0
+        for path in (self.path, *self.path.parent.glob(f"{NAME}.tmp-*")):
+            try:
+                total += os.stat(path).st_size
+            except FileNotFoundError:
+                pass
+        return total
 
     def _apply(self, line: str) -> None:
         op, _, name = line.partition("\t")
@@ -73,7 +90,7 @@ class Ledger:
             self.files[name] = int(op[1:])
 
     def _append(self, line: str) -> None:
-        if self._lines > 4 * len(self.files) + 64:  # mostly history: the files alone, anew
+        if self._lines > 2 * len(self.files) + 32:  # mostly history: the files alone, anew
             self._rewrite()
         with open(self.path, "ab") as f:
             f.write(line.encode())

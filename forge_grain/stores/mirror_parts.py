@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import os
 import threading
@@ -36,7 +37,6 @@ from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
-from forge_grain.stores.manifest import temporary, write_text_atomic
 from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under, listing
 
@@ -110,12 +110,18 @@ class FetchedParts(TokenStore):
             held -= self._parts[q].size
             del self._opened[q]
 
+    def units_of(self, arrays) -> tuple[np.ndarray, np.ndarray]:
+        """The parts (files, blocks) holding token arrays `arrays`, and their bytes: what the
+        cache fetches whole."""
+        parts = np.searchsorted(self._first_array, np.asarray(arrays, np.int64), side="right") - 1
+        return parts, np.array([self._parts[p].size for p in parts.tolist()], np.int64)
+
     def prefetch(self, needed) -> None:
         """Fetch the files holding token arrays `needed` (in reading order) in the background,
         as many as the cache holds ahead (`within_cache`); files no longer hinted are
         unmapped, so eviction frees their space."""
-        first = np.searchsorted(self._first_array, np.asarray(needed, np.int64), side="right") - 1
-        parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.limit)
+        first = self.units_of(needed)[0]
+        parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.room())
         with self._lock:
             self._keep = frozenset(self._parts[p].copy for p in parts)
             for p in [p for p in self._opened if p not in parts]:
@@ -174,28 +180,43 @@ class Parted(FetchedParts):
         home = self.cache.dir / self.home
         home.mkdir(exist_ok=True)
         if not (home / name).exists():
-            write_text_atomic(home / name, self.cache.fresh(name).decode())
-            self.cache.record(home / name)  # (small files count toward the limit too)
+            self.cache.write_record(home / name, self.cache.fresh(name))  # (small files count toward the limit too)
         try:
             index = json.loads((home / name).read_text())
             entries = index[key]
         except (ValueError, KeyError, TypeError):
             raise StoreError(f"{self.url}/{name}: not a readable {self.local.description} index") from None
         self._parts = [_Part(self, k, index, entry, files) for k, entry in enumerate(entries)]
+        self._check_fits()
         todo = [p for p in self._parts if not p.indexed()]
         if todo:
             from tqdm.auto import tqdm
 
             limit, largest = self.cache.limit, max(p.size for p in self._parts)  # (todo: at least one part)
-            if limit is not None and largest > limit:
-                raise StoreError(f"{self.url}: its data file of {largest} bytes cannot fit cache_limit {limit}; "
-                                 "raise it")
             threads = INDEXING_THREADS if limit is None else max(1, min(INDEXING_THREADS, limit // largest // 2))
             with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
                     tqdm(total=len(todo), desc=f"index {self.url}", unit="file", disable=None, leave=False) as bar:
                 for _ in pool.map(_Part.index, todo):
                     bar.update()
         return home
+
+    def _check_fits(self) -> None:
+        """One data file at a time must fit the limit beside the ledger: a compressed one with its
+        decompressed copy (both are held while it is decompressed)."""
+        limit = self.cache.limit
+        if limit is None or not self._parts:
+            return
+        part = max(self._parts, key=lambda p: p.peak)
+        need = part.peak + limit - self.cache.room()  # (what the ledger and the records written so far hold)
+        if need <= limit:
+            return
+        if part.compression:
+            raise StoreError(f"{self.url}: its data file {part.name} needs {part.peak} bytes of the cache at once "
+                             f"({part.packed_size} compressed and {part.size} decompressed, both held while it is "
+                             f"decompressed): cache_limit {limit} cannot hold them beside the cache's ledger and records; "
+                             f"raise cache_limit above {need}")
+        raise StoreError(f"{self.url}: its data file of {part.size} bytes cannot fit cache_limit {limit} beside the "
+                         f"cache's ledger and records; raise it above {need}")
 
     def _open(self, **options) -> None:
         records = [p.record() for p in self._parts]
@@ -275,6 +296,11 @@ class _Part:
             if owner.local.format == "litdata":
                 self._index["config"] = {**index["config"], "compression": None}
 
+    @property
+    def peak(self) -> int:
+        """The bytes of the cache this file needs at once: a compressed one and its decompressed copy."""
+        return self.size + (self.packed_size if self.compression else 0)
+
     def indexed(self) -> bool:
         return (self.dir / "part.npz").exists()
 
@@ -306,10 +332,10 @@ class _Part:
 
         try:
             if not (self.dir / "copy-name").exists():  # the local reader's name for the copy (its fingerprint's)
-                write_text_atomic(self.dir / "copy-name", copy_name(packed, self.raw_name))
-                c.record(self.dir / "copy-name")
+                c.write_record(self.dir / "copy-name", copy_name(packed, self.raw_name).encode())
             plain = c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp,
-                                                                                 self.promised), keep)
+                                                                                 self.promised), keep,
+                             source=self.fetched)
         except StoreError as e:  # named as the object, not its copy in the cache
             raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
         c.discard(self.fetched)
@@ -325,8 +351,7 @@ class _Part:
         for attempt in range(4):
             self.fetch(keep)
             if not (self.dir / self.index_name).exists():
-                write_text_atomic(self.dir / self.index_name, json.dumps(self._index))
-                self.owner.cache.record(self.dir / self.index_name)
+                self.owner.cache.write_record(self.dir / self.index_name, json.dumps(self._index).encode())
             try:
                 store = self.owner.local(self.dir, **self.owner._local_options)
             except FileNotFoundError:
@@ -355,11 +380,9 @@ class _Part:
         store.close()
         if self.compression:  # the local reader's name for its decompressed copy
             record["name"] = (self.dir / "copy-name").read_text()
-        tmp = temporary(self.dir / "part.npz")
-        with open(tmp, "wb") as f:
-            np.savez(f, **record)
-        os.replace(tmp, self.dir / "part.npz")
-        self.owner.cache.record(self.dir / "part.npz")
+        data = io.BytesIO()
+        np.savez(data, **record)
+        self.owner.cache.write_record(self.dir / "part.npz", data.getvalue())
 
 
 def _file_of(fmt: str, index: dict, entry: dict, files: dict):

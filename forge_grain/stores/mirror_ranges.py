@@ -34,18 +34,17 @@ from forge_grain.locks import file_lock
 from forge_grain.splits import select_split
 from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
-from forge_grain.stores.manifest import temporary
+from forge_grain.stores.blocks import block_bytes, block_cuts
 from forge_grain.stores.mirror_parts import FetchedParts
-from forge_grain.stores.object_cache import ObjectCache, read_spans
+from forge_grain.stores.object_cache import SPLIT, ObjectCache, read_spans
 from forge_grain.stores.remote_dir import RemoteDir, listing
 
 RANGED = ("megatron", "raw")
-BLOCK = 64 << 20  # the bytes of a block at most (one document at least) ...
-BLOCKS_IN_CACHE = 32  # ... and at most this fraction of cache_limit: the coming steps' blocks fit beside
 SCAN_PART = 8 << 20  # bytes of each ranged read while a raw file is scanned for its documents
 # places in an object closer than this are read in one ranged GET (a request costs what some
 # 100s of KB take to arrive), up to SCAN_PART bytes a GET
 GAP = 1 << 18
+KEEP = 64 << 20  # an object up to this size is held in memory through its first open (each byte read once)
 SAMPLED_ENDS = 1024  # documents whose delimiters are read at the first open (all of them by `verify`)
 HEAD = 4096  # bytes of a raw file's start that say what it is
 RECORD = "record.npz"
@@ -132,7 +131,7 @@ class Ranged(FetchedParts):
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
         self._parts, starts, at = [], [], 0
-        target = max(1, self._block_bytes() // self.dtype.itemsize)
+        target = max(1, block_bytes(self.cache.limit) // self.dtype.itemsize)
         for name, file, off in zip(names, meta["files"], offsets):
             cuts = block_cuts(off, target)
             for a, b in zip(cuts[:-1], cuts[1:]):
@@ -148,10 +147,6 @@ class Ranged(FetchedParts):
         self._fingerprint = self._fingerprint_of([[name, f["print"]] for name, f in zip(names, meta["files"])],
                                                  meta["extra"])
         self._keep: frozenset = frozenset()
-
-    def _block_bytes(self) -> int:
-        limit = self.cache.limit
-        return BLOCK if limit is None else max(1, min(BLOCK, limit // BLOCKS_IN_CACHE))
 
     def _check_fits(self, name: str, doc: int, size: int) -> None:
         """A block is a document at least: one larger than the cache can hold is refused at open."""
@@ -176,20 +171,17 @@ class Ranged(FetchedParts):
     def _make_record(self, path: Path, names, dtype, whole) -> None:
         files, offsets, dtypes, extra = [], [], set(), []
         for name in names:
-            file_dtype, start, off, more = (self._index_megatron(name, dtype) if self.format == "megatron"
-                                            else self._index_raw(name, dtype, whole))
-            files.append({"start": start, "print": _Tokens(self, name, start, file_dtype, int(off[-1]))
-                         .fingerprint(self._full)})
+            file_dtype, start, off, more, tokens = (self._index_megatron(name, dtype) if self.format == "megatron"
+                                                    else self._index_raw(name, dtype, whole))
+            files.append({"start": start, "print": tokens.fingerprint(self._full)})
             offsets.append(off)
             dtypes.add(file_dtype)
             extra += more
         meta = {"dtype": str(self._one_dtype(dtypes, "its data files")), "files": files,
                 "extra": extra if self.format == "megatron" else None}
-        tmp = temporary(path)
-        with open(tmp, "wb") as f:
-            np.savez(f, meta=np.array(json.dumps(meta)), **{f"offsets_{i}": o for i, o in enumerate(offsets)})
-        os.replace(tmp, path)
-        self.cache.record(path)
+        data = io.BytesIO()
+        np.savez(data, meta=np.array(json.dumps(meta)), **{f"offsets_{i}": o for i, o in enumerate(offsets)})
+        self.cache.write_record(path, data.getvalue())
 
     def _index_megatron(self, name: str, dtype):
         """A Megatron `.bin`'s dtype and documents, from its `.idx` (fetched whole), checked as
@@ -210,9 +202,10 @@ class Ranged(FetchedParts):
                              f"{file_dtype} tokens ({expected} bytes); the file is truncated or belongs to another "
                              "index")
         tokens = _Tokens(self, name, 0, file_dtype, int(offsets[-1]))
+        tokens.load()  # (a small file whole, once: the checks and the fingerprint read it from memory)
         checks.check_arrays_ids(self._where(name), [tokens.sample()], self.vocab_size)
         checks.check_special_ends(self._where(name), tokens.at, offsets, self.eos_id, self.bos_id, limit=SAMPLED_ENDS)
-        return file_dtype, 0, offsets, [checks.content_fingerprint(local, self._full)]
+        return file_dtype, 0, offsets, [checks.content_fingerprint(local, self._full)], tokens
 
     def _index_raw(self, name: str, dtype, whole: bool):
         """A raw file's dtype, data start and documents, found by reading it through once, with
@@ -229,19 +222,19 @@ class Ranged(FetchedParts):
             raise StoreError(f"{where}: holds no tokens ({size} bytes); a token file holds at least one (write it "
                              "again, or leave it out with file_pattern)")
         tokens = _Tokens(self, name, start, file_dtype, n)
+        tokens.load()
         checks.check_width(where, tokens.sample(np.uint8), file_dtype, declared=declared, vocab_size=self.vocab_size)
         offsets, lo, hi = raw.scan_chunks(tokens.chunks(), eos_id=self.eos_id, bos_id=self.bos_id)
         checks.check_ids(where, lo, hi, self.vocab_size)
         raw.check_delimiters(where, tokens, offsets, self.eos_id, self.bos_id, whole, limit=SAMPLED_ENDS)
-        return file_dtype, start, offsets, []
+        return file_dtype, start, offsets, [], tokens
 
     def _refuse_other_formats(self, name: str, head: bytes) -> None:
         """A file that is something else (Parquet, text, ...), named by its URL: `identify` reads
         its head, kept in the cache under the file's name."""
         local = self.path / "heads" / name
         local.parent.mkdir(exist_ok=True)
-        local.write_bytes(head)
-        self.cache.record(local)
+        self.cache.write_record(local, head)
         found = identify.describe(local)
         if found:
             raise StoreError(found.replace(str(local), self._where(name)))
@@ -314,12 +307,17 @@ class _Block:
 
 class _Tokens:
     """The tokens of one object (`n` of `dtype` from byte `start`) as the first open reads
-    them: in order, in ranged parts (`chunks`), or at scattered places (`at`, `sample`), each
-    place's bytes read once, places near each other in one GET."""
+    them: in order, in ranged parts (`chunks`), or at scattered places (`at`, `sample`), places
+    near each other in one GET. An object up to `KEEP` bytes keeps what it read in memory until
+    the open ends, so the scan, the checks and the fingerprint read each byte once; a larger
+    one merges places only where the bytes between them add at most a fiftieth."""
 
     def __init__(self, owner: Ranged, name: str, start: int, dtype: np.dtype, n: int):
         self.cache, self.name, self.start, self.dtype, self.n = owner.cache, name, start, np.dtype(dtype), n
         self.where, self.tag = owner._where(name), owner._tag(name)
+        self.size = start + n * self.dtype.itemsize  # the object's bytes, its data start included
+        self._kept: dict[int, memoryview] = {}  # start -> bytes read (an object up to KEEP bytes)
+        self._prints: dict[bool, str] = {}
 
     def __len__(self) -> int:
         return self.n
@@ -327,16 +325,33 @@ class _Tokens:
     def __getitem__(self, positions) -> np.ndarray:
         return self.at(positions)
 
+    def _fetch(self, spans: list, ahead: int = SPLIT):
+        """The bytes of `spans` (ranged GETs), in order; kept when the object is small."""
+        for (a, _), data in zip(spans, read_spans(self.cache, self.name, spans, ahead=ahead, tag=self.tag)):
+            if self.size <= KEEP:
+                self._kept[a] = data
+            yield data
+
+    def load(self) -> None:
+        """Read an object of up to `KEEP` bytes whole now (it is kept); nothing for a larger one."""
+        if self.size <= KEEP:
+            self.read([(a, min(a + SCAN_PART, self.size)) for a in range(0, self.size, SCAN_PART)])
+
     def chunks(self):
         """The tokens in order, `SCAN_PART` bytes at a time (a progress bar on a terminal)."""
         from tqdm.auto import tqdm
 
-        item, end = self.dtype.itemsize, self.start + self.n * self.dtype.itemsize
+        item = self.dtype.itemsize
         step = max(item, SCAN_PART // item * item)
-        spans = [(a, min(a + step, end)) for a in range(self.start, end, step)]
-        with tqdm(total=end - self.start, unit="B", unit_scale=True, desc=f"index {self.where}", disable=None,
+        spans = [(a, min(a + step, self.size)) for a in range(self.start, self.size, step)]
+        if self.size <= KEEP:
+            got = self.read(spans)
+            parts = (got(a, b - a) for a, b in spans)
+        else:
+            parts = self._fetch(spans)
+        with tqdm(total=self.size - self.start, unit="B", unit_scale=True, desc=f"index {self.where}", disable=None,
                   leave=False) as bar:
-            for data in read_spans(self.cache, self.name, spans, tag=self.tag):
+            for data in parts:
                 bar.update(data.nbytes)
                 yield np.frombuffer(data, self.dtype)
 
@@ -357,11 +372,21 @@ class _Tokens:
 
     def fingerprint(self, full: bool) -> str:
         """`checks.content_fingerprint` of the whole object, from ranged reads of the same bytes."""
-        size = self.start + self.n * self.dtype.itemsize
+        if full not in self._prints:
+            self._prints[full] = self._fingerprint(full)
+        return self._prints[full]
+
+    def _fingerprint(self, full: bool) -> str:
+        size = self.size
         h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
         if full or size <= checks.WHOLE_BELOW:
             spans = [(a, min(a + SCAN_PART, size)) for a in range(0, size, SCAN_PART)]
-            for data in read_spans(self.cache, self.name, spans, tag=self.tag):
+            if size <= KEEP:
+                got = self.read(spans)
+                parts = (got(a, b - a) for a, b in spans)
+            else:  # (streamed: a large object is not held)
+                parts = self._fetch(spans)
+            for data in parts:
                 h.update(data)
             return h.hexdigest()
         h.update(b"blocks+probes:")
@@ -374,32 +399,34 @@ class _Tokens:
         return h.hexdigest()
 
     def read(self, spans):
-        """A function giving `length` bytes at any offset inside `spans`, after reading them
-        (those less than `GAP` apart in one ranged GET of `SCAN_PART` bytes at most, many GETs
-        at once)."""
+        """A function giving `length` bytes at any offset inside `spans`, after reading those not
+        kept already (in one ranged GET of `SCAN_PART` bytes at most where they lie less than
+        `GAP` apart, and the bytes between add at most a fiftieth of the object; many GETs at
+        once)."""
+        pieces = sorted(self._kept.items())
+        missing = [(a, b) for a, b in sorted(spans) if _covering(pieces, a, b - a) is None]
+        gap = min(GAP, self.size // (50 * max(1, len(missing))))
         merged = []
-        for a, b in sorted(spans):
-            if merged and a <= merged[-1][1] + GAP and max(merged[-1][1], b) - merged[-1][0] <= SCAN_PART:
+        for a, b in missing:
+            if merged and a <= merged[-1][1] + gap and max(merged[-1][1], b) - merged[-1][0] <= SCAN_PART:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
-        starts = [a for a, _ in merged]
-        data = list(read_spans(self.cache, self.name, [tuple(m) for m in merged], ahead=64, tag=self.tag))
+        spans = [tuple(m) for m in merged]
+        pieces = sorted(pieces + list(zip([a for a, _ in spans], self._fetch(spans, ahead=64))))
 
         def got(offset: int, length: int) -> memoryview:
-            i = bisect.bisect_right(starts, offset) - 1
-            return data[i][offset - starts[i] : offset - starts[i] + length]
+            return _covering(pieces, offset, length)
         return got
 
 
-def block_cuts(offsets: np.ndarray, target: int) -> np.ndarray:
-    """Where a file's blocks start, its end appended (token positions): whole documents of
-    about `target` tokens together, a longer document a block by itself."""
-    cuts, at, end = [0], 0, int(offsets[-1])
-    while at < end:
-        nxt = int(offsets[np.searchsorted(offsets, at + target, side="right") - 1])
-        if nxt <= at:  # the next document alone is longer than a block
-            nxt = int(offsets[np.searchsorted(offsets, at, side="right")])
-        cuts.append(nxt)
-        at = nxt
-    return np.array(cuts, np.int64)
+def _covering(pieces: list, offset: int, length: int) -> memoryview | None:
+    """The `length` bytes at `offset` from the first of `pieces` ((start, bytes), sorted) holding
+    them all, or None."""
+    i = bisect.bisect_right(pieces, offset, key=lambda p: p[0]) - 1
+    while i >= 0:
+        start, data = pieces[i]
+        if offset + length <= start + len(data):
+            return data[offset - start : offset - start + length]
+        i -= 1
+    return None

@@ -19,15 +19,15 @@ import hashlib
 import json
 import mmap
 import os
-import time
 from pathlib import Path
 
 from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.paths import cache_root, private_cache
-from forge_grain.stores import handles, identify
+from forge_grain.stores import identify
 from forge_grain.stores.cache_ledger import Ledger
-from forge_grain.stores.manifest import remove_stale_temporaries, temporary
+from forge_grain.stores.cache_room import CacheRoom
+from forge_grain.stores.manifest import temporary
 from forge_grain.stores.remote_dir import RemoteDir, check_unchanged, remote_sizes
 from forge_grain.stores.request_pool import RETRIES, bounded, read_slot, shared_requests
 
@@ -38,8 +38,6 @@ BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # of 4 MiB), and a large one in parts that each hold little memory
 PART_MIN = 1 << 20
 SPLIT = 8
-# data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
-EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
 
 
 def within_cache(needed: list, size_of, limit: int | None) -> list:
@@ -59,7 +57,7 @@ def within_cache(needed: list, size_of, limit: int | None) -> list:
     return kept
 
 
-class ObjectCache(RemoteDir):
+class ObjectCache(CacheRoom, RemoteDir):
     """Local copies of one remote directory's files, shared by the processes of a host."""
 
     def __init__(self, url: str, storage_options: dict | None = None, directory=None, limit: int | None = None,
@@ -72,12 +70,6 @@ class ObjectCache(RemoteDir):
         self.downloads = 0  # objects this process downloaded (the rest were cached)
         self.requests = shared_requests(requests)
         self.ledger = Ledger(self.dir, self._cached)
-
-    def record(self, path: Path) -> None:
-        """A file this process wrote into the cache directory by itself (a manifest), counted."""
-        with self._accounting():
-            self.ledger.sync()
-            self.ledger.add(self._name(path), path.stat().st_size)
 
     def _name(self, path: Path) -> str:
         return str(path.relative_to(self.dir))
@@ -105,11 +97,12 @@ class ObjectCache(RemoteDir):
                 return None
         return local
 
-    def derive(self, copy: str, size: int | None, write, upcoming=frozenset()) -> Path:
+    def derive(self, copy: str, size: int | None, write, upcoming=frozenset(), source: str | None = None) -> Path:
         """A file made in the cache from copies there (a compressed chunk's decompressed copy), at
         `copy`, made once per host: `size` bytes (what it will hold, when known) are reserved
-        first as a download's are, `write(path)` writes it to a temporary name, then it is
-        renamed and counted at its real size."""
+        first as a download's are (never evicting the copy at `source` it is made from),
+        `write(path)` writes it to a temporary name, then it is renamed and counted at its real
+        size."""
         local = self.dir / copy
         if local.exists():
             return local
@@ -118,7 +111,7 @@ class ObjectCache(RemoteDir):
                 return local
             tmp = temporary(local)
             if self.limit is not None and size:
-                self._make_room(size, upcoming, tmp, ahead=False)
+                self._make_room(size, upcoming, tmp, ahead=False, never={source})
             try:
                 write(tmp)
                 self._commit(tmp, local, tmp.stat().st_size)
@@ -236,126 +229,6 @@ class ObjectCache(RemoteDir):
                 self._forget(tmp)
         self.downloads += 1
         return True
-
-    def _commit(self, tmp: Path, local: Path, size: int) -> None:
-        """A finished temporary renamed into place, counted at `size` in place of its reservation
-        (the ledger and the directory change together)."""
-        with self._accounting():
-            os.replace(tmp, local)
-            self.ledger.sync()
-            self.ledger.drop(self._name(tmp))
-            self.ledger.add(self._name(local), size)
-
-    def _forget(self, path: Path) -> None:
-        """A file removed from the cache and from its count (a failed download's reservation, a
-        copy no longer wanted)."""
-        with self._accounting():
-            path.unlink(missing_ok=True)
-            self.ledger.sync()
-            self.ledger.drop(self._name(path))
-
-    def _make_room(self, size: int, upcoming: set, reserve: Path, ahead: bool) -> bool:
-        """Evict shards until `size` more bytes fit the limit, least recently used first and
-        those the next steps read (`upcoming`) last (a prefetch evicts none of them), and
-        reserve the bytes: `reserve` (the download's temporary) is created at that size while
-        the lock is held, so concurrent downloads, in any process, count each other. False
-        for a prefetch that finds no room; a fetch needed now waits for downloads in progress
-        to free theirs, and fails only when nothing can. The bytes held come from the ledger;
-        only when they do not fit are the copies' times of last use looked up (a stat each)."""
-        if size > self.limit:
-            raise StoreError(f"{self.url}: an object of {size} bytes cannot fit cache_limit {self.limit}; raise it")
-        walked = False
-        while True:
-            with self._accounting():
-                self.ledger.sync()
-                used = self.ledger.used()
-                if used + size > self.limit:
-                    used -= self._evict(used + size - self.limit, upcoming, ahead)
-                if used + size <= self.limit:
-                    with open(reserve, "wb") as f:
-                        f.truncate(size)
-                    self.ledger.add(self._name(reserve), size)
-                    return True
-                downloading = self._downloading()
-                if not downloading and not walked:  # the ledger may count files gone: count once more
-                    self.ledger.rebuild()
-                    walked = True
-                    continue
-            if ahead:
-                return False
-            if not downloading:
-                raise StoreError(f"{self.url}: cache_limit {self.limit} bytes is full ({used} bytes) and nothing "
-                                 "can be evicted; raise it")
-            time.sleep(0.05)  # downloads in progress hold reservations: wait for them to land
-
-    def _evict(self, excess: int, upcoming, ahead: bool) -> int:
-        """Remove copies of shards until `excess` bytes are freed, least recently used first and
-        those in `upcoming` last (none of them for a prefetch): the bytes freed."""
-        candidates, freed = [], 0
-        for name, size in list(self.ledger.files.items()):
-            if name.rsplit("/", 1)[-1].startswith(".") or not name.endswith(EVICTABLE):
-                continue
-            try:
-                used = os.stat(self.dir / name).st_mtime
-            except FileNotFoundError:  # removed by hand, or a damaged copy dropped: not there to count
-                self.ledger.drop(name)
-                freed += size
-                continue
-            candidates.append((name in upcoming, used, size, name))
-        for is_upcoming, _, size, name in sorted(candidates, key=lambda c: c[:2]):
-            if freed >= excess or (ahead and is_upcoming):
-                break
-            (self.dir / name).unlink(missing_ok=True)
-            handles.POOL.drop(("arrayrecord", str(self.dir / name)))  # an open reader would hold its space
-            self.ledger.drop(name)
-            freed += size
-        return freed
-
-    def _downloading(self) -> bool:
-        """Whether downloads hold reservations now; those of processes that died are reclaimed
-        (their temporaries removed, and dropped from the ledger)."""
-        pending = [n for n in self.ledger.files if ".tmp-" in n]
-        for d in {(self.dir / n).parent for n in pending}:
-            remove_stale_temporaries(d)
-        for n in pending:
-            if not (self.dir / n).exists():
-                self.ledger.drop(n)
-        return any(".tmp-" in n for n in self.ledger.files)
-
-    def _cached(self):
-        """(mtime, size, path) of the cache's files: copies, and downloads in progress (their
-        temporaries are allocated at full size); lock files (empty) and `.plans` (packing plans
-        kept beside the copies) are skipped without a stat, as this runs before every download."""
-        pending = [self.dir]
-        while pending:
-            try:
-                entries = list(os.scandir(pending.pop()))
-            except FileNotFoundError:
-                continue
-            for e in entries:
-                hidden = e.name.startswith(".")
-                if e.is_dir(follow_symlinks=False):
-                    if not hidden:
-                        pending.append(e.path)
-                    continue
-                if hidden and (e.name.endswith(".lock") or e.name.startswith(".ledger")):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:  # evicted or renamed meanwhile
-                    continue
-                yield st.st_mtime, st.st_size, Path(e.path)
-
-    def used(self) -> int:
-        """Bytes of the files in the cache directory, downloads in progress at their full size."""
-        with self._accounting():
-            return sum(size for _, size, _ in self._cached())
-
-    def _accounting(self):
-        """The lock under which the cache's bytes change by more than a shrink (reservations,
-        renames, eviction) and are counted, and its ledger written, across the host's processes."""
-        return file_lock(self.dir / ".evict.lock")
-
 
 def read_spans(cache: ObjectCache, name: str, spans, ahead: int = SPLIT, tag: str | None = None):
     """The bytes of each span [a, b) of object `name` at `cache`'s URL, in order, `ahead` of them

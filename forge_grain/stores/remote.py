@@ -33,7 +33,7 @@ from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import arrayrecord, checks
 from forge_grain.stores.manifest import (
-    MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index, temporary,
+    MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index,
 )
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.object_cache import ObjectCache, within_cache
@@ -83,10 +83,7 @@ class RemoteStore(NativeStore):
         local.mkdir(exist_ok=True)
         remove_stale_temporaries(local)  # downloads of processes that died
         if not (local / MANIFEST_NAME).exists():
-            tmp = temporary(local / MANIFEST_NAME)
-            tmp.write_bytes(manifest)
-            os.replace(tmp, local / MANIFEST_NAME)
-            self.cache.record(local / MANIFEST_NAME)
+            self.cache.write_record(local / MANIFEST_NAME, manifest)
         self.path = local
         m = Manifest.load(local)
         # the shards' sizes come from the manifest and the indices are got whole and checked by their
@@ -178,13 +175,20 @@ class RemoteStore(NativeStore):
             self._mapped[k] = arr
         return arr
 
+    def units_of(self, arrays) -> tuple[np.ndarray, np.ndarray]:
+        """The shards holding token arrays `arrays` (one array a shard), and their bytes: what
+        the cache fetches whole."""
+        shards = np.asarray(arrays, np.int64)
+        tokens = np.array([self.manifest.shards[k].num_tokens for k in shards.tolist()], np.int64)
+        return shards, tokens * self.dtype.itemsize
+
     def prefetch(self, needed) -> None:
         """Download shards `needed` (in the order the next steps read them) in the background,
         first needed first; until the next hint, eviction spares them. With `cache_limit`, the
         hint is cut to what the cache holds ahead (`within_cache`). Maps of shards no longer
         needed are dropped, so evicted files free their space."""
         needed = within_cache(list(dict.fromkeys(int(k) for k in needed)),
-                              lambda k: self.manifest.shards[k].num_tokens * self.dtype.itemsize, self.cache.limit)
+                              lambda k: self.manifest.shards[k].num_tokens * self.dtype.itemsize, self.cache.room())
         with self._lock:
             self._keep = frozenset(self._name(k) for k in needed)
             for k in [k for k in self._mapped if k not in set(needed)]:

@@ -1,0 +1,103 @@
+"""A read order that fits a bounded cache: documents grouped by data file into windows.
+
+A store in object storage under a `cache_limit` holds only part of its files at once. A
+global shuffle reads every file at every step, so each step evicts files the next needs:
+a dataset re-downloaded a hundred times an epoch. Instead, with `shuffle_bytes = S`
+(by default a quarter of `cache_limit`), the store is planned in chunks of whole data files
+(a Megatron or raw file: of the same blocks of documents the bounded cache reads; at most
+S / 4 bytes a chunk, one file or block at least), and each epoch visits the chunks in a
+seeded order, as many at a time as fit in S (`windows.WindowOrder`): rows are shuffled
+within a window, and a window reads only its chunks' files. The window being read and the
+next one, fetched ahead, fit in half the cache.
+
+The price is shuffle quality, and it is stated: documents of at most `window` chunks
+(`files_together` files) are interleaved at a time, and a row packs documents of one chunk.
+The chunks follow from the store's layout, its document lengths and S alone: the same on
+every host and for a local copy given the same `shuffle_bytes`. Exact and elastic resume
+hold as for any windowed order (the order is a pure function of the index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from forge_grain.stores.blocks import block_bytes, block_cuts
+
+FIT = 4  # cache_limit / shuffle_bytes by default: the window read, the next fetched ahead, room to spare
+CHUNKS_IN_WINDOW = 4  # a chunk holds at most shuffle_bytes / this (a window interleaves several)
+DIVISIBLE = ("megatron", "raw")  # formats the bounded cache reads in blocks, not whole files
+
+
+def default_shuffle_bytes(cache_limit: int | None) -> int | None:
+    """The window of a source with `cache_limit` and no `shuffle_bytes` of its own."""
+    return None if cache_limit is None else max(1, cache_limit // FIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """Planning chunks (document bounds, chunk count + 1 of them) and how many are shuffled together."""
+
+    bounds: np.ndarray
+    window: int
+    files_together: int  # the most data files (or blocks) one window reads
+    shuffle_bytes: int
+
+    @property
+    def key(self) -> str:
+        """What the plan's cache key adds (its chunks)."""
+        import hashlib
+
+        return hashlib.sha256(np.ascontiguousarray(self.bounds, np.int64).view(np.uint8)).hexdigest()[:16]
+
+
+def fitted_chunks(store, shuffle_bytes: int, chunk_docs: int) -> Fitted | None:
+    """The chunks and window of `store` for windows of `shuffle_bytes` bytes of tokens; None
+    when the store holds at most twice that (half the default cache: no order thrashes a
+    cache that holds the data twice over), and the epoch is shuffled whole, as without. No
+    chunk has more than `chunk_docs` documents (a plan's memory)."""
+    itemsize = store.dtype.itemsize
+    offsets = np.asarray(store.offsets, np.int64)
+    if int(offsets[-1]) * itemsize <= 2 * shuffle_bytes:
+        return None
+    units = unit_bounds(store, shuffle_bytes)
+    unit_bytes = np.diff(offsets[units]) * itemsize
+    target = max(1, shuffle_bytes // CHUNKS_IN_WINDOW)
+    bounds, units_in, acc, n = [0], [0], 0, 0
+    for k, size in enumerate(unit_bytes.tolist()):
+        if n and acc + size > target:
+            bounds.append(int(units[k]))
+            units_in.append(n)
+            acc = n = 0
+        acc, n = acc + size, n + 1
+    bounds.append(int(units[-1]))
+    units_in.append(n)
+    bounds = _split_large(np.array(bounds, np.int64), chunk_docs)
+    largest = int((np.diff(offsets[bounds]) * itemsize).max())
+    window = max(1, min(shuffle_bytes // max(largest, 1), len(bounds) - 1))
+    return Fitted(bounds, window, window * max(units_in), shuffle_bytes)
+
+
+def unit_bounds(store, shuffle_bytes: int) -> np.ndarray:
+    """Document bounds of what the bounded cache fetches whole: data files, or (Megatron and
+    raw files) the blocks `mirror_ranges` cuts under a cache of FIT * shuffle_bytes."""
+    starts = np.asarray(store.file_doc_starts, np.int64)
+    if store.format not in DIVISIBLE:
+        return np.unique(starts)
+    offsets = np.asarray(store.offsets, np.int64)
+    target = max(1, block_bytes(FIT * shuffle_bytes) // store.dtype.itemsize)
+    out = [starts[-1:]]
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        local = offsets[a : b + 1] - offsets[a]
+        out.append(a + np.searchsorted(local, block_cuts(local, target)))
+    return np.unique(np.concatenate(out))
+
+
+def _split_large(bounds: np.ndarray, chunk_docs: int) -> np.ndarray:
+    """Chunks of more than `chunk_docs` documents cut in equal parts (one plan's memory)."""
+    out = [bounds[:1]]
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        parts = max(1, -(-(b - a) // chunk_docs))
+        out.append(np.array([a + k * (b - a) // parts for k in range(1, parts + 1)], np.int64))
+    return np.concatenate(out)

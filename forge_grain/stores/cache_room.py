@@ -1,0 +1,175 @@
+"""The bytes a bounded cache directory holds, and making room in it (`ObjectCache`'s half
+that counts): reservations made before a download starts, eviction of the least recently
+used copies no upcoming step needs, the small files a store writes itself (manifests,
+indices, records) counted before they exist, and the ledger (`cache_ledger`) that keeps the
+count, its own bytes included. Every change happens under one lock per cache directory,
+across the host's processes, so the directory never holds more than the limit."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from forge_grain.errors import StoreError
+from forge_grain.locks import file_lock
+from forge_grain.stores import handles
+from forge_grain.stores.manifest import remove_stale_temporaries, temporary
+
+# data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
+EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
+
+
+class CacheRoom:
+    """What `ObjectCache` counts and evicts (it sets `dir`, `limit`, `ledger` and `url`)."""
+
+    def write_record(self, path: Path, data: bytes) -> None:
+        """A small file of this process's own (a manifest, an index, what a first open found)
+        written into the cache directory at `path`, counted against the limit before it exists:
+        room is made (evicting copies as a download does), then it is written to a temporary
+        name and renamed, so the directory never holds more than the limit, not for a moment."""
+        tmp = temporary(path)
+        if self.limit is not None:
+            if len(data) + self.ledger.reserve() > self.limit:
+                raise StoreError(f"{self.url}: cache_limit {self.limit} bytes cannot hold its {path.name} "
+                                 f"({len(data)} bytes) beside the cache's ledger, let alone its data; raise cache_limit")
+            self._make_room(len(data), frozenset(), tmp, ahead=False)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            self._commit(tmp, path, len(data))
+        finally:
+            if tmp.exists():
+                self._forget(tmp)
+
+    def room(self) -> int | None:
+        """Bytes the limit leaves for copies of data files: what the indices, records and the
+        ledger hold is not evicted, so hints ahead must fit beside it (None: unbounded)."""
+        if self.limit is None:
+            return None
+        with self._accounting():
+            files = self.ledger.sync()
+            kept = sum(size for name, size in files.items() if not name.endswith(EVICTABLE) and ".tmp-" not in name)
+            return self.limit - kept - self.ledger.reserve()
+
+    def _commit(self, tmp: Path, local: Path, size: int) -> None:
+        """A finished temporary renamed into place, counted at `size` in place of its reservation
+        (the ledger and the directory change together)."""
+        with self._accounting():
+            os.replace(tmp, local)
+            self.ledger.sync()
+            self.ledger.drop(self._name(tmp))
+            self.ledger.add(self._name(local), size)
+
+    def _forget(self, path: Path) -> None:
+        """A file removed from the cache and from its count (a failed download's reservation, a
+        copy no longer wanted)."""
+        with self._accounting():
+            path.unlink(missing_ok=True)
+            self.ledger.sync()
+            self.ledger.drop(self._name(path))
+
+    def _make_room(self, size: int, upcoming: set, reserve: Path, ahead: bool, never=frozenset()) -> bool:
+        """Evict shards until `size` more bytes fit the limit, least recently used first and
+        those the next steps read (`upcoming`) last (a prefetch evicts none of them), and
+        reserve the bytes: `reserve` (the download's temporary) is created at that size while
+        the lock is held, so concurrent downloads, in any process, count each other. False
+        for a prefetch that finds no room; a fetch needed now waits for downloads in progress
+        to free theirs, and fails only when nothing can. The bytes held come from the ledger;
+        only when they do not fit are the copies' times of last use looked up (a stat each)."""
+        if size + self.ledger.reserve() > self.limit:
+            raise StoreError(f"{self.url}: an object of {size} bytes cannot fit cache_limit {self.limit} beside the "
+                             "cache's ledger; raise it")
+        walked = False
+        while True:
+            with self._accounting():
+                self.ledger.sync()
+                used = self.ledger.used()
+                if used + size > self.limit:
+                    used -= self._evict(used + size - self.limit, upcoming, ahead, never)
+                if used + size <= self.limit:
+                    with open(reserve, "wb") as f:
+                        f.truncate(size)
+                    self.ledger.add(self._name(reserve), size)
+                    return True
+                downloading = self._downloading()
+                if not downloading and not walked:  # the ledger may count files gone: count once more
+                    self.ledger.rebuild()
+                    walked = True
+                    continue
+            if ahead:
+                return False
+            if not downloading:
+                raise StoreError(f"{self.url}: cache_limit {self.limit} bytes cannot take {size} bytes more: it holds "
+                                 f"{used} (indices, records, the ledger and copies being read) and nothing can be "
+                                 "evicted; raise it")
+            time.sleep(0.05)  # downloads in progress hold reservations: wait for them to land
+
+    def _evict(self, excess: int, upcoming, ahead: bool, never=frozenset()) -> int:
+        """Remove copies of shards until `excess` bytes are freed, least recently used first and
+        those in `upcoming` last (none of them for a prefetch), none in `never`: the bytes freed."""
+        candidates, freed = [], 0
+        for name, size in list(self.ledger.files.items()):
+            if name.rsplit("/", 1)[-1].startswith(".") or not name.endswith(EVICTABLE) or name in never:
+                continue
+            try:
+                used = os.stat(self.dir / name).st_mtime
+            except FileNotFoundError:  # removed by hand, or a damaged copy dropped: not there to count
+                self.ledger.drop(name)
+                freed += size
+                continue
+            candidates.append((name in upcoming, used, size, name))
+        for is_upcoming, _, size, name in sorted(candidates, key=lambda c: c[:2]):
+            if freed >= excess or (ahead and is_upcoming):
+                break
+            (self.dir / name).unlink(missing_ok=True)
+            handles.POOL.drop(("arrayrecord", str(self.dir / name)))  # an open reader would hold its space
+            self.ledger.drop(name)
+            freed += size
+        return freed
+
+    def _downloading(self) -> bool:
+        """Whether downloads hold reservations now; those of processes that died are reclaimed
+        (their temporaries removed, and dropped from the ledger)."""
+        pending = [n for n in self.ledger.files if ".tmp-" in n]
+        for d in {(self.dir / n).parent for n in pending}:
+            remove_stale_temporaries(d)
+        for n in pending:
+            if not (self.dir / n).exists():
+                self.ledger.drop(n)
+        return any(".tmp-" in n for n in self.ledger.files)
+
+    def _cached(self):
+        """(mtime, size, path) of the cache's files: copies, and downloads in progress (their
+        temporaries are allocated at full size); lock files (empty) and `.plans` (packing plans
+        kept beside the copies) are skipped without a stat, as this runs before every download."""
+        pending = [self.dir]
+        while pending:
+            try:
+                entries = list(os.scandir(pending.pop()))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                hidden = e.name.startswith(".")
+                if e.is_dir(follow_symlinks=False):
+                    if not hidden:
+                        pending.append(e.path)
+                    continue
+                if hidden and (e.name.endswith(".lock") or e.name.startswith(".ledger")):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:  # evicted or renamed meanwhile
+                    continue
+                yield st.st_mtime, st.st_size, Path(e.path)
+
+    def used(self) -> int:
+        """Bytes of the files in the cache directory, downloads in progress at their full size,
+        the ledger included."""
+        with self._accounting():
+            return sum(size for _, size, _ in self._cached()) + self.ledger.size()
+
+    def _accounting(self):
+        """The lock under which the cache's bytes change by more than a shrink (reservations,
+        renames, eviction) and are counted, and its ledger written, across the host's processes."""
+        return file_lock(self.dir / ".evict.lock")

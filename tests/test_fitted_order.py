@@ -1,0 +1,255 @@
+"""A read order that fits a bounded cache (`forge_grain.packing.fitted`), against a real S3
+server (moto) counting the bytes it serves: an epoch under a `cache_limit` of two files
+fetches each file about once, for every store kind and strategy, in the order a local copy
+gives with the same `shuffle_bytes`; the cache, its ledger included, never holds more than
+the limit; `forge-grain plan` says what an epoch will fetch and warns when an order thrashes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+from forge_grain import DataConfig, Pipeline, StateError, prepare  # noqa: E402
+from s3server import S3Server  # noqa: E402
+
+FILES = 16
+DATA_SUFFIXES = (".bin", ".mds", ".arrow")
+KINDS = {"bin": {}, "mds": {}, "arrow": {}, "megatron": {}, "raw": {"dtype": "uint16", "eos_id": 1}}
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, s3):
+    """The same 2,400 documents as a forge-grain store, MDS and Arrow datasets (16 files each), a
+    Megatron file and a raw uint16 file; on disk and uploaded to s3://fit/<kind>."""
+    from mds_writer import write_mds
+    from test_formats import write_arrow, write_megatron
+
+    base = tmp_path_factory.mktemp("fit")
+    rng = np.random.default_rng(3)
+    docs = [np.append(rng.integers(2, 1000, int(rng.integers(20, 600))), 1).astype(np.int32) for _ in range(2400)]
+    with open(base / "docs.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"ids": d.tolist()}) + "\n")
+    local = {"bin": prepare(base / "docs.jsonl", base / "bin", token_field="ids", vocab_size=1000, eos_id=1,
+                            bos_id=None, num_shards=FILES, progress=False),
+             "mds": write_mds(base / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
+                              samples_per_shard=len(docs) // FILES),
+             "arrow": write_arrow(base / "arrow", docs, num_shards=FILES)}
+    (base / "megatron").mkdir()
+    local["megatron"] = write_megatron(base / "megatron" / "text_document", docs).parent
+    (base / "raw").mkdir()
+    np.concatenate(docs).astype(np.uint16).tofile(base / "raw" / "tokens.bin")
+    local["raw"] = base / "raw"
+    fs = s3.fs()
+    fs.mkdir("fit")
+    for kind, path in local.items():
+        fs.put(str(path), f"fit/{kind}", recursive=True)
+    return local
+
+
+def data_files(path: Path) -> list[int]:
+    return [f.stat().st_size for f in Path(path).iterdir() if f.suffix in DATA_SUFFIXES]
+
+
+def two_files(path: Path) -> int:
+    """A cache_limit of two of the dataset's files (of a sixteenth of a single file, twice), and
+    room for the records and the ledger beside them."""
+    sizes = data_files(path)
+    unit = max(sizes) if len(sizes) > 1 else sizes[0] // FILES
+    return 2 * unit + 60_000
+
+
+def config(path, strategy: str = "bestfit", top: dict | None = None, **source) -> DataConfig:
+    return DataConfig.from_dict(dict(sources=[dict(name="web", path=str(path), strategy=strategy, **source)],
+                                     seq_len=256, global_batch_size=8, seed=4, num_epochs=1, **(top or {})))
+
+
+def remote(s3, tmp_path, kind: str, limit: int, **extra) -> dict:
+    return dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "objects"),
+                cache_limit=limit, **KINDS[kind], **extra)
+
+
+def served(s3) -> int:
+    return sum(n for p, n in s3.proxy.sent.items() if p.endswith(DATA_SUFFIXES))
+
+
+class Peak:
+    """The most bytes the cache directory held (ledger included), polled under its lock."""
+
+    def __init__(self, cache):
+        self.cache, self.most, self._stop = cache, 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.most = max(self.most, self.cache.used())
+            self._stop.wait(0.002)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+CASES = [(kind, "bestfit") for kind in KINDS] + [("bin", "concat"), ("mds", "concat")]
+
+
+@pytest.mark.parametrize("kind,strategy", CASES)
+def test_an_epoch_under_a_cache_limit_of_two_files_fetches_each_file_about_once(tmp_path, s3, stores, kind, strategy):
+    """With cache_limit = two files and nothing else set, the epoch reads its data files in
+    windows that fit (a whole-epoch shuffle re-downloaded such a dataset 100-230 times): at most
+    1.05x the data fetched, the cache never above the limit, ledger included, and the batches
+    those of the local copy read with shuffle_bytes = a quarter of the limit."""
+    limit = two_files(stores[kind])
+    src = remote(s3, tmp_path, kind, limit)
+    local = Pipeline(config(stores[kind], strategy, shuffle_bytes=limit // 4, **KINDS[kind]), 0, 1,
+                     cache_dir=tmp_path / "p1")
+    pipe = Pipeline(config(f"s3://fit/{kind}", strategy, **src), 0, 1, cache_dir=tmp_path / "p2")
+    fit = pipe._sources[0].dataset.fitted
+    assert fit is not None and fit.files_together >= 1
+    assert local.num_steps == pipe.num_steps
+    s3.proxy.clear()
+    peak = Peak(pipe.stores[0].cache)
+    try:
+        for step, batch in enumerate(pipe.iterator()):
+            want = local.batch(step)
+            assert all(np.array_equal(batch[k], want[k]) for k in want), step
+    finally:
+        most = peak.stop()
+    data = sum(data_files(stores[kind]))
+    assert served(s3) <= 1.05 * data, (served(s3) / data, fit)
+    assert most <= limit, (most, limit)
+
+
+def test_bos_bestfit_keeps_its_rows_under_a_fitted_order(tmp_path, s3, stores):
+    """bos_bestfit (rows start at a document's BOS) planned in the fitted chunks: every row still
+    starts at a document, and the epoch fetches each shard about once."""
+    base = tmp_path / "bos"
+    docs = [[0, *np.random.default_rng(i).integers(2, 1000, 50 + i % 300).tolist()] for i in range(1600)]
+    with open(tmp_path / "bos.jsonl", "w") as f:
+        f.writelines(json.dumps({"ids": d}) + "\n" for d in docs)
+    prepare(tmp_path / "bos.jsonl", base, token_field="ids", vocab_size=1000, bos_id=0, num_shards=FILES,
+            progress=False)
+    s3.fs().put(str(base), "fit/bos", recursive=True)
+    limit = 2 * max(data_files(base)) + 60_000
+    pipe = Pipeline(config("s3://fit/bos", "bos_bestfit", **remote(s3, tmp_path, "bin", limit)), 0, 1,
+                    cache_dir=tmp_path / "p")
+    s3.proxy.clear()
+    for batch in pipe.iterator():
+        assert (batch["inputs"][:, 0] == 0).all()
+    assert served(s3) <= 1.05 * sum(data_files(base))
+
+
+def test_a_limit_of_only_the_two_largest_files_fetches_at_most_one_and_a_half_times(tmp_path, s3, stores):
+    """The tightest limit a file-at-a-time read can run in (the two largest files, the records
+    and the ledger): no prefetch fits beside the file being read, and an epoch still fetches at
+    most 1.5x the data."""
+    sizes = sorted(data_files(stores["mds"]))
+    limit = sizes[-1] + sizes[-2] + 45_000
+    pipe = Pipeline(config("s3://fit/mds", **remote(s3, tmp_path, "mds", limit)), 0, 1, cache_dir=tmp_path / "p")
+    s3.proxy.clear()
+    peak = Peak(pipe.stores[0].cache)
+    steps = sum(1 for _ in pipe.iterator())
+    assert steps == pipe.num_steps and peak.stop() <= limit
+    assert served(s3) <= 1.5 * sum(sizes)
+
+
+def test_a_resume_keeps_the_order_the_run_was_fitted_to(tmp_path, s3, stores):
+    """The order is data: a state saved under one cache_limit resumes exactly where shuffle_bytes
+    keeps the run's value (here with another cache_limit), and is refused, naming shuffle_bytes,
+    where a new cache_limit would change it."""
+    limit = two_files(stores["mds"])
+    first = Pipeline(config("s3://fit/mds", **remote(s3, tmp_path, "mds", limit)), 0, 1, cache_dir=tmp_path / "p")
+    it = first.iterator()
+    for _ in range(7):
+        next(it)
+    state = it.get_state()
+    want = [first.batch(s) for s in range(7, 12)]
+    kept = config("s3://fit/mds", **remote(s3, tmp_path, "mds", 3 * limit, shuffle_bytes=limit // 4))
+    it = Pipeline(kept, 0, 1, cache_dir=tmp_path / "p", resume_from=state).iterator(state)
+    for w in want:
+        got = next(it)
+        assert all(np.array_equal(got[k], w[k]) for k in w)
+    changed = config("s3://fit/mds", **remote(s3, tmp_path, "mds", 3 * limit))
+    with pytest.raises(StateError, match="shuffle_bytes"):
+        Pipeline(changed, 0, 1, cache_dir=tmp_path / "p", resume_from=state).iterator(state)
+
+
+def test_plan_says_what_an_epoch_fetches_and_warns_when_the_order_thrashes(tmp_path, s3, stores):
+    """`forge-grain plan` prints, for a source under cache_limit, its read order and the bytes an
+    epoch fetches (within 5% of what the server then serves), and warns, with the fix, when an
+    order not fitted to the cache (here shuffle_window over planning chunks of many files) would
+    fetch more than 1.5x the data."""
+    limit = two_files(stores["mds"])
+    src = remote(s3, tmp_path, "mds", limit)
+    src["storage_options"] = {k: v for k, v in src["storage_options"].items() if k != "config_kwargs"}
+
+    def plan(**extra) -> dict:
+        toml = tmp_path / "run.toml"
+        entries = {"name": "web", "path": "s3://fit/mds", "strategy": "bestfit", **src, **extra}
+        lines = ["seq_len = 256", "global_batch_size = 8", "seed = 4", "num_epochs = 1", "plan_chunk_docs = 1200",
+                 "[[sources]]"] + [f"{k} = {json.dumps(v)}" for k, v in entries.items() if k != "storage_options"]
+        lines += ["[sources.storage_options]"] + [f"{k} = {json.dumps(v)}" for k, v in src["storage_options"].items()]
+        toml.write_text("\n".join(lines) + "\n")
+        out = subprocess.run([sys.executable, "-m", "forge_grain", "plan", str(toml), "--json"], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout)
+
+    fitted = plan()
+    cache = fitted["sources"][0]["cache"]
+    assert cache["limit"] == limit and cache["fitted_order"]["shuffle_bytes"] == limit // 4
+    assert cache["data_bytes"] == sum(data_files(stores["mds"]))
+    assert cache["fetch_bytes"] <= 1.05 * cache["data_bytes"] and not fitted["warnings"]
+    pipe = Pipeline(config("s3://fit/mds", **remote(s3, tmp_path, "mds", limit)), 0, 1, cache_dir=tmp_path / "p")
+    s3.proxy.clear()
+    sum(1 for _ in pipe.iterator())
+    assert 0.95 * cache["fetch_bytes"] <= served(s3) <= 1.05 * cache["fetch_bytes"]
+    thrashing = plan(shuffle_window=1)  # (the replay leaves out the prefetch's churn: such a run fetches more)
+    cache = thrashing["sources"][0]["cache"]
+    assert cache["fitted_order"] is None and cache["fetch_bytes"] > 1.5 * cache["data_bytes"]
+    assert any("fetches" in w and "remove shuffle_window" in w for w in thrashing["warnings"])
+
+
+@pytest.mark.parametrize("kind", ["megatron", "raw"])
+@pytest.mark.parametrize("small", [True, False])
+def test_a_first_open_under_a_limit_reads_each_byte_about_once(tmp_path, s3, stores, monkeypatch, kind, small):
+    """The first open of a Megatron or raw file under cache_limit (its scan, its checks, its
+    content fingerprint) fetches at most 1.1x the file (a raw file was fetched 4x, a Megatron one
+    2x): a small file is held in memory through the open, and a large one (here: past a lowered
+    threshold) reads its scattered checks without merging them across much of the file (at most
+    a fiftieth of it a pass, beside the samples themselves). The fingerprint stays the local
+    copy's."""
+    from forge_grain import TokenStore
+    from forge_grain.stores import checks, mirror_ranges
+
+    if not small:
+        monkeypatch.setattr(mirror_ranges, "KEEP", 100_000)
+        monkeypatch.setattr(checks, "WHOLE_BELOW", 50_000)  # (the local fingerprint samples alike)
+    size = sum(data_files(stores[kind]))
+    s3.proxy.clear()
+    store = TokenStore.open(f"s3://fit/{kind}", **remote(s3, tmp_path, kind, size // 3))
+    if small:
+        assert served(s3) <= 1.1 * size, served(s3) / size
+    else:  # the checks' samples are of a fixed size (0.4% of a file of 64 MB, the least that is not held)
+        sampled = (2 * checks.SAMPLE_BLOCKS * checks.SAMPLE_BLOCK_BYTES + checks.PROBES * checks.PROBE_BYTES
+                   + 2 * mirror_ranges.SAMPLED_ENDS * 8)
+        assert served(s3) <= 1.06 * size + sampled, (served(s3) - sampled) / size
+    assert store.fingerprint == TokenStore.open(stores[kind], **KINDS[kind]).fingerprint
