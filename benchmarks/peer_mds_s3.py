@@ -11,7 +11,8 @@ TOKENS.npy: the corpus's documents back to back. They are cut into samples of SE
 Streaming's own `MDSWriter` in shards of about SHARD_BYTES, uploaded to `s3://bench/mds`, and
 read by `StreamingDataset(remote="s3://bench/mds", local=..., shuffle=True)` in a
 `StreamingDataLoader` of BATCH samples, through READ_ENDPOINT where given (a shaped link in front
-of ENDPOINT). Prints one JSON line: time to the first batch, tokens/s over the next STEPS
+of ENDPOINT). `BENCH_CACHE_LIMIT` (bytes) is its `cache_limit`; `BENCH_REUSE=1` reads the dataset
+a run before wrote and uploaded. Prints one JSON line: time to the first batch, tokens/s over the next STEPS
 batches (STEPS 0: the whole epoch), and tokens/s of the whole run from the request.
 """
 
@@ -53,16 +54,19 @@ def main() -> None:
 
     tokens = np.load(tokens_file, mmap_mode="r")
     samples = len(tokens) // seq_len
-    with MDSWriter(out=str(work / "mds"), columns={"tokens": f"ndarray:{tokens.dtype.name}"}, size_limit=shard_bytes) as out:
-        for i in range(samples):
-            out.write({"tokens": np.asarray(tokens[i * seq_len:(i + 1) * seq_len])})
+    if not (os.environ.get("BENCH_REUSE") and (work / "mds").exists()):  # (written and uploaded already)
+        columns = {"tokens": f"ndarray:{tokens.dtype.name}"}
+        with MDSWriter(out=str(work / "mds"), columns=columns, size_limit=shard_bytes) as out:
+            for i in range(samples):
+                out.write({"tokens": np.asarray(tokens[i * seq_len:(i + 1) * seq_len])})
+        s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=endpoint).put(str(work / "mds"), "bench/mds",
+                                                                                 recursive=True)
     shards = len(list((work / "mds").glob("shard.*.mds")))
-    s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=endpoint).put(str(work / "mds"), "bench/mds",
-                                                                             recursive=True)
     clean_stale_shared_memory()
     begin = start = time.perf_counter()
+    limit = {"cache_limit": int(os.environ["BENCH_CACHE_LIMIT"])} if os.environ.get("BENCH_CACHE_LIMIT") else {}
     ds = StreamingDataset(remote="s3://bench/mds", local=str(work / "mds-cache"), shuffle=True, shuffle_seed=0,
-                          batch_size=batch)
+                          batch_size=batch, **limit)
     it = iter(StreamingDataLoader(ds, batch_size=batch, num_workers=0))
     next(it)
     first = time.perf_counter() - start

@@ -135,3 +135,22 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
                 os._exit(1)  # no clean-up: the process it served is gone
 
     threading.Thread(target=watch, name="forge-grain-parent-watch", daemon=True).start()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (a job's share of a node, as schedulers
+    and `taskset` set it), not the node's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def default_batch_threads() -> int:
+    """Batch threads by default: none on 2 cores or fewer, where they contend with the consumer
+    and the request threads for the same cores (at 2 MB/s a connection, 16 shards: 38.9 M
+    tokens/s with none, 25.2 with two; `benchmarks/results/scale-link-ttfb30-mbps2.txt`), one
+    up to 4 cores, two beyond (making the next batch while the trainer's step runs)."""
+    cores = usable_cores()
+    return 0 if cores <= 2 else 1 if cores <= 4 else 2
+

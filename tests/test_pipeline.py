@@ -206,6 +206,25 @@ def test_threads_processes_and_inline_give_the_same_batches(stores):
         assert all(same(a, b) for a, b in zip(ref, got)), kw
 
 
+@pytest.mark.parametrize("cores,threads", [(1, 0), (2, 0), (4, 1), (16, 2)])
+def test_batch_threads_by_default_follow_the_cores_the_process_may_use(stores, monkeypatch, cores, threads):
+    """The default batch threads come from the process's CPU affinity (a job's share of a node),
+    not a constant: none on 2 cores or fewer, where they slowed an epoch from object storage by
+    contending with the consumer and the request threads, one up to 4, two beyond. A number
+    given is kept."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert Pipeline(config(stores), 0, 1).num_threads == threads
+    assert Pipeline(config(stores), 0, 1, num_threads=3).num_threads == 3
+
+
+def test_the_cores_a_process_may_use_are_its_affinity_not_the_machines():
+    """A process pinned to one core (as `taskset` or a scheduler pins it) counts one."""
+    code = "import os; os.sched_setaffinity(0, {0}); from forge_grain.processes import usable_cores; print(usable_cores())"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["1"]
+
+
 def test_grain_checkpoint_assertion_passes(stores):
     p = Pipeline(config(stores, num_epochs=0.3), 0, 1, num_threads=2)
     assert 0 < p.num_steps < 30

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from forge_grain.processes import usable_cores
 from forge_grain.stores.manifest import temporary
 from forge_grain.stores.mapping import map_npy
 from forge_grain.packing.plans import (ARRAY_SUFFIX, PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan,
@@ -71,7 +72,7 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
         shutil.rmtree(d, ignore_errors=True)
     if workers is None and len(offsets) - 1 <= IN_PROCESS_DOCS:
         workers = 1  # a worker's start (an interpreter importing numpy and numba) costs more than the plan
-    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    workers = max(1, min(workers or usable_cores(), len(todo)))
     with _bar(len(jobs), len(jobs) - len(todo), f"plan {name}", progress) as bar:
         if workers == 1:
             for k, a, b, d in todo:

@@ -28,6 +28,7 @@ from forge_grain.pipeline.opening import AheadOpener, open_sources, pack_args
 from forge_grain.pipeline.row_order import RowOrder, check_shards, count_steps
 from forge_grain.pipeline.states import merge_states
 from forge_grain.pipeline.streams import StreamPositions, epoch_aligned, layout_for
+from forge_grain.processes import default_batch_threads
 
 __all__ = ["Pipeline", "PipelineIterator", "StateError", "default_shard", "merge_states"]
 
@@ -54,7 +55,8 @@ class Pipeline:
     """The data stream a `DataConfig` describes, for one shard of the cluster.
 
     `num_threads` threads assemble batches ahead of the consumer (the gather kernels
-    release the GIL); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
+    release the GIL; by default none on 2 cores or fewer, one up to 4, two beyond:
+    `processes.default_batch_threads`); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
     instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
@@ -90,7 +92,7 @@ class Pipeline:
         shard_index: int | None = None,
         shard_count: int | None = None,
         *,
-        num_threads: int = 2,
+        num_threads: int | None = None,
         prefetch: int = 4,
         worker_count: int = 0,
         plan_workers: int | None = None,
@@ -116,6 +118,7 @@ class Pipeline:
         start = resume_from.get("step") if isinstance(resume_from, dict) else 0
         start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
         check_shards(batches, shard_index, shard_count, start)
+        num_threads = default_batch_threads() if num_threads is None else num_threads
         self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
         self.cache_dir, self.fetch_ahead, self.tokenize_threads = cache_dir, fetch_ahead, tokenize_threads
         self.dtype = np.dtype(dtype)  # of ids and positions in batches

@@ -21,17 +21,14 @@ from typing import Callable
 
 import numpy as np
 
-from forge_grain.processes import per_process
+from forge_grain.processes import per_process, usable_cores
 
 BATCH = 32  # texts a task encodes: small enough to spread a window over the threads
 
 
 def default_size() -> int:
     """One thread per core this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    return usable_cores()
 
 
 class TokenizePool:

@@ -1,0 +1,174 @@
+"""Bytes fetched per epoch under a bounded cache: forge-grain beside LitData and MosaicML Streaming.
+
+    python benchmarks/bench_cache_limit.py [--docs 16000] [--peer-python PYTHON] [--out FILE]
+
+One corpus (synthetic documents of uint16 tokens, `corpora.sharded_synthetic_store`) is
+uploaded to moto's S3 server (its own process) as a forge-grain store of 16 shards and a
+Megatron file, and written by the peers' own writers (`--peer-python`: an environment with
+`litdata` and `mosaicml-streaming`) as a LitData dataset of 16 chunks (`optimize`,
+`TokensLoader`) and an MDS dataset of about 16 shards (`MDSWriter`). Every reader then reads
+one epoch, shuffled, through a proxy that counts the bytes of the data files it serves (the
+server's side: `tests/s3server.py`), under a cache limit of 2, 4 and 8 files' worth (a
+sixteenth of the data each) and unbounded: forge-grain (its defaults, `cache_limit` only) over
+its store, the Megatron file and the LitData dataset; LitData's `StreamingDataset`
+(`max_cache_size`) and MosaicML's (`cache_limit`) over their own. Each cell is the bytes
+fetched divided by the dataset's bytes; forge-grain's first open (which reads a LitData
+chunk's documents out of it, and a Megatron index) is shown apart from its epoch. A reader
+that fails is recorded as such. Beside forge-grain's figures: its epoch's rate against the
+unbounded one, and the shuffle it keeps (documents of at most N files interleaved at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the counting proxy and the Megatron writer of the tests
+
+from bench_scale import start_server  # noqa: E402
+from corpora import sharded_synthetic_store  # noqa: E402
+
+FILES, SEQ_LEN, BATCH = 16, 2048, 8
+LIMITS = (2, 4, 8, None)  # files' worth of cache, None: unbounded
+DATA = (".bin", ".mds")  # data files' names end so (indices: .idx, .json)
+
+
+def served(proxy) -> int:
+    return sum(n for path, n in proxy.sent.items() if path.split("?")[0].endswith(DATA))
+
+
+def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path) -> dict:
+    """One epoch of a forge-grain source (defaults but `cache_limit`): the bytes its open and its
+    epoch fetched, the epoch's seconds, and its order's shuffle."""
+    from forge_grain import DataConfig, Pipeline
+
+    options = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{proxy.port}"}
+    cache = work / "objects"
+    shutil.rmtree(cache, ignore_errors=True)
+    src = dict(name="web", path=path, strategy="bestfit", storage_options=options, object_cache=str(cache),
+               cache_limit=limit)
+    config = DataConfig.from_dict(dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0,
+                                       num_epochs=1))
+    proxy.clear()
+    try:
+        pipe = Pipeline(config, 0, 1, cache_dir=work / "plans")
+        opened = served(proxy)
+        t = time.perf_counter()
+        steps = sum(1 for _ in pipe.iterator())
+        seconds = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001 (a failure is a result)
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    fit = pipe._sources[0].dataset.fitted
+    return {"open": opened, "epoch": served(proxy) - opened, "seconds": seconds, "steps": steps,
+            "files_together": fit.files_together if fit is not None else None}
+
+
+def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path, part: int) -> dict:
+    """One epoch of a peer's own reader over its own dataset (written and uploaded on first use)."""
+    script, cache = {"LitData": ("peer_litdata_s3.py", "litdata-cache"),
+                     "MosaicML Streaming": ("peer_mds_s3.py", "mds-cache")}[name]
+    shutil.rmtree(work / cache, ignore_errors=True)
+    env = {**os.environ, "BENCH_REUSE": "1", "BENCH_CACHE_LIMIT": str(limit or "")}
+    proxy.clear()
+    done = subprocess.run([python, str(Path(__file__).with_name(script)), str(work / "tokens.npy"),
+                           f"http://127.0.0.1:{port}", str(work), str(SEQ_LEN), str(BATCH), "0", str(part),
+                           f"http://127.0.0.1:{proxy.port}"], capture_output=True, text=True, env=env)
+    if done.returncode:
+        last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["(no message)"]
+        return {"error": last[0][:200], "epoch": served(proxy)}
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"epoch": served(proxy), "seconds": out["steps"] * BATCH * SEQ_LEN / out["rate"]}
+
+
+def cell(result: dict, size: int) -> str:
+    if "error" in result:
+        return "failed"
+    opened = f"{result['open'] / size:.2f} + " if result.get("open") else ""
+    return f"{opened}{result['epoch'] / size:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--docs", type=int, default=16_000, help="documents (median 600 tokens)")
+    parser.add_argument("--peer-python", help="a Python with litdata and mosaicml-streaming installed")
+    parser.add_argument("--work", default="/tmp/forge-grain-bench-cache")
+    parser.add_argument("--out", help="also write the table here")
+    a = parser.parse_args()
+    import s3fs
+    from s3server import FaultProxy
+    from test_formats import write_megatron
+
+    work = Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    port, server = start_server(work)
+    proxy = FaultProxy(port)
+    try:
+        store = sharded_synthetic_store(work / "store", a.docs, FILES)
+        docs = [store[i] for i in range(len(store))]
+        np.save(work / "tokens.npy", np.concatenate(docs))
+        (work / "megatron").mkdir()
+        write_megatron(work / "megatron" / "text_document", docs, dtype=np.uint16)
+        fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=f"http://127.0.0.1:{port}")
+        fs.mkdir("bench")
+        fs.put(str(store.path), "bench/store", recursive=True)
+        fs.put(str(work / "megatron"), "bench/megatron", recursive=True)
+        size = sum(f.stat().st_size for f in store.path.glob("*.bin"))
+        unit = size // FILES
+        readers = {"forge-grain, its store": ("fg", "s3://bench/store"),
+                   "forge-grain, a Megatron file": ("fg", "s3://bench/megatron")}
+        if a.peer_python:
+            peer(proxy, port, "LitData", a.peer_python, None, work, store.num_tokens // FILES)  # writes, uploads
+            peer(proxy, port, "MosaicML Streaming", a.peer_python, None, work, unit)
+            readers.update({"forge-grain, the LitData dataset": ("fg", "s3://bench/litdata"),
+                            "LitData StreamingDataset": ("LitData", None),
+                            "MosaicML StreamingDataset": ("MosaicML Streaming", None)})
+        header = (f"cache_limit and bytes fetched: {len(store):,} documents, {size / 1e6:.1f} MB of uint16 tokens "
+                  f"({FILES} files of {unit / 1e6:.2f} MB); seq_len {SEQ_LEN}, batch {BATCH}, one shuffled epoch; "
+                  "each cell: bytes of data files the server sent / the data's bytes (forge-grain: first open + "
+                  "epoch)")
+        lines = [header, f"  {'reader':<36}" + "".join(f"{(f'{k} files' if k else 'unbounded'):>18}" for k in LIMITS)]
+        print("\n".join(lines), flush=True)
+        notes = []
+        for label, (kind, path) in readers.items():
+            results = {}
+            for k in LIMITS:
+                limit = k * unit if k else None
+                if kind == "fg":
+                    results[k] = forge_grain(proxy, port, path, limit, work)
+                else:
+                    part = store.num_tokens // FILES if kind == "LitData" else unit
+                    results[k] = peer(proxy, port, kind, a.peer_python, limit, work, part)
+            lines.append(f"  {label:<36}" + "".join(f"{cell(results[k], size):>18}" for k in LIMITS))
+            print(lines[-1], flush=True)
+            for k, r in results.items():
+                if "error" in r:
+                    notes.append(f"  {label}, {k or 'unbounded'} files: {r['error']}")
+            if kind == "fg" and all("error" not in r for r in results.values()):
+                base = results[None]["seconds"]
+                notes.append(f"  {label}: epoch time against the unbounded cache's "
+                             + ", ".join(f"{base / results[k]['seconds']:.2f}x at {k} files" for k in LIMITS if k)
+                             + "; documents of at most "
+                             + ", ".join(f"{results[k]['files_together']} files" for k in LIMITS if k)
+                             + " interleaved at a time")
+        lines += ["", *notes]
+        print("\n".join(["", *notes]), flush=True)
+        if a.out:
+            Path(a.out).write_text("\n".join(lines) + "\n")
+    finally:
+        proxy.stop()
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
