@@ -202,7 +202,7 @@ class Ranged(FetchedParts):
                              f"{file_dtype} tokens ({expected} bytes); the file is truncated or belongs to another "
                              "index")
         tokens = _Tokens(self, name, 0, file_dtype, int(offsets[-1]))
-        tokens.load()  # (a small file whole, once: the checks and the fingerprint read it from memory)
+        tokens.load()  # (a file up to KEEP whole, once, in a few large GETs: the checks read it from memory)
         checks.check_arrays_ids(self._where(name), [tokens.sample()], self.vocab_size)
         checks.check_special_ends(self._where(name), tokens.at, offsets, self.eos_id, self.bos_id, limit=SAMPLED_ENDS)
         return file_dtype, 0, offsets, [checks.content_fingerprint(local, self._full)], tokens
