@@ -20,6 +20,7 @@ hold as for any windowed order (the order is a pure function of the index).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -47,8 +48,6 @@ class Fitted:
     @property
     def key(self) -> str:
         """What the plan's cache key adds (its chunks)."""
-        import hashlib
-
         return hashlib.sha256(np.ascontiguousarray(self.bounds, np.int64).view(np.uint8)).hexdigest()[:16]
 
 

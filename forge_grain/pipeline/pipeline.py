@@ -55,8 +55,7 @@ class Pipeline:
     """The data stream a `DataConfig` describes, for one shard of the cluster.
 
     `num_threads` threads assemble batches ahead of the consumer (the gather kernels
-    release the GIL; by default none on 2 cores or fewer, one up to 4, two beyond:
-    `processes.default_batch_threads`); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
+    release the GIL); `worker_count > 0` uses Grain's `mp_prefetch` worker processes
     instead (spawned: the main script needs an `if __name__ == "__main__":` guard).
     Neither changes the data, and the state does not record them, nor does
     `plan_workers` (processes planning the chunks of a large store; default one per
@@ -92,7 +91,7 @@ class Pipeline:
         shard_index: int | None = None,
         shard_count: int | None = None,
         *,
-        num_threads: int | None = None,
+        num_threads: int | None = None,  # None: `processes.default_batch_threads()`, from the usable cores
         prefetch: int = 4,
         worker_count: int = 0,
         plan_workers: int | None = None,
@@ -118,10 +117,9 @@ class Pipeline:
         start = resume_from.get("step") if isinstance(resume_from, dict) else 0
         start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
         check_shards(batches, shard_index, shard_count, start)
-        num_threads = default_batch_threads() if num_threads is None else num_threads
-        self.num_threads, self.prefetch, self.worker_count = num_threads, prefetch, worker_count
-        self.cache_dir, self.fetch_ahead, self.tokenize_threads = cache_dir, fetch_ahead, tokenize_threads
-        self.dtype = np.dtype(dtype)  # of ids and positions in batches
+        self.num_threads = default_batch_threads() if num_threads is None else num_threads
+        self.prefetch, self.worker_count, self.cache_dir, self.fetch_ahead = prefetch, worker_count, cache_dir, fetch_ahead
+        self.tokenize_threads, self.dtype = tokenize_threads, np.dtype(dtype)  # (of ids and positions in batches)
         self.layout = layout_for(config, batches, shard_count, resume_from)
         self._canonical = self.layout.canonical if self.layout else None  # how streaming sources are dealt
         # one bar per job, not one per rank interleaved: by default only shard 0 shows first-use work
@@ -134,7 +132,7 @@ class Pipeline:
         if self.streams:
             if worker_count:
                 raise ConfigError("streaming sources are read in order in this process: worker_count must be 0")
-            self.num_threads = min(num_threads, 1)  # one thread keeps the steps in order
+            self.num_threads = min(self.num_threads, 1)  # one thread keeps the steps in order
         self._rows = sum(d.num_rows for d in self.datasets)
         count_steps(config, batches, self._rows)  # (a batch larger than the run is named before any state)
         runs = resume.Runs()
