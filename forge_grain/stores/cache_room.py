@@ -1,7 +1,7 @@
 """The bytes a bounded cache directory holds, and making room in it (`ObjectCache`'s half
 that counts): reservations made before a download starts, eviction of the least recently
-used copies no upcoming step needs, the small files a store writes itself (manifests,
-indices, records) counted before they exist, and the ledger (`cache_ledger`) that keeps the
+used copies no upcoming step needs (a file made in the cache, as `ObjectCache.derive` and
+`write_record` make one, reserves its bytes the same way before it exists), and the ledger (`cache_ledger`) that keeps the
 count, its own bytes included. Every change happens under one lock per cache directory,
 across the host's processes, so the directory never holds more than the limit."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.stores import handles
-from forge_grain.stores.manifest import remove_stale_temporaries, temporary
+from forge_grain.stores.manifest import remove_stale_temporaries
 
 # data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
 EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
@@ -22,25 +22,6 @@ EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
 
 class CacheRoom:
     """What `ObjectCache` counts and evicts (it sets `dir`, `limit`, `ledger` and `url`)."""
-
-    def write_record(self, path: Path, data: bytes) -> None:
-        """A small file of this process's own (a manifest, an index, what a first open found)
-        written into the cache directory at `path`, counted against the limit before it exists:
-        room is made (evicting copies as a download does), then it is written to a temporary
-        name and renamed, so the directory never holds more than the limit, not for a moment."""
-        tmp = temporary(path)
-        if self.limit is not None:
-            if len(data) + self.ledger.reserve() > self.limit:
-                raise StoreError(f"{self.url}: cache_limit {self.limit} bytes cannot hold its {path.name} "
-                                 f"({len(data)} bytes) beside the cache's ledger, let alone its data; raise cache_limit")
-            self._make_room(len(data), frozenset(), tmp, ahead=False)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            self._commit(tmp, path, len(data))
-        finally:
-            if tmp.exists():
-                self._forget(tmp)
 
     def room(self) -> int | None:
         """Bytes the limit leaves for copies of data files: what the indices, records and the
