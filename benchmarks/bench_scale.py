@@ -152,7 +152,7 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
         peers = {}  # name -> (steady, from the request)
         for name in (["LitData"] if peer_python else []) + (["MosaicML Streaming"] if mosaic else []):
             part = size // 2 // shards if name == "LitData" else size * 2 // shards  # as many parts as shards
-            line, *peers[name], _ = peer(name, peer_python, local, port, part, work, steps_wanted)
+            line, *peers[name], _, _ = peer(name, peer_python, local, port, part, work, steps_wanted)
             lines.append(line)
             print(lines[-1], flush=True)
         from forge_grain.stores.remote_dir import RemoteDir  # obstore, as forge-grain downloads shards
@@ -216,30 +216,41 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
                              f"tok/s (idle {idle:.0%})")
                 print(lines[-1], flush=True)
             per_chunk = max(1, round(shards / 40))  # the locality order the scale guide advises for object storage
-            src = dict(name="web", path=f"s3://bench/s{shards}", storage_options=opts, shuffle_window=1,
-                       object_cache=str(work / f"objects-{shards}"))
             chunk_docs = max(1, round(num_docs / shards * per_chunk))
+            src = dict(name="web", path=f"s3://bench/s{shards}", storage_options=opts,
+                       object_cache=str(work / f"objects-{shards}-global"))
+            readers = {}
+            got = forge_grain_epoch(DataConfig.from_dict(dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=BATCH,
+                                                              seed=0, num_epochs=1)))
+            readers["forge-grain, defaults"] = (got["rate"], got["first"], got["cpu_per_gb"],
+                                                f"a global shuffle, idle {got['idle']:.0%}")
+            src.update(shuffle_window=1, object_cache=str(work / f"objects-{shards}"))  # (downloaded afresh)
             got = forge_grain_epoch(config(src, chunk_docs))
-            readers = {"forge-grain, defaults": (got["rate"], got["first"], f"idle {got['idle']:.0%}")}
-            src["object_cache"] = str(work / f"objects-{shards}-t0")  # (downloaded afresh)
-            got = forge_grain_epoch(config(src, chunk_docs), num_threads=0)
-            readers["forge-grain, num_threads=0"] = (got["rate"], got["first"], f"idle {got['idle']:.0%}")
+            readers["forge-grain, docs' settings"] = (got["rate"], got["first"], got["cpu_per_gb"],
+                                                      f"shuffle_window 1, idle {got['idle']:.0%}")
+            for threads in (0, 2):
+                src["object_cache"] = str(work / f"objects-{shards}-t{threads}")
+                got = forge_grain_epoch(config(src, chunk_docs), num_threads=threads)
+                readers[f"  the same, num_threads={threads}"] = (got["rate"], got["first"], got["cpu_per_gb"],
+                                                                 f"idle {got['idle']:.0%}")
             disk = forge_grain_epoch(config(dict(name="web", path=str(local), shuffle_window=1), chunk_docs))
-            readers["forge-grain, local disk"] = (disk["rate"], disk["first"], "the same pipeline, no network: "
-                                                  f"what this machine's CPU allows, idle {disk['idle']:.0%}")
+            readers["forge-grain, local disk"] = (disk["rate"], disk["first"], disk["cpu_per_gb"],
+                                                  "the docs' settings, no network: what this machine's CPU allows, "
+                                                  f"idle {disk['idle']:.0%}")
             for name in (["LitData"] if peer_python else []) + (["MosaicML Streaming"] if mosaic else []):
                 part = sum(sizes.values()) // 2 // shards if name == "LitData" else sum(sizes.values()) // shards
                 if (work / "tokens.npy").exists():
                     (work / "tokens.npy").unlink()
-                _, _, whole, first = peer(name, peer_python, local, port, part, work, 0, link_port)
-                readers[name] = (whole, first, "")
-            for name, (rate, first, note) in readers.items():
+                _, _, whole, first, cpu = peer(name, peer_python, local, port, part, work, 0, link_port)
+                readers[name] = (whole, first, cpu, "")
+            for name, (rate, first, cpu, note) in readers.items():
                 if rate is None:
                     lines.append(f"  {name:<24} failed in its own code")
                 else:
                     lines.append(f"  {name:<24} {rate / 1e6:7.2f} M tok/s over the epoch from the request: "
                                  f"{rate / ceil[8]:.2f}x the 8-GET ceiling, {rate / ceil[32]:.2f}x the 32-GET "
-                                 f"ceiling; first batch {first:.2f} s{', ' + note if note else ''}")
+                                 f"ceiling; first batch {first:.2f} s"
+                                 + (f", {cpu:.1f} core-s/GB" if cpu is not None else "") + (f", {note}" if note else ""))
                 print(lines[-1], flush=True)
         return lines
     finally:
@@ -262,7 +273,8 @@ def peer(name: str, python: str, local: Path, port: int, part: int, work: Path,
     """A peer (`PEERS`) reading the same tokens from the same server (through `read_port`, a
     shaped link, where given), in parts of about `part` tokens (LitData's chunks) or bytes
     (Streaming's shards), run by `python`: the peers need an environment of their own here.
-    `steps` 0: the whole epoch. (line, steady rate, rate from the request, first batch s)."""
+    `steps` 0: the whole epoch. (line, steady rate, rate from the request, first batch s,
+    core-seconds per GB delivered where the peer's script counts them)."""
     import json
 
     from forge_grain import TokenStore
@@ -284,12 +296,12 @@ def peer(name: str, python: str, local: Path, port: int, part: int, work: Path,
         print(f"{name} failed (attempt {attempt + 1}): {done.stderr[-3000:]}", file=sys.stderr)
     else:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return f"  {label:<38} failed twice in its own code ({last})", None, None, None
+        return f"  {label:<38} failed twice in its own code ({last})", None, None, None, None
     out = json.loads(done.stdout.strip().splitlines()[-1])
     whole = out["whole"]
     return (f"  {label:<38} first batch {out['first']:6.2f} s, steady {out['rate'] / 1e6:7.2f} "
             f"M tok/s over {out['steps']} steps ({whole / 1e6:.2f} from the request; {what(out)})"), out["rate"], \
-        whole, out["first"]
+        whole, out["first"], out.get("cpu_per_gb")
 
 
 def start_server(work: Path):

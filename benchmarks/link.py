@@ -17,6 +17,7 @@ Streaming), each as a fraction of the 32-GET ceiling.
 from __future__ import annotations
 
 import concurrent.futures
+import resource
 import subprocess
 import sys
 import time
@@ -76,11 +77,20 @@ def ceiling(url: str, opts: dict, sizes: dict[str, int], in_flight: int) -> tupl
     return got / 2 / elapsed, idle.share
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time, all its threads, user and system."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def forge_grain_epoch(cfg, **pipeline_options) -> dict:
-    """A whole epoch of `cfg` from the request: (first batch s, tokens/s delivered, idle share)."""
+    """A whole epoch of `cfg` from the request: first batch s, tokens/s delivered, idle share,
+    and core-seconds per GB of tokens delivered (the loader's process only: the server and the
+    link run in their own)."""
     from forge_grain import Pipeline
 
     with Idle() as idle:
+        cpu = cpu_seconds()
         t = time.perf_counter()
         pipe = Pipeline(cfg, 0, 1, **pipeline_options)
         it = pipe.iterator()
@@ -90,4 +100,6 @@ def forge_grain_epoch(cfg, **pipeline_options) -> dict:
         for batch in it:
             tokens += batch["segment_ids"].size
         elapsed = time.perf_counter() - t
-    return {"first": first, "rate": tokens / elapsed, "idle": idle.share, "steps": pipe.num_steps}
+        cpu = cpu_seconds() - cpu
+    return {"first": first, "rate": tokens / elapsed, "idle": idle.share, "steps": pipe.num_steps,
+            "cpu_per_gb": cpu / (tokens * 2 / 1e9)}  # the store's uint16 tokens

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ def main() -> None:
     storage = {"endpoint_url": read_endpoint, "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
     limit = {"max_cache_size": int(os.environ["BENCH_CACHE_LIMIT"])} if os.environ.get("BENCH_CACHE_LIMIT") else {}
     begin = start = time.perf_counter()
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
     ds = StreamingDataset(input_dir="s3://bench/litdata", cache_dir=str(work / "litdata-cache"),
                           item_loader=TokensLoader(block_size=seq_len), shuffle=True, seed=0, storage_options=storage,
                           **limit)
@@ -72,8 +74,11 @@ def main() -> None:
     for _ in range(steps):
         next(it)
     end = time.perf_counter()
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = use.ru_utime + use.ru_stime - cpu.ru_utime - cpu.ru_stime
     rate, whole = steps * batch * seq_len / (end - start), (steps + 1) * batch * seq_len / (end - begin)
     print(json.dumps({"first": first, "rate": rate, "whole": whole, "steps": steps,
+                      "cpu_per_gb": cpu / ((steps + 1) * batch * seq_len * 2 / 1e9),  # uint16 tokens delivered
                       "chunks": (n + chunk_tokens - 1) // chunk_tokens}))
 
 

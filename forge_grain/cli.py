@@ -15,7 +15,11 @@ from forge_grain.errors import ForgeGrainError, StateError
 
 
 class _Parser(argparse.ArgumentParser):
-    """A bad argument is one line naming it (and how to get help), exit status 2."""
+    """A bad argument is one line naming it (and how to get help), exit status 2. No
+    abbreviations: `--step 10` is not `--steps 10`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -166,10 +170,11 @@ def _inspect_config(path: Path) -> None:
 def _plan(a) -> None:
     """`forge-grain plan CONFIG`: the run a config describes (see `Pipeline.describe`)."""
     from forge_grain.pipeline.config import DataConfig
-    from forge_grain.pipeline.pipeline import Pipeline
 
     path = Path(a.config)
-    config = DataConfig.from_toml(path, world_size=a.world_size)
+    config = DataConfig.from_toml(path, world_size=a.world_size)  # read and checked before grain and jax load
+    from forge_grain.pipeline.pipeline import Pipeline
+
     with warnings.catch_warnings():  # what the pipeline warns about is in the description's warnings
         warnings.simplefilter("ignore")
         if a.state:  # the run as a saved state recorded it: its mixture changes, at resume or live
@@ -251,11 +256,12 @@ def _steps(text: str) -> range:
 def _recorded_pipeline(a, rank: int = 0, world_size: int = 1):
     """The pipeline of a config (and of a saved state, for streaming sources and mixture changes)."""
     from forge_grain.pipeline.config import DataConfig
+
+    path, state = a.state or (None, None)  # (read by `_state_file`)
+    config = DataConfig.from_toml(a.config, world_size=a.world_size)  # read and checked before grain and jax load
     from forge_grain.pipeline.live import saved_live
     from forge_grain.pipeline.pipeline import Pipeline
 
-    path, state = a.state or (None, None)  # (read by `_state_file`)
-    config = DataConfig.from_toml(a.config, world_size=a.world_size)
     with warnings.catch_warnings():  # a state of another config: the run resumed it with a change
         warnings.simplefilter("ignore")
         try:

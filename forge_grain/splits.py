@@ -43,6 +43,20 @@ def split_of(path: Path, base: Path | None = None) -> str | None:
     return found.pop() if found else None
 
 
+def select_named(
+    files: list[Path], split: str | None, where, error: Callable[[str], Exception], *, base: Path | None = None,
+    documents: bool = False,
+) -> list[Path]:
+    """The input files a user named for preparation. A glob's matches (`base` None) and a
+    directory of documents (text, Markdown, code: a document a file, `documents`) are the
+    user's files, every one of them: a `test_io.py` in a code corpus is code, not a "test"
+    split. A directory of data files (JSON Lines, Parquet: a Hub-style dataset) follows the
+    split convention (`select_split`), as does any input given `split`."""
+    if split is None and (base is None or documents):
+        return files
+    return select_split(files, split, where, error, base=base)
+
+
 def select_split(
     files: list[Path], split: str | None, where, error: Callable[[str], Exception], *, base: Path | None = None,
     default: str | None = DEFAULT_SPLIT,

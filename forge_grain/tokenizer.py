@@ -24,7 +24,7 @@ _CUT_CONTEXT = 256
 _PIECES_AT_ONCE = 4
 
 _BOS_NAMES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
-_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "<|eos|>", "</s>", "<eos>", "[SEP]")
 
 
 @dataclasses.dataclass
@@ -183,14 +183,15 @@ def _load_backend(path: Path):
                            "Hugging Face Hub name)")
     if path.is_file():
         try:
-            return Tokenizer.from_file(str(path)), None, None
+            backend = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise PrepareError(f"{path}: not a tokenizer.json ({e})") from None
+        return (backend,) + _named_specials(path.parent)
     try:
         from transformers import AutoTokenizer
     except ImportError:
         if (path / "tokenizer.json").exists():
-            return Tokenizer.from_file(str(path / "tokenizer.json")), None, None
+            return (Tokenizer.from_file(str(path / "tokenizer.json")),) + _named_specials(path)
         raise PrepareError(f"{path}: loading a tokenizer directory needs `pip install forge-grain[hf]`") from None
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -200,3 +201,23 @@ def _load_backend(path: Path):
         raise PrepareError(f"{path}: only fast (Rust) tokenizers are supported; this one is {type(hf).__name__}")
     return hf.backend_tokenizer, hf.bos_token, hf.eos_token
 
+
+
+def _named_specials(directory: Path) -> tuple[str | None, str | None]:
+    """(bos_token, eos_token) as the `tokenizer_config.json` beside a `tokenizer.json` names them
+    (a string, or an added token's `{"content": ...}`): plain JSON, read without `transformers`."""
+    config = directory / "tokenizer_config.json"
+    try:
+        with open(config, encoding="utf-8") as f:
+            data = json.loads(f.read(1 << 24))  # a config is kilobytes; one with a chat template, tens
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as e:
+        raise PrepareError(f"{config}: cannot read it as JSON ({e})") from None
+
+    def name(key):
+        value = data.get(key) if isinstance(data, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) and value else None
+
+    return name("bos_token"), name("eos_token")

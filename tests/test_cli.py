@@ -58,6 +58,8 @@ BAD = [  # (arguments, what the one line must say)
     ("plan run.toml --plot nodir/x.png", r"--plot: nodir/x.png: the directory nodir does not exist"),
     ("plan run.toml --plot web", r"--plot: web is a directory"),
     ("plan run.toml --world-size 0", r"--world-size: 0 is not positive"),
+    ("plan run.toml --step 10", r"unrecognized arguments: --step 10"),  # no abbreviation of --steps
+    ("explain run.toml --step 1 --deco", r"unrecognized arguments: --deco"),
     ("replay run.toml --steps 0:99999 --out x.npz", r"step 134 is outside this run's steps"),
     ("replay run.toml --steps 5:2 --out x.npz", r"steps A:B need 0 <= A < B"),
     ("replay run.toml --steps 0:2 --out nodir/x.npz", r"--out: nodir/x.npz: the directory nodir does not exist"),
@@ -76,8 +78,8 @@ BAD = [  # (arguments, what the one line must say)
     ("prepare notes.txt web", r"web: already holds a token store prepared with other settings"),
     ("prepare missing.jsonl out --token-field ids", r"error: missing\.jsonl: no such file or directory"),
     ("prepare notes.txt out --tokenizer tok/bpe12.json", r"error: tok/bpe12\.json: tokenizer not found"),
-    ("prepare notes.txt out --tokenizer eos-only.json", r"no BOS id known; name one \(--bos-token TOKEN\) or leave it "
-                                                         r"out \(--no-bos\)"),
+    ("prepare notes.txt out --tokenizer eos-only.json", r"no BOS id known; name one \(--bos-token TOKEN, or bos_token "
+                                                         r"in a config's source\) or leave it out \(--no-bos\)"),
     ("prepare docs out", r"docs: holds 1 file\(s\) of a kind prepare does not read \(docs/notes\.rst\)"),
     ("demo --steps -1", r"--steps: -1 is not positive"),
     ("demo --max-files 0", r"--max-files: 0 is not positive"),
@@ -123,3 +125,21 @@ def test_a_real_process_prints_no_traceback(run):
     r = subprocess.run([sys.executable, "-m", "forge_grain", "explain", "run.toml", "--step", "1", "--state",
                         "bad.json"], cwd=run, capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+HEAVY = ("jax", "grain", "torch", "transformers", "numba", "tokenizers", "datasets")
+
+
+@pytest.mark.parametrize("args", ["--version", "--help", "plan MISSING.toml", "plan misspelt.toml",
+                                  "explain misspelt.toml --step 1", "inspect misspelt.toml", "plan run.toml --step 3"])
+def test_a_config_mistake_answers_before_the_heavy_modules_load(run, args):
+    """A wrong path, a misspelt key, --help and --version are answered from the config alone:
+    jax, grain, torch, transformers and numba load when a pipeline is built (they took 1-30 s)."""
+    (run / "misspelt.toml").write_text((run / "run.toml").read_text().replace("seq_len", "seq_lenn", 1))
+    probe = ("import sys\nfrom forge_grain.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", probe, *args.split()], cwd=run, capture_output=True, text=True)
+    *said, loaded = r.stderr.strip().splitlines() or [""]
+    assert loaded == "[]", r.stderr
+    if "toml" in args:
+        assert len(said) == 1 and "error:" in said[0], r.stderr  # the one-line answer, before any import

@@ -9,12 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import expected_documents, make_texts, tree_bytes, write_jsonl
 
 from forge_grain import PrepareError, TokenStore, prepare
 from forge_grain.preparation import local as preparation
-from forge_grain.tokenizer import DEFAULT_TOKENIZER
+from forge_grain.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
 
 def test_same_inputs_give_byte_identical_stores_at_any_process_count(tmp_path, corpus):
@@ -232,3 +233,96 @@ def test_the_command_line_says_its_version_and_that_a_finished_prepare_is_comple
     assert main(["prepare", str(corpus), str(tmp_path / "out")]) == 0
     assert f"{tmp_path / 'out'}: already complete" in capsys.readouterr().out
     assert (Path(forge_grain.__file__).parent / "py.typed").exists()
+
+
+# -- EOS and BOS, named anywhere --------------------------------------------------------------
+
+
+def _chat_style_tokenizer(directory, specials, config=None):
+    """A trained BPE tokenizer whose special tokens are `specials`, saved as `tokenizer.json`
+    (and a `tokenizer_config.json` holding `config`, where given), as a user's own would be."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(make_texts(200), trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok
+
+
+def _without_transformers(code: str) -> subprocess.CompletedProcess:
+    """`code` in a process where `import transformers` fails, as without the `[hf]` extra."""
+    return subprocess.run([sys.executable, "-c", "import sys; sys.modules['transformers'] = None\n" + code],
+                          capture_output=True, text=True)
+
+
+def test_eos_and_bos_by_their_usual_names_and_by_the_tokenizers_config(tmp_path):
+    plain = _chat_style_tokenizer(tmp_path / "plain", ["<|bos|>", "<|eos|>", "<|pad|>"])
+    odd = _chat_style_tokenizer(tmp_path / "odd", ["<|im_start|>", "<|im_end|>"],
+                                {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "special": True}})
+    for where in (tmp_path / "plain", tmp_path / "plain" / "tokenizer.json"):
+        r = _without_transformers(f"from forge_grain.tokenizer import load_tokenizer\n"
+                                  f"t = load_tokenizer({str(where)!r}); print(t.bos_id, t.eos_id)")
+        assert r.stdout.split() == [str(plain.token_to_id("<|bos|>")), str(plain.token_to_id("<|eos|>"))], r.stderr
+    for where in (tmp_path / "odd", tmp_path / "odd" / "tokenizer.json"):  # named only by tokenizer_config.json
+        r = _without_transformers(f"from forge_grain.tokenizer import load_tokenizer\n"
+                                  f"t = load_tokenizer({str(where)!r}); print(t.bos_id, t.eos_id)")
+        assert r.stdout.split() == [str(odd.token_to_id("<|im_start|>")), str(odd.token_to_id("<|im_end|>"))], \
+            r.stderr
+    (tmp_path / "odd" / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(PrepareError, match=r"tokenizer_config\.json: cannot read it as JSON"):
+        load_tokenizer(tmp_path / "odd" / "tokenizer.json")
+
+
+def test_a_config_source_names_its_eos_and_bos(tmp_path, monkeypatch):
+    from forge_grain import ConfigError, DataConfig, Pipeline
+
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    tok = _chat_style_tokenizer(tmp_path / "tok", ["<|begin|>", "<|end|>"])
+    docs = write_jsonl(tmp_path / "docs.jsonl", make_texts(60, seed=2))
+    src = dict(name="chat", hf_dataset="json", hf_data_files=str(docs), tokenizer=str(tmp_path / "tok"))
+    cfg = dict(seq_len=64, global_batch_size=2)
+    with pytest.raises(PrepareError, match=r"no EOS id known; name one \(--eos-token TOKEN, or eos_token in a config"):
+        Pipeline(DataConfig.from_dict(dict(sources=[dict(src, bos_token="<|begin|>")], **cfg)), 0, 1, num_threads=0)
+    named = dict(src, bos_token="<|begin|>", eos_token="<|end|>")
+    for streaming in (False, True):
+        pipe = Pipeline(DataConfig.from_dict(dict(sources=[dict(named, hf_streaming=streaming)], **cfg)), 0, 1,
+                        num_threads=0)
+        batch = pipe.batch(0)
+        tokens = np.concatenate([batch["inputs"], batch["targets"]])
+        assert tok.token_to_id("<|begin|>") in tokens and tok.token_to_id("<|end|>") in tokens, streaming
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.eos_token: a token's string"):
+        DataConfig.from_dict(dict(sources=[dict(src, eos_token=7)], **cfg))
+    with pytest.raises(PrepareError, match=r"EOS token '<\|nope\|>' is not in the tokenizer's vocabulary"):
+        Pipeline(DataConfig.from_dict(dict(sources=[dict(named, eos_token="<|nope|>")], **cfg)), 0, 1, num_threads=0)
+
+
+def test_a_code_corpus_with_test_files_prepares_from_a_directory_and_a_glob(tmp_path):
+    """A directory or a glob the user names is the user's files: `test_io.py`, `eval.py` and
+    `train.py` in a code corpus are code, not splits (they were refused as "named for splits")."""
+    code = {"pkg/io.py": "def read(path):\n    return open(path).read()\n",
+            "pkg/test_io.py": "def test_read(tmp_path):\n    assert read\n",
+            "tests/test_cli.py": "import subprocess\n", "eval.py": "print('eval')\n", "train.py": "loop = 1\n"}
+    for name, text in code.items():
+        (tmp_path / "pysrc" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pysrc" / name).write_text(text)
+    for k, source in enumerate([tmp_path / "pysrc", f"{tmp_path}/pysrc/**/*.py"]):
+        store = TokenStore.open(prepare(source, tmp_path / f"s{k}", progress=False))
+        assert len(store) == len(code), source
+        assert sum(store.lengths) > sum(map(len, code.values())) // 8
+    r = run_cli("prepare", tmp_path / "pysrc", tmp_path / "s-cli")
+    assert r.returncode == 0 and "documents   5" in r.stdout, r.stderr
+    # a Hub-style dataset directory (rows in JSON Lines) still follows the split names, and its
+    # message offers a glob, which then takes the files as named
+    rows = tmp_path / "hub"
+    rows.mkdir()
+    write_jsonl(rows / "train.jsonl", ["a training row"] * 3)
+    write_jsonl(rows / "extra.jsonl", ["another row"] * 2)
+    with pytest.raises(PrepareError, match=r"named for splits \['train'\] and others for none \(extra\.jsonl\).*a glob"):
+        prepare(rows, tmp_path / "s-hub", progress=False)
+    assert len(TokenStore.open(prepare(f"{rows}/*.jsonl", tmp_path / "s-glob", progress=False))) == 5

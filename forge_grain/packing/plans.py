@@ -29,8 +29,7 @@ from forge_grain.errors import ForgeGrainError
 from forge_grain.stores.manifest import temporary
 from forge_grain.stores.mapping import map_npy
 from forge_grain.stores import TokenStore
-
-STRATEGIES = ("concat", "bos_bestfit", "bestfit")
+from forge_grain.packing.names import STRATEGIES  # noqa: F401  (the planner's names, re-exported)
 PLAN_VERSION = 3  # 2: plan.json carries a checksum; 3: own document permutation, bestfit windows overlap by one
 ROW_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "natural_stop")
 # plan arrays are .npy files named `.array`, which no token-file glob (`*.npy`) matches

@@ -79,7 +79,7 @@ from forge_grain.preparation.local import (
 )
 from forge_grain.stores.remote_dir import RemoteDir, read_or_none
 from forge_grain.stores.writer_lock import writer_lock
-from forge_grain.preparation.texts import open_parquet
+from forge_grain.preparation.texts import is_documents, open_parquet
 from forge_grain.tokenizer import TextTokenizer
 
 METRICS = "forge_grain"  # the namespace of the job's counters
@@ -170,7 +170,7 @@ class Inputs:
         are chosen by their names as locally."""
         from pathlib import PurePosixPath
 
-        from forge_grain.splits import select_split
+        from forge_grain.splits import select_named
         from forge_grain.preparation.texts import BUILDERS, _builder
 
         remote = RemoteDir(str(spec.source), storage_options)
@@ -185,7 +185,8 @@ class Inputs:
                  if info.get("type", "file") == "file" and (base is None or PurePosixPath(name).suffix in BUILDERS)}
         if not infos:
             raise PrepareError(f"{spec.source}: no JSONL or Parquet files found")
-        chosen = select_split(list(infos), spec.split, spec.source, PrepareError, base=base)
+        chosen = select_named(list(infos), spec.split, spec.source, PrepareError, base=base,
+                              documents=is_documents(list(infos)))
         urls = [fs.unstrip_protocol(str(f)) for f in chosen]
         entries = [[u, int(infos[f]["size"]), str(infos[f].get("ETag") or infos[f].get("mtime")
                                                    or infos[f].get("LastModified") or infos[f].get("updated"))]

@@ -107,7 +107,8 @@ def prepare(
     add_eos = (not tokens) if add_eos is None else add_eos
     for flag, tid, what in ((add_bos, bos, "BOS"), (add_eos, eos, "EOS")):
         if flag and tid is None:
-            how = f"--{what.lower()}-id N" if tokens else f"--{what.lower()}-token TOKEN"
+            how = (f"--{what.lower()}-id N" if tokens else
+                   f"--{what.lower()}-token TOKEN, or {what.lower()}_token in a config's source")
             raise PrepareError(f"{tok.path if tok else source}: no {what} id known; name one ({how}) or leave it out "
                                f"(--no-{what.lower()})")
     out = output if is_url(output) else Path(output)  # a URL: only the Beam runner gets here

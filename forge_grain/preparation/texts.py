@@ -17,7 +17,7 @@ from pathlib import Path
 from forge_grain import hub
 from forge_grain.errors import PrepareError
 from forge_grain.stores.manifest import FORMAT, MANIFEST_NAME
-from forge_grain.splits import DEFAULT_SPLIT, select_split, split_of
+from forge_grain.splits import DEFAULT_SPLIT, select_named, split_of
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text", ".py": "text"}
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -358,7 +358,13 @@ def _data_files(source, split: str | None, exclude: Path | None = None) -> list[
             f"glob of the files to read ({Path(source) / '**' / ('*' + files[0].suffix if files else '*.txt')})")
     if not files:
         raise PrepareError(f"{source}: no text, JSONL or Parquet files found")
-    return select_split(files, split, source, PrepareError, base=path if path.is_dir() else None)
+    return select_named(files, split, source, PrepareError, base=path if path.is_dir() else None,
+                        documents=is_documents(files))
+
+
+def is_documents(files: list[Path]) -> bool:
+    """Files read as a document each (text, Markdown, code), not as rows of a dataset."""
+    return all(BUILDERS.get(f.suffix, "text") == "text" for f in files)
 
 
 def _builder(files: list[Path], source) -> str:

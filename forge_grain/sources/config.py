@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from forge_grain.errors import ConfigError
-from forge_grain.packing.plans import STRATEGIES
+from forge_grain.packing.names import STRATEGIES
 
 
 @dataclasses.dataclass
@@ -109,6 +109,22 @@ class SourceConfig:
     """Hugging Face sources: end every document with the tokenizer's EOS id (when it has
     one), so the model learns where documents stop.
     Example: add_eos = true"""
+
+    bos_token: str | None = None
+    """Hugging Face sources: the BOS token, by name, when the tokenizer's own config does not
+    name it and none of the usual names (`<|bos|>`, `<s>`, ...) is in its vocabulary (the
+    `--bos-token` of `forge-grain prepare`).
+    Example:
+    hf_dataset = "json"
+    bos_token = '<|startoftext|>'"""
+
+    eos_token: str | None = None
+    """Hugging Face sources: the EOS token, by name, when the tokenizer's own config does not
+    name it and none of the usual names (`<|endoftext|>`, `<|eos|>`, `</s>`, ...) is in its
+    vocabulary (the `--eos-token` of `forge-grain prepare`).
+    Example:
+    hf_dataset = "json"
+    eos_token = '<|im_end|>'"""
 
     special_tokens_in_text: bool = False
     """Hugging Face sources: encode special-token strings written in a document (such as
@@ -263,6 +279,13 @@ class SourceConfig:
             if self.storage_options is not None and not (self.hf_streaming and "://" in str(self.hf_data_files)):
                 raise ConfigError(f"{where}.storage_options: only for streaming hf_data_files at URLs "
                                   "(s3://...); this source has none")
+        if self.path is not None and (self.bos_token is not None or self.eos_token is not None):
+            raise ConfigError(f"{where}: bos_token and eos_token name the tokens a Hugging Face source adds; a "
+                              "'path' source's store holds its tokens already (raw files: eos_id, bos_id)")
+        for key in ("bos_token", "eos_token"):
+            if getattr(self, key) is not None and not (isinstance(getattr(self, key), str) and getattr(self, key)):
+                raise ConfigError(f"{where}.{key}: a token's string, as in the tokenizer's vocabulary, not "
+                                  f"{getattr(self, key)!r}")
         for key in ("shuffle_window", "fetch_threads", "shuffle_bytes"):
             if getattr(self, key) is not None:
                 positive_int(f"{where}.{key}", getattr(self, key))

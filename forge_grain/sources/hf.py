@@ -48,9 +48,12 @@ def _digest(obj) -> str:
 
 
 def specials_key(src: SourceConfig) -> str:
-    """How the source encodes special-token strings in its text, for its cache keys (the old
-    key, for text kept as text, leaves the caches of earlier versions valid)."""
-    return "special-tokens-as-ids" if src.special_tokens_in_text else "special-tokens-as-text"
+    """How the source encodes special-token strings in its text, and the BOS/EOS it names, for
+    its cache keys (the old key, for text kept as text and no token named, leaves the caches of
+    earlier versions valid)."""
+    key = "special-tokens-as-ids" if src.special_tokens_in_text else "special-tokens-as-text"
+    named = (src.bos_token, src.eos_token)
+    return key if named == (None, None) else f"{key} bos={named[0]} eos={named[1]}"  # (old keys stay valid)
 
 
 def _files_identity(data_files) -> list:
@@ -81,7 +84,8 @@ def _texts(src: SourceConfig, streaming: bool):
 
 def eager_store(src: SourceConfig, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """The token store of an eager Hugging Face source: built on first use, then reused."""
-    tok = load_tokenizer(src.tokenizer, special_tokens_in_text=src.special_tokens_in_text)
+    tok = load_tokenizer(src.tokenizer, bos=src.bos_token, eos=src.eos_token,
+                         special_tokens_in_text=src.special_tokens_in_text)
     ds = _texts(src, streaming=False)
     key = _digest([ds._fingerprint, src.hf_dataset, src.hf_config, src.split, src.text_field, tok.sha256,
                    src.add_bos, src.add_eos, specials_key(src)])
@@ -90,5 +94,6 @@ def eager_store(src: SourceConfig, cache_dir: str | Path | None = None, progress
     with file_lock(root / f".{path_name(src.name)}-{key}.lock"):
         prepare(src.hf_dataset, out, tokenizer=src.tokenizer, text_field=src.text_field, split=src.split,
                 hf_config=src.hf_config, data_files=src.hf_data_files, add_bos=src.add_bos, add_eos=src.add_eos,
-                special_tokens_in_text=src.special_tokens_in_text, progress=progress)
+                special_tokens_in_text=src.special_tokens_in_text, bos_token=src.bos_token, eos_token=src.eos_token,
+                progress=progress)
     return out

@@ -118,7 +118,8 @@ class StreamingSource:
                  max_segments: int | None = None, tokenize_threads: int | None = None):
         self.src, self.seq_len, self.seed, self.max_segments = src, seq_len, seed, max_segments
         self.cache_dir = cache_dir
-        self.tok = load_tokenizer(src.tokenizer, special_tokens_in_text=src.special_tokens_in_text)
+        self.tok = load_tokenizer(src.tokenizer, bos=src.bos_token, eos=src.eos_token,
+                                  special_tokens_in_text=src.special_tokens_in_text)
         self.bos = [self.tok.bos_id] if src.add_bos and self.tok.bos_id is not None else []
         self.eos = [self.tok.eos_id] if src.add_eos and self.tok.eos_id is not None else []
         self.vocab_size, self.bos_id, self.eos_id = self.tok.vocab_size, self.tok.bos_id, self.tok.eos_id

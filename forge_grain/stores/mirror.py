@@ -40,7 +40,7 @@ def remote_format(url: str, storage_options: dict | None = None) -> str:
     store (or when nothing is recognised: `RemoteStore` then says what is there)."""
     remote = RemoteDir(url, storage_options)
     remote.fs.invalidate_cache(remote.root)
-    if remote.retry(MANIFEST_NAME, lambda: remote.fs.size(remote.path(MANIFEST_NAME)), missing_ok=True) is not None:
+    if remote.retry(MANIFEST_NAME, lambda: remote.size(MANIFEST_NAME), missing_ok=True) is not None:
         return "native"  # a manifest decides (as below), found without listing what may be 10,000s of objects
     files = listing(remote)
     names = {name.split("/", 1)[0] for name in files}

@@ -36,7 +36,7 @@ BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # PART_MIN to BLOCK bytes: the shard a batch waits for arrives on every connection at once (a 24.7 MB
 # shard behind a 10 MB/s-a-connection link: its first batch 1.16 s after the request, 1.79 s in parts
 # of 4 MiB), and a large one in parts that each hold little memory
-PART_MIN = 1 << 20
+PART_MIN = 1 << 18
 SPLIT = 8
 
 
@@ -191,7 +191,7 @@ class ObjectCache(CacheRoom, RemoteDir):
             whole.append(memoryview(self.retry(name, lambda: self.read_range(name, 0))))
             size = whole[0].nbytes
         elif size is None:  # neither the manifest nor the listing says: ask, so a cut-off read is never taken
-            size = self.retry(name, lambda: self.fs.size(self.path(name)))
+            size = self.retry(name, lambda: self.size(name))
         if self.limit is None:
             tmp.write_bytes(b"")
         elif not self._make_room(size, upcoming, tmp, ahead):

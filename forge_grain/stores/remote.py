@@ -36,7 +36,7 @@ from forge_grain.stores.manifest import (
     MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index,
 )
 from forge_grain.stores.native import NativeStore
-from forge_grain.stores.object_cache import ObjectCache, within_cache
+from forge_grain.stores.object_cache import PART_MIN, ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import START
 
@@ -91,7 +91,8 @@ class RemoteStore(NativeStore):
         # or ArrayRecord shard). A store of 10,000 shards takes 20 list requests (1,000 objects each).
         self._sizes = {} if m.layout == "bin" and all(s.index_sha256 for s in m.shards) else self.cache.sizes()
         if m.indices:  # every shard's index in one object, checked by its sha256: one request at any shard count
-            self.cache.get(m.indices["file"], f"{self.mirror}/{m.indices['file']}", m.indices["sha256"])
+            self.cache.get(m.indices["file"], f"{self.mirror}/{m.indices['file']}", m.indices["sha256"],
+                           self._joined_size(m))
         else:  # a store prepared before: each shard's own (small, all needed at open)
             with concurrent.futures.ThreadPoolExecutor(fetch_threads or START) as pool:
                 list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
@@ -103,6 +104,15 @@ class RemoteStore(NativeStore):
         if self._records is not None:
             self._records = arrayrecord.Records(self._files, self._file_docs, fetch=self._fetch,
                                                 compressed=self.compressed)
+
+    def _joined_size(self, m: Manifest) -> int | None:
+        """The joined index's size where it is large enough to read in parallel parts (a HEAD
+        first: one round trip, then every connection at once; a 1.6 MB index behind a link of
+        2 MB/s a connection took 0.87 s in one GET); None for a small one, got in one GET."""
+        if 8 * sum(s.num_documents + 1 for s in m.shards) <= 2 * PART_MIN:
+            return None
+        name = m.indices["file"]
+        return self.cache.retry(name, lambda: self.cache.size(name))
 
     @per_process
     def _pool(self):
