@@ -145,6 +145,8 @@ class ForgeGrainDataLoader(TextDataLoaderBase):
         self._epoch = epoch
 
     def _epoch_start(self) -> int:
+        if self.pipeline.num_steps is None:  # a pipeline without end is one pass: OLMo-core's epoch 1
+            return 0
         return ((self._epoch or 1) - 1) * self.dataset.steps_per_pass
 
     def state_dict(self) -> Dict[str, Any]:
@@ -161,7 +163,8 @@ class ForgeGrainDataLoader(TextDataLoaderBase):
         self._epoch = state_dict["epoch"] or self._epoch
         self.tracker.load_state_dict(state_dict[STATE_KEY])  # the next pass starts at its step
         step = self.tracker.next_step
-        if self._epoch is not None and not 0 <= step - self._epoch_start() <= self.dataset.steps_per_pass:
+        most = self.dataset.steps_per_pass if self.pipeline.num_steps is not None else step
+        if self._epoch is not None and not 0 <= step - self._epoch_start() <= most:
             raise ValueError(f"the saved step {step} is not in epoch {self._epoch}'s steps")
         self.batches_processed = step - self._epoch_start()
         self.tokens_processed = self.batches_processed * self.global_batch_size

@@ -291,8 +291,8 @@ def _explain(a) -> None:
         print(f"step {r['step']}, row {r['row']} (shard {r['shard']}): {r['source']}, {where}")
         for s in r["segments"] or []:
             place = f"{s['file']} #{s['index_in_file']}" if s["file"] else ""
-            print(f"  slots {s['slots'][0]}-{s['slots'][1]}: document {s['document']:,} tokens "
-                  f"{s['tokens'][0]}-{s['tokens'][1]}  {place}")
+            print(f"  slots [{s['slots'][0]}, {s['slots'][1]}): document {s['document']:,}, tokens "
+                  f"[{s['tokens'][0]}, {s['tokens'][1]})  {place}")  # half-open, as Python's slices
             if "text" in s:
                 print(f"    {s['text'][:300]!r}")
 
@@ -507,7 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except ForgeGrainError as e:
-        print(f"forge-grain: error: {e}", file=sys.stderr)
+        config = getattr(args, "config", None)  # an error of what a config names says which config
+        where = f"{config}: " if config and str(config) not in str(e) else ""
+        print(f"forge-grain: error: {where}{e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `forge-grain inspect ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -25,6 +25,8 @@ def run(tmp_path_factory):
     other = (d / "run.toml").read_text().replace("seed = 7", "seed = 8").replace("global_batch_size = 8",
                                                                                     "global_batch_size = 16")
     (d / "other.toml").write_text(other)
+    (d / "wrongpath.toml").write_text((d / "run.toml").read_text().replace(str(stores["web"]), str(d / "nope-store")))
+    (d / "huge.toml").write_text((d / "run.toml").read_text().replace("seq_len = 64", "seq_len = 16000"))
     state = Pipeline(DataConfig.from_toml(d / "other.toml"), 0, 1, num_threads=0).state_at(3)
     (d / "other.json").write_text(json.dumps(state))
     (d / "bad.json").write_text("{not json")
@@ -58,7 +60,11 @@ BAD = [  # (arguments, what the one line must say)
     ("plan run.toml --plot nodir/x.png", r"--plot: nodir/x.png: the directory nodir does not exist"),
     ("plan run.toml --plot web", r"--plot: web is a directory"),
     ("plan run.toml --world-size 0", r"--world-size: 0 is not positive"),
-    ("plan run.toml --step 10", r"unrecognized arguments: --step 10"),  # no abbreviation of --steps
+    ("plan run.toml --step 10", r"unrecognized arguments: --step 10"),
+    ("plan wrongpath.toml", r"error: wrongpath.toml: source 'web': \S*nope-store: does not exist"),
+    ("plan huge.toml", r"global_batch_size 8 is larger than the \d rows of num_epochs=2 at seq_len 16,000: source "
+                       r"'web' packs \d row\(s\) of its [\d,]+ tokens; source 'code' packs \d row\(s\).*Lower seq_len or "
+                       r"global_batch_size, or raise num_epochs"),  # no abbreviation of --steps
     ("explain run.toml --step 1 --deco", r"unrecognized arguments: --deco"),
     ("replay run.toml --steps 0:99999 --out x.npz", r"step 134 is outside this run's steps"),
     ("replay run.toml --steps 5:2 --out x.npz", r"steps A:B need 0 <= A < B"),

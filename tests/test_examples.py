@@ -73,3 +73,15 @@ def test_online_mixing_resumes_to_the_same_losses_and_weights(tmp_path):
     assert full == resumed and len(full) >= 3
     assert len({tuple(w) for _, w in full}) > 1  # the weights changed
     assert any(at > 14 for at, _ in full) and any(at <= 14 + 8 for at, _ in full)  # some set before the kill
+
+
+def test_olmo_core_example_resumes_to_the_same_loss_curve(tmp_path):
+    """OLMo-core's own Trainer, model and Checkpointer over a forge-grain config: killed after
+    the checkpoint at step 8, resumed by `Trainer.load_checkpoint`, the same losses after."""
+    pytest.importorskip("olmo_core")
+    r = subprocess.run([sys.executable, str(EXAMPLES / "train_olmo_core.py"), "--steps", "16", "--checkpoint-at", "8",
+                        "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "checkpoint at step 8; killing the process" in r.stdout
+    assert "[resume] from OLMo-core's checkpoint at step 8" in r.stdout
+    assert "resumed loss curve matches the uninterrupted run" in r.stdout

@@ -504,6 +504,9 @@ def test_prepare_to_object_storage_writes_the_local_store_and_an_interrupted_upl
     local = TokenStore.open(local_stores["bin"])
     assert remote.fingerprint == local.fingerprint and len(remote) == len(local)
     assert all(np.array_equal(remote[i], local[i]) for i in range(0, len(local), 11))
+    from forge_grain.packing.summary import format_summary  # what `forge-grain prepare DIR s3://...` prints
+
+    assert format_summary(remote).startswith("s3://bucket/up  (bin, 30 shard(s))"), format_summary(remote)[:200]
     assert not fs.exists("bucket/up/.forge-grain-upload.json")
     s3.proxy.clear()
     prepare(docs, "s3://bucket/up", storage_options=s3.options(via_proxy=True), **args)

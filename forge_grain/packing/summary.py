@@ -15,9 +15,10 @@ def describe(store: TokenStore) -> dict:
     lengths = store.lengths
     pct = np.percentile(lengths, PERCENTILES).round().astype(int) if len(lengths) else np.zeros(len(PERCENTILES), int)
     return {
-        "path": str(store.path),
+        "path": str(getattr(store, "url", None) or store.path),  # a store at a URL: the URL, not its cache copy
         "layout": store.layout,
         "documents": len(store),
+        "skipped_empty": int((store.manifest.source if store.manifest is not None else {}).get("skipped_empty", 0)),
         "tokens": store.num_tokens,
         "dtype": str(store.dtype),
         "vocab_size": store.vocab_size,
@@ -50,7 +51,8 @@ def format_summary(store: TokenStore) -> str:
     return "\n".join(
         [
             f"{d['path']}  ({d['layout']}, {d['shards']} shard(s))",
-            f"  documents   {d['documents']:,}",
+            f"  documents   {d['documents']:,}" + (f"  ({d['skipped_empty']:,} empty one(s) skipped: a document "
+                                                   "of no text has no tokens to train)" if d["skipped_empty"] else ""),
             f"  tokens      {d['tokens']:,}  (mean {d['mean_length']:,.1f} per document)",
             f"  dtype       {d['dtype']}   vocab_size {d['vocab_size']}   bos_id {d['bos_id']}   eos_id {d['eos_id']}",
             f"  lengths     {pct}",

@@ -134,7 +134,7 @@ class Pipeline:
                 raise ConfigError("streaming sources are read in order in this process: worker_count must be 0")
             self.num_threads = min(self.num_threads, 1)  # one thread keeps the steps in order
         self._rows = sum(d.num_rows for d in self.datasets)
-        count_steps(config, batches, self._rows)  # (a batch larger than the run is named before any state)
+        count_steps(config, batches, self._rows, self.datasets)  # (a batch larger than the run: named first)
         runs = resume.Runs()
         if resume_from is not None:  # what the runs before recorded, and a change the caller allows
             runs = resume.adopt(resume_from, config, functools.partial(self._summarize, batches),

@@ -58,10 +58,12 @@ def check_shards(batches: BatchSchedule, shard_index: int, shard_count: int, fro
                           f"(the schedule's sizes: {batches.to_list()})")
 
 
-def count_steps(config: DataConfig, batches: BatchSchedule, rows_per_epoch: int) -> tuple[int, int | None, int]:
+def count_steps(config: DataConfig, batches: BatchSchedule, rows_per_epoch: int,
+                datasets=()) -> tuple[int, int | None, int]:
     """(steps_per_epoch, num_steps, step_limit) of `rows_per_epoch` rows under `batches`:
     num_steps is None for an unlimited run, which ends at the last step the mixing
-    arithmetic reaches (step_limit)."""
+    arithmetic reaches (step_limit). `datasets` (the sources', in config order) name what
+    each packs when not one step fits."""
     steps_per_epoch = batches.steps_within(rows_per_epoch)  # whole steps of one epoch (the first, under a schedule)
     epochs = None if config.num_epochs is None else Fraction(str(float(config.num_epochs)))  # 0.29 is 29/100
     if epochs is None:
@@ -74,9 +76,23 @@ def count_steps(config: DataConfig, batches: BatchSchedule, rows_per_epoch: int)
         num_steps = config.max_steps if num_steps is None else min(num_steps, config.max_steps)
     step_limit = num_steps if num_steps is not None else batches.steps_within(MAX_ROWS)
     if num_steps == 0:
-        raise ConfigError(f"global_batch_size {batches.size(0)} is larger than the {rows_per_epoch} rows of "
-                          f"num_epochs={config.num_epochs}")
+        raise ConfigError(too_few_rows(config, batches.size(0), rows_per_epoch, datasets))
     return steps_per_epoch, num_steps, step_limit
+
+
+def too_few_rows(config: DataConfig, batch: int, rows: int, datasets) -> str:
+    """What a run whose first batch is larger than its rows says: the rows each source packs
+    at this seq_len, and the three ways out."""
+    def packs(s, d) -> str:
+        store = getattr(d, "store", None)  # (a streaming source's tokens are not known ahead)
+        held = f" of its {store.num_tokens:,} tokens" if store is not None else ""
+        return f"source '{s.name}' packs {d.num_rows:,} row(s){held}"
+
+    per_source = "; ".join(packs(s, d) for s, d in zip(config.sources, datasets))
+    return (f"global_batch_size {batch} is larger than the {rows:,} rows of num_epochs={config.num_epochs} at seq_len "
+            f"{config.seq_len:,}{': ' + per_source if per_source else ''}. Lower seq_len or global_batch_size, or "
+            "raise num_epochs, so that the sources fill at least one batch (`forge-grain inspect STORE --seq-len N` "
+            "shows the rows a store packs at a length)")
 
 
 class RowOrder:

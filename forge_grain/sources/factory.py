@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from forge_grain.errors import MissingFilesError
 from forge_grain.sources.config import SourceConfig
 from forge_grain.sources.deferred import SourceRecords, checked_opener, identity_of
 from forge_grain.packing.packed import PackedDataset, pack
@@ -71,7 +72,10 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
 
             store = TokenStore.open(eager_store(src, cache_dir, progress))
         else:
-            store = TokenStore.open(src.path, **src.store_options())
+            try:
+                store = TokenStore.open(src.path, **src.store_options())
+            except MissingFilesError as e:  # a mistyped path: which source of the config holds it
+                raise MissingFilesError(f"source '{src.name}': {e}") from None
         return store, pack(store, seq_len, src.strategy, seed=seed, stride=src.stride, num_epochs=None,
                            cache_dir=cache_dir, chunk_docs=chunk_docs, plan_workers=plan_workers,
                            shuffle_window=src.shuffle_window, max_segments=max_segments, progress=progress,
