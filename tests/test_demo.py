@@ -57,9 +57,11 @@ def test_the_readmes_explain_example_is_what_the_demo_gives(demo):
     workdir, r = demo
     assert r.returncode == 0, r.stderr
     text = EXPLAIN_PAGE.read_text()
-    block = re.search(r"```bash\n(forge-grain explain forge-grain-demo/data\.toml [^\n]+)\n((?:#[^\n]*\n)+)", text)
+    block = re.search(r"```bash\n(forge-grain explain forge-grain-demo/data\.toml (?:[^\n]*\\\n)*[^\n]+)\n"
+                      r"((?:#[^\n]*\n)+)", text)
     assert block, "the docs' explain example"
-    command, shown = block.group(1), [line[1:].strip() for line in block.group(2).splitlines()]
+    command = re.sub(r"\\\n\s*", " ", block.group(1))  # (a command continued over lines)
+    shown = [line[1:].strip() for line in block.group(2).splitlines()]
     args = command.replace("forge-grain-demo", str(workdir)).split()[1:]
     out = subprocess.run([sys.executable, "-m", "forge_grain", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -56,10 +56,22 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     home = (tmp_path / "site" / "index.html").read_text()
     assert "What it does that its peers do not" in home  # the README, as the home page
     assert 'href="guides/pipeline/"' in home and 'href="docs/' not in home  # its links, made the site's
+    assert "stylesheets/extra.css" in home  # long commands and outputs wrap
 
 
 def test_the_readme_fits_on_a_few_screens():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 400
+
+
+def test_code_lines_fit_88_columns():
+    """A reader at 1280 px sees a code line whole, comment included (they hid behind horizontal
+    scrollbars). The README's two commands stay one line each: `.ci/run` runs the second as
+    written."""
+    commands = {line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m venv")}
+    commands.add("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/forge-grain demo")
+    long = [f"{b.where}: {line[:60]}..." for p in pages() for b in blocks(p) if b.lang in ("python", "bash", "toml")
+            for line in b.code.splitlines() if len(line) > 88 and line not in commands]
+    assert not long, long
 
 
 def test_every_block_not_run_says_why():
