@@ -33,6 +33,9 @@ def test_demo_prepares_mixes_checkpoints_and_resumes_exactly(demo):
     assert "on 4 shard(s): batches 20..59 match" in r.stdout
     assert "resume on 1 and 4 shards exact: True" in r.stdout
     assert "train (2 shards)" in r.stderr  # the progress bar
+    code = int(re.search(r"stores/code .*\n  documents   ([\d,]+)", r.stdout).group(1).replace(",", ""))
+    if code < 600:  # a standard library file with no text: the summary says why it is not a document
+        assert f"({600 - code} empty one(s) skipped: a document of no text has no tokens to train)" in r.stdout
     assert noise(r.stderr) == [], r.stderr  # and nothing else: no warning, no traceback at exit
     # the next steps need extras the demo's install lacks: the lines say which
     assert "first: pip install -e '.[torch]'" in r.stdout and "first: pip install -e '.[jax]'" in r.stdout
