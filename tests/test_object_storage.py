@@ -625,6 +625,31 @@ def test_a_joined_index_of_the_wrong_kind_is_refused_naming_it(tmp_path, s3, loc
         TokenStore.open(f"s3://bucket/joined-{bad}", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
 
 
+def test_a_large_joined_index_is_read_in_parallel_parts_and_still_checked(tmp_path, s3):
+    """An index of more than 512 KiB (here 70,000 documents) is asked its size (a HEAD) and read
+    in ranged parts on several connections, checked by its sha256 as the one-GET read of a
+    small one is; the documents are the local store's, and a tampered index of the same size
+    is refused naming it."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"ids": [0, 2 + i % 900, 3]}) + "\n" for i in range(70_000)))
+    local = prepare(docs, tmp_path / "many", token_field="ids", vocab_size=1000, bos_id=0, num_shards=4,
+                    progress=False)
+    fs = s3.fs()
+    fs.put(str(local), "bucket/many-docs", recursive=True)
+    s3.proxy.clear()
+    remote = TokenStore.open("s3://bucket/many-docs", storage_options=s3.options(via_proxy=True),
+                             object_cache=str(tmp_path / "o"))
+    assert s3.proxy.gets["/bucket/many-docs/shards.idx.npy"] >= 2  # parts, not one GET
+    disk = TokenStore.open(local)
+    assert len(remote) == len(disk) == 70_000 and remote.fingerprint == disk.fingerprint
+    assert all(np.array_equal(remote[i], disk[i]) for i in (0, 1, 34_567, 69_999))
+    index = bytearray((local / "shards.idx.npy").read_bytes())
+    index[-8:] = (10**9).to_bytes(8, "little")  # the last offset, changed; the size is the same
+    fs.pipe("bucket/many-docs/shards.idx.npy", bytes(index))
+    with pytest.raises(StoreError, match=r"s3://bucket/many-docs/shards[.]idx[.]npy: .*sha256"):
+        TokenStore.open("s3://bucket/many-docs", storage_options=s3.options(), object_cache=str(tmp_path / "o2"))
+
+
 def test_a_store_without_the_joined_index_reads_each_shards_index_once(tmp_path, s3, local_stores):
     """Stores prepared before the joined index open as they did: each shard's index read whole
     and checked by its sha256, no listing; one whose manifest predates those checksums too is
