@@ -7,6 +7,7 @@ across the host's processes, so the directory never holds more than the limit.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -154,3 +155,27 @@ class CacheRoom:
         """The lock under which the cache's bytes change by more than a shrink (reservations,
         renames, eviction) and are counted, and its ledger written, across the host's processes."""
         return file_lock(self.dir / ".evict.lock")
+
+
+EVICTED_TRIES = 4  # fetches of one copy that other downloads evicted before it was read
+
+
+def read_copy(fetch, read, what: str, limit: int | None, needed: str):
+    """`read(path)` of the cache copy `fetch()` returns, fetched again when other downloads
+    evicted it between the two (the read found no file, and the copy is gone), at most
+    `EVICTED_TRIES` times; then an error naming `what` and saying the limit cannot hold
+    `needed`. A read that fails on a copy still there raises as it is. The copy read is
+    touched: recently used, evicted last."""
+    for _ in range(EVICTED_TRIES):
+        path = fetch()
+        try:
+            value = read(path)
+        except (FileNotFoundError, StoreError):
+            if path.exists():
+                raise
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)
+        return value
+    raise StoreError(f"{what}: evicted before it could be read, {EVICTED_TRIES} times: cache_limit {limit} bytes "
+                     f"cannot hold {needed}; raise cache_limit")

@@ -29,7 +29,7 @@ from forge_grain.stores import identify
 from forge_grain.stores.base import TokenStore
 from forge_grain.stores.manifest import MANIFEST_NAME
 from forge_grain.stores.object_cache import ObjectCache
-from forge_grain.stores.remote_dir import RemoteDir, changed_under, listing
+from forge_grain.stores.remote_dir import RemoteDir, changed_under, objects_at
 
 REMOTE_OPTIONS = frozenset({"storage_options", "object_cache", "cache_limit"})
 THREADS = 8  # concurrent downloads while copying a dataset
@@ -42,7 +42,11 @@ def remote_format(url: str, storage_options: dict | None = None) -> str:
     remote.fs.invalidate_cache(remote.root)
     if remote.retry(MANIFEST_NAME, lambda: remote.size(MANIFEST_NAME), missing_ok=True) is not None:
         return "native"  # a manifest decides (as below), found without listing what may be 10,000s of objects
-    files = listing(remote)
+    _, files, stem = objects_at(url, storage_options)
+    if stem is not None:  # a Megatron prefix (its .idx and .bin beside each other), or one token file
+        if f"{stem}.idx" in files and f"{stem}.bin" in files:
+            return "megatron"
+        return "raw" if stem in files and stem.endswith((".bin", ".npy")) else "native"
     names = {name.split("/", 1)[0] for name in files}
     if MANIFEST_NAME in names:
         return "native"
@@ -60,13 +64,6 @@ def remote_format(url: str, storage_options: dict | None = None) -> str:
                          f"it cannot be read both ways: pass format= one of {', '.join(sorted(found))}")
     if found:
         return next(iter(found))
-    if not files:  # a Megatron prefix (its .idx and .bin beside each other), or one token file
-        parent, stem = url.rsplit("/", 1)
-        beside = listing(RemoteDir(parent, storage_options))
-        if f"{stem}.idx" in beside and f"{stem}.bin" in beside:
-            return "megatron"
-        if stem in beside and stem.endswith((".bin", ".npy")):
-            return "raw"
     if any(n.endswith((".bin", ".npy")) for n in names) and not any(n.startswith("shard-") for n in names):
         return "raw"
     return "native"
@@ -116,11 +113,7 @@ def copy_dataset(url: str, storage_options=None, object_cache=None) -> tuple[Pat
     (the local directory, the URL it copies, the Megatron prefix or file in it when `url` is one)."""
     from tqdm.auto import tqdm
 
-    found, prefix = listing(RemoteDir(url, storage_options)), None
-    if not found:  # a Megatron prefix (its .idx and .bin beside each other), or one token file
-        url, prefix = url.rsplit("/", 1)
-        found = {n: v for n, v in listing(RemoteDir(url, storage_options)).items()
-                 if n in (f"{prefix}.idx", f"{prefix}.bin", prefix)}
+    url, found, prefix = objects_at(url, storage_options)  # (prefix: a Megatron prefix or one file)
     files = sorted((name, size, tag) for name, (size, tag) in found.items())
     cache = ObjectCache(url, storage_options, object_cache)
     digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]

@@ -22,12 +22,10 @@ the same files, so a state saved over the local copy resumes over the bucket and
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import hashlib
 import io
 import json
-import os
 import threading
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
+from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under, listing
 
@@ -348,26 +347,18 @@ class _Part:
     def open(self, keep=frozenset()) -> TokenStore:
         """The local reader over this file, fetched first if the cache lacks it (again if it was
         evicted between its fetch and its opening)."""
-        for attempt in range(4):
-            self.fetch(keep)
+        def opened(path):  # (path: the copy, `self.local`)
             if not (self.dir / self.index_name).exists():
                 self.owner.cache.write_record(self.dir / self.index_name, json.dumps(self._index).encode())
             try:
-                store = self.owner.local(self.dir, **self.owner._local_options)
-            except FileNotFoundError:
-                if self.local.exists():
-                    raise
-                continue
+                return self.owner.local(self.dir, **self.owner._local_options)
             except StoreError as e:
-                if self.local.exists():  # named as the object, not its copy in the cache
+                if path.exists():  # named as the object, not its copy in the cache
                     raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(self.local)  # recently used: evicted last
-            return store
-        raise StoreError(f"{self.owner.url}/{self.name}: evicted before it could be read, 4 times: cache_limit "
-                         f"{self.owner.cache.limit} bytes cannot hold the files the reads in flight need (this one is "
-                         f"{self.size} bytes); raise cache_limit")
+                raise
+
+        return read_copy(lambda: self.fetch(keep), opened, f"{self.owner.url}/{self.name}", self.owner.cache.limit,
+                         f"the files the reads in flight need (this one is {self.size} bytes)")
 
     def index(self) -> None:
         """The record of this file: what its local reader found, kept beside it."""

@@ -18,13 +18,11 @@ the record, and a dataset rewritten in place is indexed anew.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import fnmatch
 import functools
 import hashlib
 import io
 import json
-import os
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -37,7 +35,8 @@ from forge_grain.stores.base import join_offsets
 from forge_grain.stores.blocks import block_bytes, block_cuts
 from forge_grain.stores.mirror_parts import FetchedParts
 from forge_grain.stores.object_cache import SPLIT, ObjectCache, read_spans
-from forge_grain.stores.remote_dir import RemoteDir, listing
+from forge_grain.stores.cache_room import read_copy
+from forge_grain.stores.remote_dir import objects_at
 
 RANGED = ("megatron", "raw")
 SCAN_PART = 8 << 20  # bytes of each ranged read while a raw file is scanned for its documents
@@ -86,11 +85,9 @@ class Ranged(FetchedParts):
     def _find_objects(self, storage_options, split, file_pattern) -> tuple[str, dict]:
         """(the URL the objects are under, {name: (size, ETag)} of those read): a directory's,
         a Megatron prefix's `.idx` and `.bin`, or one token file's."""
-        found, base = listing(RemoteDir(self.url, storage_options)), self.url
-        if not found:  # a Megatron prefix (its .idx and .bin beside each other), or one token file
-            base, stem = self.url.rsplit("/", 1)
-            found = {n: v for n, v in listing(RemoteDir(base, storage_options)).items()
-                     if n in ((f"{stem}.idx", f"{stem}.bin") if self.format == "megatron" else (stem,))}
+        base, found, stem = objects_at(self.url, storage_options)
+        if stem is not None:  # a Megatron prefix's .idx and .bin, or one token file
+            found = {n: v for n, v in found.items() if (n != stem) == (self.format == "megatron")}
         found = {n: v for n, v in found.items() if "/" not in n}  # (as on disk: a directory's own files)
         if self.format == "megatron":
             stems = sorted(n[:-4] for n in found if n.endswith(".idx"))
@@ -289,20 +286,9 @@ class _Block:
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:
         """The block's tokens, fetched first if the cache lacks them (again if they were evicted
         between their fetch and their mapping)."""
-        for attempt in range(4):
-            path = self.fetch(keep)
-            try:
-                tokens = checks.map_array(path, self.owner.dtype)
-            except FileNotFoundError:
-                if attempt == 3:
-                    raise StoreError(f"{self.owner._where(self.name)}: bytes {self.start}-{self.start + self.size} "
-                                     "were evicted before they could be read, 4 times: cache_limit "
-                                     f"{self.owner.cache.limit} bytes cannot hold the blocks one step reads; raise "
-                                     "it") from None
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path)  # recently used: evicted last
-            return [tokens]
+        return [read_copy(lambda: self.fetch(keep), lambda path: checks.map_array(path, self.owner.dtype),
+                          f"{self.owner._where(self.name)} (bytes {self.start}-{self.start + self.size})",
+                          self.owner.cache.limit, "the blocks one step reads")]
 
 
 class _Tokens:

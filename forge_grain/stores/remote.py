@@ -20,10 +20,8 @@ that reads through them.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from forge_grain.stores.manifest import (
     MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index,
 )
 from forge_grain.stores.native import NativeStore
+from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.object_cache import PART_MIN, ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import START
@@ -162,25 +161,19 @@ class RemoteStore(NativeStore):
         with self._lock:
             future = self._pending.get(k)
         path = future.result() if future is not None else None
-        path = path or self._fetch(k)  # not prefetched, or skipped for want of room
-        shard, evicted = self.manifest.shards[k], 0
-        while True:
+        shard, first = self.manifest.shards[k], [path] if path else []  # (not prefetched: fetched now)
+
+        def mapped(path):
             try:
-                arr = self._map_bin_shard(path, shard)
-                break
+                return self._map_bin_shard(path, shard)
             except (FileNotFoundError, StoreError):
-                if path.exists():  # a damaged copy (a power loss, a disk error): the object is the truth
-                    arr = self._map_bin_shard(self._refetch(k, path), shard)
-                    break
-                evicted += 1  # evicted between its download and its mapping, by another download
-                if evicted > 3:  # ... again and again: the step's shards do not fit together
-                    raise StoreError(
-                        f"{self.url}/{shard.tokens}: evicted before it could be read, {evicted} times: cache_limit "
-                        f"{self.cache.limit} bytes cannot hold the shards one step reads (this one is "
-                        f"{shard.num_tokens * self.dtype.itemsize} bytes); raise cache_limit") from None
-                path = self._fetch(k)
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)  # recently used: evicted last
+                if not path.exists():
+                    raise  # evicted by another download before it was mapped: fetched again
+                return self._map_bin_shard(self._refetch(k, path), shard)  # a damaged copy: the object is the truth
+
+        arr = read_copy(lambda: first.pop() if first else self._fetch(k), mapped, f"{self.url}/{shard.tokens}",
+                        self.cache.limit, f"the shards one step reads (this one is "
+                                          f"{shard.num_tokens * self.dtype.itemsize} bytes)")
         with self._lock:
             self._mapped[k] = arr
         return arr

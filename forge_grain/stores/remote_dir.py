@@ -197,6 +197,18 @@ def listing(remote: RemoteDir) -> dict[str, tuple[int, str]]:
     return out
 
 
+def objects_at(url: str, storage_options: dict | None = None) -> tuple[str, dict, str | None]:
+    """(the URL the objects are under, their `listing`, the last part of `url` when it names no
+    directory): a directory's files, or, for a URL naming none (a Megatron prefix, one token
+    file), its parent's objects named by its last part: `stem.idx`, `stem.bin` and `stem`."""
+    found = listing(RemoteDir(url, storage_options))
+    if found:
+        return url, found, None
+    base, stem = url.rsplit("/", 1)
+    beside = listing(RemoteDir(base, storage_options))
+    return base, {n: v for n, v in beside.items() if n in (f"{stem}.idx", f"{stem}.bin", stem)}, stem
+
+
 def _tag(entry: dict) -> str:
     """What says an object's version in a listing's (or a HEAD's) entry: its ETag, or where the
     file system has none its modification time."""
