@@ -100,18 +100,35 @@ def content_fingerprint(path: Path, full: bool = False) -> str:
     0.1% of a large file) can pass unseen: `full=True` detects every change, for a full read.
     Reads at most 128 KiB of blocks and 2,048 pages, whatever the size.
     """
-    size = path.stat().st_size
-    h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
-    if not full and size > WHOLE_BELOW:
-        h.update(b"blocks+probes:")
+    def whole():
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                yield block
+
+    def at(spans):
         raw = mapping.map_bytes(path)
-        for off in sample_offsets(size):
-            h.update(raw[off : off + SAMPLE_BLOCK_BYTES])
-        h.update(np.ascontiguousarray(raw[probe_offsets(size)[:, None] + np.arange(PROBE_BYTES)]))
-        return h.hexdigest()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
+        return lambda offset, length: raw[offset : offset + length]
+
+    return fingerprint_of(path.stat().st_size, full, whole, at)
+
+
+def fingerprint_of(size: int, full: bool, whole, at) -> str:
+    """`content_fingerprint`'s formula over any reader of `size` bytes (a local file, an object
+    read in ranges): `whole()` yields every byte in order, when the fingerprint covers them;
+    `at(spans)`, given the sampled blocks and probes as [start, end) pairs, reads them and
+    returns `get(offset, length)`."""
+    h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
+    if full or size <= WHOLE_BELOW:
+        for block in whole():
             h.update(block)
+        return h.hexdigest()
+    h.update(b"blocks+probes:")
+    blocks = [(o, min(o + SAMPLE_BLOCK_BYTES, size)) for o in sample_offsets(size)]
+    probes = [(int(p), int(p) + PROBE_BYTES) for p in probe_offsets(size)]
+    get = at(blocks + probes)
+    for a, b in blocks:
+        h.update(get(a, b - a))
+    h.update(b"".join(bytes(get(a, b - a)) for a, b in probes))
     return h.hexdigest()
 
 

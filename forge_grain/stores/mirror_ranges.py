@@ -364,25 +364,15 @@ class _Tokens:
 
     def _fingerprint(self, full: bool) -> str:
         size = self.size
-        h = hashlib.sha256(f"{'full' if full else 'sampled'}:{size}:".encode())
-        if full or size <= checks.WHOLE_BELOW:
+
+        def whole():
             spans = [(a, min(a + SCAN_PART, size)) for a in range(0, size, SCAN_PART)]
-            if size <= KEEP:
-                got = self.read(spans)
-                parts = (got(a, b - a) for a, b in spans)
-            else:  # (streamed: a large object is not held)
-                parts = self._fetch(spans)
-            for data in parts:
-                h.update(data)
-            return h.hexdigest()
-        h.update(b"blocks+probes:")
-        blocks = [(o, min(o + checks.SAMPLE_BLOCK_BYTES, size)) for o in checks.sample_offsets(size)]
-        probes = [(int(p), int(p) + checks.PROBE_BYTES) for p in checks.probe_offsets(size)]
-        got = self.read(blocks + probes)
-        for a, b in blocks:
-            h.update(got(a, b - a))
-        h.update(b"".join(bytes(got(a, b - a)) for a, b in probes))
-        return h.hexdigest()
+            if size > KEEP:  # (streamed: a large object is not held)
+                return self._fetch(spans)
+            got = self.read(spans)
+            return (got(a, b - a) for a, b in spans)
+
+        return checks.fingerprint_of(size, full, whole, self.read)
 
     def read(self, spans):
         """A function giving `length` bytes at any offset inside `spans`, after reading those not
