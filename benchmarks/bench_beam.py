@@ -13,7 +13,6 @@ the work divides until there are more workers than shards).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import shutil
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from forge_grain import TokenStore, prepare
 from forge_grain.demo import write_demo_corpus
-from report import publish
+from report import parser, publish
 
 RUNS = {
     "local prepare, 1 process": dict(num_proc=1),
@@ -46,7 +45,7 @@ def files_of(store: Path) -> dict[str, bytes]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--max-files", type=int, default=800)
     ap.add_argument("--shards", type=int, default=8)
     args = ap.parse_args()

@@ -21,7 +21,6 @@ open), and the shuffle it keeps (documents of at most N files interleaved at a t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the counting proxy and the Megatron w
 
 from bench_scale import start_server  # noqa: E402
 from corpora import sharded_synthetic_store  # noqa: E402
+from report import parser
 
 FILES, SEQ_LEN, BATCH = 16, 2048, 8
 LIMITS = (2, 4, 8, None)  # files' worth of cache, None: unbounded
@@ -105,12 +105,12 @@ def cell(result: dict, size: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--docs", type=int, default=16_000, help="documents (median 600 tokens)")
-    parser.add_argument("--peer-python", help="a Python with litdata and mosaicml-streaming installed")
-    parser.add_argument("--work", default="/tmp/forge-grain-bench-cache")
-    parser.add_argument("--out", help="also write the table here")
-    a = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--docs", type=int, default=16_000, help="documents (median 600 tokens)")
+    ap.add_argument("--peer-python", help="a Python with litdata and mosaicml-streaming installed")
+    ap.add_argument("--work", default="/tmp/forge-grain-bench-cache")
+    ap.add_argument("--out", help="also write the table here")
+    a = ap.parse_args()
     import s3fs
     from s3server import FaultProxy
     from test_formats import write_megatron

@@ -11,7 +11,6 @@ beside this one (a `git worktree` of an older commit).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -20,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import publish
+from report import parser, publish
 
 HEAVY = ("jax", "grain", "numba", "torch", "transformers")
 
@@ -46,7 +45,7 @@ def measure(root: Path, args: list[str], work: Path) -> tuple[float, int, list[s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--before", type=Path, help="another checkout to measure beside this one")
     a = ap.parse_args()
     here = Path(__file__).resolve().parents[1]

@@ -19,7 +19,6 @@ Ratios are within this run; the figures are this machine's.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain import DataConfig, Pipeline, write_store
-from report import publish
+from report import parser, publish
 
 VOCAB = 32000
 
@@ -142,7 +141,7 @@ def jax_part(cfg: DataConfig, steps: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -11,7 +11,6 @@ step 10 without the documents of 8 rows of step 20, against the uninterrupted on
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -19,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import forge_config, two_sources  # noqa: E402
-from report import publish, timed  # noqa: E402
+from report import parser, publish, timed  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--docs", type=int, default=20000)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)

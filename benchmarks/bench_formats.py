@@ -25,7 +25,6 @@ per format against the native `bin` layout: the zero-copy formats feed the same 
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the MDS writer from the published lay
 
 from corpora import lognormal_lengths  # noqa: E402
 from mds_writer import write_mds  # noqa: E402
-from report import publish  # noqa: E402
+from report import parser, publish  # noqa: E402
 
 from forge_grain import TokenStore, pack, write_store  # noqa: E402
 
@@ -156,7 +155,7 @@ class MDSSampleReader:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--docs", type=int, default=100_000)
     ap.add_argument("--reads", type=int, default=20_000)
     a = ap.parse_args()

@@ -29,7 +29,6 @@ import os
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-import argparse  # noqa: E402
 import concurrent.futures  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
@@ -37,7 +36,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from report import publish  # noqa: E402
+from report import parser, publish  # noqa: E402
 
 from forge_grain import DataConfig, Pipeline  # noqa: E402
 from forge_grain.demo import write_demo_corpus  # noqa: E402
@@ -85,7 +84,7 @@ def epoch(cfg, cache, threads) -> tuple[float, float, list]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--max-files", type=int, default=800)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)

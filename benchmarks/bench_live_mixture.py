@@ -14,7 +14,6 @@ after the changes (what each later step pays for the longer history), and `consu
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -22,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import forge_config, two_sources  # noqa: E402
-from report import publish, timed  # noqa: E402
+from report import parser, publish, timed  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--docs", type=int, default=1_000_000)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)

@@ -14,7 +14,6 @@ a whole-document encode of the peer's document.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 from forge_grain.demo import stdlib_files
-from report import publish
+from report import parser, publish
 
 CHILD_PREPARE = """
 import json, resource, sys, time
@@ -78,7 +77,7 @@ def run(code: str, *args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--mb", type=float, default=200)
     ap.add_argument("--peer-mb", type=float, default=10)
     ap.add_argument("--workdir", default=None)

@@ -12,7 +12,6 @@ pipeline costs per document per process (every worker process pays it again).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from report import publish
+from report import parser, publish
 
 MEASURE = """
 import sys
@@ -71,7 +70,7 @@ def write(path: Path, num_docs: int, shards: int) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--docs", type=int, nargs=2, default=[2_000_000, 6_000_000])
     ap.add_argument("--shards", type=int, nargs="+", default=[1, 64])
     args = ap.parse_args()

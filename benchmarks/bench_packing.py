@@ -18,7 +18,6 @@ Then forge-grain's speed as a ratio to each peer. Finally, planning time for
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import grain
 import numpy as np
 
 from corpora import demo_store, lognormal_lengths, synthetic_store
-from report import kept
+from report import kept, parser
 from forge_grain import pack, plan_offsets
 from forge_grain.packing.plans import min_crop_share
 
@@ -165,7 +164,7 @@ def planning(num_docs):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--docs", type=int, default=20_000, help="synthetic documents (20k to 1M)")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048])
     ap.add_argument("--corpus", nargs="+", default=["synthetic", "demo"], choices=["synthetic", "demo"])

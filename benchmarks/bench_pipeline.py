@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corpora import synthetic_store  # noqa: E402
-from report import kept  # noqa: E402
+from report import kept, parser  # noqa: E402
 
 
 def forge_config(paths, seq_len, batch, num_sources=2):
@@ -162,7 +161,7 @@ def hundred_sources(paths, args):
 
 def parse_args(doc: str):
     """The options both pipeline-level benchmarks take."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(doc)
     ap.add_argument("--docs", type=int, default=20_000)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)

@@ -18,7 +18,6 @@ Then the per-core rate and what it predicts for 1 B documents.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from corpora import lognormal_lengths
-from report import publish
+from report import parser, publish
 
 DISK = """
 import os, signal, sys, time
@@ -121,7 +120,7 @@ def run(offsets_file: Path, strategy: str, seq_len: int, mode: str, chunk_docs: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--docs", type=int, nargs="+", default=[1_000_000, 10_000_000, 30_000_000])
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--chunk-docs", type=int, default=1 << 22)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -22,7 +21,7 @@ import numpy as np
 from forge_grain import TokenStore, prepare
 from forge_grain.demo import write_demo_corpus
 from forge_grain.tokenizer import load_tokenizer
-from report import kept
+from report import kept, parser
 
 
 def timed(fn):
@@ -75,7 +74,7 @@ def bench_access(corpus: Path, work: Path, reads: int) -> list[tuple[str, float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--max-files", type=int, default=800)
     ap.add_argument("--reads", type=int, default=200_000)
     args = ap.parse_args()

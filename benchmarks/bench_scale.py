@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import os
 import shutil
@@ -39,7 +38,7 @@ import numpy as np
 from corpora import synthetic_store
 from forge_grain import DataConfig, Pipeline
 from forge_grain.stores.writer import write_store
-from report import publish
+from report import parser, publish
 
 SEQ_LEN, BATCH = 2048, 16
 
@@ -343,7 +342,7 @@ def resharded(store: Path, shards: int, work: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--sources", type=int, default=10_000, help="0: skip the many-sources part")
     ap.add_argument("--docs", type=int, default=20_000)
     ap.add_argument("--shards", type=int, default=128, help="0: skip the object-storage part")

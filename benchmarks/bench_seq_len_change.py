@@ -16,7 +16,6 @@ once (these take seconds; the machine's noise is small beside them).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,11 +24,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corpora import lognormal_lengths  # noqa: E402
-from report import publish  # noqa: E402
+from report import parser, publish  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--docs", type=int, default=10_000_000)
     ap.add_argument("--from-len", type=int, default=1024)
     ap.add_argument("--to-len", type=int, default=2048)

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its module docstring as the help, as written; no
+    abbreviated options (`--step` is not `--steps`)."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   allow_abbrev=False)
 
 
 def timed(fn, repeat: int) -> float:

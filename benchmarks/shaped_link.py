@@ -15,11 +15,11 @@ after a request's bytes arrived.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import socket
 import time
+from report import parser
 
 CHUNK = 1 << 16
 
@@ -86,7 +86,7 @@ async def serve(upstream: int, ttfb: float, rate: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("upstream", type=int)
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="milliseconds from a request to its answer's first byte")
     ap.add_argument("--mbps", type=float, default=10.0, help="megabytes per second one connection carries")
