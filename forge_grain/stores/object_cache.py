@@ -35,11 +35,11 @@ BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # an object is read in as many ranged parts as there are reads in flight (SPLIT at least), each of
 # PART_MIN to BLOCK bytes: the shard a batch waits for arrives on every connection at once (a 24.7 MB
 # shard behind a 10 MB/s-a-connection link: its first batch 1.16 s after the request, 1.79 s in parts
-# of 4 MiB; a 128-shard store's 3 MB shards and 1.6 MB joined index behind 2 MB/s a connection: the
-# first batch 0.79 s, 1.62 s with parts of at least 1 MiB), and a large one in parts that each hold
-# little memory. An object fetched ahead, which nothing waits for yet, is read in parts of at least
-# PART_AHEAD: fewer requests, less CPU a byte (7.6 core-seconds a GB in parts of 256 KiB, against
-# LitData's 6.1, on that link)
+# of 4 MiB), and a large one in parts that each hold little memory. An object fetched ahead, which
+# nothing waits for yet, is read in parts of at least PART_AHEAD: fewer requests, less CPU a byte. A
+# 128-shard store of 3 MB shards behind 2 MB/s a connection (`bench_scale.py --link`), first batch and
+# core-seconds a GB: every part of at least 256 KiB 0.79 s and 7.6 (LitData 6.1 in that run); parts
+# ahead of at least 1 MiB 1.14 s and 6.2 (LitData 5.6)
 PART_MIN = 1 << 18
 PART_AHEAD = 1 << 20
 SPLIT = 8

@@ -9,6 +9,7 @@ the object. `listing` lists what is under a URL, with sizes and ETags.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -60,22 +61,15 @@ class RemoteDir:
         if self._fast is None:
             return self.fs.cat_file(self.path(name), start=start, end=end)
         import obstore
-        from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 
         store, prefix = self._fast
-        try:
+        with self._obstore_errors(name):
             if end is None:
                 return memoryview(obstore.get(store, f"{prefix}{name}").bytes())[start:]
             if if_match is not None:
                 got = obstore.get(store, f"{prefix}{name}", options={"range": (start, end), "if_match": if_match})
                 return memoryview(got.bytes())
             return memoryview(obstore.get_range(store, f"{prefix}{name}", start=start, end=end))
-        except NotFoundError:
-            raise FileNotFoundError(f"{self.url}/{name}") from None
-        except PreconditionError:
-            raise changed_under(f"{self.url}/{name}") from None
-        except (PermissionDeniedError, UnauthenticatedError) as e:
-            raise PermissionError(str(e).splitlines()[0]) from None
 
     def size(self, name: str) -> int:
         """Object `name`'s size (a HEAD): through obstore where `fast_client` made one (s3fs's
@@ -83,13 +77,23 @@ class RemoteDir:
         if self._fast is None:
             return self.fs.size(self.path(name))
         import obstore
-        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
 
         store, prefix = self._fast
-        try:
+        with self._obstore_errors(name):
             return int(obstore.head(store, f"{prefix}{name}")["size"])
+
+    @contextlib.contextmanager
+    def _obstore_errors(self, name: str):
+        """obstore's errors for object `name` as the ones `retry` knows: a missing object, one
+        changed under a conditional read, refused credentials."""
+        from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+
+        try:
+            yield
         except NotFoundError:
             raise FileNotFoundError(f"{self.url}/{name}") from None
+        except PreconditionError:
+            raise changed_under(f"{self.url}/{name}") from None
         except (PermissionDeniedError, UnauthenticatedError) as e:
             raise PermissionError(str(e).splitlines()[0]) from None
 
