@@ -215,9 +215,15 @@ def _named_specials(directory: Path) -> tuple[str | None, str | None]:
     except (OSError, ValueError) as e:
         raise PrepareError(f"{config}: cannot read it as JSON ({e})") from None
 
-    def name(key):
-        value = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise PrepareError(f"{config}: not a tokenizer config (a JSON object), but {type(data).__name__}")
+
+    def name(key):  # unset or null: not named; a token's string, or an added token's {"content": ...}
+        value = data.get(key)
         value = value.get("content") if isinstance(value, dict) else value
-        return value if isinstance(value, str) and value else None
+        if value is not None and not isinstance(value, str):
+            raise PrepareError(f"{config}: {key} is {value!r:.60}, not a token's string; fix it, or name the "
+                               f"token to use (--{key.replace('_', '-')}, or {key} in a config's source)")
+        return value or None
 
     return name("bos_token"), name("eos_token")

@@ -274,9 +274,17 @@ def test_eos_and_bos_by_their_usual_names_and_by_the_tokenizers_config(tmp_path)
                                   f"t = load_tokenizer({str(where)!r}); print(t.bos_id, t.eos_id)")
         assert r.stdout.split() == [str(odd.token_to_id("<|im_start|>")), str(odd.token_to_id("<|im_end|>"))], \
             r.stderr
-    (tmp_path / "odd" / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(PrepareError, match=r"tokenizer_config\.json: cannot read it as JSON"):
+    (tmp_path / "odd" / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>", "bos_tok')  # cut short
+    with pytest.raises(PrepareError, match=r"odd/tokenizer_config\.json: cannot read it as JSON"):
         load_tokenizer(tmp_path / "odd" / "tokenizer.json")
+    (tmp_path / "odd" / "tokenizer_config.json").write_text('{"eos_token": 7}')  # a wrong type: not guessed past
+    with pytest.raises(PrepareError, match=r"odd/tokenizer_config\.json: eos_token is 7, not a token's string"):
+        load_tokenizer(tmp_path / "odd" / "tokenizer.json")
+    (tmp_path / "odd" / "tokenizer_config.json").write_text('["<|im_end|>"]')
+    with pytest.raises(PrepareError, match=r"odd/tokenizer_config\.json: not a tokenizer config"):
+        load_tokenizer(tmp_path / "odd" / "tokenizer.json")
+    (tmp_path / "odd" / "tokenizer_config.json").write_text('{"bos_token": null, "eos_token": null}')  # as HF writes
+    assert load_tokenizer(tmp_path / "odd" / "tokenizer.json").eos_id is None  # no usual name in its vocabulary
 
 
 def test_a_config_source_names_its_eos_and_bos(tmp_path, monkeypatch):
