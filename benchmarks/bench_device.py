@@ -42,7 +42,7 @@ def torch_part(cfg: DataConfig, steps: int, work: int) -> list[str]:
     import torch
     from torch.utils.data import DataLoader
 
-    from bridges.torch import DeviceLoader, GrainIterableDataset
+    from forge_grain.bridges.torch import DeviceLoader, GrainIterableDataset
 
     dev = torch.device("cuda")
     w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16) / 64
@@ -87,7 +87,7 @@ def schedule_part(cfg: DataConfig) -> list[str]:
     import torch
     from torch.utils.data import DataLoader
 
-    from bridges.torch import DeviceLoader, GrainIterableDataset
+    from forge_grain.bridges.torch import DeviceLoader, GrainIterableDataset
 
     sizes = [[0, 16], [10, 64], [20, 32], [30, cfg.global_batch_size]]
     sched = DataConfig.from_dict({**cfg.to_dict(), "batch_sizes": sizes})
@@ -110,7 +110,7 @@ def schedule_part(cfg: DataConfig) -> list[str]:
 def jax_part(cfg: DataConfig, steps: int) -> list[str]:
     import jax
 
-    from bridges.jax import JaxIterator
+    from forge_grain.bridges.jax import JaxIterator
 
     dev = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(dev)

@@ -40,7 +40,7 @@ from report import parser, publish  # noqa: E402
 
 from forge_grain import DataConfig, Pipeline  # noqa: E402
 from forge_grain.demo import write_demo_corpus  # noqa: E402
-from forge_grain.preparation.tokenize_pool import BATCH, default_size  # noqa: E402
+from forge_grain.sources.tokenize_pool import BATCH, default_size  # noqa: E402
 from forge_grain.tokenizer import load_tokenizer  # noqa: E402
 
 _TOK = None
@@ -152,7 +152,7 @@ def egress(texts: list[str], args) -> list[str]:
     import s3fs
 
     from bench_scale import start_server
-    from forge_grain.sources import text_streams
+    from forge_grain.corpora import streams as text_streams
 
     read = [0]
     readinto = text_streams._RangedFile.readinto

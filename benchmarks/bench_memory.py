@@ -47,7 +47,8 @@ print(anonymous() - before)
 
 
 def write(path: Path, num_docs: int, shards: int) -> Path:
-    from forge_grain.stores.manifest import MANIFEST_NAME, sha256_file
+    from forge_grain.stores.manifest import MANIFEST_NAME
+    from forge_grain.files import sha256_file
     from forge_grain.stores.writer import write_store
 
     path.mkdir(parents=True)

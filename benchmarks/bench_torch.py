@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import forge_config, parse_args, two_sources  # noqa: E402
 from report import kept  # noqa: E402
 
-from bridges.torch import GrainIterableDataset  # noqa: E402
+from forge_grain.bridges.torch import GrainIterableDataset  # noqa: E402
 from forge_grain import Pipeline, TokenStore  # noqa: E402
 
 

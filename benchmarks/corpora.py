@@ -42,7 +42,8 @@ def sharded_synthetic_store(path: Path, num_docs: int, shards: int, seed: int = 
     """`synthetic_store`'s documents in `shards` shards of about equal tokens, written directly
     (each shard's tokens and index, the joined index, the manifest last), without the JSON
     round trip through `prepare` that a corpus of 400 MB would take minutes for."""
-    from forge_grain.stores.manifest import Manifest, ShardInfo, save_npy_atomic, sha256_file, write_joined_index
+    from forge_grain.stores.manifest import Manifest, ShardInfo, write_joined_index
+    from forge_grain.files import save_npy_atomic, sha256_file
 
     if (path / "manifest.json").exists():
         return TokenStore.open(path)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bridges.torch import GrainIterableDataset
+from forge_grain.bridges.torch import GrainIterableDataset
 from forge_grain import DataConfig, Phase, SourceConfig, prepare
 from forge_grain.demo import write_demo_corpus
 

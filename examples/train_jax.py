@@ -3,10 +3,10 @@ iterator together with Orbax, get killed, resume, and check the loss curve match
 
     python examples/train_jax.py [--steps 200] [--checkpoint-at 100]
 
-Data: forge-grain's pipeline through `bridges.jax.JaxIterator` (global jax.Arrays, device
+Data: forge-grain's pipeline through `forge_grain.bridges.jax.JaxIterator` (global jax.Arrays, device
 prefetch); its state goes into the same Orbax checkpoint as the parameters
 (`forge_grain.pipeline.checkpoint.Save`). Document masking: `jax.nn.dot_product_attention` with
-the batch's segment-id mask (`bridges.jax.document_mask`: query i sees key j iff
+the batch's segment-id mask (`forge_grain.bridges.jax.document_mask`: query i sees key j iff
 `segment_ids` match and j <= i; on TPU, `splash_segment_ids` gives splash attention the
 same), position embeddings use `positions`, and the loss is averaged over `loss_mask`.
 """
@@ -22,7 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bridges.jax import JaxIterator, document_mask
+from forge_grain.bridges.jax import JaxIterator, document_mask
 from common import demo_config, example_main
 from forge_grain import Pipeline, checkpoint
 

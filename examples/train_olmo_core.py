@@ -5,7 +5,7 @@ matches an uninterrupted run.
     pip install "forge-grain[olmo]"
     python examples/train_olmo_core.py [--steps 40] [--checkpoint-at 20]
 
-Data: `bridges.olmo.ForgeGrainDataLoaderConfig` builds OLMo-core's data loader from a
+Data: `forge_grain.bridges.olmo.ForgeGrainDataLoaderConfig` builds OLMo-core's data loader from a
 forge-grain config (here the examples' two-source config, as a `DataConfig`; a TOML path works
 the same); OLMo-core's `CheckpointerCallback` saves the loader's state with the model and
 optimizer, and `Trainer.load_checkpoint` restores all three. One process on CPU (OLMo-core's
@@ -28,7 +28,7 @@ from olmo_core.train import Duration, TrainerConfig, prepare_training_environmen
 from olmo_core.train.callbacks import Callback, CheckpointerCallback
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
-from bridges.olmo import ForgeGrainDataLoaderConfig
+from forge_grain.bridges.olmo import ForgeGrainDataLoaderConfig
 from common import demo_config, example_main
 
 

@@ -5,7 +5,7 @@ uninterrupted run.
     python examples/train_online_mixing.py [--steps 200] [--checkpoint-at 100] [--workers 2] [--plot weights.png]
 
 Every `--every` steps the loop takes each source's mean loss over the last window
-(`bridges.torch.source_losses` on the batch's `source_id`) and moves the weights by a
+(`forge_grain.bridges.torch.source_losses` on the batch's `source_id`) and moves the weights by a
 DoReMi-style exponentiated-gradient step towards the source whose loss fell least since the
 first window (w_k <- w_k · exp(eta · excess_k), renormalized and mixed with uniform),
 then `set_weights(..., at_step=step + AHEAD)`: DataLoader workers make batches ahead, so the
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from bridges.torch import GrainIterableDataset, source_losses
+from forge_grain.bridges.torch import GrainIterableDataset, source_losses
 from common import demo_config, example_main
 from train_torch import TinyGPT
 

@@ -3,10 +3,10 @@ that the loss curve after the resume matches an uninterrupted run.
 
     python examples/train_torch.py [--steps 200] [--checkpoint-at 100] [--workers 2]
 
-Data: forge-grain's pipeline through `bridges.torch.GrainIterableDataset` and torchdata's
+Data: forge-grain's pipeline through `forge_grain.bridges.torch.GrainIterableDataset` and torchdata's
 `StatefulDataLoader`, whose `state_dict()` goes into the same checkpoint as the model and
 optimizer. Document masking: on CUDA, attention is FlexAttention (compiled) with the
-batch's document block mask (`bridges.torch_varlen.document_block_mask`: query i sees key j
+batch's document block mask (`forge_grain.bridges.torch_varlen.document_block_mask`: query i sees key j
 iff same segment and j <= i; blocks with no such pair are skipped). torch 2.13's
 FlexAttention has no backward pass on CPU ("FlexAttention does not support backward on
 CPU"), so on CPU the same attention runs over the batch's varlen metadata instead: the rows
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from bridges.torch import GrainIterableDataset
-from bridges.torch_varlen import document_block_mask, flash_varlen_kwargs, varlen_attention
+from forge_grain.bridges.torch import GrainIterableDataset
+from forge_grain.bridges.torch_varlen import document_block_mask, flash_varlen_kwargs, varlen_attention
 from common import demo_config, example_main
 
 FLEX = torch.cuda.is_available()  # FlexAttention trains on GPUs only (no backward on CPU)

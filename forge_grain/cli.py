@@ -310,7 +310,7 @@ def _replay(a) -> None:
     """The batches rank R of W saw at steps A..B-1, from the config (and a state) alone."""
     import numpy as np
 
-    from forge_grain.stores.manifest import fsync_rename, temporary
+    from forge_grain.files import fsync_rename, temporary
 
     p, state = _recorded_pipeline(a, a.rank, a.world_size or 1)
     if p.streams:

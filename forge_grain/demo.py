@@ -18,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from forge_grain.pipeline.config import DataConfig
-from forge_grain.stores.manifest import write_json_atomic, write_text_atomic
+from forge_grain.files import write_json_atomic, write_text_atomic
 from forge_grain.pipeline.pipeline import Pipeline
 from forge_grain.preparation.runners import prepare
 from forge_grain.stores import TokenStore
@@ -146,7 +146,7 @@ def run_demo(workdir: str | Path = "forge-grain-demo", *, max_files: int = 600, 
     )
     print(f"next: see the run this config describes, before training:\n  forge-grain plan {config_path}\n")
     print("next: train a tiny GPT on this corpus, checkpoint, kill, resume and compare loss curves with\n"
-          "  python examples/train_torch.py   (PyTorch: StatefulDataLoader over bridges.torch;\n"
+          "  python examples/train_torch.py   (PyTorch: StatefulDataLoader over forge_grain.bridges.torch;\n"
           "                                    first: pip install -e '.[torch]')\n"
           "  python examples/train_jax.py     (JAX: global jax.Arrays, Orbax checkpoint of model and data;\n"
           "                                    first: pip install -e '.[jax]')")

@@ -1,6 +1,12 @@
 """Modules that moved when the package was laid out by kind, still importable by their old
 names for one release, with a `DeprecationWarning` naming the new one.
 
+The bridges were a top-level package, `bridges`, beside `forge_grain`; they are
+`forge_grain.bridges` now, so the wheel installs one top-level name. `import bridges.torch`
+still works (and warns) in any process: the wheel's `forge_grain_old_names.pth` asks
+`find_old_name` for a module named `bridges` that nothing else on the path provides (a
+project's own `bridges/`, or PyPI's unrelated `bridges`, comes first and is left alone).
+
 `import forge_grain.varlen` (now `forge_grain.packing.varlen`) gives the module at its new
 place; so does every other old top-level name below. Four old modules share their name with
 a package now (`forge_grain.pipeline`, `.packing`, `.preparation`, `.sources`): what they
@@ -26,7 +32,7 @@ MOVED = {  # old module -> new module
     "forge_grain.config": "forge_grain.pipeline.config",
     "forge_grain.deferred": "forge_grain.sources.deferred",
     "forge_grain.foreign": "forge_grain.stores.raw",
-    "forge_grain.hf": "forge_grain.sources.hf",
+    "forge_grain.hf": "forge_grain.preparation.hf_cache",
     "forge_grain.history": "forge_grain.pipeline.history",
     "forge_grain.identify": "forge_grain.stores.identify",
     "forge_grain.kempnerforge": "forge_grain.pipeline.kempnerforge",
@@ -37,11 +43,21 @@ MOVED = {  # old module -> new module
     "forge_grain.packed": "forge_grain.packing.packed",
     "forge_grain.streaming": "forge_grain.sources.streaming",
     "forge_grain.summary": "forge_grain.packing.summary",
-    "forge_grain.text_streams": "forge_grain.sources.text_streams",
-    "forge_grain.texts": "forge_grain.preparation.texts",
-    "forge_grain.tokenize_pool": "forge_grain.preparation.tokenize_pool",
+    "forge_grain.text_streams": "forge_grain.corpora.streams",
+    "forge_grain.texts": "forge_grain.corpora.loading",
+    "forge_grain.tokenize_pool": "forge_grain.sources.tokenize_pool",
     "forge_grain.varlen": "forge_grain.packing.varlen",
     "forge_grain.writer": "forge_grain.stores.writer",
+    # reading texts, below both preparation and sources (0.1.x)
+    "forge_grain.preparation.texts": "forge_grain.corpora.loading",
+    "forge_grain.preparation.tokenize_pool": "forge_grain.sources.tokenize_pool",
+    "forge_grain.sources.hf": "forge_grain.preparation.hf_cache",
+    "forge_grain.sources.text_streams": "forge_grain.corpora.streams",
+    # the bridges, a top-level package until 0.1.x
+    "bridges": "forge_grain.bridges",
+    **{f"bridges.{m}": f"forge_grain.bridges.{m}" for m in (
+        "jax", "kempnerforge", "olmo", "titan_batches", "torch", "torch_channel", "torch_slots", "torch_varlen",
+        "torchtitan")},
 }
 # old modules some of whose names were split out of the module they moved to -> where those are
 # now (a module, or "module:object" for names that became an object's attributes)
@@ -49,7 +65,10 @@ ALSO = {
     "forge_grain.kempnerforge": ["forge_grain.pipeline.config:DataConfig"],
     "forge_grain.kernels": ["forge_grain.packing.kernels.cache"],
     "forge_grain.streaming": ["forge_grain.sources.stream_cursors"],
-    "forge_grain.texts": ["forge_grain.hub"],
+    "forge_grain.texts": ["forge_grain.hub", "forge_grain.corpora.files", "forge_grain.corpora.rows"],
+    "forge_grain.preparation.texts": ["forge_grain.corpora.files", "forge_grain.corpora.rows"],
+    "forge_grain.hf": ["forge_grain.corpora.cache_keys"],
+    "forge_grain.sources.hf": ["forge_grain.corpora.cache_keys"],
 }
 # old modules whose name is a package now -> the module that holds what they held
 BECAME_PACKAGES = {
@@ -98,6 +117,8 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             raise AttributeError(f"module {module.__name__!r} (moved to {new}) has no attribute {name!r}")
 
         module.__doc__ = f"Deprecated: moved to {new}."
+        if hasattr(target, "__path__"):
+            module.__path__ = []  # a package: its old submodule names are found here too
         module.__getattr__ = attribute
         module.__dir__ = lambda: dir(target)
         module.__all__ = list(getattr(target, "__all__", [n for n in vars(target) if not n.startswith("_")]))
@@ -108,6 +129,12 @@ def _holder(where: str):
     module, _, name = where.partition(":")
     held = importlib.import_module(module)
     return getattr(held, name) if name else held
+
+
+def find_old_name(fullname: str):
+    """The spec of an old module name, or None (for the `.pth` finder: a process that has
+    not imported forge_grain yet)."""
+    return _Alias().find_spec(fullname)
 
 
 def install() -> None:

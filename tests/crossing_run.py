@@ -68,7 +68,7 @@ class Torch:
     StatefulDataLoader (`stateful`: its own state resumes it within a shard count)."""
 
     def __init__(self, leg, rank, world, state, spec, first, workers, context, stateful=False):
-        from bridges.torch import GrainIterableDataset
+        from forge_grain.bridges.torch import GrainIterableDataset
 
         g = state and state["global"]
         self.ds = GrainIterableDataset(build_pipeline(leg, rank, world, g, spec["cache_dir"], 0, first))
@@ -113,12 +113,12 @@ class Torch:
 
 
 class Jax(Iterated):
-    """`bridges.jax.JaxIterator` on this process's one CPU device."""
+    """`forge_grain.bridges.jax.JaxIterator` on this process's one CPU device."""
 
     def __init__(self, leg, rank, world, state, spec, first):
         import jax
 
-        from bridges.jax import JaxIterator
+        from forge_grain.bridges.jax import JaxIterator
 
         g = state and state["global"]
         p = build_pipeline(leg, rank, world, g, spec["cache_dir"], 0, first)
@@ -130,11 +130,11 @@ class Jax(Iterated):
 
 
 class Olmo:
-    """OLMo-core's data loader (`bridges.olmo.ForgeGrainDataLoader`) as its Trainer drives it:
+    """OLMo-core's data loader (`forge_grain.bridges.olmo.ForgeGrainDataLoader`) as its Trainer drives it:
     `reshuffle`, iterate, `state_dict` / `load_state_dict`."""
 
     def __init__(self, leg, rank, world, state, spec, first):
-        from bridges.olmo import ForgeGrainDataLoader
+        from forge_grain.bridges.olmo import ForgeGrainDataLoader
 
         g = state and state["global"]
         p = build_pipeline(leg, rank, world, g, spec["cache_dir"], 0, first)

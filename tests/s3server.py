@@ -23,9 +23,11 @@ def free_port() -> int:
 
 
 class S3Server:
-    """moto's S3 on a free port; `options(proxy=...)` are s3fs storage options reaching it."""
+    """moto's S3 on a free port; `options(proxy=...)` are s3fs storage options reaching it.
+    `S3Server("name")` makes that bucket (moto keeps one state per process: each test module
+    uses a bucket of its own); `with S3Server(...) as server:` stops it at the end."""
 
-    def __init__(self):
+    def __init__(self, bucket: str | None = None):
         from moto.server import ThreadedMotoServer
 
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -34,6 +36,14 @@ class S3Server:
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
         self.proxy = FaultProxy(self.port)
+        if bucket is not None:
+            self.fs().mkdir(bucket)
+
+    def __enter__(self) -> "S3Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def options(self, via_proxy: bool = False) -> dict:
         port = self.proxy.port if via_proxy else self.port

@@ -152,7 +152,7 @@ def test_torch_bridge_length_and_batches_follow_the_schedule(stores):
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     cfg = config(stores, batch_sizes=[[0, 4], [3, 8]], max_steps=7)
     ds = GrainIterableDataset(cfg, rank=1, world_size=2)

@@ -47,10 +47,8 @@ CASES = crossings.covering()
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    server.fs().mkdir("cross")
-    yield server
-    server.stop()
+    with S3Server("cross") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

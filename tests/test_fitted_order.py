@@ -28,9 +28,8 @@ KINDS = {"bin": {}, "mds": {}, "arrow": {}, "megatron": {}, "raw": {"dtype": "ui
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    yield server
-    server.stop()
+    with S3Server() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

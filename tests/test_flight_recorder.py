@@ -161,14 +161,14 @@ def test_batch_hash_is_the_same_on_any_shard_count_and_from_the_torch_bridge(uni
             assert hash_batch(joined) == hashes[step]
             assert parts[1].batch_hash(step) == hashes[step]  # any shard computes the global one
     torch = pytest.importorskip("torch")
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     for batch, expected in zip(GrainIterableDataset(cfg, rank=0, world_size=1), hashes):
         assert isinstance(batch["inputs"], torch.Tensor) and hash_batch(batch) == expected
     jax = pytest.importorskip("jax")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from bridges.jax import JaxIterator
+    from forge_grain.bridges.jax import JaxIterator
 
     it = JaxIterator(Pipeline(cfg, 0, 1, num_threads=0), NamedSharding(Mesh(jax.devices(), ("data",)),
                                                                         PartitionSpec("data")))

@@ -19,7 +19,7 @@ from forge_grain import (
     TokenStore,
 )
 from forge_grain.pipeline.config import SourceConfig
-from forge_grain.sources.hf import eager_store
+from forge_grain.preparation.hf_cache import eager_store
 from forge_grain.sources.stream_cursors import StreamCursor
 from forge_grain.sources.streaming import StreamingSource
 from forge_grain.packing.packed import empty_rows
@@ -64,7 +64,7 @@ def test_eager_cache_is_reused_and_rebuilt_for_another_tokenizer(tmp_path, jsonl
 
 
 def test_concurrent_first_uses_build_the_eager_cache_once(tmp_path, jsonl):
-    code = ("import sys; from forge_grain.pipeline.config import SourceConfig; from forge_grain.sources.hf import eager_store; "
+    code = ("import sys; from forge_grain.pipeline.config import SourceConfig; from forge_grain.preparation.hf_cache import eager_store; "
             f"print(eager_store(SourceConfig(name='hf', hf_dataset='json', hf_data_files={str(jsonl)!r}), "
             f"{str(tmp_path)!r}, progress=False))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -142,7 +142,7 @@ def test_streaming_through_the_torch_bridge_resumes_exactly(tmp_path, jsonl):
     from torch.utils.data import DataLoader
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     cfg = hf_config(jsonl, "bestfit", batch=4)
 

@@ -13,7 +13,7 @@ from conftest import config, write_toml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from multiproc import run_jax_processes
 
-from bridges.jax import JaxIterator, to_global
+from forge_grain.bridges.jax import JaxIterator, to_global
 from forge_grain import DataConfig, Pipeline, checkpoint, pack
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -248,7 +248,7 @@ def kempnerforge_chunks(arrays, size):
 
 
 def test_memory_mapped_dataset_samples_as_kempnerforge(kf_data):
-    from bridges.kempnerforge import MemoryMappedDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset
 
     files = sorted(Path(kf_data["npy"]).glob("*.npy"))
     chunks = kempnerforge_chunks([np.load(f) for f in files], 33)
@@ -275,7 +275,7 @@ def test_memory_mapped_dataset_samples_as_kempnerforge(kf_data):
 def test_the_issue_example_non_overlapping_chunks_that_never_cross_files(tmp_path):
     """Two files of 160 and 150 tokens, seq_len 10: KempnerForge has 16 + 15 = 31 samples, sample
     16 starting at the second file's first token (forge-grain's packing: 30 overlapping rows)."""
-    from bridges.kempnerforge import MemoryMappedDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset
 
     (tmp_path / "d").mkdir()
     np.save(tmp_path / "d" / "a.npy", np.arange(0, 160, dtype=np.uint16))
@@ -291,7 +291,7 @@ def test_the_issue_example_non_overlapping_chunks_that_never_cross_files(tmp_pat
 
 def test_no_files_is_a_file_not_found_error(tmp_path):
     """KempnerForge raises FileNotFoundError when no file matches; forge-grain's error is one."""
-    from bridges.kempnerforge import MemoryMappedDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty"):
@@ -303,7 +303,7 @@ def test_no_files_is_a_file_not_found_error(tmp_path):
 def test_bin_files_need_a_declared_width_never_the_file_size(tmp_path):
     """KempnerForge reads a .bin as uint32 whenever its size is a multiple of 4 (misreading
     uint16 data); here the width is declared (dtype= or vocab_size=) and checked."""
-    from bridges.kempnerforge import MemoryMappedDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset
 
     (tmp_path / "b").mkdir()
     tokens = np.random.default_rng(0).integers(2, 30_000, 4000).astype(np.uint16)  # 8000 bytes: a multiple of 4
@@ -371,7 +371,7 @@ def kempnerforge_stream(jsonl, seq_len, rank, world, seed, buffer, epoch=0, skip
 
 
 def test_streaming_dataset_is_kempnerforge_s_stream_one_pass_at_a_time(kf_data):
-    from bridges.kempnerforge import StreamingHuggingFaceDataset
+    from forge_grain.bridges.kempnerforge import StreamingHuggingFaceDataset
 
     ds = StreamingHuggingFaceDataset(kf_data["jsonl"], "train", "text", 32, str(DEFAULT_TOKENIZER), None, 1, 2,
                                      seed=3, shuffle_buffer_size=40)  # KempnerForge's positional order
@@ -383,7 +383,7 @@ def test_streaming_dataset_is_kempnerforge_s_stream_one_pass_at_a_time(kf_data):
 
 
 def test_streaming_dataset_resumes_exactly_and_takes_kempnerforge_s_own_state(kf_data):
-    from bridges.kempnerforge import StreamingHuggingFaceDataset
+    from forge_grain.bridges.kempnerforge import StreamingHuggingFaceDataset
 
     def make():
         return StreamingHuggingFaceDataset(kf_data["jsonl"], "train", "text", 32, str(DEFAULT_TOKENIZER), rank=1,
@@ -413,7 +413,7 @@ def test_streaming_dataset_under_workers_repeats_nothing(tmp_path):
     two files, two workers, every document read once."""
     from torch.utils.data import DataLoader
 
-    from bridges.kempnerforge import StreamingHuggingFaceDataset
+    from forge_grain.bridges.kempnerforge import StreamingHuggingFaceDataset
 
     (tmp_path / "d").mkdir()
     texts = make_texts(200, seed=4)
@@ -431,7 +431,7 @@ def test_streaming_dataset_under_workers_repeats_nothing(tmp_path):
 
 
 def test_streaming_dataset_with_forge_grain_semantics_resumes_exactly(kf_data, tmp_path):
-    from bridges.kempnerforge import StreamingHuggingFaceDataset
+    from forge_grain.bridges.kempnerforge import StreamingHuggingFaceDataset
 
     def make():
         return StreamingHuggingFaceDataset(kf_data["jsonl"], "train", "text", 32, str(DEFAULT_TOKENIZER), rank=1,
@@ -465,7 +465,7 @@ def test_shards_cut_inside_documents_as_kempnerforge_prepares_them_open(tmp_path
                         "pack_sequences = true")
     store = Pipeline(cfg, 0, 1, num_threads=0).stores[0]
     assert store.num_tokens == len(flat)
-    from bridges.kempnerforge import MemoryMappedDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset
 
     assert len(MemoryMappedDataset("tok", seq_len=33, file_pattern="train_*.npy", pack_sequences=True,
                                    eos_token_id=1)) > 0
@@ -474,7 +474,7 @@ def test_shards_cut_inside_documents_as_kempnerforge_prepares_them_open(tmp_path
 def test_packed_samples_carry_kempnerforge_doc_ids(kf_data):
     """KempnerForge's train.py masks attention by batch["doc_ids"] when present: each input token's
     document, from 0, the next one starting after each EOS."""
-    from bridges.kempnerforge import MemoryMappedDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset
 
     ds = MemoryMappedDataset(kf_data["npy"], seq_len=33, pack_sequences=True, eos_token_id=1)
     for i in range(0, len(ds), 7):
@@ -487,7 +487,7 @@ def test_packed_samples_carry_kempnerforge_doc_ids(kf_data):
 def test_mixture_dataset_as_kempnerforge_train_py_wires_it(kf_data):
     """train.py hands `cumulative_sizes` to its MixtureSampler (sizes are their differences, offsets
     their heads), logs by `dataset_names`, and saves `state_dict()` under dataset_i keys."""
-    from bridges.kempnerforge import MemoryMappedDataset, MixtureDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset, MixtureDataset
 
     a = MemoryMappedDataset(kf_data["npy"], seq_len=33)
     b = MemoryMappedDataset(kf_data["npy"], seq_len=65)
@@ -524,7 +524,7 @@ def kempnerforge_hf_chunks(jsonl, seq_len):
 
 
 def test_hugging_face_dataset_samples_as_kempnerforge(kf_data):
-    from bridges.kempnerforge import HuggingFaceDataset
+    from forge_grain.bridges.kempnerforge import HuggingFaceDataset
 
     want = kempnerforge_hf_chunks(kf_data["jsonl"], 32)
     ds = HuggingFaceDataset(kf_data["jsonl"], "train", "text", 32, str(DEFAULT_TOKENIZER), cache_dir=kf_data["cache"])
@@ -559,7 +559,7 @@ def test_a_mid_run_switch_continues_with_the_same_samples(kf_data):
     k..n are the samples KempnerForge's own dataset would have given."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from bridges.kempnerforge import MemoryMappedDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset
 
     def loader(ds):
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=5)
@@ -669,7 +669,7 @@ def test_the_drop_ins_read_special_tokens_in_text_as_kempnerforges_tokenizer_doe
     """A document holding the literal string "<|endoftext|>": KempnerForge's tokenizer makes it
     the special id, so the drop-ins do too (their samples equal KempnerForge's); with
     special_tokens_in_text=False (forge-grain's own sources' default) it stays text."""
-    from bridges.kempnerforge import HuggingFaceDataset, StreamingHuggingFaceDataset
+    from forge_grain.bridges.kempnerforge import HuggingFaceDataset, StreamingHuggingFaceDataset
     from forge_grain.tokenizer import load_tokenizer
 
     texts = [f"{t} <|endoftext|> and then {t}" if i % 3 == 0 else t for i, t in enumerate(make_texts(120, seed=9))]

@@ -7,14 +7,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LEAVES = {"errors", "paths", "locks", "processes", "splits", "tokenizer", "hub", "moved", "absl_flags"}
+LEAVES = {"errors", "files", "paths", "locks", "processes", "splits", "tokenizer", "hub", "moved", "absl_flags"}
 # rank of each part: a module may import its own part and any of lower rank
-RANKS = {"leaf": 0, "stores": 1, "packing": 2, "preparation": 2, "sources": 3, "pipeline": 4, "top": 5, "bridges": 6}
+# (parts of one rank import neither each other: preparation and sources share what reads texts, corpora)
+RANKS = {"leaf": 0, "stores": 1, "corpora": 2, "packing": 2, "preparation": 3, "sources": 3, "pipeline": 4, "top": 5,
+         "bridges": 6}
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package in ("forge_grain", "bridges"):
+    for package in ("forge_grain",):
         for f in sorted((ROOT / package).rglob("*.py")):
             parts = list(f.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -23,13 +25,14 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(name: str, path: Path, known: dict) -> set[str]:
-    """The project modules `name` imports (a `from X import m` of a module m counts as X.m)."""
+def bindings(name: str, path: Path, known: dict, body=None) -> list[tuple[str, str, str | None]]:
+    """(bound name, module, attribute or None for a module itself) of each project import in
+    `body` (default: the whole module): `from X import m` of a module m binds X.m."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    out = []
+    for node in ast.walk(body if body is not None else ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name in known}
+            out += [(a.asname or a.name, a.name, None) for a in node.names if a.name in known]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -37,13 +40,18 @@ def imports(name: str, path: Path, known: dict) -> set[str]:
                 base = ".".join(up + ([base] if base else []))
             for a in node.names:
                 full = f"{base}.{a.name}"
-                out.add(full if full in known else base)
-    return {m for m in out if m in known and m != name}
+                out.append((a.asname or a.name, full, None) if full in known else (a.asname or a.name, base, a.name))
+    return out
+
+
+def imports(name: str, path: Path, known: dict) -> set[str]:
+    """The project modules `name` imports."""
+    return {module for _, module, _ in bindings(name, path, known) if module in known and module != name}
 
 
 def part(name: str) -> str:
     bits = name.split(".")
-    if bits[0] == "bridges":
+    if len(bits) > 1 and bits[1] == "bridges":
         return "bridges"
     if len(bits) == 1 or bits[1] in ("cli", "demo", "__main__"):
         return "top"
@@ -101,3 +109,16 @@ def test_modules_and_classes_stay_small():
                 large.append(f"class {name}.{node.name}: {node.end_lineno - node.lineno + 1} lines "
                              f"(at most {CLASS_LINES})")
     assert not large, "too large to read in one sitting:\n" + "\n".join(large)
+
+
+def test_following_the_config_climbs_back_up_at_most_a_few_times():
+    """Read from `Pipeline.__init__` along the config, each layer's part of the work is read in
+    a few runs, not in and out of a layer below (tests/call_walk.py says how it is counted)."""
+    from call_walk import MAX_CLIMBS, climbs, walk
+
+    order = walk()
+    reached = {module for module, _ in order}
+    assert {"forge_grain.sources.factory", "forge_grain.corpora.streams", "forge_grain.packing.plans",
+            "forge_grain.pipeline.mixture"} <= reached, "the walk no longer follows the config into the sources"
+    up = climbs(order)
+    assert len(up) <= MAX_CLIMBS, "the walk climbs back up:\n" + "\n".join(f"{a} -> {b}" for a, b in up)

@@ -184,7 +184,7 @@ def test_an_orbax_checkpoint_names_shards_that_set_other_weights(four, tmp_path)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_torch_dataset_changes_in_its_workers_at_the_step(four, workers):
     torch = pytest.importorskip("torch")
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     ds = GrainIterableDataset(make_config(four), rank=0, world_size=1)
     want = ds.pipeline.with_weights({"b": 1.0, "c": 2.0}, 9)
@@ -203,7 +203,7 @@ def test_the_torch_dataset_changes_in_its_workers_at_the_step(four, workers):
 
 def test_a_torch_worker_that_already_made_the_step_says_so(four):
     torch = pytest.importorskip("torch")
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     ds = GrainIterableDataset(make_config(four), rank=0, world_size=1)
     it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=4))
@@ -223,12 +223,12 @@ def test_source_losses_agree_in_numpy_torch_and_jax():
     got = source_losses(losses, ids, mask, 4)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     torch = pytest.importorskip("torch")
-    from bridges.torch import source_losses as torch_losses
+    from forge_grain.bridges.torch import source_losses as torch_losses
 
     np.testing.assert_allclose(torch_losses(torch.from_numpy(losses), torch.from_numpy(ids), torch.from_numpy(mask),
                                             4).numpy(), want, rtol=1e-6)
     jax = pytest.importorskip("jax")
-    from bridges.jax import source_losses as jax_losses
+    from forge_grain.bridges.jax import source_losses as jax_losses
 
     got = jax.jit(jax_losses, static_argnums=3)(losses, ids, mask, 4)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
@@ -260,7 +260,7 @@ def test_explain_with_the_state_follows_the_weights_set_live(four, tmp_path, cap
 
 def test_jax_iterator_remakes_the_arrays_it_put_on_devices_ahead(four):
     jax = pytest.importorskip("jax")
-    from bridges.jax import JaxIterator
+    from forge_grain.bridges.jax import JaxIterator
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -329,7 +329,7 @@ def test_a_stateful_dataloader_state_after_a_live_change_resumes_in_a_fresh_proc
     pytest.importorskip("torch")
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     ds = GrainIterableDataset(make_config(four), rank=0, world_size=1)
     want = ds.pipeline.with_weights({"c": 1.0, "d": 1.0}, 7)

@@ -25,10 +25,8 @@ from s3server import S3Server  # noqa: E402
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    server.fs().mkdir("bucket")
-    yield server
-    server.stop()
+    with S3Server("bucket") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -556,7 +554,7 @@ def test_a_damaged_cached_copy_is_downloaded_again(tmp_path, s3, local_stores):
 def test_a_reservation_of_a_process_that_died_is_reclaimed(tmp_path, s3, local_stores):
     """A process killed mid-download leaves its temporary, allocated at full size, in a cache
     with cache_limit: the others reclaim it instead of waiting for it forever."""
-    from forge_grain.stores.manifest import temporary
+    from forge_grain.files import temporary
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -26,7 +26,7 @@ from multiproc import free_port  # noqa: E402
 from olmo_core.data.data_loader import TextDataLoaderBase  # noqa: E402
 from olmo_core.data.utils import get_cumulative_document_lengths, get_labels  # noqa: E402
 
-from bridges.olmo import ForgeGrainDataLoader, ForgeGrainDataLoaderConfig, olmo_batch  # noqa: E402
+from forge_grain.bridges.olmo import ForgeGrainDataLoader, ForgeGrainDataLoaderConfig, olmo_batch  # noqa: E402
 from forge_grain import DataConfig, Pipeline, StateError, prepare  # noqa: E402
 from forge_grain.packing.varlen import varlen  # noqa: E402
 

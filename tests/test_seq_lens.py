@@ -314,7 +314,7 @@ def test_plan_reports_the_lengths_and_the_tokens(three, tmp_path, capsys):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_torch_loader_changes_length_in_its_workers(three, workers):
     torch = pytest.importorskip("torch")
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     config = make_config(three, [[0, 16], [7, 48]])
     ds = GrainIterableDataset(config, rank=0, world_size=1)
@@ -367,7 +367,7 @@ def test_the_rest_of_an_epoch_is_planned_once_and_cached(three, tmp_path, monkey
 
 def test_the_jax_iterator_changes_length_on_the_devices(three):
     jax = pytest.importorskip("jax")
-    from bridges.jax import JaxIterator
+    from forge_grain.bridges.jax import JaxIterator
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -76,7 +76,7 @@ def test_grain_without_jax_says_nothing_about_a_profiler(tmp_path, stores):
 def test_torch_loaders_over_the_bridge_print_no_deprecation(tmp_path, stores):
     pytest.importorskip("torchdata")
     silent(run_script(tmp_path, f"""
-        from bridges.torch import GrainIterableDataset
+        from forge_grain.bridges.torch import GrainIterableDataset
         from forge_grain import DataConfig
         from torchdata.stateful_dataloader import StatefulDataLoader
         ds = GrainIterableDataset({config_code(stores)}, rank=0, world_size=1)

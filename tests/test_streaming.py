@@ -382,7 +382,7 @@ def test_dataloader_workers_over_a_streaming_pipeline_equal_no_workers(tmp_path,
     from torch.utils.data import DataLoader
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     cfg = config(parts["json"], canonical=2, workers=2)
 
@@ -422,7 +422,7 @@ def test_dataloader_workers_forked_after_the_counting_pass_still_tokenize(tmp_pa
     their own (a fork has the executor but not its threads: they would wait forever)."""
     from torch.utils.data import DataLoader
 
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     ds = GrainIterableDataset(config(parts["json"], canonical=2, workers=2), rank=0, world_size=1, cache_dir=tmp_path)
     got = torch_batches(DataLoader(ds, batch_size=None, num_workers=2, timeout=120))
@@ -439,7 +439,7 @@ def test_two_gloo_ranks_with_two_workers_each_save_one_state_that_resumes_on_one
 
     from torch.utils.data import DataLoader
 
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
     from multiproc import free_port
 
     cfg = config(parts["json"], canonical=2, workers=2)

@@ -15,7 +15,7 @@ from multiproc import free_port
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from bridges.torch import DeviceLoader, GrainIterableDataset
+from forge_grain.bridges.torch import DeviceLoader, GrainIterableDataset
 from forge_grain import DataConfig, Pipeline, StateError
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -295,7 +295,7 @@ def large(stores):
 
 
 def test_worker_batches_through_shared_memory_slots_are_never_overwritten_while_held(stores):
-    from bridges import torch_slots
+    from forge_grain.bridges import torch_slots
 
     cfg = large(stores)
     ref = Pipeline(cfg, 0, 1, num_threads=0, dtype=np.int64)
@@ -329,7 +329,7 @@ def test_a_caller_holding_every_batch_gets_them_all_intact(stores):
 
 
 def test_without_dev_shm_worker_batches_go_torch_s_way(stores, tmp_path, monkeypatch):
-    from bridges import torch_slots
+    from forge_grain.bridges import torch_slots
 
     monkeypatch.setattr(torch_slots, "SHM_DIR", str(tmp_path / "no-shm"))  # forked workers see it too
     cfg = large(stores)
@@ -340,7 +340,7 @@ def test_without_dev_shm_worker_batches_go_torch_s_way(stores, tmp_path, monkeyp
 
 
 def test_rings_of_exited_workers_are_swept(tmp_path, monkeypatch):
-    from bridges import torch_slots
+    from forge_grain.bridges import torch_slots
 
     monkeypatch.setattr(torch_slots, "SHM_DIR", str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -368,5 +368,5 @@ def test_a_full_dev_shm_makes_worker_batches_go_torch_s_way(stores, monkeypatch)
     got = steps_and_inputs(DataLoader(GrainIterableDataset(cfg, rank=0, world_size=1), batch_size=None,
                                       num_workers=2))
     assert_same(got, [(s, ref.batch(s)["inputs"]) for s in range(ref.num_steps)])
-    from bridges import torch_slots
+    from forge_grain.bridges import torch_slots
     assert not list(Path(torch_slots.SHM_DIR).glob(f"{torch_slots.PREFIX}{torch_slots._HOST}-*"))  # none left

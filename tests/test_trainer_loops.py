@@ -20,7 +20,7 @@ from conftest import SLOW, make_texts, write_jsonl
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from bridges.torch import GrainIterableDataset
+from forge_grain.bridges.torch import GrainIterableDataset
 from forge_grain import DataConfig, Pipeline, prepare
 
 EPOCHS = 4  # passes, so set_epoch runs at 0, 1, 2 and 3
@@ -214,7 +214,7 @@ def test_len_times_epochs_is_every_step(data, kind):
 def test_the_kempnerforge_streaming_drop_in_repeats_no_sample_under_workers(data):
     """With forge-grain's semantics, worker 0 makes the rank's one stream (KempnerForge's own
     semantics: `datasets` deals files to workers; see test_kempnerforge)."""
-    from bridges.kempnerforge import StreamingHuggingFaceDataset
+    from forge_grain.bridges.kempnerforge import StreamingHuggingFaceDataset
     from forge_grain.tokenizer import DEFAULT_TOKENIZER
 
     def samples(workers):
@@ -232,7 +232,7 @@ def test_the_kempnerforge_streaming_drop_in_repeats_no_sample_under_workers(data
 
 
 def test_padding_free_takes_either_convention(data):
-    from bridges.torch_varlen import padding_free
+    from forge_grain.bridges.torch_varlen import padding_free
 
     forge = next(iter(DataLoader(dataset(data, "stored"), batch_size=None)))
     hf_ds = GrainIterableDataset(make_config(data, "stored"), rank=0, world_size=1, convention="hf",

@@ -72,7 +72,7 @@ def test_doc_lens_and_cu_seqlens_follow_the_padding_rule(store):
 def test_flex_attention_with_the_document_block_mask_equals_the_explicit_mask(store):
     from torch.nn.attention.flex_attention import flex_attention
 
-    from bridges.torch_varlen import document_block_mask
+    from forge_grain.bridges.torch_varlen import document_block_mask
 
     for name, b in batches(store, seed=1):
         q, k, v = qkv(1)
@@ -87,7 +87,7 @@ def test_the_readmes_compiled_flex_attention_is_exact_and_quiet(store):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from bridges.torch_varlen import document_block_mask
+    from forge_grain.bridges.torch_varlen import document_block_mask
 
     attention = torch.compile(flex_attention)
     name, b = next(iter(batches(store, seed=3)))
@@ -100,7 +100,7 @@ def test_the_readmes_compiled_flex_attention_is_exact_and_quiet(store):
 
 
 def test_varlen_attention_over_cu_seqlens_equals_the_explicit_mask(store):
-    from bridges.torch_varlen import flash_varlen_kwargs, varlen_attention
+    from forge_grain.bridges.torch_varlen import flash_varlen_kwargs, varlen_attention
 
     for name, b in batches(store, seed=2):
         q, k, v = qkv(2)
@@ -114,7 +114,7 @@ def test_varlen_attention_over_cu_seqlens_equals_the_explicit_mask(store):
 
 def test_hugging_face_padding_free_kwargs_give_each_document_its_own_forward(store):
     transformers = pytest.importorskip("transformers")
-    from bridges.torch_varlen import padding_free
+    from forge_grain.bridges.torch_varlen import padding_free
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -139,7 +139,7 @@ def test_hugging_face_padding_free_kwargs_give_each_document_its_own_forward(sto
 
 def test_jax_document_mask_splash_segment_ids_and_the_maxtext_keys(store):
     jax = pytest.importorskip("jax")
-    from bridges.jax import MAXTEXT_KEYS, document_mask, maxtext, splash_segment_ids
+    from forge_grain.bridges.jax import MAXTEXT_KEYS, document_mask, maxtext, splash_segment_ids
 
     for name, b in batches(store, seed=4):
         q, k, v = qkv(4)
@@ -192,14 +192,14 @@ def test_the_bridges_add_varlen_metadata_on_request(store, tmp_path):
     cfg = DataConfig.from_dict(dict(sources=[dict(name="web", path=str(store), strategy="bestfit")], seq_len=SEQ_LEN,
                                     global_batch_size=4, seed=1, max_segments_per_row=3))
     reference = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path)
-    from bridges.torch import GrainIterableDataset
+    from forge_grain.bridges.torch import GrainIterableDataset
 
     batch = next(iter(GrainIterableDataset(cfg, rank=0, world_size=1, varlen=True, cache_dir=tmp_path)))
     want = varlen(reference.batch(0), max_segments=4)
     assert batch["cu_seqlens"].tolist() == want["cu_seqlens"].tolist() and batch["max_seqlen"] == want["max_seqlen"]
     assert batch["doc_lens"].shape == (4, 4) and (batch["doc_lens"].sum(1) == SEQ_LEN).all()
     jax = pytest.importorskip("jax")
-    from bridges.jax import JaxIterator
+    from forge_grain.bridges.jax import JaxIterator
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

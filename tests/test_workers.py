@@ -29,7 +29,7 @@ import pytest
 from conftest import SLOW, make_texts, trials, write_jsonl
 from torch.utils.data import DataLoader
 
-from bridges.torch import GrainIterableDataset
+from forge_grain.bridges.torch import GrainIterableDataset
 from forge_grain import DataConfig, Pipeline, StateError, StoreError, prepare
 
 pytest.importorskip("s3fs")
@@ -47,10 +47,8 @@ TIMEOUT_S = 120  # a DataLoader that waits longer for a batch fails: a hang is a
 
 @pytest.fixture(scope="module")
 def s3():
-    server = S3Server()
-    server.fs().mkdir("workers")  # its own bucket: moto keeps one state per process
-    yield server
-    server.stop()
+    with S3Server("workers") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +180,7 @@ def test_a_script_that_closes_nothing_exits_cleanly_every_time(tmp_path, data):
     body = f"""
         import json
         from torch.utils.data import DataLoader
-        from bridges.torch import GrainIterableDataset
+        from forge_grain.bridges.torch import GrainIterableDataset
         from forge_grain import DataConfig
         kept = []
         for text in {configs!r}:
@@ -217,7 +215,7 @@ def test_workers_of_a_killed_training_process_exit(tmp_path, data, s3):
         import json, os, sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
         from torch.utils.data import DataLoader
-        from bridges.torch import GrainIterableDataset
+        from forge_grain.bridges.torch import GrainIterableDataset
         from forge_grain import DataConfig
         ds = GrainIterableDataset(DataConfig.from_dict(json.loads({json.dumps(cfg)!r})), rank=0, world_size=1)
         def note(_):
@@ -298,7 +296,7 @@ def as_older_store(store: Path) -> Path:
     manifest without "compression"."""
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-    from forge_grain.stores.manifest import sha256_file
+    from forge_grain.files import sha256_file
 
     manifest = json.loads((store / "manifest.json").read_text())
     for shard in manifest["shards"]:

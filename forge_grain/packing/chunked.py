@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain.processes import usable_cores
-from forge_grain.stores.manifest import temporary
+from forge_grain.files import temporary
 from forge_grain.stores.mapping import map_npy
 from forge_grain.packing.plans import (ARRAY_SUFFIX, PLAN_ARRAYS, PLAN_VERSION, PackingError, PackingPlan,
                                        checksum_array, checksum_start, joined_stats, plan_offsets)

@@ -20,7 +20,7 @@ import numpy as np
 from forge_grain.packing import kernels
 from forge_grain.paths import plan_cache_dir
 from forge_grain.packing.buffers import BufferPool
-from forge_grain.stores.manifest import remove_stale_temporaries, temporary
+from forge_grain.files import remove_stale_temporaries, temporary
 from forge_grain.locks import file_lock
 from forge_grain.packing.chunked import CHUNK_DOCS, plan_chunked
 from forge_grain.packing.fitted import fitted_chunks

@@ -26,7 +26,7 @@ import numpy as np
 
 from forge_grain.packing import kernels
 from forge_grain.errors import ForgeGrainError
-from forge_grain.stores.manifest import temporary
+from forge_grain.files import temporary
 from forge_grain.stores.mapping import map_npy
 from forge_grain.stores import TokenStore
 from forge_grain.packing.names import STRATEGIES  # noqa: F401  (the planner's names, re-exported)

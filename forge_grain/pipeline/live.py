@@ -112,7 +112,7 @@ def source_losses(token_losses, source_id, loss_mask, num_sources: int):
     """Each source's mean loss over a batch's trained tokens ([num_sources]; NaN for a source
     with none in the batch): the signal online mixing (DoReMi-style reweighting) feeds back to
     `set_weights`. `token_losses` and `loss_mask` are [rows, seq_len], `source_id` [rows] (the
-    batch's own). numpy; `bridges.torch.source_losses` and `bridges.jax.source_losses` do the
+    batch's own). numpy; `forge_grain.bridges.torch.source_losses` and `forge_grain.bridges.jax.source_losses` do the
     same on their arrays, on device."""
     mask = np.asarray(loss_mask, dtype=np.float64)
     per_row = (np.asarray(token_losses, dtype=np.float64) * mask).sum(axis=1)

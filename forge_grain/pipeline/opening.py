@@ -42,8 +42,12 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
         keys = [source_key(s, c.seq_len, seed, c.plan_chunk_docs, c.max_segments_per_row)
                 for s, seed in zip(c.sources, seeds)]
         records = SourceRecords(keys, cache_dir) if any(k is not None for k in keys) else None
+        eager = None
+        if any(s.hf_dataset is not None and not s.hf_streaming for s in c.sources):
+            from forge_grain.preparation.hf_cache import eager_store as eager
         opened = [open_source(s, c.seq_len, seed, shard_index, shard_count, cache_dir, c.plan_chunk_docs,
-                              plan_workers, records, key, c.max_segments_per_row, layout, tokenize_threads, progress)
+                              plan_workers, records, key, c.max_segments_per_row, layout, tokenize_threads, progress,
+                              eager_store=eager)
                   for s, seed, key in zip(c.sources, seeds, keys)]
         if records is not None:
             records.save()

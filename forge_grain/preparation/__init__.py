@@ -1,4 +1,4 @@
-"""Turning text (or token ids) into token stores: local preparation, the Apache Beam runner, corpora and tokenizing."""
+"""Turning text (or token ids) into token stores: local preparation, the Apache Beam runner, eager Hugging Face sources' cached stores."""
 
 
 def __getattr__(name: str):  # what the old module forge_grain.preparation held (see forge_grain.moved)

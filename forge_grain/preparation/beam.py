@@ -63,7 +63,8 @@ with _without_apitools_warning():
 
 from forge_grain.errors import PrepareError
 from forge_grain.locks import exclusive_or_refuse
-from forge_grain.stores.manifest import JOINED_INDEX, MANIFEST_NAME, fsync_rename, sha256_file, temporary
+from forge_grain.stores.manifest import JOINED_INDEX, MANIFEST_NAME
+from forge_grain.files import fsync_rename, sha256_file, temporary
 from forge_grain.paths import is_url
 from forge_grain.preparation.local import (
     LOCK_NAME,
@@ -79,7 +80,7 @@ from forge_grain.preparation.local import (
 )
 from forge_grain.stores.remote_dir import RemoteDir, read_or_none
 from forge_grain.stores.writer_lock import writer_lock
-from forge_grain.preparation.texts import is_documents, open_parquet
+from forge_grain.corpora.files import is_documents, open_parquet
 from forge_grain.tokenizer import TextTokenizer
 
 METRICS = "forge_grain"  # the namespace of the job's counters
@@ -152,15 +153,15 @@ class Inputs:
                                "or Parquet files); data_files and hub configurations are read by the local runner")
         if is_url(spec.source):
             return cls._remote(spec, storage_options)
-        from forge_grain.preparation.texts import _builder, _data_files
+        from forge_grain.corpora.files import builder_of, find_files
 
         path = Path(spec.source)
         if not (path.exists() or any(c in str(spec.source) for c in "*?[")) or (path / "state.json").exists() \
                 or (path / "dataset_dict.json").exists():
             raise PrepareError(f"{spec.source}: --runner beam reads JSON Lines and Parquet files (a path, directory "
                                "or glob); hub datasets and saved datasets are read by the local runner")
-        files = _data_files(spec.source, spec.split, exclude=None if is_url(spec.out) else Path(spec.out))
-        found = cls([str(f) for f in files], _builder(files, spec.source), [f.stat().st_size for f in files],
+        files = find_files(spec.source, spec.split, exclude=None if is_url(spec.out) else Path(spec.out))
+        found = cls([str(f) for f in files], builder_of(files, spec.source), [f.stat().st_size for f in files],
                     files_identity(files))
         return found.checked(spec.source)
 
@@ -171,7 +172,7 @@ class Inputs:
         from pathlib import PurePosixPath
 
         from forge_grain.splits import select_named
-        from forge_grain.preparation.texts import BUILDERS, _builder
+        from forge_grain.corpora.files import BUILDERS, builder_of
 
         remote = RemoteDir(str(spec.source), storage_options)
         fs, root = remote.fs, remote.root
@@ -192,7 +193,7 @@ class Inputs:
                                                    or infos[f].get("LastModified") or infos[f].get("updated"))]
                    for u, f in zip(urls, chosen)]
         identity = hashlib.sha256(json.dumps(entries).encode()).hexdigest()
-        return cls(urls, _builder(chosen, spec.source), [e[1] for e in entries], identity,
+        return cls(urls, builder_of(chosen, spec.source), [e[1] for e in entries], identity,
                    storage_options).checked(spec.source)
 
     def checked(self, source) -> "Inputs":
@@ -476,13 +477,13 @@ class ShardCorpus:
         import datasets
         import pyarrow as pa
 
-        from forge_grain.preparation.texts import _check
+        from forge_grain.corpora.rows import check_column
 
         tables = []
         for f, a, b in pieces:
             t = _read_rows(inputs, f, a, b, job.field)
             if not pa.types.is_null(t.schema.field(job.field).type):  # all missing: each row's check names it
-                _check(datasets.Dataset(datasets.table.InMemoryTable(t)), f, job.field, tokens=job.tokens,
+                check_column(datasets.Dataset(datasets.table.InMemoryTable(t)), f, job.field, tokens=job.tokens,
                        joined=job.list_separator)
             tables.append(t)
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
@@ -525,7 +526,7 @@ def _read_json_lines(f, file: str, lo: int, hi: int, field: str):
     import pyarrow as pa
     import pyarrow.json as paj
 
-    from forge_grain.preparation.texts import invalid_utf8, mixed_json_row
+    from forge_grain.corpora.rows import invalid_utf8, mixed_json_row
 
     chosen, n = [], 0
     for line in f:

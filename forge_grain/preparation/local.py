@@ -25,20 +25,10 @@ from queue import Empty
 import numpy as np
 
 from forge_grain.errors import PrepareError
-from forge_grain.stores.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ShardInfo,
-    fsync_rename,
-    save_npy_atomic,
-    sha256_file,
-    temporary,
-    token_dtype,
-    write_joined_index,
-    write_json_atomic,
-)
+from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, ShardInfo, token_dtype, write_joined_index
+from forge_grain.files import fsync_rename, save_npy_atomic, sha256_file, temporary, write_json_atomic
 from forge_grain.locks import exclusive_or_refuse
-from forge_grain.preparation.texts import NULL_TOKENS
+from forge_grain.corpora.rows import NULL_TOKENS
 from forge_grain.tokenizer import TextTokenizer
 
 BATCH_DOCS = 512  # documents tokenized per call: large enough for the Rust batch path
@@ -69,7 +59,7 @@ class Job:
 def prepare_local(spec: Spec, num_shards: int | None, num_proc: int, overwrite: bool, progress: bool) -> Path:
     """The local runner: read the corpus, write the shards not done yet (in `num_proc`
     processes), then the manifest, under the output directory's lock."""
-    from forge_grain.preparation.texts import load_corpus
+    from forge_grain.corpora.loading import load_corpus
 
     source, out = spec.source, spec.out
     corpus = load_corpus(source, text_field=spec.text_field, split=spec.split, hf_config=spec.hf_config,
@@ -412,7 +402,7 @@ def _documents(corpus, tok: TextTokenizer | None, job: Job, start: int, stop: in
 
 
 def _text_batch(corpus, tok, job: Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
-    from forge_grain.preparation.texts import document_text
+    from forge_grain.corpora.rows import document_text
 
     texts = [document_text(v, lambda r=lo + j: corpus.where(r), job.list_separator)
              for j, v in enumerate(_column(corpus, job.field, lo, hi))]

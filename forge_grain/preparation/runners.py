@@ -12,7 +12,7 @@ from pathlib import Path
 from forge_grain.errors import PrepareError, StoreError
 from forge_grain.paths import cache_root, is_url, private_cache
 from forge_grain.preparation.local import Spec, prepare_local, special_ids
-from forge_grain.preparation.texts import refuse_missing_path
+from forge_grain.corpora.files import refuse_missing_path
 from forge_grain.stores.manifest import LAYOUTS
 from forge_grain.tokenizer import load_tokenizer
 
@@ -47,7 +47,7 @@ def prepare(
     runner: str = "local",
     beam_options: list[str] | None = None,
 ) -> Path | str:
-    """Tokenize `source` (see `forge_grain.preparation.texts.load_corpus`) into a token store at `output`.
+    """Tokenize `source` (see `forge_grain.corpora.loading.load_corpus`) into a token store at `output`.
 
     Text (`text_field`): every non-empty document becomes `[BOS] + tokens + [EOS]`
     (`add_bos`/`add_eos`, on by default); special-token strings inside the text stay

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 
 from forge_grain.errors import StoreError
-from forge_grain.stores.manifest import write_json_atomic
+from forge_grain.files import write_json_atomic
 from forge_grain.paths import cache_root, is_url, private_cache
 from forge_grain.stores import TokenStore
 

@@ -3,7 +3,8 @@
 A `path` source is a `TokenStore` in any format it reads in place, packed by `pack`;
 a Hugging Face source is tokenized once into a cached store (`hf_streaming=False`) and
 packed the same way, or streamed and packed a window at a time. `Pipeline` builds its
-sources here and nowhere else.
+sources here and nowhere else; it hands in the builder of eager sources' stores
+(`forge_grain.preparation.hf_cache.eager_store`), since sources never import preparation.
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
                 cache_dir: str | Path | None = None, chunk_docs: int | None = None,
                 plan_workers: int | None = None, records: SourceRecords | None = None,
                 key: str | None = None, max_segments: int | None = None, layout=None,
-                tokenize_threads: int | None = None, progress: bool = True) -> OpenedSource:
+                tokenize_threads: int | None = None, progress: bool = True, eager_store=None) -> OpenedSource:
     """The packed rows of one source; `seed` is the source's own (see `Pipeline`);
     `chunk_docs`, `plan_workers` and `max_segments` go to `pack`. With `records` and the source's `key`
     there (`deferred.source_key`), a stored source whose files match its record is
     deferred, and one opened in full is recorded. A streaming source deals its documents by
     `layout` (a `streaming.StreamLayout`) and tokenizes on `tokenize_threads` threads.
-    `progress=False` hides the bars of first-use work (tokenizing, counting, planning)."""
+    `progress=False` hides the bars of first-use work (tokenizing, counting, planning).
+    `eager_store(src, cache_dir, progress)`: the path of an eager Hugging Face source's token
+    store, built on first use (needed only for such a source)."""
     if src.hf_dataset is not None and src.hf_streaming:
         from forge_grain.sources.stream_cursors import StreamRows
         from forge_grain.sources.streaming import StreamingSource, rows_per_epoch
@@ -68,8 +71,6 @@ def open_source(src: SourceConfig, seq_len: int, seed: int, shard_index: int, sh
 
     def open_full():
         if src.hf_dataset is not None:
-            from forge_grain.sources.hf import eager_store
-
             store = TokenStore.open(eager_store(src, cache_dir, progress))
         else:
             try:

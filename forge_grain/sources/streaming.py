@@ -2,10 +2,10 @@
 dealt to canonical streams so that batches and states do not depend on the cluster.
 
 Canonical streams. Row r of the underlying stream (a `datasets` streaming dataset, or
-JSON Lines/Parquet files at URLs: `forge_grain.sources.text_streams`) belongs to canonical stream
+JSON Lines/Parquet files at URLs: `forge_grain.corpora.streams`) belongs to canonical stream
 r mod C, C = G·P (`canonical_streams` G, `canonical_workers` P in the config). A
 canonical stream reads its own rows in order, tokenizes them on a thread pool (results in
-order: `forge_grain.preparation.tokenize_pool`) and packs them `window` at a time with the planners of
+order: `forge_grain.sources.tokenize_pool`) and packs them `window` at a time with the planners of
 stored sources; a window's rows are shuffled by a seed of (seed, stream, epoch, window).
 
 Global batch s takes its streaming rows from the G streams of class s mod P: position j of
@@ -50,13 +50,14 @@ import numpy as np
 
 from forge_grain.sources.config import SourceConfig
 from forge_grain.errors import ConfigError, PrepareError
-from forge_grain.sources.hf import _digest, cache_root, path_name, specials_key
+from forge_grain.corpora.cache_keys import cache_root, digest, path_name, specials_key
 from forge_grain.locks import file_lock
-from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
+from forge_grain.stores.manifest import token_dtype
+from forge_grain.files import save_npy_atomic, write_json_atomic
 from forge_grain.packing.plans import PackingError, joined_stats, plan_offsets
-from forge_grain.sources.text_streams import FileTexts, texts_reader
-from forge_grain.preparation.texts import document_text
-from forge_grain.preparation.tokenize_pool import TokenizePool
+from forge_grain.corpora.streams import FileTexts, texts_reader
+from forge_grain.corpora.rows import document_text
+from forge_grain.sources.tokenize_pool import TokenizePool
 
 from forge_grain.tokenizer import load_tokenizer
 
@@ -127,7 +128,7 @@ class StreamingSource:
         self.dtype = token_dtype(self.vocab_size)
         self.reader = texts_reader(src)  # checks it can be read: a clear error now, not at the first batch
         self.path = self.reader.name
-        self.key = _digest([*self.reader.identity, self.tok.sha256, src.add_bos, src.add_eos, specials_key(src)])
+        self.key = digest([*self.reader.identity, self.tok.sha256, src.add_bos, src.add_eos, specials_key(src)])
         self.tokenize_threads = tokenize_threads
 
     files_of = None  # with files dealt to canonical streams: each stream's files (`deal`); None: rows dealt
@@ -167,7 +168,7 @@ class StreamingSource:
         return [np.asarray(self.bos + next(ids) + self.eos, np.int64) if t else np.zeros(0, np.int64) for t in texts]
 
     def window_seed(self, epoch: int, window: int, stream: int) -> int:
-        return int(_digest([self.seed, stream, epoch, window]), 16) & 0x7FFFFFFF
+        return int(digest([self.seed, stream, epoch, window]), 16) & 0x7FFFFFFF
 
     def plan_window(self, lengths: np.ndarray, epoch: int, window: int, stream: int):
         """The packing plan of one window of documents (None when it makes no row)."""

@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from forge_grain.errors import StoreError
-from forge_grain.stores.manifest import temporary
+from forge_grain.files import temporary
 from forge_grain.stores.mapping import map_npy, token_arrays
 from forge_grain.paths import local_path
 from forge_grain.stores import checks

@@ -15,7 +15,7 @@ from pathlib import Path
 from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.stores import handles
-from forge_grain.stores.manifest import remove_stale_temporaries
+from forge_grain.files import remove_stale_temporaries
 
 # data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
 EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")

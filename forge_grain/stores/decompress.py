@@ -21,7 +21,7 @@ from pathlib import Path
 from forge_grain.errors import StoreError
 from forge_grain.paths import cache_root, private_cache
 from forge_grain.stores import checks
-from forge_grain.stores.manifest import temporary
+from forge_grain.files import temporary
 
 ALGORITHMS = ("gz", "bz2", "zstd", "br", "brotli", "snappy")
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from forge_grain.errors import StoreError
 from forge_grain.paths import plan_cache_dir
-from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, sha256_file
+from forge_grain.stores.manifest import MANIFEST_NAME, Manifest
+from forge_grain.files import sha256_file
 from forge_grain.stores.mapping import map_npy
 from forge_grain.stores import arrayrecord
 from forge_grain.stores import checks

@@ -27,7 +27,7 @@ from forge_grain.paths import cache_root, private_cache
 from forge_grain.stores import identify
 from forge_grain.stores.cache_ledger import Ledger
 from forge_grain.stores.cache_room import CacheRoom
-from forge_grain.stores.manifest import temporary
+from forge_grain.files import temporary
 from forge_grain.stores.remote_dir import RemoteDir, check_unchanged, remote_sizes
 from forge_grain.stores.request_pool import RETRIES, bounded, read_slot, shared_requests
 

@@ -32,7 +32,8 @@ import numpy as np
 
 from forge_grain.stores import mapping
 from forge_grain.errors import MissingFilesError, StoreError
-from forge_grain.stores.manifest import save_npy_atomic, token_dtype, write_json_atomic
+from forge_grain.stores.manifest import token_dtype
+from forge_grain.files import save_npy_atomic, write_json_atomic
 from forge_grain.paths import BESIDE_DATA, cache_beside_data, cache_root, private_cache, trusted_directory
 from forge_grain.splits import select_split
 from forge_grain.stores import checks

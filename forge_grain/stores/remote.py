@@ -30,9 +30,8 @@ import numpy as np
 from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import arrayrecord, checks
-from forge_grain.stores.manifest import (
-    MANIFEST_NAME, Manifest, remove_stale_temporaries, sha256_file, split_joined_index,
-)
+from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, split_joined_index
+from forge_grain.files import remove_stale_temporaries, sha256_file
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.object_cache import PART_MIN, ObjectCache, within_cache

@@ -8,9 +8,8 @@ from typing import Iterable
 import numpy as np
 
 from forge_grain.errors import StoreError
-from forge_grain.stores.manifest import (
-    MANIFEST_NAME, Manifest, ShardInfo, fsync_rename, save_npy_atomic, sha256_file, temporary, token_dtype,
-)
+from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, ShardInfo, token_dtype
+from forge_grain.files import fsync_rename, save_npy_atomic, sha256_file, temporary
 
 
 def write_store(

@@ -8,7 +8,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bridges.jax import JaxIterator
+from forge_grain.bridges.jax import JaxIterator
 from forge_grain import DataConfig, Pipeline
 
 

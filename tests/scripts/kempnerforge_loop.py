@@ -1,5 +1,5 @@
 """A KempnerForge-style training loop under torchrun (gloo): a map-style dataset from
-bridges.kempnerforge through torch's DistributedSampler and torchdata's StatefulDataLoader.
+forge_grain.bridges.kempnerforge through torch's DistributedSampler and torchdata's StatefulDataLoader.
 Each rank takes 3 steps, saves the loader's state, takes 3 more; a fresh loader restored from
 the state must give those same 3 steps. Writes what it saw for the test to check."""
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from bridges.kempnerforge import HuggingFaceDataset, MemoryMappedDataset, MixtureDataset
+from forge_grain.bridges.kempnerforge import HuggingFaceDataset, MemoryMappedDataset, MixtureDataset
 from forge_grain.tokenizer import DEFAULT_TOKENIZER
 
 

@@ -28,7 +28,7 @@ from olmo_core.train import Duration, TrainerConfig, prepare_training_environmen
 from olmo_core.train.callbacks import Callback, CheckpointerCallback
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
-from bridges.olmo import ForgeGrainDataLoaderConfig
+from forge_grain.bridges.olmo import ForgeGrainDataLoaderConfig
 
 
 @dataclass

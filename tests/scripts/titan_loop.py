@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-from bridges.torchtitan import ForgeGrainDataLoader
+from forge_grain.bridges.torchtitan import ForgeGrainDataLoader
 
 
 class TrainState:

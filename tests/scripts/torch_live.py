@@ -8,7 +8,7 @@ import sys
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from bridges.torch import GrainIterableDataset
+from forge_grain.bridges.torch import GrainIterableDataset
 from forge_grain import DataConfig, StateError
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bridges.torch import hf_labels
+from forge_grain.bridges.torch import hf_labels
 from forge_grain.packing.varlen import varlen
 
 

@@ -22,13 +22,8 @@ import weakref
 
 from forge_grain.errors import PrepareError
 from forge_grain.paths import is_url
-from forge_grain.preparation.texts import (
-    JSON_SUFFIXES,
-    bad_field_row,
-    document_text,
-    explain_read_failure,
-    json_files,
-)
+from forge_grain.corpora.files import JSON_SUFFIXES
+from forge_grain.corpora.rows import bad_field_row, document_text, explain_read_failure, json_files
 
 READ_BLOCK = 1 << 23  # bytes per ranged read of a remote file
 
@@ -54,12 +49,13 @@ class DatasetTexts:
     """A `datasets` streaming dataset's rows."""
 
     def __init__(self, src):
-        from forge_grain.sources.hf import _files_identity, _texts
+        from forge_grain.corpora.files import files_identity
+        from forge_grain.corpora.loading import source_texts
 
         self.src = src
         self.name = f"{src.hf_dataset} (streaming)"
-        self.identity = [src.hf_dataset, src.hf_config, src.split, src.text_field, _files_identity(src.hf_data_files)]
-        self._load = lambda: _texts(src, streaming=True)
+        self.identity = [src.hf_dataset, src.hf_config, src.split, src.text_field, files_identity(src.hf_data_files)]
+        self._load = lambda: source_texts(src, streaming=True)
         self._load()  # a clear error now for a missing field, an empty set, no network
         self.files = _local_files(src)
 
@@ -103,12 +99,12 @@ class _DatasetIter:
 
 def _local_files(src) -> list:
     """The local files a streaming source reads (for error messages), or [] for a Hub dataset."""
-    from forge_grain.preparation.texts import _data_files, local_data_files
+    from forge_grain.corpora.files import find_files, local_data_files
 
     if src.hf_data_files is not None:
         return local_data_files(src.hf_data_files)
     try:
-        return _data_files(src.hf_dataset, src.split)
+        return find_files(src.hf_dataset, src.split)
     except (PrepareError, OSError, TypeError):
         return []
 
@@ -223,7 +219,7 @@ class _FilesIter:
     def _parquet(self):
         import pyarrow as pa
 
-        from forge_grain.preparation.texts import open_parquet
+        from forge_grain.corpora.files import open_parquet
 
         url, field = self.files.files[self.file], self.files.field
         pf = open_parquet(self.files.reader(self.file), url)

@@ -44,8 +44,8 @@ from forge_grain.packing.varlen import varlen
 from forge_grain.pipeline.live import adopting
 from forge_grain.processes import exit_with_parent
 
-from bridges.torch_channel import ResumeChannel
-from bridges.torch_slots import worker_ring
+from forge_grain.bridges.torch_channel import ResumeChannel
+from forge_grain.bridges.torch_slots import worker_ring
 
 # torchdata's StatefulDataLoader (the loader this bridge is made for) calls a torch API
 # torch has deprecated, on every iter(): a warning per epoch its user cannot act on
@@ -295,7 +295,7 @@ class GrainIterableDataset(IterableDataset):
 
     @staticmethod
     def _sent(batch: dict, growth: float = 1.0) -> dict:
-        """In a DataLoader worker: the batch in a reused shared-memory slot (`bridges.torch_slots`),
+        """In a DataLoader worker: the batch in a reused shared-memory slot (`forge_grain.bridges.torch_slots`),
         its slots made `growth` times this batch (the largest batch of a batch-size schedule)."""
         ring = worker_ring(batch, growth)
         return ring.send(batch) if ring is not None else batch

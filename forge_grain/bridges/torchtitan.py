@@ -2,7 +2,7 @@
 
 A torchtitan job names it in its config (a function in the job's `config_registry`):
 
-    from bridges.torchtitan import ForgeGrainDataLoader
+    from forge_grain.bridges.torchtitan import ForgeGrainDataLoader
 
     def my_job() -> Trainer.Config:
         config = llama3_debugmodel()
@@ -11,7 +11,7 @@ A torchtitan job names it in its config (a function in the job's `config_registr
 
 torchtitan's Trainer builds it (`config.dataloader.build(dp_world_size=..., dp_rank=...,
 tokenizer=..., seq_len=..., local_batch_size=..., snapshot_every_n_steps=...)`), iterates its
-`(input_dict, labels)` and saves its state in each checkpoint; see `bridges.titan_batches` for
+`(input_dict, labels)` and saves its state in each checkpoint; see `forge_grain.bridges.titan_batches` for
 what it yields and why its state resumes on any DP size.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torchtitan.components.dataloader import BaseDataLoader
 
-from bridges.titan_batches import TitanBatches
+from forge_grain.bridges.titan_batches import TitanBatches
 
 
 class ForgeGrainDataLoader(TitanBatches, BaseDataLoader):

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from forge_grain import DataConfig, Pipeline
 from forge_grain.packing.varlen import doc_lens
 
-from bridges.torch import GrainIterableDataset
+from forge_grain.bridges.torch import GrainIterableDataset
 
 STATE_KEY = "forge_grain"
 
@@ -78,7 +78,7 @@ class ForgeGrainDataLoader(TextDataLoaderBase):
     change: what a config alone cannot say).
 
     num_workers: torch DataLoader workers making the batches (each worker makes whole steps,
-    in order; see `bridges.torch`). intra_document: add `doc_lens`/`max_doc_lens`, which
+    in order; see `forge_grain.bridges.torch`). intra_document: add `doc_lens`/`max_doc_lens`, which
     OLMo-core's attention reads to keep attention within documents.
     """
 

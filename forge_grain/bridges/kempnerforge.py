@@ -3,7 +3,7 @@
 A KempnerForge training loop switches by its import line, even mid-run (its sampler state
 picks up the same samples):
 
-    from bridges.kempnerforge import MemoryMappedDataset, HuggingFaceDataset, StreamingHuggingFaceDataset, MixtureDataset
+    from forge_grain.bridges.kempnerforge import MemoryMappedDataset, HuggingFaceDataset, StreamingHuggingFaceDataset, MixtureDataset
 
 By default (`semantics="kempnerforge"`) each class means what KempnerForge's does:
 
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from bridges.torch import IGNORE_INDEX
+from forge_grain.bridges.torch import IGNORE_INDEX
 from forge_grain import DataConfig, Pipeline, SourceConfig, TokenStore, pack
 
 SEMANTICS = ("kempnerforge", "forge_grain")
@@ -164,7 +164,7 @@ class HuggingFaceDataset(_Samples):
     def __init__(self, dataset_name: str, split: str, text_field: str, seq_len: int, tokenizer_path: str,
                  dataset_config: str | None = None, pack_sequences: bool = False, *, cache_dir=None,
                  semantics: str = "kempnerforge", seed: int = 0, special_tokens_in_text: bool | None = None):
-        from forge_grain.sources.hf import eager_store
+        from forge_grain.preparation.hf_cache import eager_store
 
         src = _hf_source(dataset_name, split, text_field, tokenizer_path, dataset_config,
                          special_tokens_in_text=_specials(special_tokens_in_text, semantics))
@@ -226,7 +226,8 @@ class StreamingHuggingFaceDataset(IterableDataset):
 
     def _one_pass(self):
         """One pass over the shuffled stream, KempnerForge's chunks of this rank's documents."""
-        from forge_grain.preparation.texts import document_text, load_texts
+        from forge_grain.corpora.loading import load_texts
+        from forge_grain.corpora.rows import document_text
         from forge_grain.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self.tokenizer_path, special_tokens_in_text=self.special_tokens_in_text)

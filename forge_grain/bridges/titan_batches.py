@@ -1,6 +1,6 @@
 """torchtitan's data-loader contract over a forge-grain config, without torchtitan itself.
 
-`bridges.torchtitan.ForgeGrainDataLoader` is this with torchtitan's `BaseDataLoader` and its
+`forge_grain.bridges.torchtitan.ForgeGrainDataLoader` is this with torchtitan's `BaseDataLoader` and its
 `Config` added; kept apart so the contract is importable (and tested) where torchtitan is not
 installed: torchtitan pins `datasets<4.8` and `fsspec<=2026.2.0`, which most environments that
 hold forge-grain's other extras do not satisfy.
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from forge_grain import DataConfig
 
-from bridges.torch import GrainIterableDataset, IGNORE_INDEX
+from forge_grain.bridges.torch import GrainIterableDataset, IGNORE_INDEX
 
 STATE_KEY = "forge_grain"
 
