@@ -1,4 +1,4 @@
-"""forge-grain as torchtitan's data loader: the contract here (bridges/titan_batches.py, no
+"""forge-grain as torchtitan's data loader: the contract here (forge_grain/bridges/titan_batches.py, no
 torchtitan needed), and with torchtitan itself (slow: in an environment of its own, made once
 and kept under ~/.cache, since torchtitan pins datasets<4.8 and fsspec<=2026.2.0): its job
 config names the loader, its `CheckpointManager` saves it with DCP under torchrun (2 ranks,
@@ -16,19 +16,17 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import venv
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import SLOW
-from framework_runs import step_records, two_store_toml
+from framework_runs import framework_env, step_records, two_store_toml
 from multiproc import free_port
 
-from bridges.titan_batches import TitanBatches, titan_batch
-from bridges.torch import to_torch
+from forge_grain.bridges.titan_batches import TitanBatches, titan_batch
+from forge_grain.bridges.torch import to_torch
 from forge_grain import DataConfig, Pipeline, StateError
-from forge_grain.locks import file_lock
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
@@ -111,25 +109,17 @@ def test_what_it_refuses_is_said(data):
 
 
 def titan_python() -> Path:
-    """A venv with torchtitan, torch 2.13 (CPU) and forge-grain's dependencies, made once (under
-    a lock, into a temporary name then renamed) and kept under ~/.cache/forge-grain/envs."""
-    root = Path(os.environ.get("FORGE_GRAIN_TEST_ENVS", Path.home() / ".cache" / "forge-grain" / "envs"))
-    env = root / f"{TITAN.replace('==', '-')}-py{sys.version_info.major}{sys.version_info.minor}"
-    root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / ".lock"):
-        if not (env / "bin" / "python").exists():
-            tmp = root / f".{env.name}.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            venv.create(tmp, with_pip=True)
-            # triton: torchtitan's models import it (its MoE kernels) even where none runs
-            # forge-grain's own dependencies, not forge-grain: the runs import this checkout (PYTHONPATH),
-            # and installing it would build in the checkout
-            project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-            torch_extra = [r for r in project["optional-dependencies"]["torch"] if not r.startswith("torch>")]
-            subprocess.run([tmp / "bin" / "pip", "install", "-q", "torch==2.13.0", TITAN, "triton", "datasets<4.8",
-                            *project["dependencies"], *torch_extra], check=True, timeout=1500)
-            tmp.rename(env)  # (the env's scripts name the temporary path in their #! line: run it with `python -m`)
-    return env / "bin" / "python"
+    """A venv with torchtitan, torch 2.13 (CPU) and forge-grain's dependencies (made once; see
+    `framework_runs.framework_env`)."""
+    def install(pip, timeout):
+        # triton: torchtitan's models import it (its MoE kernels) even where none runs
+        # forge-grain's own dependencies, not forge-grain: the runs import this checkout (PYTHONPATH)
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        torch_extra = [r for r in project["optional-dependencies"]["torch"] if not r.startswith("torch>")]
+        subprocess.run([*pip, "torch==2.13.0", TITAN, "triton", "datasets<4.8", *project["dependencies"],
+                        *torch_extra], check=True, timeout=timeout)
+
+    return framework_env(f"{TITAN.replace('==', '-')}-py{sys.version_info.major}{sys.version_info.minor}", install)
 
 
 def run(python, toml, folder, record, *, ranks, steps, crash_after=0, workers=0):
