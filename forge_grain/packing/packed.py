@@ -315,10 +315,15 @@ class PackedDataset(grain.MapDataset):
 
     @property
     def loss_positions(self) -> np.ndarray:
-        """Loss positions (trained tokens) of each plan row."""
+        """Loss positions (trained tokens) of each plan row; of a store with target masks, those
+        whose target is marked one."""
         if self._row_tokens is None:
             p = self.plan
-            self._row_tokens = kernels.row_loss_positions(p.row_ptr, p.seg_len, p.seg_skip, self.seq_len)
+            if self.store.masked:
+                self._row_tokens = kernels.row_masked_targets(p.row_ptr, p.seg_start, p.seg_len, p.seg_skip,
+                                                              self.seq_len, self.store.masks, *self._pieces[1:])
+            else:
+                self._row_tokens = kernels.row_loss_positions(p.row_ptr, p.seg_len, p.seg_skip, self.seq_len)
         return self._row_tokens
 
     def trained_tokens(self, n: int) -> int:
@@ -383,9 +388,10 @@ class PackedDataset(grain.MapDataset):
             p = self.plan
             row_ptr, start, length, skip, flags = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
             pieces = self._fetched_pieces(rows)
+        masks = self.store.masks
         kernels.fill_rows(
             rows, dest, row_ptr, start, length, skip, flags, *pieces, self.seq_len, self.pad_id,
-            *(out[k] for k in ROW_KEYS),
+            *(out[k] for k in ROW_KEYS), kernels.NO_MASKS if masks is None else masks, masks is not None,
         )
         return out
 

@@ -199,7 +199,7 @@ class StreamCursor:
         made = (self._record, int(self._order[self.emitted]))
         kernels.fill_rows(self._order[self.emitted : self.emitted + 1], np.array([dest], np.int64), p.row_ptr,
                           p.seg_start, p.seg_len, p.seg_skip, p.seg_flags, *self._pieces, self.seq_len, self.pad_id,
-                          *(out[k] for k in ROW_KEYS))
+                          *(out[k] for k in ROW_KEYS), kernels.NO_MASKS, False)
         self.emitted += 1
         if self.emitted == p.num_rows:
             self.emitted, self._plan = 0, None

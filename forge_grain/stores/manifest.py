@@ -27,6 +27,10 @@ from forge_grain.files import save_npy_atomic, sha256_file, write_json_atomic
 
 FORMAT = "forge-grain-token-store"
 VERSION = 1
+# a store whose tokens carry target masks (`ShardInfo.mask`): readers that know only version 1
+# refuse it by its version, rather than train every token of it
+MASKED_VERSION = 2
+MASK_DTYPE = np.dtype("u1")  # one byte a token: 1 where the token is a target (is trained), else 0
 MANIFEST_NAME = "manifest.json"
 JOINED_INDEX = "shards.idx.npy"
 LAYOUTS = ("bin", "arrayrecord")
@@ -47,6 +51,8 @@ class ShardInfo:
     num_tokens: int
     sha256: str  # of the tokens / records file
     index_sha256: str | None = None  # of the offsets file (stores prepared before it was recorded lack it)
+    mask: str | None = None  # the shard's target mask: one byte a token (MASK_DTYPE), in token order
+    mask_sha256: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +79,8 @@ class Manifest:
         for key in ("compression", "indices"):
             if d[key] is None:
                 del d[key]
-        d["shards"] = [{k: v for k, v in dataclasses.asdict(s).items() if not (k == "index_sha256" and v is None)}
+        optional = ("index_sha256", "mask", "mask_sha256")
+        d["shards"] = [{k: v for k, v in dataclasses.asdict(s).items() if not (k in optional and v is None)}
                        for s in self.shards]
         return {"format": FORMAT, **d}
 
@@ -85,10 +92,11 @@ class Manifest:
             raise StoreError(f"{where}: a manifest is a JSON object, not a {type(d).__name__}")
         if d.get("format") != FORMAT:
             raise StoreError(f"{where}: not a forge-grain token store manifest (format={d.get('format')!r})")
-        if d.get("version") != VERSION:
+        if d.get("version") not in (VERSION, MASKED_VERSION):
             raise StoreError(
                 f"{where}: manifest version {d.get('version')!r} is not supported "
-                f"(this forge-grain reads version {VERSION}); re-run `forge-grain prepare` or upgrade forge-grain"
+                f"(this forge-grain reads versions {VERSION} and {MASKED_VERSION}); re-run `forge-grain prepare` or "
+                "upgrade forge-grain"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
         missing = fields - set(d) - {"source", "compression", "indices"}
@@ -116,9 +124,10 @@ class Manifest:
         check.count("num_tokens", d["num_tokens"])
         check.kind("shards", d["shards"], list)
         shards = tuple(check.shard(i, s) for i, s in enumerate(d["shards"]))
+        check.masks(d["version"], d["layout"], shards)
         if "indices" in d:
             check.indices(d["indices"])
-        names = [n for s in shards for n in (s.tokens, s.index)] + ([d["indices"]["file"]] if "indices" in d else [])
+        names = [n for s in shards for n in (s.tokens, s.index, s.mask) if n is not None] + ([d["indices"]["file"]] if "indices" in d else [])
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise StoreError(f"{where}: shards list {repeated} more than once")
@@ -187,15 +196,32 @@ class _Checker:
         key = f"shards[{i}]"
         self.kind(key, s, dict)
         want = {f.name for f in dataclasses.fields(ShardInfo)}
-        if not want - {"index_sha256"} <= set(s) <= want:
-            self.fail(key, f"must have exactly the keys {sorted(want)} (index_sha256 optional), not {sorted(s)}")
+        if not want - {"index_sha256", "mask", "mask_sha256"} <= set(s) <= want:
+            self.fail(key, f"must have exactly the keys {sorted(want)} (index_sha256, mask and mask_sha256 "
+                           f"optional), not {sorted(s)}")
+        if ("mask" in s) != ("mask_sha256" in s):
+            self.fail(key, "must have both mask and mask_sha256, or neither")
         self.file_name(f"{key}.tokens", s["tokens"])
         self.file_name(f"{key}.index", s["index"])
+        if "mask" in s:
+            self.file_name(f"{key}.mask", s["mask"])
         self.count(f"{key}.num_documents", s["num_documents"])
         self.count(f"{key}.num_tokens", s["num_tokens"])
-        for k in ("sha256", "index_sha256"):
+        for k in ("sha256", "index_sha256", "mask_sha256"):
             self.sha256(f"{key}.{k}", s.get(k, "0" * 64))
         return ShardInfo(**s)
+
+    def masks(self, version: int, layout: str, shards) -> None:
+        """Target masks: every shard has one in a store of `MASKED_VERSION` (bin layout), none
+        in a store of version 1."""
+        masked = [s.mask is not None for s in shards]
+        if version == MASKED_VERSION and not all(masked):
+            self.fail("shards", f"of a version {MASKED_VERSION} store must each name a target mask")
+        if version == MASKED_VERSION and layout != "bin":
+            self.fail("layout", f"of a store with target masks must be 'bin', not {layout!r}")
+        if version != MASKED_VERSION and any(masked):
+            self.fail("version", f"is {version}, but shards name target masks (a store with them is version "
+                                 f"{MASKED_VERSION})")
 
 
 def write_joined_index(directory: Path, shards) -> dict:

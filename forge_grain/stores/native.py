@@ -15,7 +15,7 @@ import numpy as np
 
 from forge_grain.errors import StoreError
 from forge_grain.paths import plan_cache_dir
-from forge_grain.stores.manifest import MANIFEST_NAME, Manifest
+from forge_grain.stores.manifest import MANIFEST_NAME, MASK_DTYPE, Manifest
 from forge_grain.files import sha256_file
 from forge_grain.stores.mapping import map_npy
 from forge_grain.stores import arrayrecord
@@ -45,7 +45,8 @@ class NativeStore(TokenStore):
         self._file_docs = [s.num_documents for s in m.shards]
         self._offsets = join_offsets(offsets, self._offsets_cache(m))
         # the shards' checksums, and their indices' where recorded (older stores keep their fingerprint)
-        sums = [sh.sha256 + (f":{sh.index_sha256}" if sh.index_sha256 else "") for sh in m.shards]
+        sums = [sh.sha256 + (f":{sh.index_sha256}" if sh.index_sha256 else "") + (f":{sh.mask_sha256}" if sh.mask
+                else "") for sh in m.shards]
         self._fingerprint = hashlib.sha256("|".join(sums).encode()).hexdigest()[:16]
 
     def _validate(self) -> None:
@@ -88,6 +89,8 @@ class NativeStore(TokenStore):
             checks.require_regular(self.path / shard.index, f"index listed in {self.path / MANIFEST_NAME}")
             if m.layout == "bin":
                 self._arrays.append(self._map_bin_shard(file, shard))
+            if shard.mask is not None:
+                self._mask_arrays.append(self._map_mask(self.path / shard.mask, shard))
             offsets.append(self._load_index(self.path / shard.index, shard))
             if m.layout == "arrayrecord":
                 arrayrecord.check_records(file, shard, offsets[-1], self.dtype, self.compressed)
@@ -112,6 +115,14 @@ class NativeStore(TokenStore):
                 "the shard is truncated or was replaced"
             )
         return checks.map_array(file, self.dtype)
+
+    def _map_mask(self, file: Path, shard) -> np.ndarray:
+        """A shard's target mask: one byte a token, as many as the shard has tokens."""
+        checks.require_regular(file, f"target mask listed in {self.path / MANIFEST_NAME}")
+        if file.stat().st_size != shard.num_tokens * MASK_DTYPE.itemsize:
+            raise StoreError(f"{file}: holds {file.stat().st_size} mask bytes, but its shard {shard.tokens} has "
+                             f"{shard.num_tokens} tokens; the mask is truncated or belongs to another shard")
+        return checks.map_array(file, MASK_DTYPE)
 
     @staticmethod
     def _load_index(file: Path, shard) -> np.ndarray:
@@ -155,10 +166,21 @@ class NativeStore(TokenStore):
             if shard.index_sha256 is not None and sha256_file(index) != shard.index_sha256:
                 raise StoreError(f"{index}: checksum mismatch; the document index was changed (re-run `forge-grain "
                                  "prepare`)")
+            if shard.mask is not None:
+                self._verify_mask(self.path / shard.mask, shard.mask_sha256)
         joined = self.manifest.indices
         if joined is not None and sha256_file(self.path / joined["file"]) != joined["sha256"]:
             raise StoreError(f"{self.path / joined['file']}: checksum mismatch; the joined document index was changed "
                              "(re-run `forge-grain prepare`)")
+
+    @staticmethod
+    def _verify_mask(file: Path, sha256: str) -> None:
+        if sha256_file(file) != sha256:
+            raise StoreError(f"{file}: checksum mismatch; the target mask was changed (re-run `forge-grain prepare`)")
+        values = np.unique(checks.map_array(file, MASK_DTYPE))
+        if not set(values.tolist()) <= {0, 1}:
+            raise StoreError(f"{file}: a target mask holds {sorted(set(values.tolist()) - {0, 1})[:3]}; "
+                             "each byte must be 0 or 1")
 
     @property
     def layout(self) -> str:

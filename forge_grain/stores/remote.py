@@ -84,6 +84,9 @@ class RemoteStore(NativeStore):
             self.cache.write_record(local / MANIFEST_NAME, manifest)
         self.path = local
         m = Manifest.load(local)
+        if any(s.mask is not None for s in m.shards):  # (rather than train every token of it)
+            raise StoreError(f"{self.url}: a store with target masks is read from a local directory in this version of "
+                             "forge-grain, not from object storage; copy it to local disk (or a mounted file system)")
         # the shards' sizes come from the manifest and the indices are got whole and checked by their
         # sha256; otherwise one listing gives every object's size (no HEAD before each GET of an index
         # or ArrayRecord shard). A store of 10,000 shards takes 20 list requests (1,000 objects each).

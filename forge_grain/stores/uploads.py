@@ -49,7 +49,8 @@ def upload_store(local: Path, url: str, storage_options: dict | None = None, *, 
     if not resuming:
         remote.retry(UPLOAD_MARKER, lambda: remote.fs.pipe_file(remote.path(UPLOAD_MARKER), digest.encode()))
     m = Manifest.load(local)
-    files = [name for s in m.shards for name in (s.tokens, s.index)] + ([m.indices["file"]] if m.indices else [])
+    files = [name for s in m.shards for name in (s.tokens, s.index, s.mask) if name is not None] + (
+        [m.indices["file"]] if m.indices else [])
     present = remote_sizes(remote) if resuming else {}
     todo = [f for f in files if present.get(f) != (local / f).stat().st_size]
     with tqdm(total=sum((local / f).stat().st_size for f in todo), unit="B", unit_scale=True,

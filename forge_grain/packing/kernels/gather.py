@@ -10,7 +10,10 @@ from numba.extending import intrinsic
 
 from forge_grain.packing.kernels.cache import CACHE
 from forge_grain.packing.kernels.planning import NATURAL_END
-from forge_grain.stores.mapping import token_arrays
+from forge_grain.stores.mapping import TokenArrays, token_arrays
+
+NO_MASKS = TokenArrays(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8))  # a store without
+
 
 @nb.njit(cache=CACHE)
 def row_loss_positions(row_ptr, seg_len, seg_skip, seq_len):
@@ -22,6 +25,26 @@ def row_loss_positions(row_ptr, seg_len, seg_skip, seq_len):
             lo, hi = p + seg_skip[s], min(p + seg_len[s] - 1, seq_len)
             if hi > lo:
                 out[r] += hi - lo
+            p += seg_len[s]
+    return out
+
+
+@nb.njit(cache=CACHE, nogil=True)
+def row_masked_targets(row_ptr, seg_start, seg_len, seg_skip, seq_len, masks, piece_starts, piece_array, piece_base):
+    """`row_loss_positions` of a store with target masks: the loss positions whose target
+    the store marks a target."""
+    out = np.zeros(len(row_ptr) - 1, np.int64)
+    for r in range(len(row_ptr) - 1):
+        p = 0
+        for s in range(row_ptr[r], row_ptr[r + 1]):
+            lo, hi = p + seg_skip[s], min(p + seg_len[s] - 1, seq_len)
+            if hi > lo:
+                g = seg_start[s]
+                pc = np.searchsorted(piece_starts, g, side="right") - 1
+                m = _tokens(masks, piece_array[pc])
+                at = g - piece_starts[pc] + piece_base[pc] + 1 - p  # slot j's target: m[at + j]
+                for j in range(lo, hi):
+                    out[r] += m[at + j]
             p += seg_len[s]
     return out
 
@@ -99,12 +122,14 @@ def _fill(dst, value):
 @nb.njit(cache=CACHE, nogil=True)
 def fill_rows(
     rows, dest, row_ptr, seg_start, seg_len, seg_skip, seg_flags, arrays, piece_starts, piece_array, piece_base,
-    seq_len, pad_id, inputs, targets, segment_ids, positions, loss_mask, natural_stop,
+    seq_len, pad_id, inputs, targets, segment_ids, positions, loss_mask, natural_stop, masks, masked,
 ):
     """Write plan row `rows[k]` into row `dest[k]` of the preallocated [n, seq_len] outputs.
 
     Token g of the store is in the run (piece) p with piece_starts[p] <= g: at
     piece_base[p] + g - piece_starts[p] of arrays[piece_array[p]] (a store's `pieces`).
+    With `masked`, `masks` are the store's target masks, laid out as `arrays`: a loss
+    position trains only where its target is marked one.
 
     Each segment is written as a few contiguous range copies and fills of row views (no
     per-token branches, every slot written once but natural_stop's), so the compiler
@@ -136,6 +161,10 @@ def fill_rows(
                 _fill(mask[p:a], False)
                 _fill(mask[a:e], True)
                 _fill(mask[e:hi], False)
+                if masked:  # slot j's target is the store's token loc + j - p + 1
+                    m = _tokens(masks, piece_array[pc])
+                    for j in range(a, e):
+                        mask[j] = m[loc + j - p + 1] != 0
             lo_t, hi_t = max(p, 1), min(p + length, T + 1)  # target slots: targets[q - 1] = slot q
             if hi_t > lo_t:
                 _copy(tgt[lo_t - 1 : hi_t - 1], tok[loc + lo_t - p : loc + hi_t - p])
