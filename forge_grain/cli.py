@@ -118,7 +118,7 @@ def _prepare(a) -> None:
         add_bos=a.bos, add_eos=a.eos, bos_token=a.bos_token, eos_token=a.eos_token, bos_id=a.bos_id,
         eos_id=a.eos_id, layout=a.layout, num_shards=a.num_shards, num_proc=a.num_proc, overwrite=a.overwrite,
         progress=not a.quiet, piece_chars=a.piece_chars, storage_options=a.storage_options, runner=a.runner,
-        beam_options=[_beam_option(o) for o in a.beam_option],
+        beam_options=[_beam_option(o) for o in a.beam_option], chat=a.chat, train_roles=tuple(a.train_roles),
     )
     print(format_summary(TokenStore.open(out, storage_options=a.storage_options)))
 
@@ -391,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--token-field", help="column already holding token ids (lists of ints): written without "
                     "tokenizing; needs --vocab-size or --tokenizer")
     pr.add_argument("--vocab-size", type=_at_least(1), help="with --token-field: ids must lie in [0, N)")
+    pr.add_argument("--chat", choices=["messages", "prompt_completion"],
+                    help="rows are conversations ('messages': a list of role/content objects) or prompt/completion "
+                         "pairs, rendered with the tokenizer's chat template; only the assistant's turns (or the "
+                         "completion) train")
+    pr.add_argument("--train-roles", nargs="+", default=["assistant"], metavar="ROLE",
+                    help="with --chat messages: the roles whose turns train (default: assistant)")
     pr.add_argument("--split", help="split of a directory of split files, a saved DatasetDict or a hub dataset "
                     "(default: train)")
     pr.add_argument("--join-lists", metavar="SEP", help="join a text field holding lists of strings with SEP "

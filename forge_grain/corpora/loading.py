@@ -17,6 +17,7 @@ from forge_grain.corpora.rows import (
     bad_json_row,
     chain,
     check_column,
+    conversation_row,
     explain_read_failure,
     invalid_utf8,
     missing_field_row,
@@ -76,6 +77,7 @@ def load_corpus(
     token_field: str | None = None,
     list_separator: str | None = None,
     exclude: Path | None = None,
+    chat: str | None = None,
 ) -> Corpus:
     """Load a corpus whose column `text_field` holds text (or `token_field` token ids).
 
@@ -85,7 +87,9 @@ def load_corpus(
     files give one document per file by default (`text_unit="line"` or `"paragraph"`).
     `split` (default "train") picks the split of a directory of split files, a saved
     `DatasetDict` or a hub dataset. Files under `exclude` (the output being written, when
-    it sits inside the input directory) are never input.
+    it sits inside the input directory) are never input. `chat` ("messages" or
+    "prompt_completion"): `text_field` holds conversations (or prompts), checked row by row
+    as they are read (`corpora.chat`).
     """
     import datasets
 
@@ -108,7 +112,7 @@ def load_corpus(
         corpus = Corpus(None, str(source), files, builder, kwargs)
         corpus.ds = _load(source, builder, None, data_files=[str(f) for f in files], split="train",
                           streaming=streaming, files=files, field=token_field or text_field,
-                          tokens=token_field is not None, **kwargs)
+                          tokens=token_field is not None, chat=chat, **kwargs)
         if builder == "text" and text_field != "text":
             corpus.ds = corpus.ds.rename_column("text", text_field)
     else:
@@ -121,7 +125,8 @@ def load_corpus(
             )
         corpus.ds = _load(source, str(source), hf_config, split=split or DEFAULT_SPLIT, streaming=streaming)
     try:
-        check_column(corpus.ds, source, token_field or text_field, tokens=token_field is not None, joined=list_separator)
+        check_column(corpus.ds, source, token_field or text_field, tokens=token_field is not None, joined=list_separator,
+                     chat=chat is not None)
     except PrepareError:
         raise
     except Exception as e:  # a stream's first rows failed to parse: name the file and row
@@ -143,7 +148,7 @@ def _load_from_disk(path: Path, split: str | None, streaming: bool):
     return ds.to_iterable_dataset() if streaming else ds
 
 
-def _load(source, name, hf_config, files=None, field=None, tokens=False, **kwargs):
+def _load(source, name, hf_config, files=None, field=None, tokens=False, chat=None, **kwargs):
     """`datasets.load_dataset`, with its failures turned into errors that name the file.
 
     JSON is read with `on_mixed_types=None`: by default `datasets` JSON-encodes a field
@@ -167,9 +172,11 @@ def _load(source, name, hf_config, files=None, field=None, tokens=False, **kwarg
                 raise PrepareError(found) from None
         if mixed and name == "json" and kwargs.get("on_mixed_types") != "use_json":
             if mixed.group(1) != field:
-                return _load(source, name, hf_config, files, field, tokens, **{**kwargs, "on_mixed_types": "use_json"})
+                return _load(source, name, hf_config, files, field, tokens, chat,
+                             **{**kwargs, "on_mixed_types": "use_json"})
             raise PrepareError(
-                (files and mixed_json_row(files, field)) or f"{source}: field {field!r} mixes value types ({e})"
+                (files and (conversation_row(files, chat, field) if chat else mixed_json_row(files, field)))
+                or f"{source}: field {field!r} mixes value types ({e})"
             ) from None
         missing = name == "json" and files and field and missing_field_row(files, field, tokens)
         if missing:

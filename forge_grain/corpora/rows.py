@@ -60,6 +60,21 @@ def mixed_json_row(files: list[Path], field: str) -> str | None:
     return None
 
 
+def conversation_row(files: list[Path], mode: str, field: str) -> str | None:
+    """The message of `corpora.chat.conversation` for the first JSON row that holds no
+    conversation (or prompt and completion)."""
+    from forge_grain.corpora.chat import conversation
+
+    for f, row, value in _json_rows(files):
+        if not isinstance(value, dict):
+            return None  # not JSON Lines of objects: leave it to the generic message
+        try:
+            conversation(mode, value, field, lambda: f"{f}, row {row}")
+        except PrepareError as e:
+            return str(e)
+    return None
+
+
 def missing_field_row(files: list[Path], field: str, tokens: bool) -> str | None:
     """'FILE, row R: ...' for the first JSON row without `field` (a file lacking the field
     altogether makes `datasets` fail to cast it), worded as the row's own check words it."""
@@ -133,7 +148,7 @@ def invalid_utf8(files: list[Path]) -> str | None:
 # -- what a column must hold -------------------------------------------------------------------
 
 
-def check_column(ds, source, field: str, *, tokens: bool, joined: str | None) -> None:
+def check_column(ds, source, field: str, *, tokens: bool, joined: str | None, chat: bool = False) -> None:
     columns = ds.column_names
     first = None
     if columns is None:  # a stream whose features are not declared: look at its first row
@@ -151,6 +166,8 @@ def check_column(ds, source, field: str, *, tokens: bool, joined: str | None) ->
         )
     if hasattr(ds, "__len__") and len(ds) == 0:
         raise PrepareError(f"{source}: the corpus is empty (no documents)")
+    if chat:
+        return  # conversations: each row's messages are checked as it is read (`corpora.chat`)
     features = getattr(ds, "features", None)
     feature = features.get(field) if features else None
     if feature is None or type(feature).__name__ == "Json":

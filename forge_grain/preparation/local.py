@@ -25,7 +25,9 @@ from queue import Empty
 import numpy as np
 
 from forge_grain.errors import PrepareError
-from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, ShardInfo, token_dtype, write_joined_index
+from forge_grain.stores.manifest import (
+    MANIFEST_NAME, MASK_DTYPE, MASKED_VERSION, VERSION, Manifest, ShardInfo, token_dtype, write_joined_index,
+)
 from forge_grain.files import fsync_rename, save_npy_atomic, sha256_file, temporary, write_json_atomic
 from forge_grain.locks import exclusive_or_refuse
 from forge_grain.corpora.rows import NULL_TOKENS
@@ -54,6 +56,12 @@ class Job:
     ends_with: int | None
     source: str
     piece_chars: int = 1 << 20  # longer texts are tokenized in pieces of about this many characters
+    # conversations ("messages" or "prompt_completion": `corpora.chat`): the template, its special
+    # tokens' strings and the roles whose turns train; each document then carries a target mask
+    chat: str | None = None
+    template: str | None = None
+    specials: tuple = ()
+    train_roles: tuple = ("assistant",)
 
 
 def prepare_local(spec: Spec, num_shards: int | None, num_proc: int, overwrite: bool, progress: bool) -> Path:
@@ -64,7 +72,7 @@ def prepare_local(spec: Spec, num_shards: int | None, num_proc: int, overwrite: 
     source, out = spec.source, spec.out
     corpus = load_corpus(source, text_field=spec.text_field, split=spec.split, hf_config=spec.hf_config,
                          text_unit=spec.text_unit, data_files=spec.data_files, token_field=spec.token_field,
-                         list_separator=spec.list_separator, exclude=out)
+                         list_separator=spec.list_separator, exclude=out, chat=spec.chat)
     tok = spec.tok
     ds = corpus.ds
     # local files are known by their sizes and times, as the Beam runner knows them without loading
@@ -123,6 +131,9 @@ class Spec:
     special_tokens_in_text: bool
     layout: str
     piece_chars: int
+    chat: str | None = None
+    template: tuple | None = None  # (the chat template, its special tokens' strings)
+    train_roles: tuple = ("assistant",)
 
     @property
     def tokens(self) -> bool:
@@ -152,6 +163,9 @@ class Spec:
             "layout": self.layout,
             "num_shards": num_shards,
         }
+        if self.chat is not None:  # (absent otherwise: stores prepared before keep their key)
+            settings.update(chat=self.chat, train_roles=list(self.train_roles),
+                            chat_template=hashlib.sha256(self.template[0].encode()).hexdigest())
         if self.layout == "arrayrecord":  # shards an older version began (zstd) are not resumed into this store
             settings["records"] = RECORD_OPTIONS
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -159,7 +173,9 @@ class Spec:
             str(self.out), key, self.token_field or self.text_field, tokens, self.list_separator, self.layout,
             token_dtype(self.vocab_size).str, self.vocab_size, (bos,) if self.add_bos else (),
             (eos,) if self.add_eos else (), bos if tokens and not self.add_bos else None,
-            eos if tokens and not self.add_eos else None, str(self.source), self.piece_chars,
+            eos if tokens and not self.add_eos else None, str(self.source), self.piece_chars, self.chat,
+            *((self.template[0], tuple(sorted(self.template[1].items()))) if self.chat else (None, ())),
+            tuple(self.train_roles),
         )
         recorded = {  # what the documents carry: a --no-bos store records no BOS, so bos_bestfit refuses it
             "bos_id": bos if self.add_bos or job.starts_with is not None else None,
@@ -208,6 +224,7 @@ def write_manifest(job: Job, settings: dict, recorded: dict, infos: list[dict]) 
         num_tokens=sum(s.num_tokens for s in shards),
         shards=tuple(shards),
         source={**settings, "key": job.key, "skipped_empty": sum(d["skipped"] for d in infos)},
+        version=MASKED_VERSION if job.chat else VERSION,
         **recorded,
     ).save(out)
     for i in range(num_shards):
@@ -395,10 +412,27 @@ def _drain(queue, bar) -> None:
 
 def _documents(corpus, tok: TextTokenizer | None, job: Job, start: int, stop: int):
     """Yield, per batch, the (row, token ids) of its non-empty documents and its row count."""
-    read = _token_batch if job.tokens else _text_batch
+    read = _token_batch if job.tokens else _chat_batch if job.chat else _text_batch
     for lo in range(start, stop, BATCH_DOCS):
         hi = min(lo + BATCH_DOCS, stop)
         yield read(corpus, tok, job, lo, hi), hi - lo
+
+
+def _chat_batch(corpus, tok, job: Job, lo: int, hi: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Conversations: (row, ids, target mask) of each, rendered with the tokenizer's chat
+    template (`corpora.chat`); an added BOS is no target, an added EOS is one."""
+    from forge_grain.corpora.chat import ChatTemplate, conversation
+
+    template = ChatTemplate(job.template, dict(job.specials), job.train_roles)
+    rows = corpus.ds[lo:hi]
+    docs = []
+    for j in range(hi - lo):
+        where = lambda r=lo + j: corpus.where(r)  # noqa: E731
+        messages, trained_from = conversation(job.chat, {k: rows[k][j] for k in rows}, job.field, where)
+        ids, mask = template.encode(tok, messages, where, trained_from)
+        docs.append((lo + j, np.concatenate([job.bos, ids, job.eos]).astype(np.int64),
+                     np.concatenate([np.zeros(len(job.bos), np.bool_), mask, np.ones(len(job.eos), np.bool_)])))
+    return docs
 
 
 def _text_batch(corpus, tok, job: Job, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
@@ -478,21 +512,30 @@ def write_shard(corpus, tok: TextTokenizer | None, job: Job, task, report) -> tu
     dtype = np.dtype(job.dtype)
     lengths, skipped = [], 0
     sink = _BinSink(tmp) if job.layout == "bin" else _RecordSink(tmp)
+    mask_name = f"shard-{i:05d}.mask"
+    masks = _BinSink(temporary(out / mask_name)) if job.chat else None
     try:
         for docs, rows in _documents(corpus, tok, job, start, stop):
-            for row, arr in docs:
+            for row, arr, *mask in docs:
                 if len(arr) and (arr.max() >= job.vocab_size or arr.min() < 0):
                     raise PrepareError(
                         f"{corpus.where(row)}: tokenizes to id {int(arr.max())}, at or past vocab_size {job.vocab_size}"
                     )
                 sink.write(arr.astype(dtype, copy=False))
+                if masks is not None:
+                    masks.write(mask[0].astype(MASK_DTYPE))
                 lengths.append(len(arr))
             skipped += rows - len(docs)
-            report((rows, sum(len(d) for _, d in docs)))
+            report((rows, sum(len(d[1]) for d in docs)))
         sink.close()
+        if masks is not None:
+            masks.close()
     except BaseException:
         sink.close()
         tmp.unlink(missing_ok=True)
+        if masks is not None:
+            masks.close()
+            masks.path.unlink(missing_ok=True)
         raise
     index_name = f"shard-{i:05d}.idx.npy"
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
@@ -506,6 +549,9 @@ def write_shard(corpus, tok: TextTokenizer | None, job: Job, task, report) -> tu
         "index_sha256": sha256_file(out / index_name),
         "skipped": skipped,
     }
+    if masks is not None:
+        info.update(mask=mask_name, mask_sha256=sha256_file(masks.path))
+        fsync_rename(masks.path, out / mask_name)
     fsync_rename(tmp, out / name)
     write_json_atomic(_done_path(out, i), {"key": job.key, "info": info})
     return i, info
@@ -513,6 +559,7 @@ def write_shard(corpus, tok: TextTokenizer | None, job: Job, task, report) -> tu
 
 class _BinSink:
     def __init__(self, path: Path):
+        self.path = path
         self.f = open(path, "wb")
 
     def write(self, tokens: np.ndarray) -> None:

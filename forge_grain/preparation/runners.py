@@ -46,6 +46,8 @@ def prepare(
     storage_options: dict | None = None,
     runner: str = "local",
     beam_options: list[str] | None = None,
+    chat: str | None = None,
+    train_roles: tuple[str, ...] = ("assistant",),
 ) -> Path | str:
     """Tokenize `source` (see `forge_grain.corpora.loading.load_corpus`) into a token store at `output`.
 
@@ -64,6 +66,14 @@ def prepare(
     is prepared in a local staging directory under `FORGE_GRAIN_CACHE`, then uploaded,
     manifest last (see `stores.uploads.upload_store`), and the staging copy is removed;
     re-running an interrupted command resumes both. Returns the URL.
+
+    `chat="messages"`: each row's `messages` (or `text_field`, when given) is a conversation
+    (a list of {"role", "content"}), rendered with the tokenizer's chat template as
+    `transformers`' `apply_chat_template` renders it; the turns of `train_roles` (the
+    assistant's) are the targets, the rest is context (the store carries a target mask:
+    `forge_grain.corpora.chat`). `chat="prompt_completion"`: rows of `prompt` and
+    `completion` (text, or lists of messages); the completion trains. BOS/EOS are added only
+    when asked (`add_bos`/`add_eos`; templates write their own markers).
 
     `runner="beam"` runs it as an Apache Beam job with `beam_options` (Beam's command-line
     options, e.g. `["--runner=DataflowRunner", "--project=P", ...]`), writing the same
@@ -92,6 +102,10 @@ def prepare(
     if not isinstance(piece_chars, int) or piece_chars < 1024:
         raise PrepareError(f"piece_chars must be an integer of at least 1024, not {piece_chars!r}")
     tokens = token_field is not None
+    template = _chat_template(chat, tokens, layout, runner, tokenizer)
+    if chat is not None:
+        text_field = {"messages": "messages" if text_field == "text" else text_field, "prompt_completion": "prompt"}[chat]
+        add_bos, add_eos = bool(add_bos), bool(add_eos)  # (the template writes the conversation's markers)
     if not is_url(source) and data_files is None and not any(c in str(source) for c in "*?[") \
             and not Path(str(source)).exists():
         refuse_missing_path(source)  # a mistyped input is named first, before what its options lack
@@ -115,7 +129,8 @@ def prepare(
     if not is_url(out) and out.exists() and not out.is_dir():
         raise PrepareError(f"{out}: exists and is not a directory; give a directory for the token store")
     spec = Spec(source, out, tok, vocab_size, bos, eos, add_bos, add_eos, text_field, token_field, split,
-                 hf_config, text_unit, data_files, list_separator, special_tokens_in_text, layout, piece_chars)
+                 hf_config, text_unit, data_files, list_separator, special_tokens_in_text, layout, piece_chars, chat,
+                 template, tuple(train_roles))
     if runner == "beam":
         try:
             from forge_grain.preparation.beam import prepare_beam
@@ -128,6 +143,25 @@ def prepare(
     if runner != "local":
         raise PrepareError(f"unknown runner {runner!r} (choose 'local' or 'beam')")
     return prepare_local(spec, num_shards, num_proc, overwrite, progress)
+
+
+def _chat_template(chat, tokens: bool, layout: str, runner: str, tokenizer) -> tuple | None:
+    """The chat template and its special tokens for `chat` (None without), or an error naming
+    the option that cannot go with it."""
+    if chat is None:
+        return None
+    if chat not in ("messages", "prompt_completion"):
+        raise PrepareError(f"chat must be 'messages' or 'prompt_completion', not {chat!r}")
+    for wrong, what in ((tokens, "a token field (ids are already tokens: give their masks to write_store)"),
+                        (layout != "bin", f"layout {layout!r} (a store with target masks is 'bin')"),
+                        (runner != "local", "the Beam runner (conversations are prepared by the local runner)")):
+        if wrong:
+            raise PrepareError(f"chat={chat!r} does not go with {what}")
+    from forge_grain.corpora.chat import template_of
+    from forge_grain.tokenizer import resolve
+
+    local, _ = resolve(tokenizer)
+    return template_of(local if local.is_dir() else local.parent)
 
 
 def _check_writable(url, storage_options) -> None:
