@@ -248,3 +248,79 @@ def test_every_consumer_follows_the_datas_mask(mixed, workers):
         if s >= 20 and (b["source_id"] == chat).any():  # the chat rows train less than every position
             rows = b["source_id"] == chat
             assert mask[rows].sum() < (b["segment_ids"][rows] > 0).sum() - rows.sum()
+
+
+# -- OLMo-core's label masks, read in place ------------------------------------------------------
+
+
+def olmo_sft_files(base, n_files=2, seed=9):
+    """Token files and label mask files as OLMo-core's SFT data holds them: header-less uint32
+    memmaps of documents ending in EOS (1), and a header-less bool memmap per token file."""
+    docs, masks, _ = unique_docs(70, seed, first=2)
+    docs = [np.concatenate([d[1:], [1]]) for d in docs]  # no BOS; EOS last (a target: the turn's end)
+    masks = [np.concatenate([m[1:], [True]]) for m in masks]
+    per = -(-len(docs) // n_files)
+    for k in range(n_files):
+        np.concatenate(docs[k * per:(k + 1) * per]).astype(np.uint32).tofile(base / f"token_ids_part_{k:04d}.npy")
+        np.concatenate(masks[k * per:(k + 1) * per]).astype(np.bool_).tofile(base / f"labels_mask_part_{k:04d}.npy")
+    return sorted(base.glob("token_ids_*.npy")), sorted(base.glob("labels_mask_*.npy"))
+
+
+def test_olmo_core_label_masks_read_in_place_are_olmo_cores(tmp_path):
+    """A directory as OLMo-core's SFT data sits (token_ids_part_*.npy beside labels_mask_part_*.npy),
+    opened with `label_masks`: each instance's label_mask that OLMo-core's own NumpyFSLDataset
+    reads from these files is the store's target mask over the same tokens."""
+    numpy_dataset = pytest.importorskip("olmo_core.data.numpy_dataset")
+    tokens, labels = olmo_sft_files(tmp_path)
+    store = TokenStore.open(tmp_path, dtype="uint32", eos_id=1, vocab_size=1 << 24, file_pattern="token_ids_*.npy",
+                            label_masks="labels_mask_*.npy", verify=True)
+    assert store.masked and len(store.files) == 2
+    ours = np.concatenate([store.target_mask(i) for i in range(len(store))])
+    length = 32
+    theirs = numpy_dataset.NumpyFSLDataset(*tokens, sequence_length=length, pad_token_id=0, eos_token_id=1,
+                                           vocab_size=1 << 24, dtype=np.uint32, label_mask_paths=labels)
+    theirs.prepare()
+    starts = np.concatenate([[0], np.cumsum([np.fromfile(f, np.uint32).size for f in tokens])])
+    for i in range(len(theirs)):
+        item = theirs[i]
+        file = next(k for k, (a, b) in enumerate(theirs.offsets) if a <= i < b)
+        at = starts[file] + (i - theirs.offsets[file][0]) * length
+        assert np.array_equal(item["label_mask"].numpy(), ours[at:at + length])
+        assert np.array_equal(item["input_ids"].numpy(), store.tokens(at, at + length))
+
+
+def test_label_masks_that_do_not_fit_are_named(tmp_path):
+    tokens, labels = olmo_sft_files(tmp_path)
+    common = dict(dtype="uint32", eos_id=1, vocab_size=1 << 24)
+    with pytest.raises(StoreError, match="a label mask file is also read as a token file; set file_pattern"):
+        TokenStore.open(tmp_path, label_masks="labels_mask_*.npy", **common)
+    with pytest.raises(StoreError, match=r"label_masks names 1 file\(s\) for 2 token file\(s\)"):
+        TokenStore.open(tmp_path, file_pattern="token_ids_*.npy", label_masks=[labels[0].name], **common)
+    labels[1].write_bytes(labels[1].read_bytes()[:-3])
+    with pytest.raises(StoreError, match=r"labels_mask_part_0001.npy: holds \d+ label mask entries, but its token"):
+        TokenStore.open(tmp_path, file_pattern="token_ids_*.npy", label_masks="labels_mask_*.npy", **common)
+
+
+def test_a_config_trains_olmo_core_sft_data_by_its_label_masks(tmp_path):
+    from forge_grain import DataConfig, Pipeline
+
+    tokens, labels = olmo_sft_files(tmp_path)
+    store = TokenStore.open(tmp_path, dtype="uint32", eos_id=1, vocab_size=1 << 24, file_pattern="token_ids_*.npy",
+                            label_masks="labels_mask_*.npy")
+    allowed = np.zeros(1 << 16, np.bool_)
+    for i in range(len(store)):
+        doc, m = store[i], store.target_mask(i)
+        allowed[doc[1:][m[1:]]] = True
+    allowed[1] = True  # (EOS ids repeat: it is a target wherever its mask says so)
+    config = DataConfig.from_dict(dict(sources=[dict(name="sft", path=str(tmp_path), dtype="uint32", eos_id=1,
+                                                     vocab_size=1 << 24, file_pattern="token_ids_*.npy",
+                                                     label_masks="labels_mask_*.npy")],
+                                       seq_len=32, global_batch_size=4, seed=1, num_epochs=1))
+    p = Pipeline(config, 0, 1, num_threads=0)
+    total = 0
+    for s in range(p.num_steps):
+        b = p.batch(s)
+        got = b["targets"][b["loss_mask"]]
+        assert allowed[got].all()
+        total += len(got)
+    assert 0 < total == p.consumed(p.num_steps)["sft"]["trained_tokens"]

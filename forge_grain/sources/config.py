@@ -178,6 +178,13 @@ class SourceConfig:
     Example: file_pattern = "train_*.npy"
     """
 
+    label_masks: str | list[str] | None = None
+    """Raw files: OLMo-core's `label_mask_paths`, one boolean array per token file (a byte a
+    token, true where the token is a label): a glob relative to the store's directory, or a
+    list of files, in the token files' order. Only the marked tokens train.
+    Example: label_masks = "labels_mask_*.npy"
+    """
+
     whole_documents: bool | None = None
     """Raw files with `eos_id`/`bos_id`: each file must start with the BOS and end with the
     EOS (default), or, false, files may be cut inside a document.
@@ -257,7 +264,8 @@ class SourceConfig:
 
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
-        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents", "fingerprint", "split",
+        keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "label_masks", "whole_documents",
+                "fingerprint", "split",
                 "tokenizer", "format", "token_field", "storage_options", "cache_limit", "object_cache", "fetch_threads")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
@@ -270,7 +278,8 @@ class SourceConfig:
         if (self.path is None) == (self.hf_dataset is None):
             raise ConfigError(f"{where}: give exactly one of 'path' (a token store) and 'hf_dataset'")
         if self.hf_dataset is not None:
-            wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "whole_documents",
+            wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "label_masks",
+                                 "whole_documents",
                                  "fingerprint", "format", "token_field", "cache_limit", "object_cache",
                                  "fetch_threads")
                      if getattr(self, k) is not None]

@@ -79,6 +79,53 @@ def find_token_files(path: str | Path, *, split: str | None = None, file_pattern
     return select_split(files, split, path, StoreError, base=base, default=None)
 
 
+def label_mask_files(path: Path, label_masks, token_files: list[Path]) -> list[Path]:
+    """OLMo-core's `label_mask_paths`: a boolean array per token file, one byte a token, true
+    where the token is a label (trained). Given as a list of files, or a glob (relative to
+    the store's directory), taken in sorted order, one per token file in the same order."""
+    base = path if path.is_dir() else path.parent
+    if isinstance(label_masks, str):
+        pattern = label_masks if Path(label_masks).is_absolute() else str(base / label_masks)
+        files = sorted(Path(f) for f in globlib.glob(pattern))
+    else:
+        files = [Path(f) if Path(f).is_absolute() else base / f for f in label_masks]
+    among = sorted(set(files) & set(token_files))
+    if among:
+        raise StoreError(f"{among[0]}: a label mask file is also read as a token file; set file_pattern to pick "
+                         "the token files alone (e.g. 'token_ids_*.npy')")
+    if len(files) != len(token_files):
+        raise StoreError(f"{path}: label_masks names {len(files)} file(s) for {len(token_files)} token file(s) "
+                         f"({', '.join(f.name for f in token_files[:3])}{', ...' if len(token_files) > 3 else ''}); "
+                         "give one mask file per token file, in the same order")
+    for f in files:
+        if not f.is_file():
+            raise MissingFilesError(f"{f}: label mask file does not exist")
+    return files
+
+
+def map_label_mask(path: Path, token_file: Path, num_tokens: int) -> np.ndarray:
+    """A label mask file (header-less bytes, or a .npy of bool or uint8), as long as its token file."""
+    if _has_npy_header(path):
+        arr = mapping.map_npy(path)
+        if arr.ndim != 1 or arr.dtype not in (np.bool_, np.uint8):
+            raise StoreError(f"{path}: a label mask is a 1-D bool (or uint8) array, not {arr.ndim}-D {arr.dtype}")
+        arr = arr.view(np.uint8)
+    else:
+        arr = checks.map_array(path, np.dtype(np.uint8))
+    if len(arr) != num_tokens:
+        raise StoreError(f"{path}: holds {len(arr)} label mask entries, but its token file {token_file.name} holds "
+                         f"{num_tokens} tokens; each token has one (true where it is a label)")
+    check_mask_values(path, checks.aligned_sample(arr))
+    return arr
+
+
+def check_mask_values(path: Path, values: np.ndarray) -> None:
+    bad = np.flatnonzero(np.asarray(values).view(np.uint8) > 1)
+    if len(bad):
+        raise StoreError(f"{path}: a label mask holds the byte {int(np.asarray(values).view(np.uint8)[bad[0]])} at "
+                         f"{int(bad[0])}; each entry must be 0 or 1 (false or true): is this a mask file?")
+
+
 def _is_token_file(f: Path) -> bool:
     """Token arrays, not our own index caches (hidden) or store indices (.idx.npy)."""
     return f.suffix in SUFFIXES and not f.name.startswith(".") and not f.name.endswith(".idx.npy") and f.is_file()
@@ -294,12 +341,13 @@ class RawStore(TokenStore):
     format = "raw"
     description = "raw token files"
     OPTIONS = frozenset({"dtype", "eos_id", "bos_id", "vocab_size", "tokenizer", "split", "file_pattern",
-                         "whole_documents"})
+                         "whole_documents", "label_masks"})
 
-    def _open(self, dtype=None, split=None, file_pattern=None, whole_documents=True) -> None:
+    def _open(self, dtype=None, split=None, file_pattern=None, whole_documents=True, label_masks=None) -> None:
         vocab_size, eos_id, bos_id = self.vocab_size, self.eos_id, self.bos_id
         self._declared_dtype = dtype is not None
         self._files = find_token_files(self.path, split=split, file_pattern=file_pattern)
+        masks = label_mask_files(self.path, label_masks, self._files) if label_masks is not None else []
         self._arrays = [map_tokens(f, dtype, vocab_size) for f in self._files]
         self.dtype = self._one_dtype({a.dtype for a in self._arrays}, "token files")
         offsets = []
@@ -317,9 +365,14 @@ class RawStore(TokenStore):
             offsets.append(off)
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
-        self._fingerprint = self._fingerprint_files(None)
+        self._mask_files = masks
+        self._mask_arrays = [map_label_mask(m, f, len(a)) for m, f, a in zip(masks, self._files, self._arrays)]
+        self._fingerprint = self._fingerprint_files(
+            [[m.name, checks.content_fingerprint(m, full=self._full)] for m in masks] or None)
 
     def _verify_files(self) -> None:
+        for file, m in zip(self._mask_files, self._mask_arrays):
+            check_mask_values(file, m)
         for f, a in zip(self._files, self._arrays):
             checks.check_width(f, checks.aligned_sample(a), a.dtype, declared=self._declared_dtype or _has_npy_header(f),
                                vocab_size=self.vocab_size)
