@@ -221,6 +221,7 @@ def format_plan(path, d: dict) -> str:
         read = "" if s["rows"] is None else f"; the run reads {s['rows']:,} rows"
         epochs = "" if s["epochs"] is None else f" ({s['epochs']:.2f} epochs)"
         trained = "" if s["trained_tokens"] is None else f", {s['trained_tokens']:,} trained tokens"
+        trained += " (a target mask: only the tokens it marks train)" if s.get("masked") else ""
         lines.append(f"  {s['name']}: {per_epoch}{packing}{read}{epochs}{trained}")
         if s.get("cache"):
             lines.append(f"    {_cache_line(s['cache'])}")
@@ -293,6 +294,9 @@ def _explain(a) -> None:
             place = f"{s['file']} #{s['index_in_file']}" if s["file"] else ""
             print(f"  slots [{s['slots'][0]}, {s['slots'][1]}): document {s['document']:,}, tokens "
                   f"[{s['tokens'][0]}, {s['tokens'][1]})  {place}")  # half-open, as Python's slices
+            if "targets" in s:  # a source with target masks: which of those tokens train
+                runs = ", ".join(f"[{a}, {b})" for a, b in s["targets"]) or "none"
+                print(f"    targets (the data's mask): tokens {runs}")
             if "text" in s:
                 print(f"    {s['text'][:300]!r}")
 

@@ -324,3 +324,28 @@ def test_a_config_trains_olmo_core_sft_data_by_its_label_masks(tmp_path):
         assert allowed[got].all()
         total += len(got)
     assert 0 < total == p.consumed(p.num_steps)["sft"]["trained_tokens"]
+
+
+def test_explain_and_plan_say_what_the_mask_trains(mixed):
+    """`explain` names the target runs of a masked source's documents, and they are where the
+    batch's loss mask is; `describe` (what `plan` prints) says the source is masked."""
+    from forge_grain import Pipeline
+
+    p = Pipeline(mixed_config(mixed), 0, 1, num_threads=0)
+    seen = 0
+    for step in (25, 60):
+        b = p.global_batch(step)
+        for row in p.explain(step):
+            for seg in row["segments"]:
+                lo, hi = seg["tokens"]
+                marked = np.zeros(hi - lo, np.bool_)
+                for a, c in seg.get("targets", [[lo, hi]]):
+                    marked[a - lo:c - lo] = True
+                slot = seg["slots"][0]
+                # slot j's target is token lo + (j - slot) + 1: trained exactly where the data marks it
+                trained = b["loss_mask"][row["row"]][slot:slot + hi - lo - 1]
+                assert np.array_equal(trained, marked[1:])
+                seen += "targets" in seg
+    assert seen > 0
+    described = {s["name"]: s["masked"] for s in p.describe()["sources"]}
+    assert described == {"web": False, "chat": True, "code": True}

@@ -63,7 +63,8 @@ def _source(name: str, d, got: dict, streaming: bool) -> dict:
     return {"name": name, "strategy": stats.get("strategy"), "rows_per_epoch": rows_per_epoch,
             "tokens_per_epoch": stats.get("tokens"), "fill": stats.get("fill"),
             "cropped_share": stats.get("cropped_share"), "rows": got.get("rows"), "epochs": epochs,
-            "trained_tokens": got.get("trained_tokens"), "streaming": streaming}
+            "trained_tokens": got.get("trained_tokens"), "streaming": streaming,
+            "masked": bool(getattr(getattr(d, "store", None), "masked", False))}
 
 
 def _fetching(d, rows_per_step: int) -> dict:

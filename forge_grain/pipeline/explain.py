@@ -71,6 +71,12 @@ def explain(pipeline, step: int, shard: int | None = None, decode: bool = False,
     return out
 
 
+def _runs(mask: np.ndarray, offset: int) -> list[list[int]]:
+    """[a, b) runs of true in `mask`, shifted by `offset`."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [[int(a) + offset, int(b) + offset] for a, b in zip(edges[::2], edges[1::2])]
+
+
 def _packed_row(d, rank: int, tok) -> dict:
     epoch = None
     if isinstance(d, LengthSchedule):  # the piece of its length schedule the row is in
@@ -83,6 +89,8 @@ def _packed_row(d, rank: int, tok) -> dict:
         file, index_in_file = d.store.place_of(doc)
         seg = {"document": doc, "file": None if file is None else str(file), "index_in_file": index_in_file,
                "tokens": [lo, lo + shown], "slots": [slot, slot + shown]}
+        if d.store.masked:  # the document's tokens the data marks as targets: [a, b) runs
+            seg["targets"] = _runs(d.store.target_mask(doc)[lo : lo + shown], lo)
         if tok is not None:
             seg["text"] = tok.backend.decode(d.store[doc][lo : lo + shown].tolist(), skip_special_tokens=False)
         segments.append(seg)
