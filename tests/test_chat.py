@@ -193,3 +193,34 @@ def test_the_cli_prepares_conversations(tokenizers, tmp_path):
     assert r.returncode == 0, r.stderr
     store = TokenStore.open(tmp_path / "s")
     assert store.masked and 0 < store.target_mask(1).sum() < len(store[1])
+
+
+def test_a_config_mixes_a_chat_source_into_pre_training_data(tokenizers, tmp_path):
+    """A mid-training phase brings a Hugging Face chat source in: tokenized once with its
+    template into a cached masked store, trained on its assistant turns only."""
+    from forge_grain import ConfigError, DataConfig, Pipeline
+
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS * 20])
+    web = prepare(write_jsonl(tmp_path / "web.jsonl", [{"text": f"document {i} " * 30} for i in range(40)]),
+                  tmp_path / "web", tokenizer=str(tokenizers["chatml"]), progress=False)
+    chat = dict(name="chat", hf_dataset="json", hf_data_files=str(data), tokenizer=str(tokenizers["chatml"]),
+                chat="messages")
+    config = DataConfig.from_dict(dict(
+        sources=[dict(name="web", path=str(web), weight=1.0), {**chat, "weight": 0.0}],
+        phases=[dict(start_step=4, weights={"web": 0.5, "chat": 0.5})],
+        seq_len=64, global_batch_size=4, seed=3, num_epochs=None, max_steps=12))
+    p = Pipeline(config, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    tok = load_tokenizer(str(tokenizers["chatml"]))
+    chat_rows = 0
+    for s in range(12):
+        b = p.batch(s)
+        for row in np.flatnonzero(b["source_id"] == 1):
+            assert s >= 4
+            chat_rows += 1
+            trained = tok.backend.decode(b["targets"][row][b["loss_mask"][row]].tolist(), skip_special_tokens=False)
+            assert "user" not in trained and "system" not in trained and "<|im_end|>" in trained
+    assert chat_rows > 0 and p.stores[1].masked
+    for bad, message in ((dict(hf_streaming=True), "not streamed; set hf_streaming = false"),
+                         (dict(chat="dialogue"), "chat: \"messages\" or \"prompt_completion\"")):
+        with pytest.raises(ConfigError, match=message):
+            DataConfig.from_dict(dict(sources=[{**chat, **bad}], seq_len=64, global_batch_size=4))

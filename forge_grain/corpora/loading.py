@@ -60,9 +60,13 @@ def load_texts(source, **kwargs):
 
 
 def source_texts(src, streaming: bool):
-    """The texts of a Hugging Face `SourceConfig` (eager or streaming)."""
-    return load_texts(src.hf_dataset, text_field=src.text_field, split=src.split, hf_config=src.hf_config,
-                      data_files=src.hf_data_files, streaming=streaming)
+    """The texts of a Hugging Face `SourceConfig` (eager or streaming; with `chat`, its
+    conversations)."""
+    chat = getattr(src, "chat", None)
+    field = {None: src.text_field, "messages": "messages" if src.text_field == "text" else src.text_field,
+             "prompt_completion": "prompt"}[chat]
+    return load_texts(src.hf_dataset, text_field=field, split=src.split, hf_config=src.hf_config,
+                      data_files=src.hf_data_files, streaming=streaming, chat=chat)
 
 
 def load_corpus(

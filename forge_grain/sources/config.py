@@ -126,6 +126,23 @@ class SourceConfig:
     hf_dataset = "json"
     eos_token = '<|im_end|>'"""
 
+    chat: str | None = None
+    """Hugging Face sources: rows are conversations, "messages" (a `messages` list of
+    role/content objects) or "prompt_completion" (`prompt` and `completion`), rendered with
+    the tokenizer's chat template; only the assistant's turns (the completion) train (the
+    `--chat` of `forge-grain prepare`). Tokenized once into a cached store (not with
+    `hf_streaming`). The template writes the conversation's markers: `add_bos` and `add_eos`
+    do not apply.
+    Example:
+    hf_dataset = "json"
+    hf_data_files = "chat.jsonl"
+    chat = "messages"
+    """
+
+    train_roles: list[str] | None = None
+    """With `chat = "messages"`: the roles whose turns train (default: ["assistant"]).
+    Example: train_roles = ["assistant"]"""
+
     special_tokens_in_text: bool = False
     """Hugging Face sources: encode special-token strings written in a document (such as
     "<|endoftext|>") as their special ids, as `transformers` tokenizers do by default; off by
@@ -262,6 +279,23 @@ class SourceConfig:
             return self.shuffle_bytes
         return default_shuffle_bytes(self.cache_limit)
 
+    def _check_chat(self, where: str) -> None:
+        if self.chat is None:
+            if self.train_roles is not None:
+                raise ConfigError(f"{where}.train_roles: goes with chat = \"messages\"")
+            return
+        if self.chat not in ("messages", "prompt_completion"):
+            raise ConfigError(f"{where}.chat: \"messages\" or \"prompt_completion\", not {self.chat!r}")
+        if self.hf_dataset is None:
+            raise ConfigError(f"{where}.chat: conversations are rendered when a Hugging Face source is tokenized; a "
+                              "'path' store holds tokens and masks already (forge-grain prepare --chat)")
+        if self.hf_streaming:
+            raise ConfigError(f"{where}.chat: conversations are tokenized once into a cached store in this version, "
+                              "not streamed; set hf_streaming = false")
+        roles = self.train_roles
+        if roles is not None and not (isinstance(roles, list) and roles and all(isinstance(r, str) for r in roles)):
+            raise ConfigError(f"{where}.train_roles: a list of role names, not {roles!r}")
+
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
         keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "label_masks", "whole_documents",
@@ -291,6 +325,7 @@ class SourceConfig:
         if self.path is not None and (self.bos_token is not None or self.eos_token is not None):
             raise ConfigError(f"{where}: bos_token and eos_token name the tokens a Hugging Face source adds; a "
                               "'path' source's store holds its tokens already (raw files: eos_id, bos_id)")
+        self._check_chat(where)
         for key in ("bos_token", "eos_token"):
             if getattr(self, key) is not None and not (isinstance(getattr(self, key), str) and getattr(self, key)):
                 raise ConfigError(f"{where}.{key}: a token's string, as in the tokenizer's vocabulary, not "
