@@ -29,7 +29,7 @@ def test_same_inputs_give_byte_identical_stores_at_any_process_count(tmp_path, c
 
 def test_interrupted_run_rerun_equals_one_clean_run(tmp_path, corpus, monkeypatch):
     clean = prepare(corpus, tmp_path / "clean", num_shards=4, progress=False)
-    real = preparation._documents
+    real = preparation.documents
 
     def crash_in_shard_2(ds, tok, job, start, stop):
         for batch in real(ds, tok, job, start, stop):
@@ -37,7 +37,7 @@ def test_interrupted_run_rerun_equals_one_clean_run(tmp_path, corpus, monkeypatc
                 raise KeyboardInterrupt("killed mid-shard")
             yield batch
 
-    monkeypatch.setattr(preparation, "_documents", crash_in_shard_2)
+    monkeypatch.setattr(preparation, "documents", crash_in_shard_2)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         prepare(corpus, out, num_shards=4, progress=False)
@@ -46,7 +46,7 @@ def test_interrupted_run_rerun_equals_one_clean_run(tmp_path, corpus, monkeypatc
         TokenStore.open(out)
     # what a SIGKILL leaves: a half-written temporary
     (out / ".shard-00002.bin.tmp-999999").write_bytes(b"\x07" * 11)
-    monkeypatch.setattr(preparation, "_documents", real)
+    monkeypatch.setattr(preparation, "documents", real)
     done_before = (out / "shard-00000.bin").stat().st_mtime_ns
     prepare(corpus, out, num_shards=4, progress=False)
     assert (out / "shard-00000.bin").stat().st_mtime_ns == done_before  # finished shards were kept

@@ -141,7 +141,10 @@ class SourceConfig:
 
     train_roles: list[str] | None = None
     """With `chat = "messages"`: the roles whose turns train (default: ["assistant"]).
-    Example: train_roles = ["assistant"]"""
+    Example:
+    hf_dataset = "json"
+    chat = "messages"
+    train_roles = ["assistant", "tool"]"""
 
     special_tokens_in_text: bool = False
     """Hugging Face sources: encode special-token strings written in a document (such as
@@ -279,28 +282,11 @@ class SourceConfig:
             return self.shuffle_bytes
         return default_shuffle_bytes(self.cache_limit)
 
-    def _check_chat(self, where: str) -> None:
-        if self.chat is None:
-            if self.train_roles is not None:
-                raise ConfigError(f"{where}.train_roles: goes with chat = \"messages\"")
-            return
-        if self.chat not in ("messages", "prompt_completion"):
-            raise ConfigError(f"{where}.chat: \"messages\" or \"prompt_completion\", not {self.chat!r}")
-        if self.hf_dataset is None:
-            raise ConfigError(f"{where}.chat: conversations are rendered when a Hugging Face source is tokenized; a "
-                              "'path' store holds tokens and masks already (forge-grain prepare --chat)")
-        if self.hf_streaming:
-            raise ConfigError(f"{where}.chat: conversations are tokenized once into a cached store in this version, "
-                              "not streamed; set hf_streaming = false")
-        roles = self.train_roles
-        if roles is not None and not (isinstance(roles, list) and roles and all(isinstance(r, str) for r in roles)):
-            raise ConfigError(f"{where}.train_roles: a list of role names, not {roles!r}")
-
     def store_options(self) -> dict:
         """Keyword arguments of `TokenStore.open` for a `path` source (those that are set)."""
         keys = ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "label_masks", "whole_documents",
-                "fingerprint", "split",
-                "tokenizer", "format", "token_field", "storage_options", "cache_limit", "object_cache", "fetch_threads")
+                "fingerprint", "split", "tokenizer", "format", "token_field", "storage_options", "cache_limit",
+                "object_cache", "fetch_threads")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def where(self) -> str:
@@ -309,54 +295,77 @@ class SourceConfig:
 
     def check(self, where: str) -> None:
         """Every field holds what it may (`where`: the source's place in the config, for messages)."""
-        if (self.path is None) == (self.hf_dataset is None):
-            raise ConfigError(f"{where}: give exactly one of 'path' (a token store) and 'hf_dataset'")
-        if self.hf_dataset is not None:
-            wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "label_masks",
-                                 "whole_documents",
-                                 "fingerprint", "format", "token_field", "cache_limit", "object_cache",
-                                 "fetch_threads")
-                     if getattr(self, k) is not None]
-            if wrong:
-                raise ConfigError(f"{where}: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
-            if self.storage_options is not None and not (self.hf_streaming and "://" in str(self.hf_data_files)):
-                raise ConfigError(f"{where}.storage_options: only for streaming hf_data_files at URLs "
-                                  "(s3://...); this source has none")
-        if self.path is not None and (self.bos_token is not None or self.eos_token is not None):
-            raise ConfigError(f"{where}: bos_token and eos_token name the tokens a Hugging Face source adds; a "
-                              "'path' source's store holds its tokens already (raw files: eos_id, bos_id)")
-        self._check_chat(where)
-        for key in ("bos_token", "eos_token"):
-            if getattr(self, key) is not None and not (isinstance(getattr(self, key), str) and getattr(self, key)):
-                raise ConfigError(f"{where}.{key}: a token's string, as in the tokenizer's vocabulary, not "
-                                  f"{getattr(self, key)!r}")
-        for key in ("shuffle_window", "fetch_threads", "shuffle_bytes"):
-            if getattr(self, key) is not None:
-                positive_int(f"{where}.{key}", getattr(self, key))
-        if self.shuffle_window is not None and self.shuffle_bytes is not None:
-            raise ConfigError(f"{where}: give one of shuffle_window (planning chunks) and shuffle_bytes (bytes of "
-                              "data files) shuffled together, not both")
-        if self.whole_documents is not None and not isinstance(self.whole_documents, bool):
-            raise ConfigError(f"{where}.whole_documents: must be true or false, not {self.whole_documents!r}")
-        if self.fingerprint not in (None, "sampled", "full"):
-            raise ConfigError(f"{where}.fingerprint: must be 'sampled' or 'full', not {self.fingerprint!r}")
-        for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
-            v = getattr(self, key)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ConfigError(f"{where}.{key}: must be a non-negative integer, got {v!r}")
-        if self.dtype is not None:
-            try:
-                np.dtype(self.dtype)
-            except TypeError:
-                raise ConfigError(f"{where}.dtype: {self.dtype!r} is not a numpy dtype (e.g. 'uint16')") from None
-        if self.dealing is not None and (self.dealing not in ("auto", "files", "rows") or not self.hf_streaming):
-            raise ConfigError(f"{where}.dealing: 'auto', 'files' or 'rows', for streaming sources only "
-                              f"(hf_streaming = true); got {self.dealing!r}")
-        if not (isinstance(self.window, int) and self.window >= 1):
-            raise ConfigError(f"{where}.window: must be a positive integer, got {self.window!r}")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"{where}.strategy: {self.strategy!r} is not one of {STRATEGIES}")
-        check_weight(f"{where}.weight", self.weight)
+        check_source(self, where)
+
+
+def check_source(src, where: str) -> None:
+    """`SourceConfig.check`."""
+    if (src.path is None) == (src.hf_dataset is None):
+        raise ConfigError(f"{where}: give exactly one of 'path' (a token store) and 'hf_dataset'")
+    if src.hf_dataset is not None:
+        wrong = [k for k in ("dtype", "eos_id", "bos_id", "vocab_size", "file_pattern", "label_masks",
+                             "whole_documents", "fingerprint", "format", "token_field", "cache_limit",
+                             "object_cache", "fetch_threads")
+                 if getattr(src, k) is not None]
+        if wrong:
+            raise ConfigError(f"{where}: {wrong} describe token files of a 'path' source, not 'hf_dataset'")
+        if src.storage_options is not None and not (src.hf_streaming and "://" in str(src.hf_data_files)):
+            raise ConfigError(f"{where}.storage_options: only for streaming hf_data_files at URLs "
+                              "(s3://...); this source has none")
+    if src.path is not None and (src.bos_token is not None or src.eos_token is not None):
+        raise ConfigError(f"{where}: bos_token and eos_token name the tokens a Hugging Face source adds; a "
+                          "'path' source's store holds its tokens already (raw files: eos_id, bos_id)")
+    _check_chat(src, where)
+    for key in ("bos_token", "eos_token"):
+        if getattr(src, key) is not None and not (isinstance(getattr(src, key), str) and getattr(src, key)):
+            raise ConfigError(f"{where}.{key}: a token's string, as in the tokenizer's vocabulary, not "
+                              f"{getattr(src, key)!r}")
+    for key in ("shuffle_window", "fetch_threads", "shuffle_bytes"):
+        if getattr(src, key) is not None:
+            positive_int(f"{where}.{key}", getattr(src, key))
+    if src.shuffle_window is not None and src.shuffle_bytes is not None:
+        raise ConfigError(f"{where}: give one of shuffle_window (planning chunks) and shuffle_bytes (bytes of "
+                          "data files) shuffled together, not both")
+    if src.whole_documents is not None and not isinstance(src.whole_documents, bool):
+        raise ConfigError(f"{where}.whole_documents: must be true or false, not {src.whole_documents!r}")
+    if src.fingerprint not in (None, "sampled", "full"):
+        raise ConfigError(f"{where}.fingerprint: must be 'sampled' or 'full', not {src.fingerprint!r}")
+    for key in ("eos_id", "bos_id", "vocab_size", "cache_limit"):
+        v = getattr(src, key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"{where}.{key}: must be a non-negative integer, got {v!r}")
+    if src.dtype is not None:
+        try:
+            np.dtype(src.dtype)
+        except TypeError:
+            raise ConfigError(f"{where}.dtype: {src.dtype!r} is not a numpy dtype (e.g. 'uint16')") from None
+    if src.dealing is not None and (src.dealing not in ("auto", "files", "rows") or not src.hf_streaming):
+        raise ConfigError(f"{where}.dealing: 'auto', 'files' or 'rows', for streaming sources only "
+                          f"(hf_streaming = true); got {src.dealing!r}")
+    if not (isinstance(src.window, int) and src.window >= 1):
+        raise ConfigError(f"{where}.window: must be a positive integer, got {src.window!r}")
+    if src.strategy not in STRATEGIES:
+        raise ConfigError(f"{where}.strategy: {src.strategy!r} is not one of {STRATEGIES}")
+    check_weight(f"{where}.weight", src.weight)
+
+
+def _check_chat(src, where: str) -> None:
+    """`chat` and `train_roles`: for eager Hugging Face sources."""
+    if src.chat is None:
+        if src.train_roles is not None:
+            raise ConfigError(f"{where}.train_roles: goes with chat = \"messages\"")
+        return
+    if src.chat not in ("messages", "prompt_completion"):
+        raise ConfigError(f"{where}.chat: \"messages\" or \"prompt_completion\", not {src.chat!r}")
+    if src.hf_dataset is None:
+        raise ConfigError(f"{where}.chat: conversations are rendered when a Hugging Face source is tokenized; a "
+                          "'path' store holds tokens and masks already (forge-grain prepare --chat)")
+    if src.hf_streaming:
+        raise ConfigError(f"{where}.chat: conversations are tokenized once into a cached store in this version, "
+                          "not streamed; set hf_streaming = false")
+    roles = src.train_roles
+    if roles is not None and not (isinstance(roles, list) and roles and all(isinstance(r, str) for r in roles)):
+        raise ConfigError(f"{where}.train_roles: a list of role names, not {roles!r}")
 
 
 def check_weight(key: str, w: Any) -> float:

@@ -20,12 +20,13 @@ import numpy as np
 from forge_grain.errors import StoreError
 from forge_grain.files import temporary
 from forge_grain.stores.mapping import map_npy, token_arrays
+from forge_grain.stores.target_masks import TargetMasks
 from forge_grain.paths import local_path
 from forge_grain.stores import checks
 from forge_grain.stores.runs import TokenRuns
 
 
-class TokenStore:
+class TokenStore(TargetMasks):
     """Documents of a token store, each a 1-D numpy array of token ids, with O(1) random access.
 
     `TokenStore.open(path)` (or `TokenStore(path)`) finds the format from what is on disk
@@ -59,7 +60,7 @@ class TokenStore:
         self._files: list[Path] = []  # the data files, for error messages and `files`
         self._file_docs: list[int] = []  # documents per data file
         self._arrays: list[np.ndarray] = []  # token arrays; empty for stores read a document at a time
-        self._mask_arrays: list[np.ndarray] = []  # target masks, one byte a token, as `_arrays` (empty: none)
+        self._forget_masks()  # (target masks: `forge_grain.stores.target_masks`)
         self._pieces = None  # (token start, array, start in array) of each contiguous run; None: one per array
         self._offsets = np.zeros(1, np.int64)
         self._fingerprint = ""
@@ -68,7 +69,6 @@ class TokenStore:
         self._runs = TokenRuns.of(self._arrays, self._pieces, self._offsets)  # None: read a document at a time
         self._lengths: np.ndarray | None = None
         self._gather_arrays = None  # the arrays as the compiled gather takes them (`pieces`)
-        self._gather_masks = None  # and the masks (`masks`)
         checks.check_special_ids(self.path, self.dtype, self.vocab_size, self.eos_id, self.bos_id)
         self._validate()
 
@@ -253,27 +253,6 @@ class TokenStore:
         return self._gather_arrays, self._runs.starts, self._runs.array, self._runs.base
 
     @property
-    def masked(self) -> bool:
-        """Whether the store says which tokens are targets (a target mask): then only those train."""
-        return bool(self._mask_arrays)
-
-    @property
-    def masks(self):
-        """The target masks as the compiled gather takes them (arrays parallel to `pieces`'),
-        or None for a store without."""
-        if not self._mask_arrays:
-            return None
-        if self._gather_masks is None:
-            self._gather_masks = token_arrays(self._mask_arrays)
-        return self._gather_masks
-
-    def target_mask(self, i: int) -> np.ndarray:
-        """Document `i`'s target mask (bool, one per token; all true for a store without masks)."""
-        if not self._mask_arrays:
-            return np.ones(len(self[i]), np.bool_)
-        return self._runs.document(int(i), lambda k: self._mask_arrays[k]).astype(np.bool_)
-
-    @property
     def num_tokens(self) -> int:
         return int(self._offsets[-1])
 
@@ -315,9 +294,7 @@ class TokenStore:
         """Where each contiguous run of tokens starts in the store's token order, the end
         appended: one run per file for raw token files (a KempnerForge sample never
         crosses one), per shard for a forge-grain store."""
-        if self._runs is None:
-            return np.array([0, self.num_tokens], np.int64)
-        return self._runs.starts
+        return np.array([0, self.num_tokens], np.int64) if self._runs is None else self._runs.starts
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the store's tokens taken in order, across documents and files."""
@@ -331,9 +308,8 @@ class TokenStore:
 
     def close(self) -> None:
         """Drop the memory maps (views already handed out stay valid while referenced)."""
-        self._arrays = []
-        self._gather_arrays = None
-        self._mask_arrays, self._gather_masks = [], None
+        self._arrays, self._gather_arrays = [], None
+        self._forget_masks()
 
     def __enter__(self) -> "TokenStore":
         return self
