@@ -85,3 +85,16 @@ def test_olmo_core_example_resumes_to_the_same_loss_curve(tmp_path):
     assert "checkpoint at step 8; killing the process" in r.stdout
     assert "[resume] from OLMo-core's checkpoint at step 8" in r.stdout
     assert "resumed loss curve matches the uninterrupted run" in r.stdout
+
+
+def test_midtraining_example_anneals_into_chat_data_and_resumes_to_the_same_losses(tmp_path):
+    """The anneal brings a masked chat source in (its rows train the assistant's turns only),
+    and a kill after the checkpoint resumes to the uninterrupted run's losses."""
+    r = subprocess.run([sys.executable, str(EXAMPLES / "train_midtraining.py"), "--steps", "16", "--checkpoint-at",
+                        "10", "--anneal-at", "4", "--workdir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "step    0  loss" in r.stdout and "chat rows 0 of 8" in r.stdout
+    assert "of their tokens are targets: the assistant's turns" in r.stdout
+    assert "checkpoint at step 10; killing the process" in r.stdout
+    assert "resumed loss curve matches the uninterrupted run" in r.stdout
