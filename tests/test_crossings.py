@@ -75,6 +75,13 @@ def data(tmp_path_factory, s3):
                               samples_per_shard=40, compression="zstd"),
         "arrow": write_arrow(base / "arrow", docs, num_shards=4),
     }
+    rng = np.random.default_rng(25)
+    masks = [rng.random(len(d)) < 0.6 for d in docs]  # loss masks from the data
+    local["masked"] = write_store(base / "masked", docs, vocab_size=1000, eos_id=1, masks=masks)
+    (base / "olmo").mkdir()
+    np.concatenate(docs).astype(np.uint16).tofile(base / "olmo" / "token_ids_part_0000.npy")
+    np.concatenate(masks).tofile(base / "olmo" / "labels_mask_part_0000.npy")
+    local["olmo_masks"] = base / "olmo"
     (base / "meg").mkdir()
     local["megatron"] = write_megatron(base / "meg" / "text_document", docs).parent
     for kind, suffix in (("raw_bin", "bin"), ("raw_npy", "npy")):
@@ -107,7 +114,9 @@ def cache_limit(path: Path) -> int:
 
 
 FOREIGN = {"megatron": {}, "raw_bin": {"dtype": "uint16", "eos_id": 1}, "raw_npy": {"eos_id": 1}, "litdata": {},
-           "mds": {}, "mds_zstd": {}, "arrow": {}}
+           "mds": {}, "mds_zstd": {}, "arrow": {}, "masked": {},
+           "olmo_masks": {"dtype": "uint16", "eos_id": 1, "file_pattern": "token_ids_*.npy",
+                          "label_masks": "labels_mask_*.npy"}}
 
 
 def source(data, case: dict, s3, local: bool = False) -> dict:
@@ -407,11 +416,16 @@ def check_tool(tool: str, data, case, s3, tmp_path, want: dict) -> None:
             for row in rows:
                 src = next(x for x in config(data, case, s3, local=True)["sources"] if x["name"] == row["source"])
                 for seg in row["segments"] if "path" in src and row["segments"] else []:  # (streamed: no index)
-                    store = TokenStore.open(src["path"], **{k: v for k, v in src.items()
-                                                           if k in ("dtype", "eos_id", "vocab_size")})
+                    store = TokenStore.open(src["path"], **{k: v for k, v in src.items() if k in (
+                        "dtype", "eos_id", "vocab_size", "file_pattern", "label_masks")})
                     a, b = seg["slots"]
                     lo, hi = seg["tokens"]
                     assert np.array_equal(want[s]["inputs"][row["row"], a:b], store[seg["document"]][lo:hi]), (s, row)
+                    if store.masked:  # the runs explain names are the data's targets
+                        marked = np.zeros(hi - lo, bool)
+                        for x, y in seg["targets"]:
+                            marked[x - lo:y - lo] = True
+                        assert np.array_equal(marked, store.target_mask(seg["document"])[lo:hi]), (s, row)
     elif tool == "plan":
         r = command(["plan", str(toml), "--json", *common], env, tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]

@@ -349,3 +349,12 @@ def test_explain_and_plan_say_what_the_mask_trains(mixed):
     assert seen > 0
     described = {s["name"]: s["masked"] for s in p.describe()["sources"]}
     assert described == {"web": False, "chat": True, "code": True}
+
+
+def test_inspect_counts_the_targets(tmp_path):
+    from forge_grain.packing.summary import format_summary
+
+    path, docs, masks, _ = masked_store(tmp_path / "s")
+    marked = sum(int(m.sum()) for m in masks)
+    assert f"targets     {marked:,} (" in format_summary(TokenStore.open(path))
+    assert "targets" not in format_summary(TokenStore.open(write_store(tmp_path / "p", docs, vocab_size=1 << 24)))

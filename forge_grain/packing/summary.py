@@ -28,6 +28,7 @@ def describe(store: TokenStore) -> dict:
         "fingerprint": store.fingerprint,
         "length_percentiles": dict(zip(PERCENTILES, pct.tolist())),
         "mean_length": float(lengths.mean()) if len(lengths) else 0.0,
+        "targets": store.num_targets,
     }
 
 
@@ -54,6 +55,8 @@ def format_summary(store: TokenStore) -> str:
             f"  documents   {d['documents']:,}" + (f"  ({d['skipped_empty']:,} empty one(s) skipped: a document "
                                                    "of no text has no tokens to train)" if d["skipped_empty"] else ""),
             f"  tokens      {d['tokens']:,}  (mean {d['mean_length']:,.1f} per document)",
+            *([f"  targets     {d['targets']:,} ({d['targets'] / max(d['tokens'], 1):.1%} of the tokens: the "
+               "store's target masks mark them; only they train)"] if d["targets"] is not None else []),
             f"  dtype       {d['dtype']}   vocab_size {d['vocab_size']}   bos_id {d['bos_id']}   eos_id {d['eos_id']}",
             f"  lengths     {pct}",
             f"  fingerprint {d['fingerprint']}",

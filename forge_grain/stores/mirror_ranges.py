@@ -65,6 +65,9 @@ class Ranged(FetchedParts):
     def __init__(self, path, storage_options=None, object_cache=None, cache_limit=None, fetch_threads=None,
                  **options):
         self.url = str(path).rstrip("/")
+        if options.get("label_masks") is not None:  # (rather than train every token of them)
+            raise StoreError(f"{self.url}: label_masks are read from local disk, or from a whole copy of the files "
+                             "(no cache_limit), in this version of forge-grain; leave cache_limit out or copy them")
         base, self._objects = self._find_objects(storage_options, options.get("split"), options.get("file_pattern"))
         self.cache = ObjectCache(base, storage_options, object_cache, cache_limit, requests=fetch_threads)
         chosen = {k: v for k, v in options.items() if v is not None and k != "format"}

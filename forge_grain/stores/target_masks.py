@@ -38,3 +38,8 @@ class TargetMasks:
         if not self._mask_arrays:
             return np.ones(len(self[i]), np.bool_)
         return self._runs.document(int(i), lambda k: self._mask_arrays[k]).astype(np.bool_)
+
+    @property
+    def num_targets(self) -> int | None:
+        """The tokens the masks mark as targets (None for a store without masks: all train)."""
+        return int(sum(int(np.count_nonzero(m)) for m in self._mask_arrays)) if self._mask_arrays else None
