@@ -20,6 +20,7 @@ be told apart there. A token trains if any of its characters lie in a training t
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import re
@@ -31,6 +32,7 @@ import numpy as np
 from forge_grain.errors import PrepareError
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_MARKING = contextvars.ContextVar("forge_grain_chat_marking", default=False)  # rendering to find generation blocks
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -82,7 +84,7 @@ def _compiled(template: str):
 
         def _mark(self, caller):
             text = caller()
-            return f"\x00GEN{text}\x00END" if self.environment.globals.get("_marking") else text
+            return f"\x00GEN{text}\x00END" if _MARKING.get() else text
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -90,10 +92,28 @@ def _compiled(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+    class Namespace(jinja2.utils.Namespace):
+        """`namespace()` refusing underscore names, as `transformers`' (templates are untrusted code)."""
+
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
-                       namespace=jinja2.utils.Namespace, dict=dict)
+                       namespace=Namespace, dict=dict)
     return env, env.from_string(template)
 
 
@@ -106,7 +126,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The text `apply_chat_template(messages, tokenize=False)` gives."""
-        env, compiled = _compiled(self.template)
+        _, compiled = _compiled(self.template)
         return compiled.render(messages=_messages(messages), tools=None, documents=None,
                                add_generation_prompt=add_generation_prompt, **self.specials)
 
@@ -132,13 +152,13 @@ class ChatTemplate:
         return text, spans
 
     def _generation_spans(self, messages):
-        env, compiled = _compiled(self.template)
-        env.globals["_marking"] = True
+        _, compiled = _compiled(self.template)
+        token = _MARKING.set(True)
         try:
             marked = compiled.render(messages=_messages(messages), tools=None, documents=None,
                                      add_generation_prompt=False, **self.specials)
         finally:
-            env.globals["_marking"] = False
+            _MARKING.reset(token)
         text, spans, at = [], [], 0
         for part in re.split(r"(\x00GEN|\x00END)", marked):
             if part == "\x00GEN":
