@@ -20,15 +20,11 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from common import example_main
 from forge_grain import DataConfig, Phase, SourceConfig, prepare
-from forge_grain.bridges.torch import GrainIterableDataset
 from forge_grain.demo import write_demo_corpus
 from forge_grain.tokenizer import DEFAULT_TOKENIZER
-from train_torch import TinyGPT, loss_fn
+from train_torch import train_loop
 
 CHATML = (
     "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
@@ -83,46 +79,19 @@ def config(workdir: Path, anneal_at: int) -> DataConfig:
     )
 
 
+def chat_rows(step: int, batch: dict, pipeline) -> str:
+    """How many of the batch's rows are chat rows, and what share of their tokens train."""
+    rows = batch["source_id"] == pipeline.source_names.index("chat")
+    if not rows.any():
+        return f"  chat rows 0 of {len(rows)}"
+    share = (batch["loss_mask"][rows].sum() / (batch["segment_ids"][rows] > 0).sum()).item()
+    return (f"  chat rows {int(rows.sum())} of {len(rows)} ({share:.0%} of their tokens are targets: the "
+            "assistant's turns)")
+
+
 def train(args, resume: bool) -> dict:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)  # the same reduction order in every run
-    cfg = config(args.workdir, args.anneal_at)
-    data = GrainIterableDataset(cfg, rank=0, world_size=1)
-    loader = StatefulDataLoader(data, batch_size=None, num_workers=args.workers)
-    model = TinyGPT(data.pipeline.stores[0].vocab_size, cfg.seq_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ckpt = args.workdir / "checkpoints" / "midtraining-checkpoint.pt"
-    ckpt.parent.mkdir(exist_ok=True)
-    start = 0
-    if resume:
-        state = torch.load(ckpt, weights_only=True)
-        model.load_state_dict(state["model"]), opt.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])
-        start = state["step"]
-    chat = data.pipeline.source_names.index("chat")
-    losses = {}
-    for step, batch in zip(range(start, args.steps), loader):
-        assert int(batch["step"]) == step
-        loss = loss_fn(model, batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses[step] = loss.item()
-        if args.phase == "until-kill" and step + 1 == args.checkpoint_at:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "loader": loader.state_dict(),
-                        "step": step + 1}, tmp)
-            os.replace(tmp, ckpt)  # atomic: a kill never leaves half a checkpoint
-            print(f"checkpoint at step {step + 1}; killing the process", flush=True)
-            os._exit(137)
-        rows = batch["source_id"] == chat
-        if step % 10 == 0 or (rows.any() and step == args.anneal_at):
-            chat_rows = int(rows.sum())
-            share = (batch["loss_mask"][rows].sum() / (batch["segment_ids"][rows] > 0).sum()).item() if chat_rows else 0
-            print(f"[{args.phase}] step {step:4d}  loss {loss.item():.4f}  chat rows {chat_rows} of "
-                  f"{len(rows)}" + (f" ({share:.0%} of their tokens are targets: the assistant's turns)"
-                                   if chat_rows else ""), flush=True)
-    return losses
+    return train_loop(args, resume, config(args.workdir, args.anneal_at), "midtraining-checkpoint.pt", chat_rows,
+                      every=4)
 
 
 if __name__ == "__main__":

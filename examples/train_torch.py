@@ -78,14 +78,20 @@ def loss_fn(model, batch):
 
 
 def train(args, resume: bool) -> dict:
+    return train_loop(args, resume, demo_config(args.workdir), "torch-checkpoint.pt")
+
+
+def train_loop(args, resume: bool, cfg, checkpoint: str, describe=None, every: int = 25) -> dict:
+    """Train from scratch or from `checkpoint` (model, optimizer and loader state in one file),
+    dying right after saving it in the "until-kill" phase; {step: loss}. `describe(step,
+    batch, pipeline)` adds to the line printed every `every` steps."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the same reduction order in every run
-    cfg = demo_config(args.workdir)
     data = GrainIterableDataset(cfg, rank=0, world_size=1)
     loader = StatefulDataLoader(data, batch_size=None, num_workers=args.workers)
     model = TinyGPT(data.pipeline.stores[0].vocab_size, cfg.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ckpt = args.workdir / "checkpoints" / "torch-checkpoint.pt"
+    ckpt = args.workdir / "checkpoints" / checkpoint
     ckpt.parent.mkdir(exist_ok=True)
     start = 0
     if resume:
@@ -108,8 +114,9 @@ def train(args, resume: bool) -> dict:
             os.replace(tmp, ckpt)  # atomic: a kill never leaves half a checkpoint
             print(f"checkpoint at step {step + 1}; killing the process", flush=True)
             os._exit(137)
-        if step % 25 == 0:
-            print(f"[{args.phase}] step {step:4d}  loss {loss.item():.4f}", flush=True)
+        if step % every == 0:
+            extra = describe(step, batch, data.pipeline) if describe else ""
+            print(f"[{args.phase}] step {step:4d}  loss {loss.item():.4f}{extra}", flush=True)
     return losses
 
 

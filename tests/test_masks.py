@@ -14,6 +14,7 @@ import pytest
 
 from forge_grain import StoreError, TokenStore, pack, write_store
 from forge_grain.stores.manifest import MANIFEST_NAME
+from test_seq_lens import Trained
 
 
 def unique_docs(n_docs: int, seed: int, first: int = 2, longest: int = 160):
@@ -143,34 +144,12 @@ def mixed_config(stores, seq_lens=None, batch_sizes=None, phases=True, steps=90)
         **({"seq_lens": seq_lens} if seq_lens else {}), **({"batch_sizes": batch_sizes} if batch_sizes else {})))
 
 
-class Targets:
-    """Per source, how often each of its targets was trained; a bestfit source's epoch ends when
-    every allowed target was trained as often as the others."""
-
-    def __init__(self, ids: range, allowed: np.ndarray, exact: bool):
-        self.ids, self.allowed, self.exact = ids, allowed, exact
-        self.count = np.zeros(len(ids), np.int64)
-        self.epoch = 0
-        self.total = 0
-
-    def add(self, targets: np.ndarray) -> None:
-        i = targets - self.ids.start
-        assert ((i >= 0) & (i < len(self.ids))).all(), "a target of another source"
-        assert self.allowed[i].all(), "a token the data does not mark as a target was trained"
-        np.add.at(self.count, i, 1)
-        self.total += len(i)
-        assert self.count.max() <= self.epoch + 1, "a target trained twice in one epoch"
-        if self.exact and self.count[self.allowed].min() > self.epoch:
-            assert self.count.max() == self.epoch + 1
-            self.epoch += 1
-
-
 def check_masked_run(stores, seq_lens, batch_sizes, resumes):
     from forge_grain import Pipeline
 
     config = mixed_config(stores, seq_lens, batch_sizes)
     p = Pipeline(config, 0, 1, num_threads=0)
-    seen = {n: Targets(stores[n][1], stores[n][2], STRATEGIES[n] == "bestfit") for n in NAMES}
+    seen = {n: Trained(stores[n][1], None, STRATEGIES[n] == "bestfit", stores[n][2]) for n in NAMES}
     batches = []
     for s in range(config.max_steps):
         b = p.global_batch(s)

@@ -75,24 +75,30 @@ def schedules(draw):
 
 
 class Trained:
-    """Per source: how often each of its targets was trained, checked as rows come in order."""
+    """Per source: how often each of its targets was trained, checked as rows come in order.
+    `allowed`: the ids (as offsets from the first) that may be targets, for a source whose
+    data marks its targets (tests/test_masks.py); an epoch ends when all of them trained."""
 
-    def __init__(self, ids: range, ends: np.ndarray, exact: bool):
+    def __init__(self, ids: range, ends: np.ndarray | None, exact: bool, allowed: np.ndarray | None = None):
         self.ids, self.exact = ids, exact
-        self.last = np.zeros(len(ids), np.bool_)  # the documents' last tokens
-        self.last[ends - ids.start] = True
+        self.last = None if ends is None else np.zeros(len(ids), np.bool_)  # the documents' last tokens
+        if ends is not None:
+            self.last[ends - ids.start] = True
+        self.allowed = np.ones(len(ids), np.bool_) if allowed is None else allowed
         self.count = np.zeros(len(ids), np.int64)
         self.epoch = 0  # epochs completed: every target trained this many times at least
         self.total = 0
 
-    def add(self, targets: np.ndarray, natural_stop: np.ndarray) -> None:
+    def add(self, targets: np.ndarray, natural_stop: np.ndarray | None = None) -> None:
         i = targets - self.ids.start
         assert ((i >= 0) & (i < len(self.ids))).all(), "a target of another source"
-        assert np.array_equal(natural_stop, self.last[i]), "natural_stop where a document does not end, or not where it does"
+        assert self.allowed[i].all(), "a token the data does not mark as a target was trained"
+        if natural_stop is not None:
+            assert np.array_equal(natural_stop, self.last[i]), "natural_stop where a document does not end, or not where it does"
         np.add.at(self.count, i, 1)
         self.total += len(i)
         assert self.count.max() <= self.epoch + 1, "a target trained twice in one epoch"
-        if self.exact and self.count.min() > self.epoch:  # the epoch's last target: all trained alike
+        if self.exact and self.count[self.allowed].min() > self.epoch:  # the epoch's last target: all trained alike
             assert self.count.max() == self.epoch + 1, "an epoch ended with targets trained twice"
             self.epoch += 1
 

@@ -319,11 +319,11 @@ class PackedDataset(grain.MapDataset):
         whose target is marked one."""
         if self._row_tokens is None:
             p = self.plan
-            if self.store.masked:
-                self._row_tokens = kernels.row_masked_targets(p.row_ptr, p.seg_start, p.seg_len, p.seg_skip,
-                                                              self.seq_len, self.store.masks, *self._pieces[1:])
-            else:
-                self._row_tokens = kernels.row_loss_positions(p.row_ptr, p.seg_len, p.seg_skip, self.seq_len)
+            masks, none = self.store.masks, np.zeros(1, np.int64)
+            pieces = self._pieces[1:] if masks is not None else (none, none, none)
+            self._row_tokens = kernels.row_loss_positions(p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, self.seq_len,
+                                                          kernels.NO_MASKS if masks is None else masks, *pieces,
+                                                          masks is not None)
         return self._row_tokens
 
     def trained_tokens(self, n: int) -> int:

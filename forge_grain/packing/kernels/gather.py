@@ -15,30 +15,19 @@ from forge_grain.stores.mapping import TokenArrays, token_arrays
 NO_MASKS = TokenArrays(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8))  # a store without
 
 
-@nb.njit(cache=CACHE)
-def row_loss_positions(row_ptr, seg_len, seg_skip, seq_len):
-    """Trained targets (loss positions) of each plan row: what `fill_rows` marks in loss_mask."""
-    out = np.zeros(len(row_ptr) - 1, np.int64)
-    for r in range(len(row_ptr) - 1):
-        p = 0
-        for s in range(row_ptr[r], row_ptr[r + 1]):
-            lo, hi = p + seg_skip[s], min(p + seg_len[s] - 1, seq_len)
-            if hi > lo:
-                out[r] += hi - lo
-            p += seg_len[s]
-    return out
-
-
 @nb.njit(cache=CACHE, nogil=True)
-def row_masked_targets(row_ptr, seg_start, seg_len, seg_skip, seq_len, masks, piece_starts, piece_array, piece_base):
-    """`row_loss_positions` of a store with target masks: the loss positions whose target
-    the store marks a target."""
+def row_loss_positions(row_ptr, seg_start, seg_len, seg_skip, seq_len, masks, piece_starts, piece_array, piece_base,
+                       masked):
+    """Trained targets (loss positions) of each plan row: what `fill_rows` marks in loss_mask;
+    with `masked`, only those whose target the store's `masks` mark (laid out as its pieces)."""
     out = np.zeros(len(row_ptr) - 1, np.int64)
     for r in range(len(row_ptr) - 1):
         p = 0
         for s in range(row_ptr[r], row_ptr[r + 1]):
             lo, hi = p + seg_skip[s], min(p + seg_len[s] - 1, seq_len)
-            if hi > lo:
+            if hi > lo and not masked:
+                out[r] += hi - lo
+            elif hi > lo:
                 g = seg_start[s]
                 pc = np.searchsorted(piece_starts, g, side="right") - 1
                 m = _tokens(masks, piece_array[pc])
