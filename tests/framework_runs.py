@@ -15,6 +15,8 @@ from conftest import store
 
 from forge_grain.locks import file_lock
 
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "tests" / "scripts"
 # kept across checkouts and runs (the environments hold no forge-grain: the runs import the
 # checkout under test through PYTHONPATH)
 ENVS = Path(os.environ.get("FORGE_GRAIN_TEST_ENVS", Path.home() / ".cache" / "forge-grain" / "envs"))

@@ -23,14 +23,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import SLOW
-from framework_runs import framework_env, two_store_toml
+from framework_runs import REPO, SCRIPTS, framework_env, two_store_toml
 
 from forge_grain import ConfigError, DataConfig, Pipeline
 from forge_grain.bridges.jax import MAXTEXT_KEYS, maxtext
 from forge_grain.bridges.maxtext import data_iterators
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "tests" / "scripts"
 MAXTEXT = "maxtext==0.2.5"
 
 

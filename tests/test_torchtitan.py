@@ -21,15 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SLOW
-from framework_runs import framework_env, step_records, two_store_toml
+from framework_runs import REPO, SCRIPTS, framework_env, step_records, two_store_toml
 from multiproc import free_port
 
 from forge_grain.bridges.titan_batches import TitanBatches, titan_batch
 from forge_grain.bridges.torch import to_torch
 from forge_grain import DataConfig, Pipeline, StateError
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "tests" / "scripts"
 TITAN = "torchtitan==0.3.0"
 
 
