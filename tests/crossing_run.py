@@ -184,8 +184,9 @@ def merged(states: list[dict]) -> dict:
     out = {"global": merge_states([s["global"] for s in states])}
     if "loader" in states[0]:
         out["loader"] = {r: l for s in states for r, l in s["loader"].items()}
-    if "olmo" in states[0]:
-        out["olmo"] = states[0]["olmo"]
+    if "olmo" in states[0]:  # OLMo-core's counters (the same on every rank) and, as the loader's state_dict
+        # gathers them across ranks under torch.distributed, every rank's stream positions
+        out["olmo"] = {**states[0]["olmo"], "forge_grain": out["global"]}
     return out
 
 
