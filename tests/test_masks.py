@@ -337,3 +337,18 @@ def test_inspect_counts_the_targets(tmp_path):
     marked = sum(int(m.sum()) for m in masks)
     assert f"targets     {marked:,} (" in format_summary(TokenStore.open(path))
     assert "targets" not in format_summary(TokenStore.open(write_store(tmp_path / "p", docs, vocab_size=1 << 24)))
+
+
+def test_a_label_mask_of_another_dtype_or_other_values_is_named(tmp_path):
+    """A label mask file that is not one: a .npy of int32 (its header says so), or bytes other
+    than 0 and 1 (another file given as masks), each named."""
+    tokens, labels = olmo_sft_files(tmp_path)
+    common = dict(dtype="uint32", eos_id=1, vocab_size=1 << 24, file_pattern="token_ids_*.npy",
+                  label_masks="labels_mask_*.npy")
+    n = len(np.fromfile(labels[0], np.uint8))
+    np.save(labels[0], np.ones(n, np.int32))  # (np.save of a path ending .npy writes it in place)
+    with pytest.raises(StoreError, match=r"labels_mask_part_0000.npy: a label mask is a 1-D bool \(or uint8\) array"):
+        TokenStore.open(tmp_path, **common)
+    np.full(n, 7, np.uint8).tofile(labels[0])
+    with pytest.raises(StoreError, match=r"labels_mask_part_0000.npy: a label mask holds the byte 7"):
+        TokenStore.open(tmp_path, **common)

@@ -319,11 +319,10 @@ class PackedDataset(grain.MapDataset):
         whose target is marked one."""
         if self._row_tokens is None:
             p = self.plan
-            masks, none = self.store.masks, np.zeros(1, np.int64)
-            pieces = self._pieces[1:] if masks is not None else (none, none, none)
+            s, none = self.store, np.zeros(1, np.int64)
+            pieces = self._pieces[1:] if s.masked else (none, none, none)  # (read only with masks)
             self._row_tokens = kernels.row_loss_positions(p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, self.seq_len,
-                                                          kernels.NO_MASKS if masks is None else masks, *pieces,
-                                                          masks is not None)
+                                                          s.masks, *pieces, s.masked)
         return self._row_tokens
 
     def trained_tokens(self, n: int) -> int:
@@ -388,10 +387,9 @@ class PackedDataset(grain.MapDataset):
             p = self.plan
             row_ptr, start, length, skip, flags = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
             pieces = self._fetched_pieces(rows)
-        masks = self.store.masks
         kernels.fill_rows(
             rows, dest, row_ptr, start, length, skip, flags, *pieces, self.seq_len, self.pad_id,
-            *(out[k] for k in ROW_KEYS), kernels.NO_MASKS if masks is None else masks, masks is not None,
+            *(out[k] for k in ROW_KEYS), self.store.masks, self.store.masked,
         )
         return out
 

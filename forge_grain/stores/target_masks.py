@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from forge_grain.stores.mapping import token_arrays
+from forge_grain.stores.mapping import TokenArrays, token_arrays
+
+# the masks of a store without: none to read (the gather is told `masked=False`)
+NO_MASKS = TokenArrays(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8))
 
 
 class TargetMasks:
@@ -26,9 +29,9 @@ class TargetMasks:
     @property
     def masks(self):
         """The target masks as the compiled gather takes them (arrays parallel to `pieces`'),
-        or None for a store without."""
+        `NO_MASKS` for a store without."""
         if not self._mask_arrays:
-            return None
+            return NO_MASKS
         if self._gather_masks is None:
             self._gather_masks = token_arrays(self._mask_arrays)
         return self._gather_masks

@@ -12,13 +12,14 @@ kept. Callers use `kernels.<name>`.
 """
 
 from forge_grain.packing.kernels.gather import (
-    NO_MASKS, arrays_read, fill_rows, one_piece, row_loss_positions, row_segments, token_arrays,
+    arrays_read, fill_rows, one_piece, row_loss_positions, row_segments, token_arrays,
 )
 from forge_grain.packing.kernels.mixing import mix_counts, mix_locate
 from forge_grain.packing.kernels.planning import (
     NATURAL_END, best_fit, clear_natural_ends, fill_gaps, group_by_bin, plan_concat, plan_concat_capped, row_targets, runs_in_documents,
     split_items,
 )
+from forge_grain.stores.target_masks import NO_MASKS  # (the masks of a source without: streaming rows)
 from forge_grain.packing.kernels.shuffle import EXACT_SHUFFLE_MAX, epoch_positions, epoch_rows, permutation
 
 __all__ = ["NATURAL_END", "NO_MASKS", "EXACT_SHUFFLE_MAX", "arrays_read", "best_fit", "clear_natural_ends", "epoch_positions", "epoch_rows", "fill_gaps",

@@ -10,9 +10,7 @@ from numba.extending import intrinsic
 
 from forge_grain.packing.kernels.cache import CACHE
 from forge_grain.packing.kernels.planning import NATURAL_END
-from forge_grain.stores.mapping import TokenArrays, token_arrays
-
-NO_MASKS = TokenArrays(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8))  # a store without
+from forge_grain.stores.mapping import token_arrays
 
 
 @nb.njit(cache=CACHE, nogil=True)
