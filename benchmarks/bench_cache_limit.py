@@ -48,12 +48,13 @@ def served(proxy) -> int:
     return sum(n for path, n in proxy.sent.items() if path.split("?")[0].endswith(DATA))
 
 
-def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path) -> dict:
+def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reach: int | None = None) -> dict:
     """One epoch of a forge-grain source (defaults but `cache_limit`): the bytes its open and its
-    epoch fetched, the epoch's seconds, and its order's shuffle."""
+    epoch fetched, the epoch's seconds, and its order's shuffle. `reach`: the port it reads
+    through (a shaped link in front of the proxy; default the proxy)."""
     from forge_grain import DataConfig, Pipeline
 
-    options = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{proxy.port}"}
+    options = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{reach or proxy.port}"}
     cache = work / "objects"
     shutil.rmtree(cache, ignore_errors=True)
     src = dict(name="web", path=path, strategy="bestfit", storage_options=options, object_cache=str(cache),
@@ -65,17 +66,18 @@ def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path) -> d
     try:
         t = time.perf_counter()
         pipe = Pipeline(config, 0, 1, cache_dir=work / "plans")
-        opened = served(proxy)
+        opened, open_s = served(proxy), time.perf_counter() - t
         steps = sum(1 for _ in pipe.iterator())
         seconds = time.perf_counter() - t  # (from the request: an unbounded peer's dataset is copied at open)
     except Exception as e:  # noqa: BLE001 (a failure is a result)
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     fit = pipe._sources[0].dataset.fitted
-    return {"open": opened, "epoch": served(proxy) - opened, "seconds": seconds, "steps": steps,
+    return {"open": opened, "epoch": served(proxy) - opened, "seconds": seconds, "open_s": open_s, "steps": steps,
             "files_together": fit.files_together if fit is not None else None}
 
 
-def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path, part: int) -> dict:
+def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path, part: int,
+         reach: int | None = None) -> dict:
     """One epoch of a peer's own reader over its own dataset (written and uploaded on first use)."""
     script, cache = {"LitData": ("peer_litdata_s3.py", "litdata-cache"),
                      "MosaicML Streaming": ("peer_mds_s3.py", "mds-cache")}[name]
@@ -85,7 +87,7 @@ def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path
     try:
         done = subprocess.run([python, str(Path(__file__).with_name(script)), str(work / "tokens.npy"),
                                f"http://127.0.0.1:{port}", str(work), str(SEQ_LEN), str(BATCH), "0", str(part),
-                               f"http://127.0.0.1:{proxy.port}"], capture_output=True, text=True, env=env,
+                               f"http://127.0.0.1:{reach or proxy.port}"], capture_output=True, text=True, env=env,
                               timeout=HUNG_S)
     except subprocess.TimeoutExpired:
         return {"error": f"no end of the epoch after {HUNG_S} s (hung)", "epoch": served(proxy)}
@@ -110,6 +112,11 @@ def main() -> None:
     ap.add_argument("--peer-python", help="a Python with litdata and mosaicml-streaming installed")
     ap.add_argument("--work", default="/tmp/forge-grain-bench-cache")
     ap.add_argument("--out", help="also write the table here")
+    ap.add_argument("--readers", help="only the readers whose label holds this text")
+    ap.add_argument("--link", help="ttfb_ms=30,mbps=10: every reader reads each epoch twice, through the counting "
+                                   "proxy (the bytes) and through a shaped link straight to the server "
+                                   "(shaped_link.py: the rates are those of a link, not of this machine's CPU "
+                                   "serving moto and the proxy)")
     a = ap.parse_args()
     import s3fs
     from s3server import FaultProxy
@@ -120,6 +127,10 @@ def main() -> None:
     work.mkdir(parents=True)
     port, server = start_server(work)
     proxy = FaultProxy(port)
+    link, reach = None, None
+    if a.link:
+        from link import parse_link, start_link
+        reach, link = start_link(port, *parse_link(a.link))  # (the counting proxy, in Python, would bind)
     try:
         store = sharded_synthetic_store(work / "store", a.docs, FILES)
         docs = [store[i] for i in range(len(store))]
@@ -143,20 +154,27 @@ def main() -> None:
         header = (f"cache_limit and bytes fetched: {len(store):,} documents, {size / 1e6:.1f} MB of uint16 tokens "
                   f"({FILES} files of {unit / 1e6:.2f} MB); seq_len {SEQ_LEN}, batch {BATCH}, one shuffled epoch; "
                   "each cell: bytes of data files the server sent / the data's bytes (forge-grain: first open + "
-                  "epoch)")
+                  "epoch)" + (f"; rates read through a shaped link to the server, {a.link}" if a.link else ""))
         lines = [header, f"  {'reader':<36}" + "".join(f"{(f'{k} files' if k else 'unbounded'):>18}" for k in LIMITS)]
         print("\n".join(lines), flush=True)
         notes = []
         forge_grain(proxy, port, "s3://bench/store", None, work)  # (warm: numba's compiled kernels, the imports)
         for label, (kind, path) in readers.items():
+            if a.readers and a.readers not in label:
+                continue
             results = {}
             for k in LIMITS:
                 limit = k * unit if k else None
-                if kind == "fg":
-                    results[k] = forge_grain(proxy, port, path, limit, work)
-                else:
-                    part = store.num_tokens // FILES if kind == "LitData" else unit
-                    results[k] = peer(proxy, port, kind, a.peer_python, limit, work, part)
+                part = store.num_tokens // FILES if kind == "LitData" else unit
+                for through in [None] + ([reach] if reach else []):  # bytes counted; then a rate on the link
+                    got = forge_grain(proxy, port, path, limit, work, through) if kind == "fg" else \
+                        peer(proxy, port, kind, a.peer_python, limit, work, part, through)
+                    if through is None:
+                        results[k] = got
+                    elif "error" in got:
+                        results[k]["error"] = f"on the link: {got['error']}"
+                    else:
+                        results[k]["seconds"] = got["seconds"]
             lines.append(f"  {label:<36}" + "".join(f"{cell(results[k], size):>18}" for k in LIMITS))
             print(lines[-1], flush=True)
             for k, r in results.items():
@@ -166,6 +184,7 @@ def main() -> None:
                 base = results[None]["seconds"]
                 notes.append(f"  {label}: rate from the request (open and epoch) against the unbounded cache's "
                              + ", ".join(f"{base / results[k]['seconds']:.2f}x at {k} files" for k in LIMITS if k)
+                             + " (" + ", ".join(f"{r['seconds']:.2f} s" for r in results.values()) + ")"
                              + "; documents of at most "
                              + ", ".join(f"{results[k]['files_together']} files" for k in LIMITS if k)
                              + " interleaved at a time")
@@ -175,8 +194,10 @@ def main() -> None:
             Path(a.out).write_text("\n".join(lines) + "\n")
     finally:
         proxy.stop()
-        server.terminate()
-        server.wait()
+        for proc in (link, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait()
 
 
 if __name__ == "__main__":

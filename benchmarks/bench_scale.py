@@ -310,7 +310,7 @@ def start_server(work: Path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1"}
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("moto_server.py")), "-H", "127.0.0.1", "-p", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=open(work / "moto.log", "w"))
     for _ in range(200):
         try:

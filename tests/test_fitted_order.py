@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -252,3 +253,103 @@ def test_a_first_open_under_a_limit_reads_each_byte_about_once(tmp_path, s3, sto
                    + 2 * mirror_ranges.SAMPLED_ENDS * 8)
         assert served(s3) <= 1.06 * size + sampled, (served(s3) - sampled) / size
     assert store.fingerprint == TokenStore.open(stores[kind], **KINDS[kind]).fingerprint
+
+
+def test_a_cache_of_two_shards_fetches_the_next_as_far_as_it_fits_before_it_is_read(tmp_path, s3, stores):
+    """At a cache_limit of exactly two shards' worth, the next shard cannot fit beside the one
+    being read and the indices: it is fetched as far as it fits while the shard before is read,
+    and finished once that one leaves (before, every shard boundary waited for a whole download:
+    0.47x the unbounded rate behind a link of 30 ms and 10 MB/s a connection). The batches stay
+    the local copy's, the cache never holds more than the limit, each shard is fetched once."""
+    sizes = data_files(stores["bin"])
+    limit = 2 * max(sizes)
+    src = remote(s3, tmp_path, "bin", limit)
+    local = Pipeline(config(stores["bin"], shuffle_bytes=limit // 4), 0, 1, num_threads=0, cache_dir=tmp_path / "p1")
+    pipe = Pipeline(config("s3://fit/bin", **src), 0, 1, num_threads=0, cache_dir=tmp_path / "p2")
+    store = pipe.stores[0]
+    names = {k: store.manifest.shards[k].tokens for k in range(len(store.manifest.shards))}
+
+    def shards(step):
+        return set(pipe.datasets[0].arrays_read(pipe.mixture.locate(pipe.shard_rows(step))[1]).tolist())
+
+    def sent(k):
+        return sum(n for p, n in s3.proxy.sent.items() if p.endswith(names[k]))
+
+    s3.proxy.clear()
+    peak = Peak(store.cache)
+    read, ahead = set(), []
+    try:
+        for step in range(pipe.num_steps):
+            want = local.batch(step)
+            assert all(np.array_equal(pipe.batch(step)[k], want[k]) for k in want), step
+            read |= shards(step)
+            new = shards(step + 1) - read if step + 1 < pipe.num_steps else set()
+            for k in new:  # (downloads run in the background: give the one ahead a moment)
+                size = store.manifest.shards[k].num_tokens * store.dtype.itemsize
+                for _ in range(200):
+                    if sent(k) >= size // 2:
+                        break
+                    time.sleep(0.01)
+                ahead.append(sent(k) / size)
+    finally:
+        most = peak.stop()
+    assert len(ahead) >= 10 and min(ahead) >= 0.5, ahead
+    assert min(ahead) < 1, ahead  # (the limit allowed no whole shard ahead: this is what the test is about)
+    assert served(s3) <= 1.05 * sum(sizes), served(s3) / sum(sizes)
+    assert most <= limit, (most, limit)
+
+
+def test_a_prefetch_waiting_for_room_is_finished_when_another_process_needs_it(tmp_path, s3, stores):
+    """A prefetch fetched as far as the cache holds it waits for room while the copy it must not
+    evict is still hinted; another process that needs the object now (a DataLoader worker, a rank
+    on the host) does not wait for those hints to move: the waiting prefetch makes room as a
+    fetch needed now does, finishes, and both read the one copy (fetched once). A prefetch no
+    longer hinted drops what it fetched."""
+    from forge_grain.stores.object_cache import ObjectCache
+
+    opts, local = s3.options(via_proxy=True), stores["bin"]
+    files = sorted(f.name for f in Path(local).iterdir() if f.suffix == ".bin")
+    a, b, c = files[:3]
+    size = (Path(local) / b).stat().st_size
+    limit = (Path(local) / a).stat().st_size + size // 2
+    cache = ObjectCache("s3://fit/bin", opts, tmp_path / "objects", limit)
+    copy = lambda name: f"m/{name}"  # noqa: E731
+    cache.get(a, copy(a))
+    s3.proxy.clear()
+    hinted = {copy(a), copy(b)}
+    got = {}
+    waiting = threading.Thread(target=lambda: got.update(b=cache.get(b, copy(b), upcoming=lambda: hinted,
+                                                                      ahead=True)), daemon=True)
+    waiting.start()
+    try:
+        for _ in range(500):  # its first part arrives: half of it fits
+            if served(s3) >= size // 4:
+                break
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert waiting.is_alive() and not (cache.dir / copy(b)).exists()  # (it waits: `a` is hinted)
+        script = (f"import json\nfrom forge_grain.stores.object_cache import ObjectCache\n"
+                  f"c = ObjectCache('s3://fit/bin', json.loads({json.dumps(json.dumps(opts))}), "
+                  f"{str(tmp_path / 'objects')!r}, {limit})\nprint(c.get({b!r}, {copy(b)!r}))\n")
+        other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert other.returncode == 0, other.stderr[-2000:]
+        waiting.join(30)
+    finally:  # (a failure leaves no prefetch waiting)
+        hinted.discard(copy(b))
+    assert not waiting.is_alive() and got["b"] == cache.dir / copy(b)
+    assert Path(other.stdout.strip()) == got["b"]
+    assert (Path(local) / b).read_bytes() == got["b"].read_bytes()
+    assert served(s3) == size  # fetched once, by the prefetch; the other process read its copy
+    assert cache.used() <= limit
+
+    hinted.update({copy(b), copy(c)})  # a prefetch whose hint moves on while it waits: given up, its bytes dropped
+    dropped = {}
+    waiting = threading.Thread(target=lambda: dropped.update(c=cache.get(c, copy(c), upcoming=lambda: hinted,
+                                                                          ahead=True)), daemon=True)
+    waiting.start()
+    time.sleep(0.5)
+    hinted.discard(copy(c))
+    waiting.join(30)
+    assert not waiting.is_alive() and dropped["c"] is None
+    assert not (cache.dir / copy(c)).exists() and cache.used() <= limit
+    assert not [p for p in (cache.dir / "m").iterdir() if ".tmp-" in p.name]

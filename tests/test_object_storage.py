@@ -243,9 +243,9 @@ def test_an_iterator_downloads_the_first_steps_shards_before_its_first_batch(tmp
 
 
 def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_path, s3, local_stores, monkeypatch):
-    from forge_grain.stores import object_cache
+    from forge_grain.stores import download  # (its parts: BLOCK bytes at most)
 
-    monkeypatch.setattr(object_cache, "BLOCK", 4096)
+    monkeypatch.setattr(download, "BLOCK", 4096)
     s3.proxy.clear()
     store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path))
     disk = TokenStore.open(local_stores["bin"])
@@ -264,9 +264,9 @@ def test_fetch_threads_set_in_a_toml_config_bound_the_reads_in_flight(tmp_path, 
     """`fetch_threads` of a source in object storage reaches its store from a job file: at
     most that many ranged reads are in flight (index reads at open included), and a larger
     value puts more in flight behind a slow link (50 ms to each answer here)."""
-    from forge_grain.stores import object_cache
+    from forge_grain.stores import download  # (its parts: BLOCK bytes at most)
 
-    monkeypatch.setattr(object_cache, "BLOCK", 4096)  # several parts a shard
+    monkeypatch.setattr(download, "BLOCK", 4096)  # several parts a shard
     peaks = []
     for n in (2, 6):
         s3.fs().put(str(local_stores["bin"]), f"bucket/fetch{n}", recursive=True)  # reads counted by prefix
@@ -299,9 +299,9 @@ storage_options = {{ key = "{opts['key']}", secret = "{opts['secret']}", endpoin
 def test_reads_in_flight_grow_behind_a_slow_link_by_default(tmp_path, s3, local_stores, monkeypatch):
     """Without `fetch_threads`, a store behind a link slow to answer (50 ms to each read here)
     puts more reads in flight than the pool starts with: it doubles them while the rate rises."""
-    from forge_grain.stores import object_cache, request_pool
+    from forge_grain.stores import download, request_pool
 
-    monkeypatch.setattr(object_cache, "BLOCK", 4096)  # many parts a shard: more reads than workers
+    monkeypatch.setattr(download, "BLOCK", 4096)  # many parts a shard: more reads than workers
     monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool, grown from the start
     s3.fs().put(str(local_stores["bin"]), "bucket/grow", recursive=True)
     s3.proxy.clear()

@@ -72,7 +72,7 @@ class FetchWindow:
         """Blocks enter the window until it holds `FETCH_SHARDS` shards of every source or
         reaches `fetch_ahead` steps past `step`."""
         w, o = self._window, self.order
-        want = [min(FETCH_SHARDS, len(self.datasets[i].store.files)) for i in self.fetching]
+        want = [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
         last = min(step + 1 + self.fetch_ahead, o.step_limit)
         entered = False
         while w["end"] < last and (w["end"] <= step or any(len(c) < n for c, n in zip(w["counts"], want))):

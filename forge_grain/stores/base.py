@@ -261,6 +261,13 @@ class TokenStore(TargetMasks):
         return list(self._files)
 
     @property
+    def num_arrays(self) -> int:
+        """Token arrays: what a store in object storage fetches (a file or a block of one
+        each), counted by the hints ahead (`pipeline.fetching`); 0 for a store read a
+        document at a time."""
+        return len(self._arrays)
+
+    @property
     def index_files(self) -> list[Path]:
         """Files outside the store's directory it reads besides `files` (a Megatron prefix's
         `.idx`): what else a rewrite of the store touches."""

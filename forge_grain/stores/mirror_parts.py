@@ -87,6 +87,8 @@ class FetchedParts(TokenStore):
             arrays, future = self._opened.get(p), self._pending.pop(p, None)
         if arrays is None:
             if future is not None:
+                if not future.done():
+                    self.cache.hurry(self._parts[p].fetched)  # (a prefetch of it waiting for room: needed now)
                 future.result()  # a failed prefetch raises here, naming the object
             arrays = self._parts[p].arrays(self._keep)
             with self._lock:
@@ -122,17 +124,18 @@ class FetchedParts(TokenStore):
         first = self.units_of(needed)[0]
         parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.room())
         with self._lock:
-            self._keep = frozenset(self._parts[p].copy for p in parts)
+            self._keep = frozenset(n for p in parts for n in (self._parts[p].copy, self._parts[p].fetched))
             for p in [p for p in self._opened if p not in parts]:
                 del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
             for p in parts:
                 if p not in self._opened and p not in self._pending:
-                    self._pending[p] = self._pool.submit(self._parts[p].fetch, self._keep, True,
-                                                         self.cache.requests.job())
+                    self._pending[p] = self.cache.submit_ahead(self._pool, self._parts[p].fetch, lambda: self._keep,
+                                                               True)
 
     def close(self) -> None:
         super().close()
         self._opened.clear()
+        self._keep = frozenset()  # (a prefetch waiting for room stops)
         pool = FetchedParts._pool.made(self)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

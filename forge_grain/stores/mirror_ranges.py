@@ -34,7 +34,8 @@ from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
 from forge_grain.stores.blocks import block_bytes, block_cuts
 from forge_grain.stores.mirror_parts import FetchedParts
-from forge_grain.stores.object_cache import SPLIT, ObjectCache, read_spans
+from forge_grain.stores.download import SPLIT
+from forge_grain.stores.object_cache import ObjectCache, read_spans
 from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.remote_dir import objects_at
 
@@ -280,7 +281,7 @@ class _Block:
 
     def __init__(self, owner: Ranged, name: str, start: int, size: int):
         self.owner, self.name, self.start, self.size = owner, name, start, size
-        self.copy = f"{owner.home}/{name}.{start}-{start + size}.bin"
+        self.copy = self.fetched = f"{owner.home}/{name}.{start}-{start + size}.bin"
 
     def fetch(self, keep=frozenset(), ahead: bool = False, job: int | None = None) -> Path | None:
         return self.owner.cache.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job,

@@ -13,50 +13,39 @@ which objects it needs.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
 import hashlib
 import json
-import mmap
-import os
+import threading
 from pathlib import Path
 
 from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.paths import cache_root, private_cache
+from forge_grain.processes import per_process
 from forge_grain.stores import identify
 from forge_grain.stores.cache_ledger import Ledger
 from forge_grain.stores.cache_room import CacheRoom
 from forge_grain.files import temporary
+from forge_grain.stores.download import SPLIT, Damaged, Download
 from forge_grain.stores.remote_dir import RemoteDir, check_unchanged, remote_sizes
-from forge_grain.stores.request_pool import RETRIES, bounded, read_slot, shared_requests
-
-BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
-# an object is read in as many ranged parts as there are reads in flight (SPLIT at least), each of
-# PART_MIN to BLOCK bytes: the shard a batch waits for arrives on every connection at once (a 24.7 MB
-# shard behind a 10 MB/s-a-connection link: its first batch 1.16 s after the request, 1.79 s in parts
-# of 4 MiB), and a large one in parts that each hold little memory. An object fetched ahead, which
-# nothing waits for yet, is read in parts of at least PART_AHEAD: fewer requests, less CPU a byte. A
-# 128-shard store of 3 MB shards behind 2 MB/s a connection (`bench_scale.py --link`), first batch and
-# core-seconds a GB: every part of at least 256 KiB 0.79 s and 7.6 (LitData 6.1 in that run); parts
-# ahead of at least 1 MiB 1.14 s and 6.2 (LitData 5.6)
-PART_MIN = 1 << 18
-PART_AHEAD = 1 << 20
-SPLIT = 8
+from forge_grain.stores.request_pool import RETRIES, read_slot, shared_requests
 
 
 def within_cache(needed: list, size_of, limit: int | None) -> list:
     """The head of `needed` (objects in reading order) worth fetching ahead into a cache of
-    `limit` bytes: cut where they would fill half the cache (objects hinted further ahead
-    would evict each other's, or other processes', before they are read), but keeping the one
-    read next along with the one read now wherever the two fit the limit (with one alone,
-    every object boundary waited for a download)."""
+    `limit` bytes (the room beside its indices): cut where they would fill it (objects
+    hinted further ahead would evict each other's before they are read), but keeping the
+    one read next along with the one read now (with one alone, every object boundary
+    waited for a download; where the two do not fit, the next is fetched as far as it
+    fits: `cache_room.Partial`). Under a read order that fits the cache
+    (`packing.fitted`) the processes of a host read the same files at the same steps, so
+    their hints name the same copies."""
     if limit is None:
         return needed
     total, kept = 0, []
     for k in needed:
         total += size_of(k)
-        if kept and total > limit // 2 and (len(kept) >= 2 or total > limit):
+        if len(kept) >= 2 and total > limit:
             break
         kept.append(k)
     return kept
@@ -85,21 +74,34 @@ class ObjectCache(CacheRoom, RemoteDir):
         """The local copy (at `copy`, relative to the cache directory) of object `name` (or of
         its `size` bytes from `start`: a range of one large object, copied as a file of its own),
         downloaded first if the cache lacks it, once per host: other processes wait for the
-        download. `upcoming`: copies the next steps read, evicted only when a copy needed now
-        finds no other room. `ahead`: a prefetch, which evicts none of those and is skipped
-        (None) when they fill the cache. `job` (from `requests.job()`): where its reads queue
-        among other objects' (by default after every object asked for before). `tag`: the
-        object's version in the listing a dataset was indexed from (ETag); an object found
-        rewritten since is an error (`changed_under`), not read."""
+        download. `upcoming`: copies the next steps read (or a function giving them as they
+        are now), evicted only when a copy needed now finds no other room. `ahead`: a
+        prefetch, which evicts none of those and is skipped (None) when they fill the cache;
+        or, where part of it fits, fetched as far as it fits and finished when the cache
+        has room (`cache_room.Partial`). `job` (from `requests.job()`): where its reads
+        queue among other objects' (by default after every object asked for before).
+        `tag`: the object's version in the listing a dataset was indexed from (ETag); an
+        object found rewritten since is an error (`changed_under`), not read."""
         local = self.dir / copy
         if local.exists():
             return local
         local.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
-            if local.exists():
-                return local
-            if not self._download(name, local, sha256, size, upcoming, ahead, job, start, tag):
-                return None
+        keep = upcoming if callable(upcoming) else (lambda: upcoming)
+        if not ahead:
+            self.hurry(copy)  # (a prefetch of it waiting for room, in any process: it is needed now)
+        try:
+            if ahead and self.limit is not None and not self._await_turn(copy, keep, job):
+                return None  # no longer hinted while it waited for its turn
+            with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
+                if local.exists():
+                    return local
+                if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag).run():
+                    return None
+        finally:
+            if ahead:
+                self.end_turn(job)
+            else:
+                self._hurry_marker(copy).unlink(missing_ok=True)
         return local
 
     def derive(self, copy: str, size: int | None, write, upcoming=frozenset(), source: str | None = None) -> Path:
@@ -116,7 +118,8 @@ class ObjectCache(CacheRoom, RemoteDir):
                 return local
             tmp = temporary(local)
             if self.limit is not None and size:
-                self._make_room(size, upcoming, tmp, ahead=False, never={source})
+                self._make_room(size, upcoming() if callable(upcoming) else upcoming, tmp, ahead=False,
+                                never={source})
             try:
                 write(tmp)
                 self._commit(tmp, local, tmp.stat().st_size)
@@ -150,7 +153,7 @@ class ObjectCache(CacheRoom, RemoteDir):
             data = self.fs.cat_file(self.path(name))
             size = self.fs.size(self.path(name))
             if len(data) != size:
-                raise _Damaged(f"{len(data)} bytes arrived of {size}")
+                raise Damaged(f"{len(data)} bytes arrived of {size}")
             return data
 
         return self.retry(name, attempt, missing_ok=missing_ok)
@@ -188,62 +191,11 @@ class ObjectCache(CacheRoom, RemoteDir):
                               f"{', '.join(sorted(names)[:8])}{', ...' if len(names) > 8 else ''}")
         return StoreError(f"{self.url}: nothing at this URL (no such object or prefix); check the URL and credentials")
 
-    def _download(self, name: str, local: Path, sha256: str | None, size: int | None, upcoming, ahead,
-                  job: int | None = None, start: int = 0, tag: str | None = None) -> bool:
-        tmp = temporary(local)
-        whole = []  # an object got in one GET before its size was known
-        if size is None and sha256 is not None:  # (an index) its sha256 checks it: no listing or HEAD first
-            whole.append(memoryview(self.retry(name, lambda: self.read_range(name, 0))))
-            size = whole[0].nbytes
-        elif size is None:  # neither the manifest nor the listing says: ask, so a cut-off read is never taken
-            size = self.retry(name, lambda: self.size(name))
-        if self.limit is None:
-            tmp.write_bytes(b"")
-        elif not self._make_room(size, upcoming, tmp, ahead):
-            return False
+    @per_process
+    def _in_flight(self) -> list:
+        """[a lock, the downloads this process has running]: how finely one fetched ahead is cut."""
+        return [threading.Lock(), 0]
 
-        if job is None:
-            job = self.requests.job()  # its parts are read before those of any object asked for later
-        condition = self.conditional(tag)  # (a rewritten object: an error at the GET, or the HEAD after)
-
-        def attempt():
-            step = min(BLOCK, max(PART_AHEAD if ahead else PART_MIN, -(-size // max(SPLIT, self.requests.workers))))
-            spans = [(0, size)] if whole else [(a, min(a + step, size)) for a in range(0, size, step)]
-            with open(tmp, "r+b") as dst:
-                def part(span):  # one ranged GET (no HEAD first), written where it belongs
-                    a, b = span
-                    with read_slot():  # (a retry reads ranges: the whole object's bytes are used once)
-                        block = whole.pop() if whole else memoryview(bounded(self.read_range, name, start + a,
-                                                                             start + b, condition))
-                        if block.nbytes != b - a:
-                            raise _Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
-                        os.pwrite(dst.fileno(), block, a)
-                    return block if len(spans) == 1 else None
-
-                parts = [self.requests.submit(not ahead, job, part, span, size=span[1] - span[0]) for span in spans]
-                try:
-                    blocks = [f.result() for f in parts]
-                finally:  # a failed part: the others are not left writing into the file being retried
-                    for f in parts:
-                        f.cancel()
-                    concurrent.futures.wait(parts)
-                os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
-            if sha256 is not None:
-                with _mapped(tmp) if len(spans) > 1 else contextlib.nullcontext(blocks[0] if spans else b"") as data:
-                    digest = hashlib.sha256(data).hexdigest()
-                if digest != sha256:
-                    raise _Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
-            if tag is not None and condition is None:  # a HEAD after the reads: a rewrite before or during
-                check_unchanged(self, name, tag)        # them is seen
-            self._commit(tmp, local, size)
-
-        try:
-            self.retry(name, attempt, bound=False)  # each ranged read is bounded
-        finally:
-            if tmp.exists():  # a failed download: its reservation goes with it
-                self._forget(tmp)
-        self.downloads += 1
-        return True
 
 def read_spans(cache: ObjectCache, name: str, spans, ahead: int = SPLIT, tag: str | None = None):
     """The bytes of each span [a, b) of object `name` at `cache`'s URL, in order, `ahead` of them
@@ -258,7 +210,7 @@ def read_spans(cache: ObjectCache, name: str, spans, ahead: int = SPLIT, tag: st
             with read_slot():
                 data = memoryview(cache.read_range(name, a, b, condition))
             if data.nbytes != b - a:
-                raise _Damaged(f"{data.nbytes} bytes arrived of the {b - a} asked for at {a}")
+                raise Damaged(f"{data.nbytes} bytes arrived of the {b - a} asked for at {a}")
             return data
         return cache.retry(name, attempt)
 
@@ -279,17 +231,3 @@ def read_spans(cache: ObjectCache, name: str, spans, ahead: int = SPLIT, tag: st
     finally:  # (a reader that stops early leaves no reads queued)
         for f in pending:
             f.cancel()
-
-
-def _mapped(path: Path) -> mmap.mmap:
-    """A download's own temporary file (no other process writes it: the object's lock is held),
-    mapped for its checksum: hashing the pages just written, without reading them into 16 MiB
-    copies, is 1.65x `sha256_file`'s rate on a process's first file and 1.07x after (a 24 MB
-    file in the page cache). `sha256_file` keeps reading: a file another process truncates
-    while it is mapped would kill the reader (SIGBUS) instead of failing its check."""
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
-class _Damaged(Exception):
-    """A download that arrived incomplete or with the wrong checksum (retried)."""

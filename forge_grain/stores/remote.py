@@ -34,7 +34,8 @@ from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, split_joined_in
 from forge_grain.files import remove_stale_temporaries, sha256_file
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.cache_room import read_copy
-from forge_grain.stores.object_cache import PART_MIN, ObjectCache, within_cache
+from forge_grain.stores.download import PART_MIN
+from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import START
 
@@ -154,7 +155,8 @@ class RemoteStore(NativeStore):
     def _fetch(self, k: int, ahead: bool = False, job: int | None = None) -> Path | None:
         s = self.manifest.shards[k]
         size = s.num_tokens * self.dtype.itemsize if self.manifest.layout == "bin" else self._sizes.get(s.tokens)
-        return self.cache.get(s.tokens, self._name(k), s.sha256, size, upcoming=self._keep, ahead=ahead, job=job)
+        keep = (lambda: self._keep) if ahead else self._keep  # (a prefetch waiting for room sees the hints move)
+        return self.cache.get(s.tokens, self._name(k), s.sha256, size, upcoming=keep, ahead=ahead, job=job)
 
     def _array(self, k: int) -> np.ndarray:
         arr = self._mapped.get(k)
@@ -162,6 +164,8 @@ class RemoteStore(NativeStore):
             return arr
         with self._lock:
             future = self._pending.get(k)
+        if future is not None and not future.done():
+            self.cache.hurry(self._name(k))  # (a prefetch of it waiting for room: needed now)
         path = future.result() if future is not None else None
         shard, first = self.manifest.shards[k], [path] if path else []  # (not prefetched: fetched now)
 
@@ -200,7 +204,7 @@ class RemoteStore(NativeStore):
                 del self._mapped[k]
             for k in needed:  # each shard's place among the reads taken now, in the order of need (the
                 if k not in self._mapped and k not in self._pending:  # threads start them in any order)
-                    self._pending[k] = self._pool.submit(self._fetch, k, True, self.cache.requests.job())
+                    self._pending[k] = self.cache.submit_ahead(self._pool, self._fetch, k, True)
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 
@@ -231,6 +235,7 @@ class RemoteStore(NativeStore):
     def close(self) -> None:
         super().close()
         self._mapped.clear()
+        self._keep = frozenset()  # (a prefetch waiting for room stops)
         pool = RemoteStore._pool.made(self)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

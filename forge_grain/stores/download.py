@@ -1,0 +1,184 @@
+"""One object copied into the cache directory (`ObjectCache.get`'s work): its bytes read in
+ranged parts on the process's request threads into a temporary name, reserved against
+`cache_limit` first, checked (size, sha256, version), then renamed.
+
+A prefetch that does not fit the cache whole is fetched as far as it fits and finished
+when there is room (`cache_room.Partial`): the rest is asked for as soon as the room is
+there, while the first parts are still arriving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import mmap
+import os
+import time
+from pathlib import Path
+
+from forge_grain.files import temporary
+from forge_grain.stores.cache_room import GROW_POLL_S
+from forge_grain.stores.remote_dir import check_unchanged
+from forge_grain.stores.request_pool import bounded, read_slot
+
+BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
+# an object is read in as many ranged parts as there are reads in flight (SPLIT at least), each of
+# PART_MIN to BLOCK bytes: the shard a batch waits for arrives on every connection at once (a 24.7 MB
+# shard behind a 10 MB/s-a-connection link: its first batch 1.16 s after the request, 1.79 s in parts
+# of 4 MiB), and a large one in parts that each hold little memory. An object fetched ahead, which
+# nothing waits for, is read in parts of at least PART_AHEAD while many are in flight: fewer requests,
+# less CPU a byte. A 128-shard store of 3 MB shards behind 2 MB/s a connection (`bench_scale.py
+# --link`), first batch and core-seconds a GB: every part of at least 256 KiB 0.79 s and 7.6 (LitData
+# 6.1 in that run); parts ahead of at least 1 MiB 1.14 s and 6.2 (LitData 5.6)
+PART_MIN = 1 << 18
+PART_AHEAD = 1 << 20
+SPLIT = 8
+
+
+class Download:
+    """Object `name` (or its `size` bytes from `start`) copied to `local` in `cache`; see
+    `ObjectCache.get` for the arguments (`keep`: a function giving the copies the next steps
+    read)."""
+
+    def __init__(self, cache, name: str, local: Path, sha256: str | None, size: int | None, keep, ahead: bool,
+                 job: int | None, start: int, tag: str | None):
+        self.cache, self.name, self.local, self.sha256, self.size = cache, name, local, sha256, size
+        self.keep, self.ahead, self.job, self.start, self.tag = keep, ahead, job, start, tag
+        self.tmp = temporary(local)
+        self.whole: list = []  # an object got in one GET before its size was known
+        self.partial = None
+
+    def run(self) -> bool:
+        """The copy made (True), or a prefetch skipped for want of room (False)."""
+        c, name = self.cache, self.name
+        if self.size is None and self.sha256 is not None:  # (an index) its sha256 checks it: no HEAD first
+            self.whole.append(memoryview(c.retry(name, lambda: c.read_range(name, 0))))
+            self.size = self.whole[0].nbytes
+        elif self.size is None:  # neither the manifest nor the listing says: ask, so a cut-off read is never taken
+            self.size = c.retry(name, lambda: c.size(name))
+        if c.limit is None:
+            self.tmp.write_bytes(b"")
+        elif not c._make_room(self.size, self.keep(), self.tmp, self.ahead):
+            self.partial = c._partial(self.local, self.tmp, self.size, self.keep) if self.ahead and not self.whole \
+                else None
+            if self.partial is None:
+                return False
+        if self.ahead:
+            c.end_turn(self.job)  # (its room is reserved: the prefetch needed next may take its own)
+        if self.job is None:
+            self.job = c.requests.job()  # its parts are read before those of any object asked for later
+        self.condition = c.conditional(self.tag)  # (a rewritten object: an error at the GET, or the HEAD after)
+        flight = c._in_flight
+        with flight[0]:
+            flight[1] += 1
+        try:
+            made = c.retry(name, self._attempt, bound=False)  # each ranged read is bounded
+        finally:
+            with flight[0]:
+                flight[1] -= 1
+            if self.partial is not None:
+                self.partial.close()
+            if self.tmp.exists():  # a failed (or given up) download: its reservation goes with it
+                c._forget(self.tmp)
+        if made:
+            c.downloads += 1
+        return made
+
+    def _attempt(self) -> bool:
+        p, size = self.partial, self.size
+        first = size if p is None else p.held
+        with open(self.tmp, "r+b") as dst:
+            parts = self._submit(dst, 0, first, not self.ahead)
+            if first < size:  # a partial prefetch: the rest as soon as the cache has room for it
+                if not self._grow_beside(parts):
+                    self._collect(parts)
+                    return False
+                parts += self._submit(dst, first, size, p.hurried())
+            blocks = self._collect(parts)
+            os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
+        if self.sha256 is not None:
+            one = blocks[0] if len(blocks) == 1 and blocks[0] is not None else (b"" if not size else None)
+            with _mapped(self.tmp) if one is None else contextlib.nullcontext(one) as data:
+                digest = hashlib.sha256(data).hexdigest()
+            if digest != self.sha256:
+                raise Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
+        if self.tag is not None and self.condition is None:  # a HEAD after the reads: a rewrite before or during
+            check_unchanged(self.cache, self.name, self.tag)   # them is seen
+        self.cache._commit(self.tmp, self.local, size)
+        return True
+
+    def _grow_beside(self, parts: list) -> bool:
+        """Wait, while the first parts arrive, until the partial prefetch can take the rest's
+        room: True once it has it; False when it is no longer wanted after its first parts
+        arrived. A failed part raises."""
+        p = self.partial
+        while not p.try_grow():
+            running = [f for f in parts if not f.done()]
+            if any(f.exception() is not None for f in parts if f.done() and not f.cancelled()):
+                self._collect(parts)  # (raises the failed part's error: the attempt is retried)
+            if not running and not p.wanted():
+                return False
+            if running:
+                concurrent.futures.wait(running, timeout=GROW_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED)
+            else:
+                time.sleep(GROW_POLL_S)
+        return True
+
+    def _submit(self, dst, lo: int, hi: int, urgent: bool) -> list:
+        """The ranged reads of bytes [lo, hi) into `dst`, queued on the request threads."""
+        c, name, size, whole = self.cache, self.name, self.size, self.whole
+        step = self._part_size(hi - lo, urgent)
+        spans = [(0, size)] if whole else [(a, min(a + step, hi)) for a in range(lo, hi, step)]
+        one = len(spans) == 1 and spans[0] == (0, size)
+
+        def part(span):  # one ranged GET (no HEAD first), written where it belongs
+            a, b = span
+            with read_slot():  # (a retry reads ranges: the whole object's bytes are used once)
+                block = whole.pop() if whole else memoryview(bounded(c.read_range, name, self.start + a,
+                                                                     self.start + b, self.condition))
+                if block.nbytes != b - a:
+                    raise Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
+                os.pwrite(dst.fileno(), block, a)
+            return block if one else None
+
+        return [c.requests.submit(urgent, self.job, part, span, size=span[1] - span[0]) for span in spans]
+
+    @staticmethod
+    def _collect(parts: list) -> list:
+        try:
+            return [f.result() for f in parts]
+        finally:  # a failed part: the others are not left writing into the file being retried
+            for f in parts:
+                f.cancel()
+            concurrent.futures.wait(parts)
+
+    def _part_size(self, size: int, urgent: bool) -> int:
+        """The bytes of one ranged part of `size` bytes to read: as many parts as request
+        threads (SPLIT at least), of PART_MIN at least. A download fetched ahead, which nothing
+        waits for, is cut into parts of PART_AHEAD at least only while the downloads in flight
+        give every request thread two parts of that size; fewer objects in flight (a bounded
+        cache fetching one shard ahead) are cut finer, so that the link stays full and the
+        request threads grow (one 24.7 MB shard at a time behind a link of 10 MB/s a
+        connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew to)."""
+        c = self.cache
+        workers = max(SPLIT, c.requests.workers)
+        even = -(-size // workers)
+        if urgent:
+            return min(BLOCK, max(PART_MIN, even))
+        share = -(-size * c._in_flight[1] // (2 * workers))
+        return min(BLOCK, max(PART_MIN, min(max(PART_AHEAD, even), share)))
+
+
+def _mapped(path: Path) -> mmap.mmap:
+    """A download's own temporary file (no other process writes it: the object's lock is held),
+    mapped for its checksum: hashing the pages just written, without reading them into 16 MiB
+    copies, is 1.65x `sha256_file`'s rate on a process's first file and 1.07x after (a 24 MB
+    file in the page cache). `sha256_file` keeps reading: a file another process truncates
+    while it is mapped would kill the reader (SIGBUS) instead of failing its check."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+class Damaged(Exception):
+    """A download that arrived incomplete or with the wrong checksum (retried)."""
