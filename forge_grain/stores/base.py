@@ -190,9 +190,7 @@ class TokenStore(TargetMasks):
 
     def __getitem__(self, i: int) -> np.ndarray:
         n = len(self._offsets) - 1
-        i = int(i)
-        if i < 0:
-            i += n
+        i = int(i) + (n if int(i) < 0 else 0)
         if not 0 <= i < n:
             raise IndexError(f"document {i} out of range for a store of {n} documents")
         if self._runs is None:
@@ -215,9 +213,7 @@ class TokenStore(TargetMasks):
 
     def shard_of(self, doc: int) -> int:
         """The data file holding document `doc`."""
-        if len(self._file_docs) == 1:
-            return 0
-        return int(np.searchsorted(self._file_doc_starts, doc, side="right") - 1)
+        return 0 if len(self._file_docs) == 1 else int(np.searchsorted(self._file_doc_starts, doc, side="right") - 1)
 
     def place_of(self, doc: int) -> tuple[Path | None, int]:
         """The data file holding document `doc`, and the document's index within that file."""
@@ -261,10 +257,7 @@ class TokenStore(TargetMasks):
         return list(self._files)
 
     @property
-    def num_arrays(self) -> int:
-        """Token arrays: what a store in object storage fetches (a file or a block of one
-        each), counted by the hints ahead (`pipeline.fetching`); 0 for a store read a
-        document at a time."""
+    def num_arrays(self) -> int:  # what a store in object storage fetches: files, or blocks of one
         return len(self._arrays)
 
     @property

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from pathlib import Path
 
 from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
-from forge_grain.processes import EXITING, per_process
+from forge_grain.processes import per_process
 from forge_grain.stores import handles
+from forge_grain.stores.room_ahead import Partial, Turns
 from forge_grain.files import remove_stale_temporaries
 
 # data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
 EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
-PARTIAL_MIN = 1 << 20  # the least of a prefetch worth fetching before the rest fits (or a sixteenth of it)
-GROW_POLL_S = 0.01  # how often a partial prefetch looks for room (a lock and the ledger's tail)
 
 
 class CacheRoom:
@@ -67,11 +65,8 @@ class CacheRoom:
     def _partial(self, local: Path, tmp: Path, size: int, keep) -> "Partial | None":
         """A prefetch of `size` bytes that does not fit the cache now, reserved as far as it
         fits (None where under a quarter of it does, or another of this process's waits)."""
-        turns = self._turns
-        with turns[0]:
-            if turns[1]:
-                return None
-            turns[1] += 1
+        if not self.turns.start_partial():
+            return None
         with self._accounting():
             files = self.ledger.sync()
             upcoming = keep()
@@ -81,60 +76,13 @@ class CacheRoom:
         held = min(free, size - 1)
         if held >= max(1, size // 4) and self._make_room(held, upcoming, tmp, ahead=True):
             return Partial(self, self._name(local), tmp, held, size, keep)
-        self._end_wait()
+        self.turns.end_partial()
         return None
 
     @per_process
-    def _turns(self) -> list:
-        """[a condition, this process's partial prefetches waiting for room (one at most), the
-        jobs of the prefetches queued (`submit_ahead`)]: prefetches take room in the order the
-        steps need them, none while a partial one waits (it would take the room that one
-        waits for; and one needed later that took room first would be evicted by the earlier
-        one, needed now, and fetched twice)."""
-        return [threading.Condition(), 0, set()]
-
-    def submit_ahead(self, pool, fetch, *args):
-        """`fetch(*args, job)` of a prefetch on `pool`, its job (`requests.job()`) queued as it
-        is submitted, in the order of need: it takes room after those queued before it."""
-        job = self.requests.job()
-        with self._turns[0]:
-            self._turns[2].add(job)
-
-        def ahead():
-            try:
-                return fetch(*args, job)
-            finally:  # (a prefetch that found its copy there, or failed, leaves its turn too)
-                self.end_turn(job)
-
-        try:
-            return pool.submit(ahead)
-        except BaseException:
-            self.end_turn(job)
-            raise
-
-    def _await_turn(self, copy: str, keep, job: int | None) -> bool:
-        """Wait until prefetch `job` may take room: no partial prefetch waits, and no prefetch
-        queued before it is still to take its room. False if `copy` is no longer hinted
-        meanwhile (or the interpreter exits)."""
-        turns = self._turns
-        with turns[0]:
-            while turns[1] or (job in turns[2] and job != min(turns[2])):
-                if copy not in keep() or EXITING.is_set():
-                    return False
-                turns[0].wait(GROW_POLL_S * 5)
-        return True
-
-    def end_turn(self, job: int | None) -> None:
-        """Prefetch `job` has its room (or none, or wants none): the next may take theirs."""
-        with self._turns[0]:
-            self._turns[2].discard(job)
-            self._turns[0].notify_all()
-
-    def _end_wait(self) -> None:
-        """A partial prefetch has its room, or gave up."""
-        with self._turns[0]:
-            self._turns[1] -= 1
-            self._turns[0].notify_all()
+    def turns(self) -> Turns:
+        """The order in which this process's prefetches take room in the cache."""
+        return Turns()
 
     def _make_room(self, size: int, upcoming: set, reserve: Path, ahead: bool, never=frozenset(),
                    held: int = 0) -> bool:
@@ -266,44 +214,3 @@ def read_copy(fetch, read, what: str, limit: int | None, needed: str):
         return value
     raise StoreError(f"{what}: evicted before it could be read, {EVICTED_TRIES} times: cache_limit {limit} bytes "
                      f"cannot hold {needed}; raise cache_limit")
-
-
-class Partial:
-    """A prefetch fetched as far as the cache holds it, finished once there is room: in a
-    cache of two shards' worth, the next shard cannot fit beside the one being read and the
-    indices; without this, every shard boundary waited for a whole download (16 shards
-    behind a link of 30 ms and 10 MB/s a connection: 0.47x the unbounded rate). It holds the
-    object's lock meanwhile; a fetch of it needed now, in any process (`hurry`), makes it
-    stop waiting and make room as such a fetch does."""
-
-    def __init__(self, cache: CacheRoom, copy: str, tmp: Path, held: int, size: int, keep):
-        self.cache, self.copy, self.tmp, self.held, self.size, self.keep = cache, copy, tmp, held, size, keep
-        self.marker = cache._hurry_marker(copy)
-        self._counted = True  # (in `cache._turns`, by `_partial`)
-
-    def hurried(self) -> bool:
-        return self.marker.exists()
-
-    def wanted(self) -> bool:
-        """Needed now, or still hinted (not once the hints moved on, the store closed or the
-        interpreter exits: then what it fetched is dropped)."""
-        return self.hurried() or (self.copy in self.keep() and not EXITING.is_set())
-
-    def try_grow(self) -> bool:
-        """Whether the rest's room is reserved: now, evicting none of the copies the next steps
-        read unless it is needed now (then it waits for room as such a fetch does)."""
-        if self.held < self.size:
-            hurried = self.hurried()
-            if not self.cache._make_room(self.size - self.held, self.keep(), self.tmp, ahead=not hurried,
-                                         held=self.held):
-                return False
-            self.held = self.size
-            self.close(counted_only=True)
-        return True
-
-    def close(self, counted_only: bool = False) -> None:
-        if self._counted:
-            self.cache._end_wait()
-            self._counted = False
-        if not counted_only:
-            self.marker.unlink(missing_ok=True)

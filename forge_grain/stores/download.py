@@ -3,7 +3,7 @@ ranged parts on the process's request threads into a temporary name, reserved ag
 `cache_limit` first, checked (size, sha256, version), then renamed.
 
 A prefetch that does not fit the cache whole is fetched as far as it fits and finished
-when there is room (`cache_room.Partial`): the rest is asked for as soon as the room is
+when there is room (`room_ahead.Partial`): the rest is asked for as soon as the room is
 there, while the first parts are still arriving.
 """
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from forge_grain.files import temporary
-from forge_grain.stores.cache_room import GROW_POLL_S
+from forge_grain.stores.room_ahead import GROW_POLL_S
 from forge_grain.stores.remote_dir import check_unchanged
 from forge_grain.stores.request_pool import bounded, read_slot
 
@@ -65,7 +65,7 @@ class Download:
             if self.partial is None:
                 return False
         if self.ahead:
-            c.end_turn(self.job)  # (its room is reserved: the prefetch needed next may take its own)
+            c.turns.end(self.job)  # (its room is reserved: the prefetch needed next may take its own)
         if self.job is None:
             self.job = c.requests.job()  # its parts are read before those of any object asked for later
         self.condition = c.conditional(self.tag)  # (a rewritten object: an error at the GET, or the HEAD after)

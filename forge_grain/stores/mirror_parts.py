@@ -129,8 +129,9 @@ class FetchedParts(TokenStore):
                 del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
             for p in parts:
                 if p not in self._opened and p not in self._pending:
-                    self._pending[p] = self.cache.submit_ahead(self._pool, self._parts[p].fetch, lambda: self._keep,
-                                                               True)
+                    job, part = self.cache.requests.job(), self._parts[p]
+                    self._pending[p] = self.cache.turns.submit(
+                        self._pool, job, lambda part=part, j=job: part.fetch(lambda: self._keep, True, j))
 
     def close(self) -> None:
         super().close()

@@ -37,7 +37,7 @@ def within_cache(needed: list, size_of, limit: int | None) -> list:
     hinted further ahead would evict each other's before they are read), but keeping the
     one read next along with the one read now (with one alone, every object boundary
     waited for a download; where the two do not fit, the next is fetched as far as it
-    fits: `cache_room.Partial`). Under a read order that fits the cache
+    fits: `room_ahead.Partial`). Under a read order that fits the cache
     (`packing.fitted`) the processes of a host read the same files at the same steps, so
     their hints name the same copies."""
     if limit is None:
@@ -78,7 +78,7 @@ class ObjectCache(CacheRoom, RemoteDir):
         are now), evicted only when a copy needed now finds no other room. `ahead`: a
         prefetch, which evicts none of those and is skipped (None) when they fill the cache;
         or, where part of it fits, fetched as far as it fits and finished when the cache
-        has room (`cache_room.Partial`). `job` (from `requests.job()`): where its reads
+        has room (`room_ahead.Partial`). `job` (from `requests.job()`): where its reads
         queue among other objects' (by default after every object asked for before).
         `tag`: the object's version in the listing a dataset was indexed from (ETag); an
         object found rewritten since is an error (`changed_under`), not read."""
@@ -90,7 +90,7 @@ class ObjectCache(CacheRoom, RemoteDir):
         if not ahead:
             self.hurry(copy)  # (a prefetch of it waiting for room, in any process: it is needed now)
         try:
-            if ahead and self.limit is not None and not self._await_turn(copy, keep, job):
+            if ahead and self.limit is not None and not self.turns.wait(copy, keep, job):
                 return None  # no longer hinted while it waited for its turn
             with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
                 if local.exists():
@@ -99,7 +99,7 @@ class ObjectCache(CacheRoom, RemoteDir):
                     return None
         finally:
             if ahead:
-                self.end_turn(job)
+                self.turns.end(job)
             else:
                 self._hurry_marker(copy).unlink(missing_ok=True)
         return local

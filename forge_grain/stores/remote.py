@@ -204,7 +204,9 @@ class RemoteStore(NativeStore):
                 del self._mapped[k]
             for k in needed:  # each shard's place among the reads taken now, in the order of need (the
                 if k not in self._mapped and k not in self._pending:  # threads start them in any order)
-                    self._pending[k] = self.cache.submit_ahead(self._pool, self._fetch, k, True)
+                    job = self.cache.requests.job()
+                    self._pending[k] = self.cache.turns.submit(self._pool, job,
+                                                               lambda k=k, j=job: self._fetch(k, True, j))
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 
