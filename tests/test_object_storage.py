@@ -156,9 +156,9 @@ def test_elastic_resume_from_object_storage_equals_the_disk_stream(tmp_path, s3,
 
 
 def test_a_long_lookahead_with_a_small_cache_fetches_each_shard_about_once(tmp_path, s3, local_stores):
-    """Shards are hinted in the order the steps read them, and no further ahead than half the
-    cache holds: a lookahead longer than the cache (64 steps, a 20% cache, the locality order
-    one chunk at a time) does not make downloads evict each other before they are read."""
+    """Shards are hinted in the order the steps read them, and no further ahead than the cache
+    holds: a lookahead longer than the cache (64 steps, a 20% cache, the locality order one
+    chunk at a time) does not make downloads evict each other before they are read."""
     s3.proxy.clear()
     limit = 120_000
     remote = source("s3://bucket/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "o"),
@@ -180,8 +180,8 @@ def test_a_long_lookahead_with_a_small_cache_fetches_each_shard_about_once(tmp_p
 
 
 def test_a_cache_of_two_shards_downloads_the_next_shard_while_one_is_read(tmp_path, s3, local_stores):
-    """With room for the shard read now and the next (not for half the cache to hold both), the
-    next is in the cache before the first step that reads it: no shard boundary waits for a
+    """With room for the shard read now and the next (not for a third), the next is in the
+    cache before the first step that reads it: no shard boundary waits for a
     download (the locality order, a window a shard, each shard read for more than the 16 steps
     the pipeline's hints move by)."""
     disk_store = TokenStore.open(local_stores["bin"])
