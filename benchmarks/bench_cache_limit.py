@@ -1,6 +1,7 @@
 """Bytes fetched per epoch under a bounded cache: forge-grain beside LitData and MosaicML Streaming.
 
     python benchmarks/bench_cache_limit.py [--docs 16000] [--peer-python PYTHON] [--out FILE]
+        [--link ttfb_ms=30,mbps=10] [--readers TEXT]
 
 One corpus (synthetic documents of uint16 tokens, `corpora.sharded_synthetic_store`) is
 uploaded to moto's S3 server (its own process) as a forge-grain store of 16 shards and a
@@ -14,9 +15,13 @@ its store, the Megatron file and the LitData dataset; LitData's `StreamingDatase
 (`max_cache_size`) and MosaicML's (`cache_limit`) over their own. Each cell is the bytes
 fetched divided by the dataset's bytes; forge-grain's first open (which reads a LitData
 chunk's documents out of it, and a Megatron index) is shown apart from its epoch. A reader
-that fails, or hangs (no end of the epoch in `HUNG_S`), is recorded as such. Beside forge-grain's figures: its epoch's rate against the
-unbounded one (from the request, the open included: unbounded, a peer's dataset is copied at
-open), and the shuffle it keeps (documents of at most N files interleaved at a time).
+that fails, or hangs (no end of the epoch in `HUNG_S`), is recorded as such. Beside
+forge-grain's figures: its epoch's rate against the unbounded one (from the request, the open
+included: unbounded, a peer's dataset is copied at open), and the shuffle it keeps (documents
+of at most N files interleaved at a time). On 127.0.0.1 that rate measures the CPU the
+server, the proxy and the loader share; with `--link` each epoch is read again through
+`shaped_link.py` straight to the server, and the rates are that link's. The server is
+`moto_server.py` (moto, its ranged GETs served at the cost of the range).
 """
 
 from __future__ import annotations
@@ -188,6 +193,7 @@ def main() -> None:
                              + "; documents of at most "
                              + ", ".join(f"{results[k]['files_together']} files" for k in LIMITS if k)
                              + " interleaved at a time")
+                print(notes[-1], flush=True)  # (as soon as it is known: a peer's run may hang for minutes)
         lines += ["", *notes]
         print("\n".join(["", *notes]), flush=True)
         if a.out:
