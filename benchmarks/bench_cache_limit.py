@@ -21,7 +21,9 @@ included: unbounded, a peer's dataset is copied at open), and the shuffle it kee
 of at most N files interleaved at a time). On 127.0.0.1 that rate measures the CPU the
 server, the proxy and the loader share; with `--link` each epoch is read again through
 `shaped_link.py` straight to the server, and the rates are that link's. The server is
-`moto_server.py` (moto, its ranged GETs served at the cost of the range).
+`moto_server.py` (moto, its ranged GETs served at the cost of the range). Read flat out, a
+reader is measured by its downloads alone; `--step-ms` adds a training step after each batch
+(a sleep), and the rate says how much of the step time the reads could not hide.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ def served(proxy) -> int:
     return sum(n for path, n in proxy.sent.items() if path.split("?")[0].endswith(DATA))
 
 
-def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reach: int | None = None) -> dict:
+def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reach: int | None = None,
+                step_s: float = 0.0) -> dict:
     """One epoch of a forge-grain source (defaults but `cache_limit`): the bytes its open and its
     epoch fetched, the epoch's seconds, and its order's shuffle. `reach`: the port it reads
-    through (a shaped link in front of the proxy; default the proxy)."""
+    through (a shaped link to the server; default the proxy). `step_s`: a training step's
+    seconds after each batch (a sleep: the GIL released, as a GPU step releases it)."""
     from forge_grain import DataConfig, Pipeline
 
     options = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{reach or proxy.port}"}
@@ -72,7 +76,11 @@ def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reac
         t = time.perf_counter()
         pipe = Pipeline(config, 0, 1, cache_dir=work / "plans")
         opened, open_s = served(proxy), time.perf_counter() - t
-        steps = sum(1 for _ in pipe.iterator())
+        steps = 0
+        for _ in pipe.iterator():
+            steps += 1
+            if step_s:
+                time.sleep(step_s)
         seconds = time.perf_counter() - t  # (from the request: an unbounded peer's dataset is copied at open)
     except Exception as e:  # noqa: BLE001 (a failure is a result)
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -118,6 +126,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/forge-grain-bench-cache")
     ap.add_argument("--out", help="also write the table here")
     ap.add_argument("--readers", help="only the readers whose label holds this text")
+    ap.add_argument("--step-ms", type=float, default=0.0, help="forge-grain's readers on the link sleep this long "
+                    "after each batch, as a trainer's step (0: read flat out)")
     ap.add_argument("--link", help="ttfb_ms=30,mbps=10: every reader reads each epoch twice, through the counting "
                                    "proxy (the bytes) and through a shaped link straight to the server "
                                    "(shaped_link.py: the rates are those of a link, not of this machine's CPU "
@@ -159,7 +169,8 @@ def main() -> None:
         header = (f"cache_limit and bytes fetched: {len(store):,} documents, {size / 1e6:.1f} MB of uint16 tokens "
                   f"({FILES} files of {unit / 1e6:.2f} MB); seq_len {SEQ_LEN}, batch {BATCH}, one shuffled epoch; "
                   "each cell: bytes of data files the server sent / the data's bytes (forge-grain: first open + "
-                  "epoch)" + (f"; rates read through a shaped link to the server, {a.link}" if a.link else ""))
+                  "epoch)" + (f"; rates read through a shaped link to the server, {a.link}" if a.link else "")
+                  + (f", a training step of {a.step_ms:g} ms after each batch" if a.link and a.step_ms else ""))
         lines = [header, f"  {'reader':<36}" + "".join(f"{(f'{k} files' if k else 'unbounded'):>18}" for k in LIMITS)]
         print("\n".join(lines), flush=True)
         notes = []
@@ -172,20 +183,22 @@ def main() -> None:
                 limit = k * unit if k else None
                 part = store.num_tokens // FILES if kind == "LitData" else unit
                 for through in [None] + ([reach] if reach else []):  # bytes counted; then a rate on the link
-                    got = forge_grain(proxy, port, path, limit, work, through) if kind == "fg" else \
+                    got = forge_grain(proxy, port, path, limit, work, through, a.step_ms / 1e3 if through else 0.0) \
+                        if kind == "fg" else \
                         peer(proxy, port, kind, a.peer_python, limit, work, part, through)
                     if through is None:
                         results[k] = got
-                    elif "error" in got:
-                        results[k]["error"] = f"on the link: {got['error']}"
+                    elif "error" in got:  # (its bytes stand; the note says what the link run did)
+                        results[k]["link_error"] = got["error"]
                     else:
                         results[k]["seconds"] = got["seconds"]
             lines.append(f"  {label:<36}" + "".join(f"{cell(results[k], size):>18}" for k in LIMITS))
             print(lines[-1], flush=True)
             for k, r in results.items():
-                if "error" in r:
-                    notes.append(f"  {label}, {k or 'unbounded'} files: {r['error']}")
-            if kind == "fg" and all("error" not in r for r in results.values()):
+                for key, where in (("error", ""), ("link_error", "on the link: ")):
+                    if key in r:
+                        notes.append(f"  {label}, {k or 'unbounded'} files: {where}{r[key]}")
+            if kind == "fg" and all("error" not in r and "link_error" not in r for r in results.values()):
                 base = results[None]["seconds"]
                 notes.append(f"  {label}: rate from the request (open and epoch) against the unbounded cache's "
                              + ", ".join(f"{base / results[k]['seconds']:.2f}x at {k} files" for k in LIMITS if k)
