@@ -297,6 +297,7 @@ def test_a_cache_of_two_shards_fetches_the_next_as_far_as_it_fits_before_it_is_r
     assert min(ahead) < 1, ahead  # (the limit allowed no whole shard ahead: this is what the test is about)
     assert served(s3) <= 1.05 * sum(sizes), served(s3) / sum(sizes)
     assert most <= limit, (most, limit)
+    assert not list(store.cache.dir.glob(".*.hurry.lock"))  # (the word "needed now" is spent once heard)
 
 
 def test_a_prefetch_waiting_for_room_is_finished_when_another_process_needs_it(tmp_path, s3, stores):

@@ -79,6 +79,8 @@ class Download:
                 flight[1] -= 1
             if self.partial is not None:
                 self.partial.close()
+            elif self.ahead and c.limit is not None:  # (hurried while it ran: the word is spent)
+                c._hurry_marker(c._name(self.local)).unlink(missing_ok=True)
             if self.tmp.exists():  # a failed (or given up) download: its reservation goes with it
                 c._forget(self.tmp)
         if made:

@@ -87,7 +87,7 @@ class FetchedParts(TokenStore):
             arrays, future = self._opened.get(p), self._pending.pop(p, None)
         if arrays is None:
             if future is not None:
-                if not future.done():
+                if not future.done() and self.cache.limit is not None:
                     self.cache.hurry(self._parts[p].fetched)  # (a prefetch of it waiting for room: needed now)
                 future.result()  # a failed prefetch raises here, naming the object
             arrays = self._parts[p].arrays(self._keep)

@@ -87,7 +87,7 @@ class ObjectCache(CacheRoom, RemoteDir):
             return local
         local.parent.mkdir(parents=True, exist_ok=True)
         keep = upcoming if callable(upcoming) else (lambda: upcoming)
-        if not ahead:
+        if not ahead and self.limit is not None:
             self.hurry(copy)  # (a prefetch of it waiting for room, in any process: it is needed now)
         try:
             if ahead and self.limit is not None and not self.turns.wait(copy, keep, job):
@@ -100,7 +100,7 @@ class ObjectCache(CacheRoom, RemoteDir):
         finally:
             if ahead:
                 self.turns.end(job)
-            else:
+            elif self.limit is not None:
                 self._hurry_marker(copy).unlink(missing_ok=True)
         return local
 
