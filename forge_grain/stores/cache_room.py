@@ -71,8 +71,7 @@ class CacheRoom:
             files = self.ledger.sync()
             upcoming = keep()
             free = self.limit - self.ledger.used() + sum(
-                n for name, n in files.items()
-                if name.endswith(EVICTABLE) and name not in upcoming and not name.rsplit("/", 1)[-1].startswith("."))
+                n for name, n in files.items() if _evictable(name) and name not in upcoming)
         held = min(free, size - 1)
         if held >= max(1, size // 4) and self._make_room(held, upcoming, tmp, ahead=True):
             return Partial(self, self._name(local), tmp, held, size, keep)
@@ -127,7 +126,7 @@ class CacheRoom:
         those in `upcoming` last (none of them for a prefetch), none in `never`: the bytes freed."""
         candidates, freed = [], 0
         for name, size in list(self.ledger.files.items()):
-            if name.rsplit("/", 1)[-1].startswith(".") or not name.endswith(EVICTABLE) or name in never:
+            if not _evictable(name) or name in never:
                 continue
             try:
                 used = os.stat(self.dir / name).st_mtime
@@ -190,6 +189,11 @@ class CacheRoom:
         """The lock under which the cache's bytes change by more than a shrink (reservations,
         renames, eviction) and are counted, and its ledger written, across the host's processes."""
         return file_lock(self.dir / ".evict.lock")
+
+
+def _evictable(name: str) -> bool:
+    """A copy of a data file (not an index or record, nor a temporary: its name is hidden)."""
+    return name.endswith(EVICTABLE) and not name.rsplit("/", 1)[-1].startswith(".")
 
 
 EVICTED_TRIES = 4  # fetches of one copy that other downloads evicted before it was read

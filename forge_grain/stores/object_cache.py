@@ -97,10 +97,8 @@ class ObjectCache(CacheRoom, RemoteDir):
                     return local
                 if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag).run():
                     return None
-        finally:
-            if ahead:
-                self.turns.end(job)
-            elif self.limit is not None:
+        finally:  # (a prefetch's turn ends where it was submitted: `Turns.submit`)
+            if not ahead and self.limit is not None:
                 self._hurry_marker(copy).unlink(missing_ok=True)
         return local
 
