@@ -159,7 +159,9 @@ class Download:
         """The bytes of one ranged part of `size` bytes to read: as many parts as request
         threads (SPLIT at least), of PART_MIN at least. A download fetched ahead, which nothing
         waits for, is cut into parts of PART_AHEAD at least only while the downloads in flight
-        give every request thread two parts of that size; fewer objects in flight (a bounded
+        and queued give every request thread two parts of that size (counting only those
+        running, the first of 64 shards hinted at once were cut into parts of 256 KiB, and a
+        128-shard store's first batch waited on 2.4x the requests); fewer objects (a bounded
         cache fetching one shard ahead) are cut finer, so that the link stays full and the
         request threads grow (one 24.7 MB shard at a time behind a link of 10 MB/s a
         connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew to)."""
@@ -168,7 +170,8 @@ class Download:
         even = -(-size // workers)
         if urgent:
             return min(BLOCK, max(PART_MIN, even))
-        share = -(-size * c._in_flight[1] // (2 * workers))
+        objects = c._in_flight[1] + c.turns.queued()  # (those queued count: they start in a moment)
+        share = -(-size * objects // (2 * workers))
         return min(BLOCK, max(PART_MIN, min(max(PART_AHEAD, even), share)))
 
 

@@ -52,6 +52,11 @@ class Turns:
                 self._changed.wait(GROW_POLL_S * 5)
         return True
 
+    def queued(self) -> int:
+        """Prefetches submitted and not yet started (what `Download._part_size` counts)."""
+        with self._changed:
+            return len(self._queued)
+
     def end(self, job: int | None) -> None:
         """Prefetch `job` has its room (or none, or wants none): the next may take theirs."""
         with self._changed:
