@@ -10,7 +10,6 @@ there, while the first parts are still arriving.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import mmap
 import os
@@ -31,7 +30,12 @@ BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # less CPU a byte. A 128-shard store of 3 MB shards behind 2 MB/s a connection (`bench_scale.py
 # --link`), first batch and core-seconds a GB: every part of at least 256 KiB 0.79 s and 7.6 (LitData
 # 6.1 in that run); parts ahead of at least 1 MiB 1.14 s and 6.2 (LitData 5.6)
+# An object fetched ahead while few are in flight is cut finer, into parts of PART_LONE at least: a
+# 16-shard store read under a cache_limit of 2 shards (one shard downloading at a time) behind 30 ms
+# and 10 MB/s a connection took 4.4-4.7 s an epoch in parts of 256 KiB (71 a shard), 3.5-3.6 s in
+# parts of 512 KiB and 1 MiB, 4.9-5.1 s in parts of 2 MiB; at 2 MB/s 10.4 s and 10.0 s (256/512 KiB)
 PART_MIN = 1 << 18
+PART_LONE = 1 << 19
 PART_AHEAD = 1 << 20
 SPLIT = 8
 
@@ -90,6 +94,7 @@ class Download:
     def _attempt(self) -> bool:
         p, size = self.partial, self.size
         first = size if p is None else p.held
+        self.spans = []
         with open(self.tmp, "r+b") as dst:
             parts = self._submit(dst, 0, first, not self.ahead)
             if first < size:  # a partial prefetch: the rest as soon as the cache has room for it
@@ -97,14 +102,11 @@ class Download:
                     self._collect(parts)
                     return False
                 parts += self._submit(dst, first, size, p.hurried())
-            blocks = self._collect(parts)
+            digest = hashlib.sha256()
+            self._collect(parts, self._hashing(digest, dst.fileno()) if self.sha256 is not None else None)
             os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
-        if self.sha256 is not None:
-            one = blocks[0] if len(blocks) == 1 and blocks[0] is not None else (b"" if not size else None)
-            with _mapped(self.tmp) if one is None else contextlib.nullcontext(one) as data:
-                digest = hashlib.sha256(data).hexdigest()
-            if digest != self.sha256:
-                raise Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
+        if self.sha256 is not None and digest.hexdigest() != self.sha256:
+            raise Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
         if self.tag is not None and self.condition is None:  # a HEAD after the reads: a rewrite before or during
             check_unchanged(self.cache, self.name, self.tag)   # them is seen
         self.cache._commit(self.tmp, self.local, size)
@@ -132,6 +134,7 @@ class Download:
         c, name, size, whole = self.cache, self.name, self.size, self.whole
         step = self._part_size(hi - lo, urgent)
         spans = [(0, size)] if whole else [(a, min(a + step, hi)) for a in range(lo, hi, step)]
+        self.spans += spans
         one = len(spans) == 1 and spans[0] == (0, size)
 
         def part(span):  # one ranged GET (no HEAD first), written where it belongs
@@ -146,10 +149,33 @@ class Download:
 
         return [c.requests.submit(urgent, self.job, part, span, size=span[1] - span[0]) for span in spans]
 
+    def _hashing(self, digest, fd: int):
+        """What `_collect` does with each part, in order: its bytes into `digest`, so the
+        checksum is taken while the later parts arrive, not after the last (12 ms of a 24.7 MB
+        shard, where a bounded cache fetches one shard at a time). The part is mapped from the
+        file just written, not kept from the read (one slow part would hold every later one in
+        memory) nor copied."""
+        def each(i: int, block) -> None:
+            a, b = self.spans[i]
+            if block is not None or a == b:
+                digest.update(block if block is not None else b"")
+                return
+            start = a - a % mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(fd, b - start, offset=start, access=mmap.ACCESS_READ) as part:
+                digest.update(part if start == a else part[a - start:])
+        return each
+
     @staticmethod
-    def _collect(parts: list) -> list:
+    def _collect(parts: list, each=None) -> list:
+        """The parts' results, in order (`each(i, result)` as each is there); a failed one
+        raises."""
         try:
-            return [f.result() for f in parts]
+            out = []
+            for i, f in enumerate(parts):
+                out.append(f.result())
+                if each is not None:
+                    each(i, out[-1])
+            return out
         finally:  # a failed part: the others are not left writing into the file being retried
             for f in parts:
                 f.cancel()
@@ -158,13 +184,14 @@ class Download:
     def _part_size(self, size: int, urgent: bool) -> int:
         """The bytes of one ranged part of `size` bytes to read: as many parts as request
         threads (SPLIT at least), of PART_MIN at least. A download fetched ahead, which nothing
-        waits for, is cut into parts of PART_AHEAD at least only while the downloads in flight
+        waits for, is cut into parts of PART_AHEAD at least only while the downloads running
         and queued give every request thread two parts of that size (counting only those
         running, the first of 64 shards hinted at once were cut into parts of 256 KiB, and a
         128-shard store's first batch waited on 2.4x the requests); fewer objects (a bounded
-        cache fetching one shard ahead) are cut finer, so that the link stays full and the
-        request threads grow (one 24.7 MB shard at a time behind a link of 10 MB/s a
-        connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew to)."""
+        cache fetching one shard ahead) are cut finer, down to PART_LONE, so that the link
+        stays full and the request threads grow (one 24.7 MB shard at a time behind a link of
+        10 MB/s a connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew
+        to)."""
         c = self.cache
         workers = max(SPLIT, c.requests.workers)
         even = -(-size // workers)
@@ -172,17 +199,7 @@ class Download:
             return min(BLOCK, max(PART_MIN, even))
         objects = c._in_flight[1] + c.turns.queued()  # (those queued count: they start in a moment)
         share = -(-size * objects // (2 * workers))
-        return min(BLOCK, max(PART_MIN, min(max(PART_AHEAD, even), share)))
-
-
-def _mapped(path: Path) -> mmap.mmap:
-    """A download's own temporary file (no other process writes it: the object's lock is held),
-    mapped for its checksum: hashing the pages just written, without reading them into 16 MiB
-    copies, is 1.65x `sha256_file`'s rate on a process's first file and 1.07x after (a 24 MB
-    file in the page cache). `sha256_file` keeps reading: a file another process truncates
-    while it is mapped would kill the reader (SIGBUS) instead of failing its check."""
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return min(BLOCK, max(PART_LONE, min(max(PART_AHEAD, even), share)))
 
 
 class Damaged(Exception):
