@@ -25,6 +25,7 @@ use which means.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread
 import os
 import threading
 import weakref
@@ -97,6 +98,18 @@ at_fork(_reset_lock)
 def stop_at_exit(thread: threading.Thread) -> None:
     """Join `thread` when the interpreter exits (it must return soon after `EXITING` is set)."""
     _STOPPED_AT_EXIT.add(thread)
+
+
+def _exiting() -> None:
+    EXITING.set()
+
+
+# Set when the main thread ends, before the interpreter joins the worker threads of every
+# ThreadPoolExecutor (`concurrent.futures.thread`'s hook, registered on its import; these hooks
+# run newest first) and long before `atexit`'s hooks: a download waiting there for room in a
+# bounded cache, in an executor, hung the exit of a script that did not close its pipeline.
+assert concurrent.futures.thread  # (imported above, so that its hook is registered before this one)
+threading._register_atexit(_exiting)
 
 
 @atexit.register

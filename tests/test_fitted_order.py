@@ -280,8 +280,8 @@ def test_a_cache_of_two_shards_fetches_the_next_as_far_as_it_fits_before_it_is_r
     read, ahead = set(), []
     try:
         for step in range(pipe.num_steps):
-            want = local.batch(step)
-            assert all(np.array_equal(pipe.batch(step)[k], want[k]) for k in want), step
+            want, got = local.batch(step), pipe.batch(step)  # (each step made once, as an iterator makes it)
+            assert all(np.array_equal(got[k], want[k]) for k in want), step
             read |= shards(step)
             new = shards(step + 1) - read if step + 1 < pipe.num_steps else set()
             for k in new:  # (downloads run in the background: give the one ahead a moment)
@@ -298,6 +298,52 @@ def test_a_cache_of_two_shards_fetches_the_next_as_far_as_it_fits_before_it_is_r
     assert served(s3) <= 1.05 * sum(sizes), served(s3) / sum(sizes)
     assert most <= limit, (most, limit)
     assert not list(store.cache.dir.glob(".*.hurry.lock"))  # (the word "needed now" is spent once heard)
+
+
+def test_a_shard_leaves_the_hints_once_the_last_step_reading_it_is_made(tmp_path, s3, stores):
+    """The hints tell a bounded cache which shards the coming steps read; a shard leaves them
+    as soon as the last step reading it is made, in this process or (steps it never makes, as
+    another DataLoader worker's) once a later step is made here; not with the block of 16
+    steps it was looked up in. So a cache of two shards may drop it and fetch the shard after
+    the next while the next still arrives (read flat out, one download at a time before)."""
+    from forge_grain.pipeline.fetching import HINT_STEPS
+
+    limit = 2 * max(data_files(stores["bin"]))
+    for stride in (1, 2):  # (2: the steps of one of two workers)
+        pipe = Pipeline(config("s3://fit/bin", **remote(s3, tmp_path / str(stride), "bin", limit)), 0, 1,
+                        num_threads=0, cache_dir=tmp_path / f"p{stride}")
+        store = pipe.stores[0]
+        read = [set(pipe.datasets[0].arrays_read(pipe.mixture.locate(pipe.shard_rows(t))[1]).tolist())
+                for t in range(pipe.num_steps)]
+        last = {k: max(t for t in range(pipe.num_steps) if k in read[t]) for k in set().union(*read)}
+        early = set()
+        for step in range(0, pipe.num_steps, stride):
+            pipe.batch(step)
+            for k, t in last.items():  # every shard whose last reader is made (or is another worker's, behind)
+                if t <= step:
+                    assert store._name(k) not in store._keep, (stride, step, k, t)
+                    early |= {k} if (t + 1) % HINT_STEPS else set()
+        assert len(early) >= 5, early  # (shards that left before the end of their block of steps)
+
+
+def test_a_script_that_ends_without_closing_its_pipeline_exits_while_a_prefetch_waits_for_room(tmp_path, s3,
+                                                                                                stores):
+    """A training script that stops after some steps and never closes its pipeline exits at
+    once, though a prefetch in a bounded cache is waiting for room (before, the interpreter
+    joined the prefetch's thread at exit, and the prefetch waited for hints that never moved:
+    the script hung)."""
+    src = remote(s3, tmp_path, "bin", 2 * max(data_files(stores["bin"])))
+    child = (f"from forge_grain import DataConfig, Pipeline\n"
+             f"src = dict(name='web', path='s3://fit/bin', **{src!r})\n"
+             f"pipe = Pipeline(DataConfig.from_dict(dict(sources=[src], seq_len=128, global_batch_size=8, seed=0)), 0, 1)\n"
+             f"it = pipe.iterator()\n"
+             f"for _ in range(3):\n"
+             f"    next(it)\n"
+             f"import time; time.sleep(1)  # (the next shard's prefetch is waiting for room now)\n"
+             f"print(len(list(pipe.stores[0].cache.dir.glob('**/*.tmp*'))), 'partial')\n")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] != "0", done.stdout  # (there was one waiting: what the test is about)
 
 
 def test_a_prefetch_waiting_for_room_is_finished_when_another_process_needs_it(tmp_path, s3, stores):

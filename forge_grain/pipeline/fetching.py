@@ -10,6 +10,7 @@ It only advises: a shard nobody was told of is downloaded when a batch reads it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 
 import numpy as np
@@ -19,6 +20,7 @@ FETCH_SHARDS = 64  # shards a source in object storage is told of ahead: as many
 # not a restore: it leaves the window as it is (recomputing a window of 1,024 steps took ~40 ms)
 BEHIND = 64
 HINT_STEPS = 16  # steps whose shards are found together (one lookup for 16 steps, not one a step)
+BOUNDARY = 3  # a block of steps reading this many shards of a source at most is looked up step by step
 
 
 class FetchWindow:
@@ -28,49 +30,92 @@ class FetchWindow:
         self.datasets = [o.dataset for o in opened]
         self.fetching = [i for i, o in enumerate(opened) if o.fetches]  # sources in object storage
         self.order, self.fetch_ahead = order, fetch_ahead
-        self._hints: dict[int, tuple] = {}  # first step -> (end, the arrays each fetching source reads)
-        self._window = {"start": 0, "end": -1}  # the steps hinted, their shards' counts, the last hint sent
+        self._steps: dict[int, list] = {}  # step -> the arrays each fetching source reads at it (in step order)
+        self._begun: set = set()  # steps of the window this process began (`advance`) ...
+        self._made: set = set()  # ... and made (`made`)
+        self._last_made = -1
+        self._window = {"front": 0, "end": -1}  # the last step begun, the first not in the window, shard counts
         self._lock = threading.Lock()
 
     @property
     def active(self) -> bool:
         return bool(self.fetching and self.fetch_ahead)
 
+    @contextlib.contextmanager
+    def making(self, step: int):
+        """Around the making of `step`'s batch: `advance` before, `made` after (also when it
+        fails)."""
+        self.advance(step)
+        try:
+            yield
+        finally:
+            self.made(step)
+
     def advance(self, step: int) -> None:
         """`step` is being made: tell the sources of the shards it and the next steps read. The
         lookahead goes as far as `FETCH_SHARDS` shards of every such source (enough to keep its
         downloads busy whatever the shard size), `fetch_ahead` steps at most (rounded up to a
         block). Steps enter the window `HINT_STEPS` at a time (their shards found by one lookup)
-        and leave it when all of them are made."""
+        and leave it one at a time, once made (`made`)."""
         if not self.active:
             return
         with self._lock:  # Grain's threads make several steps at once
             w = self._window
-            if w["start"] - BEHIND <= step < w["start"]:
-                return  # another thread's step, just behind one made already: the window has passed it
-            if not w["start"] <= step <= w["end"]:  # the first call, a restore, or a jump
-                self._hints.clear()
-                w.update(start=step, end=step, counts=[collections.Counter() for _ in self.fetching], sent=None)
-            changed = self._leave(step) | (w["sent"] is None)
-            w["start"] = step
+            if w["front"] - BEHIND <= step < w["front"]:
+                if step in self._steps:  # another thread's step, just behind one begun already
+                    self._begun.add(step)
+                return
+            if not w["front"] <= step <= w["end"]:  # the first call, a restore, or a jump
+                self._steps.clear()
+                self._begun.clear()
+                self._made.clear()
+                self._last_made = -1
+                w.update(end=step, counts=[collections.Counter() for _ in self.fetching], sent=None)
+            w["front"] = step
+            self._begun.add(step)
+            changed = self._leave() | (w["sent"] is None)
             changed |= self._enter(step)
-            if changed:  # a block came or went: tell the shards, unless they are those told last time
+            if changed:  # a shard came or went: tell the shards, unless they are those told last time
                 self._tell()
 
-    def _leave(self, step: int) -> bool:
-        """Blocks whose steps are all made leave the window, oldest first."""
-        hints, counts, left = self._hints, self._window["counts"], False
-        for a in list(hints):
-            if hints[a][0] > step:
+    def made(self, step: int) -> None:
+        """`step`'s batch is made: the shards that only it and the steps before it read leave
+        the hints now, so a bounded cache may drop them and fetch the next shard while the
+        steps after wait for one still arriving (at a limit of two shards, read flat out,
+        the next shard was hinted only once the one after it had arrived and a block of
+        steps had read it: one download at a time)."""
+        if not self.active:
+            return
+        with self._lock:
+            if step not in self._steps:
+                return
+            self._made.add(step)
+            self._last_made = max(self._last_made, step)
+            if self._leave():
+                self._enter(self._window["front"])
+                self._tell()
+
+    def _leave(self) -> bool:
+        """Steps leave the window in order: each once made here or, never begun here (another
+        worker process's), once a step after it is made here. True if a shard left with them."""
+        counts, left = self._window["counts"], False
+        while self._steps:
+            step = next(iter(self._steps))
+            if not (step in self._made or (step not in self._begun and step < self._last_made)):
                 break
-            for count, arrays in zip(counts, hints.pop(a)[1]):  # (`-=` drops counts at 0)
-                count -= collections.Counter(arrays.tolist())
-            left = True
+            for count, arrays in zip(counts, self._steps.pop(step)):
+                if len(arrays):
+                    count.subtract(arrays.tolist())
+                    for k in [k for k in arrays.tolist() if count[k] <= 0]:
+                        del count[k]
+                        left = True
+            self._made.discard(step)
+            self._begun.discard(step)
         return left
 
     def _enter(self, step: int) -> bool:
-        """Blocks enter the window until it holds `FETCH_SHARDS` shards of every source or
-        reaches `fetch_ahead` steps past `step`."""
+        """Blocks of steps enter the window until it holds `FETCH_SHARDS` shards of every
+        source or reaches `fetch_ahead` steps past `step`."""
         w, o = self._window, self.order
         want = [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
         last = min(step + 1 + self.fetch_ahead, o.step_limit)
@@ -78,14 +123,31 @@ class FetchWindow:
         while w["end"] < last and (w["end"] <= step or any(len(c) < n for c, n in zip(w["counts"], want))):
             a = w["end"]  # (a block may reach up to HINT_STEPS - 1 steps past `fetch_ahead`)
             b = min(a + min(HINT_STEPS, self.fetch_ahead), o.step_limit)
-            src, rank = o.locate(np.concatenate([o.shard_rows(s) for s in range(a, b)]))
-            datasets = o.mixture.datasets  # (a source's rows at the steps' lengths: `seq_lens`)
-            self._hints[a] = (b, [datasets[i].arrays_read(rank[src == i]) for i in self.fetching])
-            for count, arrays in zip(w["counts"], self._hints[a][1]):
-                count.update(arrays.tolist())
+            for s, arrays in self._block(a, b):
+                self._steps[s] = arrays
+                for count, read in zip(w["counts"], arrays):
+                    count.update(read.tolist())
             w["end"] = b
             entered = True
         return entered
+
+    def _block(self, a: int, b: int) -> list:
+        """(step, the arrays each fetching source reads) of steps [a, b), found by one lookup.
+        Where a source's steps there read one shard, or a shuffle's many, the block's shards
+        are given to its last step (they leave the window with the block); where they read
+        two or three (a boundary between shards of the locality order), each step gets its own,
+        so a shard read only by the first steps leaves the window once those are made."""
+        o = self.order
+        rows = [o.shard_rows(s) for s in range(a, b)]
+        src, rank = o.locate(np.concatenate(rows))
+        datasets = o.mixture.datasets  # (a source's rows at the steps' lengths: `seq_lens`)
+        whole = [datasets[i].arrays_read(rank[src == i]) for i in self.fetching]
+        none = [np.zeros(0, np.int64)] * len(self.fetching)
+        if not any(2 <= len(arrays) <= BOUNDARY for arrays in whole):
+            return [(s, none) for s in range(a, b - 1)] + [(b - 1, whole)]
+        cuts = np.cumsum([len(r) for r in rows])[:-1]
+        return [(s, [datasets[i].arrays_read(rank_s[src_s == i]) for i in self.fetching])
+                for s, src_s, rank_s in zip(range(a, b), np.split(src, cuts), np.split(rank, cuts))]
 
     def _tell(self) -> None:
         w = self._window
@@ -94,4 +156,5 @@ class FetchWindow:
             return
         w["sent"] = shards
         for j, i in enumerate(self.fetching):
-            self.datasets[i].store.prefetch(np.concatenate([arrays[j] for _, arrays in self._hints.values()]))
+            read = [arrays[j] for arrays in self._steps.values()]
+            self.datasets[i].store.prefetch(np.concatenate(read) if read else np.zeros(0, np.int64))

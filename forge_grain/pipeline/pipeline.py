@@ -246,8 +246,7 @@ class Pipeline:
             raise self._not_as_sent
         if self.positions is not None:
             self.positions.before_batch(step)
-        self.fetching.advance(step)
-        with self._opener.making(step):
+        with self.fetching.making(step), self._opener.making(step):
             out = self.mixture.get_batch(self.shard_rows(step), id_dtype=self.dtype, seq_len=self.order.seq_len_at(step))
         out["step"] = np.int64(step)
         if self.positions is not None:
