@@ -72,9 +72,10 @@ class FetchWindow:
                 self._last_made = -1
                 w.update(end=step, counts=[collections.Counter() for _ in self.fetching], sent=None)
             w["front"] = step
-            self._begun.add(step)
             changed = self._leave() | (w["sent"] is None)
             changed |= self._enter(step)
+            if step in self._steps:  # (not a step made again after it left)
+                self._begun.add(step)
             if changed:  # a shard came or went: tell the shards, unless they are those told last time
                 self._tell()
 

@@ -32,8 +32,9 @@ BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # 6.1 in that run); parts ahead of at least 1 MiB 1.14 s and 6.2 (LitData 5.6)
 # An object fetched ahead while few are in flight is cut finer, into parts of PART_LONE at least: a
 # 16-shard store read under a cache_limit of 2 shards (one shard downloading at a time) behind 30 ms
-# and 10 MB/s a connection took 4.4-4.7 s an epoch in parts of 256 KiB (71 a shard), 3.5-3.6 s in
-# parts of 512 KiB and 1 MiB, 4.9-5.1 s in parts of 2 MiB; at 2 MB/s 10.4 s and 10.0 s (256/512 KiB)
+# and 10 MB/s a connection took 4.26-4.34 s an epoch with parts of 256 KiB (71 a shard) and 3.89-4.01 s
+# with parts of 512 KiB at least; with every part of 2 MiB at least (12 a shard) 4.9-5.1 s. At 2 MB/s a
+# connection, every part of 512 KiB at least read it in 10.0 s, of 256 KiB in 10.4 s
 PART_MIN = 1 << 18
 PART_LONE = 1 << 19
 PART_AHEAD = 1 << 20
