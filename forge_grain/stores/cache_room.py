@@ -55,9 +55,16 @@ class CacheRoom:
 
     def hurry(self, copy: str) -> None:
         """Say, to any process, that the copy at `copy` is needed now: a prefetch of it waiting
-        for room (`Partial`) stops waiting and makes room as a fetch needed now does."""
-        with contextlib.suppress(OSError):
-            self._hurry_marker(copy).touch()
+        for room (`Partial`) stops waiting and makes room as a fetch needed now does. Nothing
+        for an unbounded cache, where nothing waits for room."""
+        if self.limit is not None:
+            with contextlib.suppress(OSError):
+                self._hurry_marker(copy).touch()
+
+    def heard(self, copy: str) -> None:
+        """The word that `copy` is needed now is spent (its fetch is over)."""
+        if self.limit is not None:
+            self._hurry_marker(copy).unlink(missing_ok=True)
 
     def _hurry_marker(self, copy: str) -> Path:
         return self.dir / f".{copy.replace('/', '_')}.hurry.lock"  # (".lock": not counted, as the locks)
@@ -81,7 +88,7 @@ class CacheRoom:
     @per_process
     def turns(self) -> Turns:
         """The order in which this process's prefetches take room in the cache."""
-        return Turns()
+        return Turns(self.requests.job)
 
     def _make_room(self, size: int, upcoming: set, reserve: Path, ahead: bool, never=frozenset(),
                    held: int = 0) -> bool:

@@ -84,8 +84,8 @@ class Download:
                 flight[1] -= 1
             if self.partial is not None:
                 self.partial.close()
-            elif self.ahead and c.limit is not None:  # (hurried while it ran: the word is spent)
-                c._hurry_marker(c._name(self.local)).unlink(missing_ok=True)
+            elif self.ahead:  # (hurried while it ran: the word is spent)
+                c.heard(c._name(self.local))
             if self.tmp.exists():  # a failed (or given up) download: its reservation goes with it
                 c._forget(self.tmp)
         if made:
@@ -158,8 +158,8 @@ class Download:
         memory) nor copied."""
         def each(i: int, block) -> None:
             a, b = self.spans[i]
-            if block is not None or a == b:
-                digest.update(block if block is not None else b"")
+            if block is not None:  # (an object read in one part: its bytes, kept)
+                digest.update(block)
                 return
             start = a - a % mmap.ALLOCATIONGRANULARITY
             with mmap.mmap(fd, b - start, offset=start, access=mmap.ACCESS_READ) as part:
@@ -167,16 +167,14 @@ class Download:
         return each
 
     @staticmethod
-    def _collect(parts: list, each=None) -> list:
-        """The parts' results, in order (`each(i, result)` as each is there); a failed one
+    def _collect(parts: list, each=None) -> None:
+        """Wait for the parts, in order (`each(i, result)` as each is there); a failed one
         raises."""
         try:
-            out = []
             for i, f in enumerate(parts):
-                out.append(f.result())
+                result = f.result()
                 if each is not None:
-                    each(i, out[-1])
-            return out
+                    each(i, result)
         finally:  # a failed part: the others are not left writing into the file being retried
             for f in parts:
                 f.cancel()

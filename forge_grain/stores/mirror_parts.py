@@ -87,7 +87,7 @@ class FetchedParts(TokenStore):
             arrays, future = self._opened.get(p), self._pending.pop(p, None)
         if arrays is None:
             if future is not None:
-                if not future.done() and self.cache.limit is not None:
+                if not future.done():
                     self.cache.hurry(self._parts[p].fetched)  # (a prefetch of it waiting for room: needed now)
                 future.result()  # a failed prefetch raises here, naming the object
             arrays = self._parts[p].arrays(self._keep)
@@ -129,9 +129,8 @@ class FetchedParts(TokenStore):
                 del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
             for p in parts:
                 if p not in self._opened and p not in self._pending:
-                    job, part = self.cache.requests.job(), self._parts[p]
                     self._pending[p] = self.cache.turns.submit(
-                        self._pool, job, lambda part=part, j=job: part.fetch(lambda: self._keep, True, j))
+                        self._pool, lambda job, part=self._parts[p]: part.fetch(lambda: self._keep, True, job))
 
     def close(self) -> None:
         super().close()

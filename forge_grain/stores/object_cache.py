@@ -87,7 +87,7 @@ class ObjectCache(CacheRoom, RemoteDir):
             return local
         local.parent.mkdir(parents=True, exist_ok=True)
         keep = upcoming if callable(upcoming) else (lambda: upcoming)
-        if not ahead and self.limit is not None:
+        if not ahead:
             self.hurry(copy)  # (a prefetch of it waiting for room, in any process: it is needed now)
         try:
             if ahead and self.limit is not None and not self.turns.wait(copy, keep, job):
@@ -98,8 +98,8 @@ class ObjectCache(CacheRoom, RemoteDir):
                 if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag).run():
                     return None
         finally:  # (a prefetch's turn ends where it was submitted: `Turns.submit`)
-            if not ahead and self.limit is not None:
-                self._hurry_marker(copy).unlink(missing_ok=True)
+            if not ahead:
+                self.heard(copy)
         return local
 
     def derive(self, copy: str, size: int | None, write, upcoming=frozenset(), source: str | None = None) -> Path:

@@ -164,7 +164,7 @@ class RemoteStore(NativeStore):
             return arr
         with self._lock:
             future = self._pending.get(k)
-        if future is not None and not future.done() and self.cache.limit is not None:
+        if future is not None and not future.done():
             self.cache.hurry(self._name(k))  # (a prefetch of it waiting for room: needed now)
         path = future.result() if future is not None else None
         shard, first = self.manifest.shards[k], [path] if path else []  # (not prefetched: fetched now)
@@ -204,9 +204,7 @@ class RemoteStore(NativeStore):
                 del self._mapped[k]
             for k in needed:  # each shard's place among the reads taken now, in the order of need (the
                 if k not in self._mapped and k not in self._pending:  # threads start them in any order)
-                    job = self.cache.requests.job()
-                    self._pending[k] = self.cache.turns.submit(self._pool, job,
-                                                               lambda k=k, j=job: self._fetch(k, True, j))
+                    self._pending[k] = self.cache.turns.submit(self._pool, lambda job, k=k: self._fetch(k, True, job))
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 

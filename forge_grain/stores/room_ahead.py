@@ -18,20 +18,22 @@ class Turns:
     fetched twice: an MDS epoch at a limit of two files fetched 1.06x its data), and none
     while a partial prefetch waits for room (it would take the room that one waits for)."""
 
-    def __init__(self):
+    def __init__(self, next_job):
+        self._next_job = next_job  # (`requests.job`: a number after those of the jobs asked for before)
         self._changed = threading.Condition()
         self._partial = 0  # partial prefetches waiting for room (one at most)
         self._queued: set = set()  # jobs of prefetches submitted and still to take their room
 
-    def submit(self, pool, job: int, fetch):
-        """`fetch()` on `pool`, as prefetch `job` (`requests.job()`, taken in the order of
-        need): it takes room after those submitted before it."""
+    def submit(self, pool, fetch):
+        """`fetch(job)` on `pool`, as a prefetch whose job number is taken now, in the order of
+        need: it takes room after those submitted before it, and its reads queue after theirs."""
+        job = self._next_job()
         with self._changed:
             self._queued.add(job)
 
         def ahead():
             try:
-                return fetch()
+                return fetch(job)
             finally:  # (a prefetch that found its copy there, or failed, leaves its turn too)
                 self.end(job)
 
