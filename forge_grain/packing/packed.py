@@ -27,6 +27,7 @@ from forge_grain.packing.fitted import fitted_chunks
 from forge_grain.packing.plans import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos
 from forge_grain.packing.windows import WindowOrder
 from forge_grain.stores import TokenStore
+from forge_grain.stores.mapping import Addresses
 
 log = logging.getLogger(__name__)
 MASK_KEYS = ("loss_mask", "natural_stop")
@@ -238,6 +239,7 @@ class PackedDataset(grain.MapDataset):
         self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
         self._plan_sha256 = None
         self._last_fetched = None  # (arrays, pieces) of the last gather from object storage (`_fetched_pieces`)
+        self._addresses = Addresses()  # (where those arrays lie, known while they are mapped)
 
     @functools.cached_property
     def _seed_key(self) -> int:
@@ -428,7 +430,7 @@ class PackedDataset(grain.MapDataset):
             return last[1]  # the same arrays, still mapped: the same pieces (35 of 180 us a batch)
         local = np.zeros(int(array.max()) + 1, np.int64)
         local[needed] = np.arange(len(needed))
-        pieces = kernels.token_arrays(arrays), starts, local[array], base
+        pieces = self._addresses.token_arrays(needed.tolist(), arrays), starts, local[array], base
         self._last_fetched = arrays, pieces
         return pieces
 

@@ -17,6 +17,7 @@ import mmap
 import os
 import re
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -148,11 +149,46 @@ class TokenArrays(collections.namedtuple("TokenArrays", "addresses lengths like"
 def token_arrays(arrays) -> TokenArrays:
     """`TokenArrays` of `arrays` (one dtype: a gather writes one id type)."""
     arrays = [np.asarray(a) for a in arrays]
-    if len({a.dtype for a in arrays}) > 1:
-        raise TypeError(f"token arrays of one gather must share a dtype, not {sorted({str(a.dtype) for a in arrays})}")
-    if any(a.ndim != 1 or not a.flags.c_contiguous for a in arrays):
-        raise TypeError("token arrays must be one-dimensional and contiguous")
+    _check(arrays)
     out = TokenArrays(np.array([a.ctypes.data for a in arrays], np.int64), np.array([len(a) for a in arrays], np.int64),
                       arrays[0][:0] if arrays else np.zeros(0, np.uint16))
     out.arrays = arrays
     return out
+
+
+def _check(arrays: list) -> None:
+    if len({a.dtype for a in arrays}) > 1:
+        raise TypeError(f"token arrays of one gather must share a dtype, not {sorted({str(a.dtype) for a in arrays})}")
+    if any(a.ndim != 1 or not a.flags.c_contiguous for a in arrays):
+        raise TypeError("token arrays must be one-dimensional and contiguous")
+
+
+class Addresses:
+    """`token_arrays` of arrays fetched on demand (a store in object storage), remembering each
+    array's address while that array lives: `a.ctypes.data` costs about a microsecond, and a
+    global shuffle's batch of 16 rows from a 128-shard store reads about 40 shards (0.24 s
+    of an epoch's 6,000 steps went to finding the same addresses again). An array mapped
+    again (evicted, then fetched anew) is a new object, so it is looked at anew."""
+
+    def __init__(self):
+        self._known: dict[int, tuple] = {}  # array index -> (weak reference to the array, address, length)
+        self._dtype = None  # (every array here shares one)
+
+    def token_arrays(self, keys, arrays: list) -> TokenArrays:
+        """`token_arrays(arrays)`, array `arrays[i]` being the store's array `keys[i]`."""
+        known, addresses, lengths = self._known, [], []
+        for k, a in zip(keys, arrays):
+            hit = known.get(k)
+            if hit is None or hit[0]() is not a:
+                hit = known[k] = self._new(a)
+            addresses.append(hit[1])
+            lengths.append(hit[2])
+        out = TokenArrays(np.array(addresses, np.int64), np.array(lengths, np.int64),
+                          arrays[0][:0] if arrays else np.zeros(0, np.uint16))
+        out.arrays = arrays
+        return out
+
+    def _new(self, a: np.ndarray) -> tuple:
+        _check([a] if self._dtype is None else [np.zeros(0, self._dtype), a])
+        self._dtype = a.dtype
+        return weakref.ref(a), a.ctypes.data, len(a)

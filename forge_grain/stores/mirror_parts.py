@@ -125,7 +125,8 @@ class FetchedParts(TokenStore):
         parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.room())
         with self._lock:
             self._keep = frozenset(n for p in parts for n in (self._parts[p].copy, self._parts[p].fetched))
-            for p in [p for p in self._opened if p not in parts]:
+            hinted = set(parts)
+            for p in [p for p in self._opened if p not in hinted]:
                 del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
             for p in parts:
                 if p not in self._opened and p not in self._pending:

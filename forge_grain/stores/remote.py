@@ -198,9 +198,10 @@ class RemoteStore(NativeStore):
         needed are dropped, so evicted files free their space."""
         needed = within_cache(list(dict.fromkeys(int(k) for k in needed)),
                               lambda k: self.manifest.shards[k].num_tokens * self.dtype.itemsize, self.cache.room())
+        hinted = set(needed)
         with self._lock:
             self._keep = frozenset(self._name(k) for k in needed)
-            for k in [k for k in self._mapped if k not in set(needed)]:
+            for k in [k for k in self._mapped if k not in hinted]:
                 del self._mapped[k]
             for k in needed:  # each shard's place among the reads taken now, in the order of need (the
                 if k not in self._mapped and k not in self._pending:  # threads start them in any order)
