@@ -260,6 +260,23 @@ def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_p
     assert np.array_equal(store[doc], disk[doc])
 
 
+def test_an_object_fetched_ahead_alone_is_read_in_whole_rounds_of_the_request_threads():
+    """A part's time is mostly the wait for its first byte: an object whose parts would end in
+    a round that leaves request threads idle (48 parts on 32 threads) is cut into larger parts
+    that fill whole rounds (32), never finer than asked and never above BLOCK."""
+    from forge_grain.stores.download import BLOCK, PART_AHEAD, PART_LONE, whole_rounds
+
+    for size in (3_000_000, 24_746_264, 100_000_000, 400_000_000):
+        for workers in (8, 16, 32, 64):
+            for part in (PART_LONE, PART_AHEAD):
+                got = whole_rounds(size, part, workers)
+                parts = -(-size // got)
+                assert part <= got <= max(part, BLOCK)
+                if -(-size // part) >= workers and got < BLOCK:
+                    assert -parts % workers <= 1, (size, workers, part, parts)  # (a round full, to a read)
+    assert -(-24_746_264 // whole_rounds(24_746_264, PART_LONE, 32)) == 32  # (48 parts of 512 KiB before)
+
+
 def test_fetch_threads_set_in_a_toml_config_bound_the_reads_in_flight(tmp_path, s3, local_stores, monkeypatch):
     """`fetch_threads` of a source in object storage reaches its store from a job file: at
     most that many ranged reads are in flight (index reads at open included), and a larger
