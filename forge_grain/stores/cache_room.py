@@ -67,7 +67,12 @@ class CacheRoom:
             self._hurry_marker(copy).unlink(missing_ok=True)
 
     def _hurry_marker(self, copy: str) -> Path:
-        return self.dir / f".{copy.replace('/', '_')}.hurry.lock"  # (".lock": not counted, as the locks)
+        return self._beside(copy, ".hurry.lock")
+
+    def _beside(self, copy: str, suffix: str) -> Path:
+        """A hidden file of the cache directory named for `copy` and ending in `suffix`: its lock
+        (".lock"), its hurry marker; neither is counted against the limit (`_cached`)."""
+        return self.dir / f".{copy.replace('/', '_')}{suffix}"
 
     def _partial(self, local: Path, tmp: Path, size: int, keep) -> "Partial | None":
         """A prefetch of `size` bytes that does not fit the cache now, reserved as far as it

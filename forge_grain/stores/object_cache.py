@@ -92,7 +92,7 @@ class ObjectCache(CacheRoom, RemoteDir):
         try:
             if ahead and self.limit is not None and not self.turns.wait(copy, keep, job):
                 return None  # no longer hinted while it waited for its turn
-            with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
+            with file_lock(self._beside(copy, ".lock")):
                 if local.exists():
                     return local
                 if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag).run():
@@ -111,7 +111,7 @@ class ObjectCache(CacheRoom, RemoteDir):
         local = self.dir / copy
         if local.exists():
             return local
-        with file_lock(self.dir / f".{copy.replace('/', '_')}.lock"):
+        with file_lock(self._beside(copy, ".lock")):
             if local.exists():
                 return local
             tmp = temporary(local)
