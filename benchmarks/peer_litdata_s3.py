@@ -37,6 +37,15 @@ def pieces(k: int):
     yield torch.from_numpy(np.array(tokens[k * step:(k + 1) * step], dtype=tokens.dtype))
 
 
+def upload(fs, local: Path, prefix: str) -> None:
+    """`local`'s files at `prefix`, in place of what an earlier run put there: a put into a
+    prefix that exists nests the copy inside it (fsspec's `cp -r`), and the reader would read
+    the earlier dataset (the 16-shard run's, where bench_scale.py reads 16 then 128)."""
+    if fs.exists(prefix):
+        fs.rm(prefix, recursive=True)
+    fs.put(str(local), prefix, recursive=True)
+
+
 def main() -> None:
     tokens_file, endpoint, work, seq_len, batch, steps, chunk_tokens = sys.argv[1:8]
     read_endpoint = sys.argv[8] if len(sys.argv) > 8 else endpoint
@@ -58,7 +67,7 @@ def main() -> None:
         optimize(fn=pieces, inputs=list(range((n + chunk_tokens - 1) // chunk_tokens)),
                  output_dir=str(work / "litdata"), chunk_size=chunk_tokens, item_loader=TokensLoader(), num_workers=1,
                  verbose=False)
-        s3fs.S3FileSystem(**options).put(str(work / "litdata"), "bench/litdata", recursive=True)
+        upload(s3fs.S3FileSystem(**options), work / "litdata", "bench/litdata")
     storage = {"endpoint_url": read_endpoint, "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
     limit = {"max_cache_size": int(os.environ["BENCH_CACHE_LIMIT"])} if os.environ.get("BENCH_CACHE_LIMIT") else {}
     begin = start = time.perf_counter()
