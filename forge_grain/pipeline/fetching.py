@@ -106,8 +106,9 @@ class FetchWindow:
                 break
             for count, arrays in zip(counts, self._steps.pop(step)):
                 if len(arrays):
-                    count.subtract(arrays.tolist())
-                    for k in [k for k in arrays.tolist() if count[k] <= 0]:
+                    read = arrays.tolist()
+                    count.subtract(read)
+                    for k in [k for k in read if count[k] <= 0]:
                         del count[k]
                         left = True
             self._made.discard(step)

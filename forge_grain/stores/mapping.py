@@ -150,7 +150,12 @@ def token_arrays(arrays) -> TokenArrays:
     """`TokenArrays` of `arrays` (one dtype: a gather writes one id type)."""
     arrays = [np.asarray(a) for a in arrays]
     _check(arrays)
-    out = TokenArrays(np.array([a.ctypes.data for a in arrays], np.int64), np.array([len(a) for a in arrays], np.int64),
+    return _table(arrays, [a.ctypes.data for a in arrays], [len(a) for a in arrays])
+
+
+def _table(arrays: list, addresses: list, lengths: list) -> TokenArrays:
+    """The `TokenArrays` of `arrays`, found at `addresses`, of `lengths` tokens (it keeps them alive)."""
+    out = TokenArrays(np.array(addresses, np.int64), np.array(lengths, np.int64),
                       arrays[0][:0] if arrays else np.zeros(0, np.uint16))
     out.arrays = arrays
     return out
@@ -183,10 +188,7 @@ class Addresses:
                 hit = known[k] = self._new(a)
             addresses.append(hit[1])
             lengths.append(hit[2])
-        out = TokenArrays(np.array(addresses, np.int64), np.array(lengths, np.int64),
-                          arrays[0][:0] if arrays else np.zeros(0, np.uint16))
-        out.arrays = arrays
-        return out
+        return _table(arrays, addresses, lengths)
 
     def _new(self, a: np.ndarray) -> tuple:
         _check([a] if self._dtype is None else [np.zeros(0, self._dtype), a])
