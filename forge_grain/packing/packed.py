@@ -26,7 +26,7 @@ from forge_grain.packing.chunked import CHUNK_DOCS, plan_chunked
 from forge_grain.packing.fitted import fitted_chunks
 from forge_grain.packing.plans import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos
 from forge_grain.packing.windows import WindowOrder
-from forge_grain.stores import TokenStore
+from forge_grain.stores import TokenStore, step_reads
 from forge_grain.stores.mapping import Addresses
 
 log = logging.getLogger(__name__)
@@ -382,18 +382,42 @@ class PackedDataset(grain.MapDataset):
         dest = np.arange(n, dtype=np.int64) if dest is None else np.asarray(dest, np.int64)
         gather = self._gather
         if gather is not None:
-            row_ptr, start, length, skip, flags, pieces = gather
+            self._fill(rows, dest, out, gather)
         elif self._pieces is None:
-            rows, row_ptr, start, length, skip, flags, pieces = self._read_segments(rows)
+            rows, *read = self._read_segments(rows)
+            self._fill(rows, dest, out, read)
         else:  # fetched from object storage: only the arrays these rows read
-            p = self.plan
-            row_ptr, start, length, skip, flags = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
-            pieces = self._fetched_pieces(rows)
+            self._fill_fetched(rows, dest, out)
+        return out
+
+    def _fill(self, rows, dest, out: dict, gather) -> None:
+        """Rows `rows` into `out` at `dest`, from `gather` (the plan's segments and the pieces)."""
+        row_ptr, start, length, skip, flags, pieces = gather
         kernels.fill_rows(
             rows, dest, row_ptr, start, length, skip, flags, *pieces, self.seq_len, self.pad_id,
             *(out[k] for k in ROW_KEYS), self.store.masks, self.store.masked,
         )
-        return out
+
+    def _fill_fetched(self, rows, dest, out: dict) -> None:
+        """Rows of a store fetched from object storage: first those whose shards are here, then
+        (the shards these alone read told done: `step_reads`) those waiting for a download, so
+        that a boundary of the read order that fits the cache frees the shard left behind
+        while the next one arrives."""
+        p = self.plan
+        segments = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
+        needed = self._arrays_of(rows)
+        held = self.store.held(needed)
+        if held.all() or not held.any() or len(rows) < 2:
+            self._fill(rows, dest, out, (*segments, self._fetched_pieces(rows)))
+            return
+        waiting = needed[~held]
+        ready = np.array([not np.isin(self._arrays_of(rows[i : i + 1]), waiting).any() for i in range(len(rows))])
+        if ready.any():
+            self._fill(rows[ready], dest[ready], out, (*segments, self._fetched_pieces(rows[ready])))
+            self._last_fetched = None  # (their maps go with the hints)
+            later = self._arrays_of(rows[~ready])
+            step_reads.done_reading(self.store, needed[held & ~np.isin(needed, later)])
+        self._fill(rows[~ready], dest[~ready], out, (*segments, self._fetched_pieces(rows[~ready])))
 
     @functools.cached_property
     def _gather(self) -> tuple | None:

@@ -15,6 +15,8 @@ import threading
 
 import numpy as np
 
+from forge_grain.stores import step_reads
+
 FETCH_SHARDS = 64  # shards a source in object storage is told of ahead: as many as its reads in flight can grow to
 # a step this far behind the hinted window's start is one the prefetch threads made out of order,
 # not a restore: it leaves the window as it is (recomputing a window of 1,024 steps took ~40 ms)
@@ -47,7 +49,8 @@ class FetchWindow:
         fails)."""
         self.advance(step)
         try:
-            yield
+            with step_reads.making(self, step):
+                yield
         finally:
             self.made(step)
 
@@ -93,6 +96,29 @@ class FetchWindow:
             self._made.add(step)
             self._last_made = max(self._last_made, step)
             if self._leave():
+                self._enter(self._window["front"])
+                self._tell()
+
+    def read_early(self, step: int, store, arrays) -> None:
+        """`step`'s batch has read `arrays` of `store` and will read them no more (it waits for
+        its other shards): they leave the step's hints now, and a shard that no step in the
+        window reads any more leaves the window (`step_reads`)."""
+        with self._lock:
+            held = self._steps.get(step)
+            j = next((j for j, i in enumerate(self.fetching) if self.datasets[i].store is store), None)
+            if held is None or j is None or next(iter(self._steps)) != step:  # (steps before it still read)
+                return
+            done = np.isin(held[j], np.asarray(arrays, np.int64))
+            if not done.any():
+                return
+            count, left = self._window["counts"][j], False
+            count.subtract(held[j][done].tolist())
+            for k in held[j][done].tolist():
+                if count[k] <= 0:
+                    del count[k]
+                    left = True
+            self._steps[step] = [a[~done] if i == j else a for i, a in enumerate(held)]
+            if left:
                 self._enter(self._window["front"])
                 self._tell()
 

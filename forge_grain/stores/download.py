@@ -3,8 +3,8 @@ ranged parts on the process's request threads into a temporary name, reserved ag
 `cache_limit` first, checked (size, sha256, version), then renamed.
 
 A prefetch that does not fit the cache whole is fetched as far as it fits and finished
-when there is room (`room_ahead.Partial`): the rest is asked for as soon as the room is
-there, while the first parts are still arriving.
+when there is room (`room_ahead.Partial`): its rest, up to `STAGED` bytes, is read into
+memory meanwhile and written then; a larger rest is asked for as soon as the room is there.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # and 10 MB/s a connection took 4.26-4.34 s an epoch with parts of 256 KiB (71 a shard) and 3.89-4.01 s
 # with parts of 512 KiB at least; with every part of 2 MiB at least (12 a shard) 4.9-5.1 s. At 2 MB/s a
 # connection, every part of 512 KiB at least read it in 10.0 s, of 256 KiB in 10.4 s
+# the rest of a prefetch that does not fit the cache yet (`room_ahead.Partial`) is read into memory
+# meanwhile, where it is no more than STAGED bytes, and written once there is room: at a cache_limit of
+# two shards, the rest (what the store's indices take of the limit, 1.6 MB) was asked for only once
+# the shard was needed, and each shard waited a round trip for it
+STAGED = 1 << 24
 PART_MIN = 1 << 18
 PART_LONE = 1 << 19
 PART_AHEAD = 1 << 20
@@ -99,10 +104,14 @@ class Download:
         with open(self.tmp, "r+b") as dst:
             parts = self._submit(dst, 0, first, not self.ahead)
             if first < size:  # a partial prefetch: the rest as soon as the cache has room for it
-                if not self._grow_beside(parts):
-                    self._collect(parts)
+                staged = self._submit(dst, first, size, False, staged=True) if size - first <= STAGED else []
+                if not self._grow_beside(parts + staged):
+                    self._collect(parts + staged)
                     return False
-                parts += self._submit(dst, first, size, p.hurried())
+                for i, f in enumerate(staged):  # (its room is there: what arrived meanwhile is written)
+                    a, _ = self.spans[len(parts) + i]
+                    os.pwrite(dst.fileno(), f.result(), a)
+                parts += staged or self._submit(dst, first, size, p.hurried())
             digest = hashlib.sha256()
             self._collect(parts, self._hashing(digest, dst.fileno()) if self.sha256 is not None else None)
             os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
@@ -130,8 +139,9 @@ class Download:
                 time.sleep(GROW_POLL_S)
         return True
 
-    def _submit(self, dst, lo: int, hi: int, urgent: bool) -> list:
-        """The ranged reads of bytes [lo, hi) into `dst`, queued on the request threads."""
+    def _submit(self, dst, lo: int, hi: int, urgent: bool, staged: bool = False) -> list:
+        """The ranged reads of bytes [lo, hi) into `dst`, queued on the request threads
+        (`staged`: each giving its bytes, for `dst` once the cache has room for them)."""
         c, name, size, whole = self.cache, self.name, self.size, self.whole
         step = self._part_size(hi - lo, urgent)
         spans = [(0, size)] if whole else [(a, min(a + step, hi)) for a in range(lo, hi, step)]
@@ -145,6 +155,8 @@ class Download:
                                                                      self.start + b, self.condition))
                 if block.nbytes != b - a:
                     raise Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
+                if staged:
+                    return block
                 os.pwrite(dst.fileno(), block, a)
             return block if one else None
 

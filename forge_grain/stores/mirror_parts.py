@@ -111,6 +111,12 @@ class FetchedParts(TokenStore):
             held -= self._parts[q].size
             del self._opened[q]
 
+    def held(self, arrays) -> np.ndarray:
+        """Which of `arrays` lie in parts mapped, or downloaded by a prefetch."""
+        opened, pending = self._opened, self._pending
+        return np.array([p in opened or (p in pending and pending[p].done())
+                         for p in self.units_of(arrays)[0].tolist()], bool)
+
     def units_of(self, arrays) -> tuple[np.ndarray, np.ndarray]:
         """The parts (files, blocks) holding token arrays `arrays`, and their bytes: what the
         cache fetches whole."""

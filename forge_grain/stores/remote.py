@@ -184,6 +184,11 @@ class RemoteStore(NativeStore):
             self._mapped[k] = arr
         return arr
 
+    def held(self, arrays) -> np.ndarray:
+        """Which of `arrays` (shards) are mapped, or downloaded by a prefetch."""
+        pending = self._pending
+        return np.array([k in self._mapped or (k in pending and pending[k].done()) for k in arrays.tolist()], bool)
+
     def units_of(self, arrays) -> tuple[np.ndarray, np.ndarray]:
         """The shards holding token arrays `arrays` (one array a shard), and their bytes: what
         the cache fetches whole."""

@@ -1,0 +1,38 @@
+"""A batch's early word to the prefetch hints: the shards it has finished reading.
+
+A step's hints keep every shard the step reads until its batch is made (the pipeline's
+`FetchWindow`). Where a step reads a shard it holds and one still arriving (a boundary
+of the read order that fits the cache), the batch fills its rows from the first, then
+waits for the second: the first leaves the hints there, not once the second has arrived
+(at a `cache_limit` of two shards, that made each shard's download wait for the one
+before it to arrive whole). The window being made is per thread: Grain's threads make
+several steps at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+_making = threading.local()
+
+
+@contextlib.contextmanager
+def making(listener, step: int):
+    """While this thread makes `step`: `listener.read_early(step, store, arrays)` hears of
+    arrays its batch has finished reading (`done_reading`)."""
+    before = getattr(_making, "now", None)
+    _making.now = (listener, step)
+    try:
+        yield
+    finally:
+        _making.now = before
+
+
+def done_reading(store, arrays) -> None:
+    """The batch this thread makes will read `arrays` of `store` no more (nothing outside a
+    step being made)."""
+    now = getattr(_making, "now", None)
+    if now is not None and len(arrays):
+        listener, step = now
+        listener.read_early(step, store, arrays)
