@@ -399,25 +399,33 @@ class PackedDataset(grain.MapDataset):
         )
 
     def _fill_fetched(self, rows, dest, out: dict) -> None:
-        """Rows of a store fetched from object storage: first those whose shards are here, then
-        (the shards these alone read told done: `step_reads`) those waiting for a download, so
-        that a boundary of the read order that fits the cache frees the shard left behind
-        while the next one arrives."""
+        """Rows of a store fetched from object storage. Under a `cache_limit`, where some of
+        their shards are here and some still arrive, the rows of those here are filled first,
+        and the shards only they read are told done (`step_reads`) before the rest wait: so
+        that a step across a boundary of the read order that fits the cache frees the shard
+        it leaves while the next one arrives."""
         p = self.plan
         segments = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
         needed = self._arrays_of(rows)
-        held = self.store.held(needed)
-        if held.all() or not held.any() or len(rows) < 2:
-            self._fill(rows, dest, out, (*segments, self._fetched_pieces(rows)))
-            return
+        if self.store.cache.limit is not None and len(rows) > 1:
+            held = self.store.held(needed)
+            if held.any() and not held.all():
+                rows, dest = self._fill_held_first(rows, dest, out, segments, needed, held)
+                needed = self._arrays_of(rows)
+        self._fill(rows, dest, out, (*segments, self._fetched_pieces(rows, needed)))
+
+    def _fill_held_first(self, rows, dest, out: dict, segments, needed, held) -> tuple:
+        """Fill the rows reading only `needed[held]`, tell the arrays no other row reads done:
+        the rows and places left."""
         waiting = needed[~held]
         ready = np.array([not np.isin(self._arrays_of(rows[i : i + 1]), waiting).any() for i in range(len(rows))])
-        if ready.any():
-            self._fill(rows[ready], dest[ready], out, (*segments, self._fetched_pieces(rows[ready])))
-            self._last_fetched = None  # (their maps go with the hints)
-            later = self._arrays_of(rows[~ready])
-            step_reads.done_reading(self.store, needed[held & ~np.isin(needed, later)])
-        self._fill(rows[~ready], dest[~ready], out, (*segments, self._fetched_pieces(rows[~ready])))
+        if not ready.any():
+            return rows, dest
+        self._fill(rows[ready], dest[ready], out, (*segments, self._fetched_pieces(rows[ready])))
+        self._last_fetched = None  # (their maps go with the hints)
+        later = self._arrays_of(rows[~ready])
+        step_reads.done_reading(self.store, needed[held & ~np.isin(needed, later)])
+        return rows[~ready], dest[~ready]
 
     @functools.cached_property
     def _gather(self) -> tuple | None:
@@ -443,11 +451,12 @@ class PackedDataset(grain.MapDataset):
         return kernels.arrays_read(np.asarray(rows, np.int64), self.plan.row_ptr, self.plan.seg_start, starts, array,
                                    len(arrays.addresses))
 
-    def _fetched_pieces(self, rows) -> tuple:
+    def _fetched_pieces(self, rows, needed=None) -> tuple:
         """For a store whose files are fetched on demand: the pieces with only the arrays
-        these rows read (fetched and mapped now), renumbered for this gather."""
+        these rows read (`needed`, found when not given; fetched and mapped now), renumbered
+        for this gather."""
         _, starts, array, base = self._pieces
-        needed = self._arrays_of(rows)
+        needed = self._arrays_of(rows) if needed is None else needed
         arrays = self.store.arrays_for(needed)
         last = self._last_fetched  # batches in the locality order read the same few shards
         if last is not None and len(last[0]) == len(arrays) and all(a is b for a, b in zip(last[0], arrays)):
