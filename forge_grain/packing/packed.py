@@ -410,22 +410,21 @@ class PackedDataset(grain.MapDataset):
         if self.store.cache.limit is not None and len(rows) > 1:
             held = self.store.held(needed)
             if held.any() and not held.all():
-                rows, dest = self._fill_held_first(rows, dest, out, segments, needed, held)
-                needed = self._arrays_of(rows)
+                rows, dest, needed = self._fill_held_first(rows, dest, out, segments, needed, held)
         self._fill(rows, dest, out, (*segments, self._fetched_pieces(rows, needed)))
 
     def _fill_held_first(self, rows, dest, out: dict, segments, needed, held) -> tuple:
         """Fill the rows reading only `needed[held]`, tell the arrays no other row reads done:
-        the rows and places left."""
+        the rows, places and arrays left."""
         waiting = needed[~held]
         ready = np.array([not np.isin(self._arrays_of(rows[i : i + 1]), waiting).any() for i in range(len(rows))])
         if not ready.any():
-            return rows, dest
+            return rows, dest, needed
         self._fill(rows[ready], dest[ready], out, (*segments, self._fetched_pieces(rows[ready])))
         self._last_fetched = None  # (their maps go with the hints)
         later = self._arrays_of(rows[~ready])
         step_reads.done_reading(self.store, needed[held & ~np.isin(needed, later)])
-        return rows[~ready], dest[~ready]
+        return rows[~ready], dest[~ready], later
 
     @functools.cached_property
     def _gather(self) -> tuple | None:

@@ -111,12 +111,7 @@ class FetchWindow:
             done = np.isin(held[j], np.asarray(arrays, np.int64))
             if not done.any():
                 return
-            count, left = self._window["counts"][j], False
-            count.subtract(held[j][done].tolist())
-            for k in held[j][done].tolist():
-                if count[k] <= 0:
-                    del count[k]
-                    left = True
+            left = _uncount(self._window["counts"][j], held[j][done])
             self._steps[step] = [a[~done] if i == j else a for i, a in enumerate(held)]
             if left:
                 self._enter(self._window["front"])
@@ -131,12 +126,7 @@ class FetchWindow:
             if not (step in self._made or (step not in self._begun and step < self._last_made)):
                 break
             for count, arrays in zip(counts, self._steps.pop(step)):
-                if len(arrays):
-                    read = arrays.tolist()
-                    count.subtract(read)
-                    for k in [k for k in read if count[k] <= 0]:
-                        del count[k]
-                        left = True
+                left |= _uncount(count, arrays)
             self._made.discard(step)
             self._begun.discard(step)
         return left
@@ -186,3 +176,14 @@ class FetchWindow:
         for j, i in enumerate(self.fetching):
             read = [arrays[j] for arrays in self._steps.values()]
             self.datasets[i].store.prefetch(np.concatenate(read) if read else np.zeros(0, np.int64))
+
+
+def _uncount(count: collections.Counter, arrays: np.ndarray) -> bool:
+    """Take one step's reads of `arrays` off the window's `count` of them: True if a shard is
+    read by no step left in the window (it leaves the count)."""
+    read = arrays.tolist()
+    count.subtract(read)
+    gone = [k for k in read if count[k] <= 0]
+    for k in gone:
+        del count[k]
+    return bool(gone)
