@@ -7,6 +7,7 @@ the limit; `forge-grain plan` says what an epoch will fetch and warns when an or
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
-from forge_grain import DataConfig, Pipeline, StateError, prepare  # noqa: E402
+from forge_grain import DataConfig, Pipeline, StateError, TokenStore, prepare  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 FILES = 16
@@ -274,6 +275,62 @@ def test_a_first_open_under_a_limit_reads_each_byte_about_once(tmp_path, s3, sto
                    + 2 * mirror_ranges.SAMPLED_ENDS * 8)
         assert served(s3) <= 1.06 * size + sampled, (served(s3) - sampled) / size
     assert store.fingerprint == TokenStore.open(stores[kind], **KINDS[kind]).fingerprint
+
+
+def data_gets(s3) -> int:
+    return sum(n for p, n in s3.proxy.gets.items() if p.endswith(DATA_SUFFIXES))
+
+
+@pytest.mark.parametrize("kind", ["megatron", "raw"])
+def test_a_large_files_fingerprint_is_gathered_from_the_blocks_an_epoch_reads(tmp_path, s3, stores, monkeypatch,
+                                                                              kind):
+    """Under a cache_limit, a Megatron or raw file too large to hold through its first open
+    (here: past a lowered threshold) no longer takes its content fingerprint's 2,048 probes in
+    ranged GETs at the open (5 s of an 8 s epoch behind a local S3 server): they are taken from
+    the blocks the epoch reads. After one epoch the pipeline's fingerprint is the local copy's
+    with no further request, and kept for the next open; asked for before (a state saved at
+    step 3), the places not seen yet are read then, and the state is the local copy's."""
+    from forge_grain.stores import checks, mirror_ranges
+
+    monkeypatch.setattr(mirror_ranges, "KEEP", 100_000)
+    monkeypatch.setattr(checks, "WHOLE_BELOW", 50_000)  # (the local fingerprint samples alike)
+    limit = two_files(stores[kind])
+    local = Pipeline(config(stores[kind], shuffle_bytes=limit // 4, **KINDS[kind]), 0, 1, cache_dir=tmp_path / "p1")
+
+    def build(cache):
+        s3.proxy.clear()
+        src = remote(s3, tmp_path, kind, limit) | {"object_cache": str(tmp_path / cache)}
+        return Pipeline(config(f"s3://fit/{kind}", **src), 0, 1, cache_dir=tmp_path / "p2")
+
+    pipe = build("gathered")
+    assert data_gets(s3) < checks.PROBES // 8, data_gets(s3)  # (the checks' samples, not the probes)
+    opened = served(s3)  # (a raw file is read through at its open, to find its documents)
+    steps = [b for b in pipe.iterator()]
+    gets = data_gets(s3)
+    assert pipe.fingerprint == local.fingerprint and data_gets(s3) == gets
+    assert all(np.array_equal(b[k], want[k]) for b, want in zip(steps, local.iterator()) for k in want)
+    assert served(s3) - opened <= 1.05 * sum(data_files(stores[kind]))
+    assert build("gathered").fingerprint == local.fingerprint and data_gets(s3) == 0  # (kept: prints.json)
+
+    pipe = build("asked")
+    it = pipe.iterator()
+    for _ in range(3):
+        next(it)
+    _FORKED.append(pipe._sources[0].opened)  # (a forked DataLoader worker asks for it too: its own requests)
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply(_forked_fingerprint) == TokenStore.open(stores[kind], **KINDS[kind]).fingerprint
+    finally:
+        _FORKED.clear()
+    assert pipe.state_at(3) == local.state_at(3) and data_gets(s3) >= checks.PROBES // 8
+    local.check_state(pipe.state_at(3))
+
+
+_FORKED: list = []
+
+
+def _forked_fingerprint() -> str:
+    return _FORKED.pop().fingerprint
 
 
 def test_a_cache_of_two_shards_fetches_the_next_as_far_as_it_fits_before_it_is_read(tmp_path, s3, stores):

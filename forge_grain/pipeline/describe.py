@@ -117,9 +117,9 @@ def warn_unreachable_phases(config: DataConfig, num_steps: int | None) -> None:
 
 def check_tokenizers(config: DataConfig, opened: list) -> None:
     """Mixed sources share one tokenizer (the same vocabulary size, and tokenizer where known)."""
-    first, s0 = config.sources[0], opened[0].identity
+    first, s0 = config.sources[0], opened[0].vocabulary
     for src, o in zip(config.sources[1:], opened[1:]):
-        s = o.identity
+        s = o.vocabulary
         a, b = s0["tokenizer_sha256"], s["tokenizer_sha256"]
         if (s0["vocab_size"] is None) != (s["vocab_size"] is None):
             unknown = first if s0["vocab_size"] is None else src

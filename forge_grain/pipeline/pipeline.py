@@ -146,13 +146,11 @@ class Pipeline:
                              history.digest(self._summarize(batches, runs.recorded())))
         self.history, self.batch_history, self.skips = runs.history, runs.batch_history, runs.skips
         self._resumed_from = runs.resumed_from
-        # for copies rebuilt in worker processes
         self._resume_args = (resume_from, allow_mixture_change, skip_steps, skip_documents, allow_batch_size_change,
-                             _live, allow_seq_len_change)
+                             _live, allow_seq_len_change)  # (for copies rebuilt in worker processes)
         self.order = RowOrder(config, self.datasets, batches, shard_index, shard_count, runs.history, runs.skips,
                               lengths, pack_args(config, cache_dir, plan_workers, self.progress))
-        self._summary = self._summarize(batches, runs.recorded())
-        self.fingerprint = history.digest(self._summary)
+        self._summary_of = batches, runs.recorded()  # (`_summary` and `fingerprint` are made when first asked for)
         self._not_as_sent: StoreError | None = None  # set where a process rebuilt it on other data (_rebuild)
         describing.warn_unreachable_phases(config, self.order.num_steps)
         self.epoch_aligned = epoch_aligned(self.streams, config, batches, self.order.steps_per_epoch)  # streams.py
@@ -162,6 +160,11 @@ class Pipeline:
         if resume_from is not None:
             self.check_state(resume_from)  # its step is one of this run's, before anything is opened
         self._opener = AheadOpener(self, start)
+
+    # what the batches depend on, and its digest (a state's fingerprint): made when first asked for (a state, a
+    # check, a worker), as a store's content fingerprint may come from the blocks an epoch reads (stores/harvest.py)
+    _summary = functools.cached_property(lambda self: self._summarize(*self._summary_of))
+    fingerprint = functools.cached_property(lambda self: history.digest(self._summary))
 
     def _summarize(self, batches: BatchSchedule, runs: dict | None = None) -> dict:
         """This pipeline's summary (`states.summarize`) under `batches`, with the records `runs`."""
@@ -237,10 +240,8 @@ class Pipeline:
         return [o.store for o in self._sources]
 
     def batch(self, step: int) -> dict:
-        """This shard's part of global batch `step`: arrays of leading dimension `local_size(step)`.
-
-        With streaming sources, steps must come in order (restore a state to go back).
-        """
+        """This shard's part of global batch `step`: arrays of leading dimension `local_size(step)`
+        (with streaming sources, steps must come in order: restore a state to go back)."""
         step = states.step_number(step, self.step_limit)
         if self._not_as_sent is not None:
             raise self._not_as_sent
@@ -317,11 +318,9 @@ class Pipeline:
     # -- states -----------------------------------------------------------------------------
 
     def state_at(self, step: int) -> dict:
-        """The iterator state whose next batch is global batch `step`.
-
-        With streaming sources it also holds the positions of this process's canonical
-        streams (recorded as batches are made); `merge_states` joins the states of all shards.
-        """
+        """The iterator state whose next batch is global batch `step`; with streaming sources, also
+        the positions of this process's canonical streams (recorded as batches are made):
+        `merge_states` joins the states of all shards."""
         return self.make_state(step, self.stream_positions(step) if self.streams else None)
 
     def make_state(self, step: int, streams: list | None = None) -> dict:

@@ -42,6 +42,14 @@ class OpenedSource:
         return self.record.facts if self.record is not None else identity_of(self.opened)
 
     @property
+    def vocabulary(self) -> dict:
+        """`vocab_size` and `tokenizer_sha256` alone: what a build checks before the data's
+        identity is asked for (a store's fingerprint may wait for its data: `stores.harvest`)."""
+        if self.record is not None:
+            return {k: self.record.facts[k] for k in ("vocab_size", "tokenizer_sha256")}
+        return {"vocab_size": self.opened.vocab_size, "tokenizer_sha256": (self.opened.tokenizer or {}).get("sha256")}
+
+    @property
     def fetches(self) -> bool:
         """Its store fetches files on demand (object storage; never deferred)."""
         return self.record is None and getattr(self.opened, "fetches", False)

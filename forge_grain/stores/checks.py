@@ -123,13 +123,26 @@ def fingerprint_of(size: int, full: bool, whole, at) -> str:
             h.update(block)
         return h.hexdigest()
     h.update(b"blocks+probes:")
-    blocks = [(o, min(o + SAMPLE_BLOCK_BYTES, size)) for o in sample_offsets(size)]
-    probes = [(int(p), int(p) + PROBE_BYTES) for p in probe_offsets(size)]
+    blocks, probes = _sampled(size)
     get = at(blocks + probes)
     for a, b in blocks:
         h.update(get(a, b - a))
     h.update(b"".join(bytes(get(a, b - a)) for a, b in probes))
     return h.hexdigest()
+
+
+def _sampled(size: int) -> tuple[list, list]:
+    """The sampled fingerprint's blocks and probes in a file of `size` bytes, as [start, end)
+    pairs, in the order it hashes them."""
+    blocks = [(o, min(o + SAMPLE_BLOCK_BYTES, size)) for o in sample_offsets(size)]
+    return blocks, [(int(p), int(p) + PROBE_BYTES) for p in probe_offsets(size)]
+
+
+def sampled_spans(size: int) -> list[tuple[int, int]]:
+    """Every place a sampled fingerprint of a file of `size` bytes (more than `WHOLE_BELOW`)
+    reads, as [start, end) pairs: what `harvest.Harvest` gathers."""
+    blocks, probes = _sampled(size)
+    return blocks + probes
 
 
 def probe_offsets(size: int) -> np.ndarray:

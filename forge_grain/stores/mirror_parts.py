@@ -94,7 +94,11 @@ class FetchedParts(TokenStore):
             with self._lock:
                 self._opened[p] = arrays
                 self._forget_unhinted(p)
+            self._arrived(p, arrays)
         return arrays[k - self._first_array[p]]
+
+    def _arrived(self, p: int, arrays: list) -> None:
+        """Part `p` was mapped (`arrays`): what else its bytes serve (see `Ranged`)."""
 
     def _forget_unhinted(self, now: int) -> None:
         """Drop the maps of parts no hint keeps, oldest first, while the mapped parts exceed

@@ -9,7 +9,9 @@ parts held in memory only while they are scanned for the EOS (or BOS) ids that e
 its documents. That first open also makes the local reader's checks, with errors naming the
 object: the file's type, its dtype and width, its id range, its delimiters, a Megatron index
 against its `.bin`. It takes the file's content fingerprint as the local reader does (from
-the same sampled ranges), so a state saved over a local copy resumes here and back. What it
+the same sampled ranges), so a state saved over a local copy resumes here and back; for a
+file past `KEEP` those ranges are taken from the blocks as the epoch reads them
+(`harvest`), not in 2,000 GETs at the open. What it
 found (the record) is kept in the cache, in a directory named by the listing (names, sizes,
 ETags) and the options: a later open, in this process or another, reads the listing and
 the record, and a dataset rewritten in place is indexed anew.
@@ -33,6 +35,7 @@ from forge_grain.splits import select_split
 from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
 from forge_grain.stores.blocks import block_bytes, block_cuts
+from forge_grain.stores.harvest import Prints
 from forge_grain.stores.mirror_parts import FetchedParts
 from forge_grain.stores.download import SPLIT
 from forge_grain.stores.object_cache import ObjectCache, read_spans
@@ -48,6 +51,7 @@ KEEP = 64 << 20  # an object up to this size is held in memory through its first
 SAMPLED_ENDS = 1024  # documents whose delimiters are read at the first open (all of them by `verify`)
 HEAD = 4096  # bytes of a raw file's start that say what it is
 RECORD = "record.npz"
+PRINTS = "prints.json"  # the content fingerprints gathered after the record was made (`harvest`)
 
 
 @functools.cache
@@ -145,9 +149,31 @@ class Ranged(FetchedParts):
         self._pieces = (np.array(starts + [at], np.int64), np.arange(blocks), np.zeros(blocks, np.int64))
         self._arrays = [checks.empty_tokens(self.dtype)] * blocks
         self._first_array = np.arange(blocks + 1)
-        self._fingerprint = self._fingerprint_of([[name, f["print"]] for name, f in zip(names, meta["files"])],
-                                                 meta["extra"])
+        self._prints = Prints(names, [f["print"] for f in meta["files"]], {n: self._objects[n][0] for n in names},
+                              self.path / PRINTS, self.cache.write_record)
+        self._extra = meta["extra"]
+        self._fingerprint = self._of_prints() if self._prints.known else None
         self._keep: frozenset = frozenset()
+
+    @property
+    def fingerprint(self) -> str:
+        """The files' content fingerprints (gathered from the blocks read so far, the places not
+        seen yet read now: `harvest`) and the document boundaries."""
+        if self._fingerprint is None:
+            self._prints.complete(lambda name, spans: read_spans(self.cache, name, spans, ahead=64,
+                                                                 tag=self._tag(name)), self._keep)
+            self._fingerprint = self._of_prints()
+        return self._fingerprint
+
+    def _of_prints(self) -> str:
+        return self._fingerprint_of([list(p) for p in zip(self._prints.names, self._prints.values())], self._extra)
+
+    def _arrived(self, p: int, arrays: list) -> None:
+        """A block arrived: the places of the fingerprint it holds are taken from it."""
+        if self._fingerprint is None:
+            block = self._parts[p]
+            if self._prints.take(block.name, block.start, arrays[0], self._keep):
+                self._fingerprint = self._of_prints()
 
     def _check_fits(self, name: str, doc: int, size: int) -> None:
         """A block is a document at least: one larger than the cache can hold is refused at open."""
@@ -174,7 +200,7 @@ class Ranged(FetchedParts):
         for name in names:
             file_dtype, start, off, more, tokens = (self._index_megatron(name, dtype) if self.format == "megatron"
                                                     else self._index_raw(name, dtype, whole))
-            files.append({"start": start, "print": tokens.fingerprint(self._full)})
+            files.append({"start": start, "print": None if self._gathers(tokens) else tokens.fingerprint(self._full)})
             offsets.append(off)
             dtypes.add(file_dtype)
             extra += more
@@ -183,6 +209,12 @@ class Ranged(FetchedParts):
         data = io.BytesIO()
         np.savez(data, meta=np.array(json.dumps(meta)), **{f"offsets_{i}": o for i, o in enumerate(offsets)})
         self.cache.write_record(path, data.getvalue())
+
+    def _gathers(self, tokens) -> bool:
+        """Whether a file's sampled fingerprint is gathered from the blocks an epoch reads
+        (`harvest`) instead of ranged GETs now: under a `cache_limit`, for a file larger than
+        `checks.WHOLE_BELOW` (a smaller one is hashed whole) and not held in memory (`KEEP`)."""
+        return self.cache.limit is not None and not self._full and tokens.size > KEEP  # (KEEP > WHOLE_BELOW)
 
     def _index_megatron(self, name: str, dtype):
         """A Megatron `.bin`'s dtype and documents, from its `.idx` (fetched whole), checked as
@@ -227,7 +259,9 @@ class Ranged(FetchedParts):
         checks.check_width(where, tokens.sample(np.uint8), file_dtype, declared=declared, vocab_size=self.vocab_size)
         offsets, lo, hi = raw.scan_chunks(tokens.chunks(), eos_id=self.eos_id, bos_id=self.bos_id)
         checks.check_ids(where, lo, hi, self.vocab_size)
-        raw.check_delimiters(where, tokens, offsets, self.eos_id, self.bos_id, whole, limit=SAMPLED_ENDS)
+        # (the documents' inner ends are where this scan found the delimiter: only the first and the
+        # last document, which it does not vouch for, are read again; 1,024 ends took as many GETs)
+        raw.check_delimiters(where, tokens, offsets, self.eos_id, self.bos_id, whole, limit=2)
         return file_dtype, start, offsets, [], tokens
 
     def _refuse_other_formats(self, name: str, head: bytes) -> None:

@@ -126,15 +126,16 @@ class ObjectCache(CacheRoom, RemoteDir):
                     self._forget(tmp)
         return local
 
-    def write_record(self, path: Path, data: bytes) -> None:
+    def write_record(self, path: Path, data: bytes, upcoming=frozenset()) -> None:
         """A small file of this process's own (a manifest, an index, what a first open found)
         made at `path` in the cache directory as `derive` makes a file: counted against the
         limit before it exists, so the directory never holds more than the limit, not for a
-        moment (one that cannot fit beside the ledger is refused, naming it)."""
+        moment (one that cannot fit beside the ledger is refused, naming it); the copies
+        `upcoming` are spared if room must be made."""
         if self.limit is not None and len(data) + self.ledger.reserve() > self.limit:
             raise StoreError(f"{self.url}: cache_limit {self.limit} bytes cannot hold its {path.name} "
                              f"({len(data)} bytes) beside the cache's ledger, let alone its data; raise cache_limit")
-        self.derive(self._name(path), len(data), lambda tmp: tmp.write_bytes(data))
+        self.derive(self._name(path), len(data), lambda tmp: tmp.write_bytes(data), upcoming)
 
     def discard(self, copy: str) -> None:
         """Remove the copy at `copy` (a compressed chunk once decompressed) and its bytes from

@@ -1,0 +1,142 @@
+"""A file's sampled content fingerprint, gathered from the blocks an epoch reads anyway.
+
+Under a `cache_limit`, a Megatron or raw token file at a URL is read in blocks of whole
+documents (`mirror_ranges`). Its content fingerprint (`checks.content_fingerprint`: 32
+blocks of 4 KiB and 2,048 probes of 8 bytes at places spread over the file) took some
+2,000 ranged GETs at the first open, most of that open's time: behind a local S3 server,
+5 s of an 8 s epoch. The blocks an epoch downloads hold every one of those places, so the
+fingerprint is taken from them as they arrive (`Harvest.take`); where it is asked for
+first (a state saved, a worker started, a resume checked), the places not seen yet are
+read then (`missing`), in ranged GETs as before. Either way the bytes hashed are the
+file's own, in the formula's order: the same fingerprint as a local copy's, so a state
+resumes here and there alike.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import re
+import threading
+from pathlib import Path
+
+from forge_grain.errors import StoreError
+from forge_grain.processes import per_process
+from forge_grain.stores import checks
+
+log = logging.getLogger(__name__)
+
+
+class Harvest:
+    """The bytes a sampled fingerprint of a file of `size` bytes hashes, gathered from any
+    ranges of the file (blocks partition it: a place may lie across two of them)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.spans = sorted(set(checks.sampled_spans(size)))
+        self._starts = [a for a, _ in self.spans]
+        self._pieces: dict[tuple, dict[int, bytes]] = {}  # span -> {start: bytes} of the parts seen
+        self._whole: dict[tuple, bytes] = {}
+
+    @property
+    def complete(self) -> bool:
+        return len(self._whole) == len(self.spans)
+
+    def missing(self) -> list[tuple[int, int]]:
+        """The places not seen whole yet, as [start, end) pairs."""
+        return [s for s in self.spans if s not in self._whole]
+
+    def take(self, start: int, data) -> None:
+        """Bytes `data` (a buffer) of the file from byte `start`: the parts of places they hold."""
+        view = memoryview(data).cast("B")
+        end = start + view.nbytes
+        i = bisect.bisect_left(self._starts, start - checks.SAMPLE_BLOCK_BYTES)
+        while i < len(self.spans) and self.spans[i][0] < end:
+            span = a, b = self.spans[i]
+            i += 1
+            if b <= start or span in self._whole:
+                continue
+            lo, hi = max(a, start), min(b, end)
+            parts = self._pieces.setdefault(span, {})
+            parts[lo] = bytes(view[lo - start : hi - start])
+            if sum(len(p) for p in parts.values()) == b - a:  # (parts from distinct blocks never overlap)
+                self._whole[span] = b"".join(parts[k] for k in sorted(parts))
+                del self._pieces[span]
+
+    def fingerprint(self) -> str:
+        """`checks.content_fingerprint(file)` (sampled), once every place is seen."""
+        if not self.complete:
+            raise ValueError(f"{len(self.missing())} places of the fingerprint are not seen yet")
+        return checks.fingerprint_of(self.size, False, None, lambda spans: lambda a, n: self._whole[(a, a + n)])
+
+
+class Prints:
+    """The content fingerprints of a dataset's files at a URL, by name: those its record
+    holds (`known`, None where one waits for the data), or gathered (`Harvest`) and then kept
+    in `path` (`write(path, bytes, upcoming)`: the cache's own record write), so a later open
+    has them."""
+
+    def __init__(self, names: list[str], known: list, sizes: dict, path: Path, write):
+        saved = _saved(path, names) if None in known else {}
+        self.names, self.path, self._write = names, path, write
+        self._prints = {n: p or saved.get(n) for n, p in zip(names, known)}
+        self._harvests = {n: Harvest(sizes[n]) for n, p in self._prints.items() if p is None}
+
+    @per_process
+    def _lock(self):
+        return threading.Lock()
+
+    @property
+    def known(self) -> bool:
+        return not self._harvests
+
+    def values(self) -> list[str]:
+        return [self._prints[n] for n in self.names]
+
+    def take(self, name: str, start: int, data, keep=frozenset()) -> bool:
+        """Bytes of file `name` from byte `start` have arrived: True once every print is known."""
+        with self._lock:
+            h = self._harvests.get(name)
+            if h is None:
+                return self.known
+            h.take(start, data)
+            if h.complete:
+                self._settle([name], keep)
+            return self.known
+
+    def complete(self, read, keep=frozenset()) -> None:
+        """Every print, reading the places not seen yet (`read(name, spans)`: their bytes)."""
+        with self._lock:
+            names = list(self._harvests)
+            for name in names:
+                h = self._harvests[name]
+                spans = h.missing()
+                for (a, _), data in zip(spans, read(name, spans)):
+                    h.take(a, data)
+            self._settle(names, keep)
+
+    def _settle(self, names: list[str], keep) -> None:
+        for name in names:
+            self._prints[name] = self._harvests.pop(name).fingerprint()
+        if not self.known:
+            return
+        try:  # (kept once, all together; a cache too full to hold it: the next open gathers them again)
+            self._write(self.path, json.dumps(self._prints).encode(), keep)
+        except (StoreError, OSError) as e:
+            log.info("forge-grain: %s not kept (%s)", self.path, e)
+
+
+def _saved(path: Path, names: list[str]) -> dict:
+    """The prints a process kept at `path`, those of `names` that look like one (anything else
+    is gathered again)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    return {n: p for n, p in saved.items() if n in names and isinstance(p, str) and _HEX.fullmatch(p)}
+
+
+_HEX = re.compile(r"[0-9a-f]{64}")
