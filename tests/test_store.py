@@ -259,6 +259,29 @@ def test_a_large_files_sampled_fingerprint_is_the_one_saved_states_recorded(tmp_
         "1282581c798f5443c5d731775a6e4185f22a2d332fc5b359e653d77283cc275e"
 
 
+@pytest.mark.parametrize("block", [4095, 65536, 1_000_003])
+def test_a_fingerprint_gathered_from_a_files_blocks_is_its_content_fingerprint(tmp_path, block):
+    """A file read in blocks under a cache_limit gives its sampled fingerprint from the blocks
+    (`stores.harvest`): whatever the cut (places across two blocks, blocks arriving twice and
+    out of order), it is the local file's; before every place is seen it is refused."""
+    from forge_grain.stores.checks import content_fingerprint
+    from forge_grain.stores.harvest import Harvest
+
+    n = 9 * 2**20 + 12345
+    data = ((np.arange(n, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(13)).astype(np.uint8)
+    (tmp_path / "big.bin").write_bytes(data.tobytes())
+    starts = list(range(0, n, block))
+    order = starts[1::2] + starts[::2] + starts[:3]  # (out of order; the first three twice)
+    h = Harvest(n)
+    for a in order[: len(starts) // 2]:
+        h.take(a, data[a : a + block])
+    with pytest.raises(ValueError, match="not seen yet"):
+        h.fingerprint()
+    for a in order[len(starts) // 2 :]:
+        h.take(a, data[a : a + block])
+    assert h.complete and h.fingerprint() == content_fingerprint(tmp_path / "big.bin")
+
+
 @pytest.mark.parametrize("size", [9, 10, 4096, 123457, 2**31, 2**32 - 1, 2**32 + 9, 2**40 + 7, 10**15])
 def test_probe_offsets_are_the_stream_numpy_gave_them(size):
     """`probe_stream` spells out numpy's `default_rng(entropy).integers` (SeedSequence, PCG64,

@@ -14,12 +14,13 @@ resumes here and there alike.
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import re
 import threading
 from pathlib import Path
+
+import numpy as np
 
 from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
@@ -30,45 +31,47 @@ log = logging.getLogger(__name__)
 
 class Harvest:
     """The bytes a sampled fingerprint of a file of `size` bytes hashes, gathered from any
-    ranges of the file (blocks partition it: a place may lie across two of them)."""
+    ranges of the file (blocks partition it: a place may lie across two of them). The places
+    are two arrays, the bytes seen a dict by place: a few hundred KB a file at most, freed
+    once its fingerprint is taken."""
 
     def __init__(self, size: int):
         self.size = size
-        self.spans = sorted(set(checks.sampled_spans(size)))
-        self._starts = [a for a, _ in self.spans]
-        self._pieces: dict[tuple, dict[int, bytes]] = {}  # span -> {start: bytes} of the parts seen
-        self._whole: dict[tuple, bytes] = {}
+        spans = np.array(sorted(set(checks.sampled_spans(size))), np.int64).reshape(-1, 2)
+        self._a, self._b = spans[:, 0], spans[:, 1]
+        self._pieces: dict[int, dict[int, bytes]] = {}  # place -> {start: bytes} of the parts seen
+        self._whole: dict[int, bytes] = {}
 
     @property
     def complete(self) -> bool:
-        return len(self._whole) == len(self.spans)
+        return len(self._whole) == len(self._a)
 
     def missing(self) -> list[tuple[int, int]]:
         """The places not seen whole yet, as [start, end) pairs."""
-        return [s for s in self.spans if s not in self._whole]
+        return [(int(self._a[i]), int(self._b[i])) for i in range(len(self._a)) if i not in self._whole]
 
     def take(self, start: int, data) -> None:
         """Bytes `data` (a buffer) of the file from byte `start`: the parts of places they hold."""
         view = memoryview(data).cast("B")
         end = start + view.nbytes
-        i = bisect.bisect_left(self._starts, start - checks.SAMPLE_BLOCK_BYTES)
-        while i < len(self.spans) and self.spans[i][0] < end:
-            span = a, b = self.spans[i]
-            i += 1
-            if b <= start or span in self._whole:
+        first = int(np.searchsorted(self._a, start - checks.SAMPLE_BLOCK_BYTES))
+        for i in range(first, int(np.searchsorted(self._a, end))):
+            a, b = int(self._a[i]), int(self._b[i])
+            if b <= start or i in self._whole:
                 continue
             lo, hi = max(a, start), min(b, end)
-            parts = self._pieces.setdefault(span, {})
+            parts = self._pieces.setdefault(i, {})
             parts[lo] = bytes(view[lo - start : hi - start])
             if sum(len(p) for p in parts.values()) == b - a:  # (parts from distinct blocks never overlap)
-                self._whole[span] = b"".join(parts[k] for k in sorted(parts))
-                del self._pieces[span]
+                self._whole[i] = b"".join(parts[k] for k in sorted(parts))
+                del self._pieces[i]
 
     def fingerprint(self) -> str:
         """`checks.content_fingerprint(file)` (sampled), once every place is seen."""
         if not self.complete:
             raise ValueError(f"{len(self.missing())} places of the fingerprint are not seen yet")
-        return checks.fingerprint_of(self.size, False, None, lambda spans: lambda a, n: self._whole[(a, a + n)])
+        seen = {(int(self._a[i]), int(self._b[i])): data for i, data in self._whole.items()}
+        return checks.fingerprint_of(self.size, False, None, lambda spans: lambda a, n: seen[(a, a + n)])
 
 
 class Prints:
@@ -81,7 +84,8 @@ class Prints:
         saved = _saved(path, names) if None in known else {}
         self.names, self.path, self._write = names, path, write
         self._prints = {n: p or saved.get(n) for n, p in zip(names, known)}
-        self._harvests = {n: Harvest(sizes[n]) for n, p in self._prints.items() if p is None}
+        self._sizes = {n: sizes[n] for n, p in self._prints.items() if p is None}  # files whose print waits
+        self._harvests: dict[str, Harvest] = {}  # ... and what they have seen (made at their first block)
 
     @per_process
     def _lock(self):
@@ -89,7 +93,12 @@ class Prints:
 
     @property
     def known(self) -> bool:
-        return not self._harvests
+        return not self._sizes
+
+    def _harvest(self, name: str) -> Harvest:
+        if name not in self._harvests:
+            self._harvests[name] = Harvest(self._sizes[name])
+        return self._harvests[name]
 
     def values(self) -> list[str]:
         return [self._prints[n] for n in self.names]
@@ -97,9 +106,9 @@ class Prints:
     def take(self, name: str, start: int, data, keep=frozenset()) -> bool:
         """Bytes of file `name` from byte `start` have arrived: True once every print is known."""
         with self._lock:
-            h = self._harvests.get(name)
-            if h is None:
+            if name not in self._sizes:
                 return self.known
+            h = self._harvest(name)
             h.take(start, data)
             if h.complete:
                 self._settle([name], keep)
@@ -108,9 +117,9 @@ class Prints:
     def complete(self, read, keep=frozenset()) -> None:
         """Every print, reading the places not seen yet (`read(name, spans)`: their bytes)."""
         with self._lock:
-            names = list(self._harvests)
+            names = list(self._sizes)
             for name in names:
-                h = self._harvests[name]
+                h = self._harvest(name)
                 spans = h.missing()
                 for (a, _), data in zip(spans, read(name, spans)):
                     h.take(a, data)
@@ -119,6 +128,7 @@ class Prints:
     def _settle(self, names: list[str], keep) -> None:
         for name in names:
             self._prints[name] = self._harvests.pop(name).fingerprint()
+            del self._sizes[name]
         if not self.known:
             return
         try:  # (kept once, all together; a cache too full to hold it: the next open gathers them again)
