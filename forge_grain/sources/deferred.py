@@ -185,9 +185,14 @@ def _check_record(key: str, r: Record) -> None:
 
 def identity_of(store) -> dict:
     """What a build checks and fingerprints of a source: `data_id` (a store's content
-    fingerprint, or a streaming source's key), `vocab_size`, `tokenizer_sha256`."""
-    return {"data_id": store.fingerprint if isinstance(store, TokenStore) else store.key, "vocab_size": store.vocab_size,
-            "tokenizer_sha256": (store.tokenizer or {}).get("sha256")}
+    fingerprint, or a streaming source's key), and its `vocabulary_of`."""
+    return {"data_id": store.fingerprint if isinstance(store, TokenStore) else store.key, **vocabulary_of(store)}
+
+
+def vocabulary_of(store) -> dict:
+    """A source's `vocab_size` and `tokenizer_sha256`: what a build checks before its data's
+    identity is asked for (a store's fingerprint may wait for its data: `stores.harvest`)."""
+    return {"vocab_size": store.vocab_size, "tokenizer_sha256": (store.tokenizer or {}).get("sha256")}
 
 
 def facts_of(store, dataset) -> dict:

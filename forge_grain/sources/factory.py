@@ -14,7 +14,7 @@ from pathlib import Path
 
 from forge_grain.errors import MissingFilesError
 from forge_grain.sources.config import SourceConfig
-from forge_grain.sources.deferred import SourceRecords, checked_opener, identity_of
+from forge_grain.sources.deferred import SourceRecords, checked_opener, identity_of, vocabulary_of
 from forge_grain.packing.packed import PackedDataset, pack
 from forge_grain.stores import TokenStore
 
@@ -43,11 +43,10 @@ class OpenedSource:
 
     @property
     def vocabulary(self) -> dict:
-        """`vocab_size` and `tokenizer_sha256` alone: what a build checks before the data's
-        identity is asked for (a store's fingerprint may wait for its data: `stores.harvest`)."""
+        """`identity` without `data_id` (`vocabulary_of`): what the build checks first."""
         if self.record is not None:
             return {k: self.record.facts[k] for k in ("vocab_size", "tokenizer_sha256")}
-        return {"vocab_size": self.opened.vocab_size, "tokenizer_sha256": (self.opened.tokenizer or {}).get("sha256")}
+        return vocabulary_of(self.opened)
 
     @property
     def fetches(self) -> bool:

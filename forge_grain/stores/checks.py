@@ -123,7 +123,7 @@ def fingerprint_of(size: int, full: bool, whole, at) -> str:
             h.update(block)
         return h.hexdigest()
     h.update(b"blocks+probes:")
-    blocks, probes = _sampled(size)
+    blocks, probes = sampled_places(size)
     get = at(blocks + probes)
     for a, b in blocks:
         h.update(get(a, b - a))
@@ -131,18 +131,12 @@ def fingerprint_of(size: int, full: bool, whole, at) -> str:
     return h.hexdigest()
 
 
-def _sampled(size: int) -> tuple[list, list]:
-    """The sampled fingerprint's blocks and probes in a file of `size` bytes, as [start, end)
-    pairs, in the order it hashes them."""
+def sampled_places(size: int) -> tuple[list, list]:
+    """The sampled fingerprint's blocks and probes in a file of `size` bytes (more than
+    `WHOLE_BELOW`), as [start, end) pairs, in the order it hashes them (what
+    `harvest.Harvest` gathers from a file's blocks)."""
     blocks = [(o, min(o + SAMPLE_BLOCK_BYTES, size)) for o in sample_offsets(size)]
     return blocks, [(int(p), int(p) + PROBE_BYTES) for p in probe_offsets(size)]
-
-
-def sampled_spans(size: int) -> list[tuple[int, int]]:
-    """Every place a sampled fingerprint of a file of `size` bytes (more than `WHOLE_BELOW`)
-    reads, as [start, end) pairs: what `harvest.Harvest` gathers."""
-    blocks, probes = _sampled(size)
-    return blocks + probes
 
 
 def probe_offsets(size: int) -> np.ndarray:

@@ -37,7 +37,8 @@ class Harvest:
 
     def __init__(self, size: int):
         self.size = size
-        spans = np.array(sorted(set(checks.sampled_spans(size))), np.int64).reshape(-1, 2)
+        blocks, probes = checks.sampled_places(size)
+        spans = np.array(sorted(set(blocks + probes)), np.int64).reshape(-1, 2)
         self._a, self._b = spans[:, 0], spans[:, 1]
         self._pieces: dict[int, dict[int, bytes]] = {}  # place -> {start: bytes} of the parts seen
         self._whole: dict[int, bytes] = {}
