@@ -160,6 +160,31 @@ def test_a_second_epoch_reads_each_file_from_its_new_copy(tmp_path, s3, stores, 
     # last in the first may still be in the cache when the second reads it first)
 
 
+def test_a_threads_table_of_addresses_holds_only_the_arrays_its_last_gather_read():
+    """A gather from object storage finds its arrays in its thread's table of addresses over all
+    the store's arrays (`mapping.Addresses`): only the arrays of the last gather are held and
+    have an address there, so the map of a block evicted since is freed (its disk space with
+    it), and a block mapped again is found at its new address."""
+    import weakref
+
+    from forge_grain.stores.mapping import Addresses
+
+    arrays = [np.arange(i, i + 10, dtype=np.uint16) for i in range(4)]
+    table = Addresses(4, np.uint16)
+    got = table.token_arrays([1, 2], arrays[1:3])
+    assert got.addresses.tolist() == [0, arrays[1].ctypes.data, arrays[2].ctypes.data, 0]
+    assert got.lengths.tolist() == [0, 10, 10, 0]
+    evicted = weakref.ref(arrays[1])
+    del got
+    arrays[1] = None  # (the store no longer maps block 1)
+    got = table.token_arrays([2, 3], arrays[2:4])
+    assert evicted() is None
+    assert got.addresses[1] == got.lengths[1] == 0 and got.addresses[3] == arrays[3].ctypes.data
+    again = np.arange(5, dtype=np.uint16)  # block 2 mapped again: a new array
+    got = table.token_arrays([2], [again])
+    assert got.addresses.tolist() == [0, 0, again.ctypes.data, 0] and got.lengths.tolist() == [0, 0, 5, 0]
+
+
 def test_bos_bestfit_keeps_its_rows_under_a_fitted_order(tmp_path, s3, stores):
     """bos_bestfit (rows start at a document's BOS) planned in the fitted chunks: every row still
     starts at a document, and the epoch fetches each shard about once."""

@@ -374,22 +374,27 @@ def test_skip_documents_is_checked(unique_stores):
     assert both.explain(2) == plain.explain(2) == a.explain(2)
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_positions_of_inverts_the_epoch_order(tmp_path, window):
+@pytest.mark.parametrize("window, chunk_docs", [(None, None), (3, 1000), (3, 5000)])
+def test_positions_of_inverts_the_epoch_order(tmp_path, window, chunk_docs):
     """Where a plan row falls in an epoch, in closed form both ways: small epochs (an exact
-    shuffle), large ones (a Feistel network) and the locality order of `shuffle_window`."""
+    shuffle), large ones (a Feistel network) and the locality order of `shuffle_window`, its
+    windows small (their shuffle built once and kept) and large (a Feistel network). Read a
+    batch at a time, as a loader reads it (most batches in the window of the one before, some
+    across two), the order is the same."""
     from forge_grain import pack
 
     docs = [np.arange(2, 2 + n) for n in np.random.default_rng(0).integers(1, 12, 9000)]
     store = write_store(tmp_path / "s", docs, vocab_size=100)
     for seq_len in (8, 64):  # > 4096 rows and < 4096 rows per epoch
-        ds = pack(store, seq_len, "concat", cache_dir=tmp_path, chunk_docs=1000 if window else None,
-                  shuffle_window=window, num_epochs=3, progress=False)
+        ds = pack(store, seq_len, "concat", cache_dir=tmp_path, chunk_docs=chunk_docs, shuffle_window=window,
+                  num_epochs=3, progress=False)
         n = ds.num_rows
         assert (n > 4096) == (seq_len == 8)
         for e in (0, 2):
             plan_rows = ds.rows_of(np.arange(e * n, (e + 1) * n))
             assert np.array_equal(ds.positions_of(plan_rows, e), np.arange(n))
+            batches = [ds.rows_of(np.arange(a, min(a + 7, (e + 1) * n))) for a in range(e * n, (e + 1) * n, 7)]
+            assert np.array_equal(np.concatenate(batches), plan_rows)
 
 
 def test_replay_of_a_streaming_run_reads_from_its_saved_state(tmp_path, capsys):

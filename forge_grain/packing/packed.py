@@ -238,8 +238,7 @@ class PackedDataset(grain.MapDataset):
         self._windows = WindowOrder(self._chunk_rows, num_rows, shuffle_window, seed_key(seed)) if windowed else None
         self._row_tokens = None  # loss positions per plan row, for `trained_tokens`
         self._plan_sha256 = None
-        self._last_fetched = None  # (arrays, pieces) of the last gather from object storage (`_fetched_pieces`)
-        self._addresses = Addresses()  # (where those arrays lie, known while they are mapped)
+        self._tables = threading.local()  # each thread's `Addresses` of the arrays it gathers from object storage
 
     @functools.cached_property
     def _seed_key(self) -> int:
@@ -407,11 +406,14 @@ class PackedDataset(grain.MapDataset):
         p = self.plan
         segments = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
         needed = self._arrays_of(rows)
-        if self.store.cache.limit is not None and len(rows) > 1:
-            held = self.store.held(needed)
-            if held.any() and not held.all():
-                rows, dest, needed = self._fill_held_first(rows, dest, out, segments, needed, held)
-        self._fill(rows, dest, out, (*segments, self._fetched_pieces(rows, needed)))
+        arrays = self.store.mapped(needed)  # (most steps: all mapped)
+        if arrays is None:
+            if self.store.cache.limit is not None and len(rows) > 1:
+                held = self.store.held(needed)
+                if held.any() and not held.all():
+                    rows, dest, needed = self._fill_held_first(rows, dest, out, segments, needed, held)
+            arrays = self.store.arrays_for(needed)
+        self._fill(rows, dest, out, (*segments, self._fetched_pieces(needed, arrays)))
 
     def _fill_held_first(self, rows, dest, out: dict, segments, needed, held) -> tuple:
         """Fill the rows reading only `needed[held]`, tell the arrays no other row reads done:
@@ -420,8 +422,9 @@ class PackedDataset(grain.MapDataset):
         ready = np.array([not np.isin(self._arrays_of(rows[i : i + 1]), waiting).any() for i in range(len(rows))])
         if not ready.any():
             return rows, dest, needed
-        self._fill(rows[ready], dest[ready], out, (*segments, self._fetched_pieces(rows[ready])))
-        self._last_fetched = None  # (their maps go with the hints)
+        first = self._arrays_of(rows[ready])
+        pieces = self._fetched_pieces(first, self.store.arrays_for(first))
+        self._fill(rows[ready], dest[ready], out, (*segments, pieces))
         later = self._arrays_of(rows[~ready])
         step_reads.done_reading(self.store, needed[held & ~np.isin(needed, later)])
         return rows[~ready], dest[~ready], later
@@ -450,21 +453,14 @@ class PackedDataset(grain.MapDataset):
         return kernels.arrays_read(np.asarray(rows, np.int64), self.plan.row_ptr, self.plan.seg_start, starts, array,
                                    len(arrays.addresses))
 
-    def _fetched_pieces(self, rows, needed=None) -> tuple:
-        """For a store whose files are fetched on demand: the pieces with only the arrays
-        these rows read (`needed`, found when not given; fetched and mapped now), renumbered
-        for this gather."""
+    def _fetched_pieces(self, needed: np.ndarray, arrays: list) -> tuple:
+        """For a store whose files are fetched on demand: the pieces, with the addresses of
+        only the arrays `needed` (their maps `arrays`) that the rows read."""
         _, starts, array, base = self._pieces
-        needed = self._arrays_of(rows) if needed is None else needed
-        arrays = self.store.arrays_for(needed)
-        last = self._last_fetched  # batches in the locality order read the same few shards
-        if last is not None and len(last[0]) == len(arrays) and all(a is b for a, b in zip(last[0], arrays)):
-            return last[1]  # the same arrays, still mapped: the same pieces (35 of 180 us a batch)
-        local = np.zeros(int(array.max()) + 1, np.int64)
-        local[needed] = np.arange(len(needed))
-        pieces = self._addresses.token_arrays(needed.tolist(), arrays), starts, local[array], base
-        self._last_fetched = arrays, pieces
-        return pieces
+        table = getattr(self._tables, "table", None)
+        if table is None:
+            table = self._tables.table = Addresses(self.store.num_arrays, self.store.dtype)
+        return table.token_arrays(needed.tolist(), arrays), starts, array, base
 
     def arrays_read(self, indices) -> np.ndarray:
         """The token arrays rows `indices` read, in reading order, for a store that fetches

@@ -22,6 +22,7 @@ class WindowOrder:
         self.chunk_rows, self.num_rows, self.window, self.seed_key = chunk_rows, num_rows, window, seed_key
         self._windows: dict = {}  # epoch -> its chunk order and window starts (`_epoch_windows`)
         self._window_parts: dict = {}  # (epoch, window) -> what its rows are found from (`_window`)
+        self._last = (0, 0, 0, 0)  # the indices [a, b) of the window read last, its epoch and number
 
     def rows(self, idx: np.ndarray, first: int, last: int) -> np.ndarray:
         """Plan rows of dataset indices `idx` (`first`, `last`: their least and greatest): each
@@ -36,12 +37,17 @@ class WindowOrder:
         and elastic resume hold as for the global shuffle.
         """
         n = self.num_rows
+        a, b, e, w = self._last  # (most batches lie in the window of the batch before)
+        if a <= first and last < b:
+            return self._rows_in_window(e, w, idx - a)
         if len(idx):  # the usual batch lies in one window of one epoch (that of its first index): no grouping
             e = first // n
             starts = self._epoch_windows(e)[1]
             w = int(np.searchsorted(starts, first - e * n, side="right")) - 1
-            if last < e * n + int(starts[w + 1]):
-                return self._rows_in_window(e, w, idx - (e * n + int(starts[w])))
+            a, b = e * n + int(starts[w]), e * n + int(starts[w + 1])
+            if last < b:
+                self._last = (a, b, e, w)
+                return self._rows_in_window(e, w, idx - a)
         out = np.empty(len(idx), np.int64)
         epochs = idx // n
         for e in np.unique(epochs):
@@ -55,21 +61,22 @@ class WindowOrder:
 
     def _rows_in_window(self, e: int, w: int, local) -> np.ndarray:
         """Plan rows of positions `local` among window w's rows in epoch e."""
-        key, m, cum, first = self._window(e, w)
-        local = kernels.epoch_rows(np.asarray(local, np.int64), m, key, True)
-        c = np.searchsorted(cum, local, side="right") - 1
-        return first[c] + local - cum[c]
+        key, m, cum, first, perm = self._window(e, w)
+        return kernels.window_rows(np.asarray(local, np.int64), m, key, perm, cum, first)
 
     def _window(self, e: int, w: int) -> tuple:
         """Window w of epoch e: its shuffle key, row count, its chunks' cumulative rows and
-        first plan rows (cached: every batch of the window asks)."""
+        first plan rows, and its rows' shuffle where `epoch_rows` would build it on every
+        call (cached: every batch of the window asks; building the shuffle of a window of
+        4,000 rows for each batch was a tenth of an epoch under a `cache_limit`)."""
         cached = self._window_parts.get((e, w))
         if cached is None:
             order, starts, firsts = self._epoch_windows(e)
             chunks = order[w * self.window : (w + 1) * self.window]
             cum = np.concatenate([[0], np.cumsum(self.chunk_rows[chunks])])
-            cached = (stream_key("window", self.seed_key, e, w), int(starts[w + 1] - starts[w]), cum,
-                      firsts[chunks])
+            key, m = stream_key("window", self.seed_key, e, w), int(starts[w + 1] - starts[w])
+            perm = kernels.epoch_permutation(m, key, 0) if m <= kernels.EXACT_SHUFFLE_MAX else np.zeros(0, np.int64)
+            cached = (key, m, cum.astype(np.int64), firsts[chunks].astype(np.int64), perm)
             if len(self._window_parts) > 64:
                 self._window_parts = {}
             self._window_parts[(e, w)] = cached
@@ -84,7 +91,7 @@ class WindowOrder:
         out = np.empty(len(rows), np.int64)
         for i, (c, r) in enumerate(zip(chunk.tolist(), rows.tolist())):
             w, k = divmod(int(rank[c]), self.window)
-            key, m, cum, _ = self._window(int(epoch), w)
+            key, m, cum, _, _ = self._window(int(epoch), w)
             local = int(cum[k]) + r - int(firsts[c])  # the row among its window's (cum[k]: the chunks before)
             out[i] = starts[w] + kernels.epoch_positions(np.array([local], np.int64), m, key, 0, True)[0]
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -134,8 +135,7 @@ class FetchWindow:
     def _enter(self, step: int) -> bool:
         """Blocks of steps enter the window until it holds `FETCH_SHARDS` shards of every
         source or reaches `fetch_ahead` steps past `step`."""
-        w, o = self._window, self.order
-        want = [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
+        w, o, want = self._window, self.order, self._want
         last = min(step + 1 + self.fetch_ahead, o.step_limit)
         entered = False
         while w["end"] < last and (w["end"] <= step or any(len(c) < n for c, n in zip(w["counts"], want))):
@@ -148,6 +148,11 @@ class FetchWindow:
             w["end"] = b
             entered = True
         return entered
+
+    @functools.cached_property
+    def _want(self) -> list[int]:
+        """The shards of each fetching source the window holds at most."""
+        return [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
 
     def _block(self, a: int, b: int) -> list:
         """(step, the arrays each fetching source reads) of steps [a, b), found by one lookup.
@@ -181,6 +186,8 @@ class FetchWindow:
 def _uncount(count: collections.Counter, arrays: np.ndarray) -> bool:
     """Take one step's reads of `arrays` off the window's `count` of them: True if a shard is
     read by no step left in the window (it leaves the count)."""
+    if not len(arrays):  # (most steps of a block: their reads are the block's last step's)
+        return False
     read = arrays.tolist()
     count.subtract(read)
     gone = [k for k in read if count[k] <= 0]

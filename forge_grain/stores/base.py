@@ -38,7 +38,7 @@ class TokenStore(TargetMasks):
     """
 
     format = "?"  # the subclass's format name
-    fetches = False  # True: token arrays are fetched on demand (object storage); see `arrays_for`, `held`
+    fetches = False  # True: token arrays are fetched on demand (object storage); see `arrays_for`, `mapped`, `held`
     description = "a token dataset"  # for messages: "this is <description>"
     OPTIONS: frozenset[str] = frozenset()  # the `open` options this format accepts (besides `fingerprint`)
 

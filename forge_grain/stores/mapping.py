@@ -17,7 +17,6 @@ import mmap
 import os
 import re
 import sys
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -169,28 +168,32 @@ def _check(arrays: list) -> None:
 
 
 class Addresses:
-    """`token_arrays` of arrays fetched on demand (a store in object storage), remembering each
-    array's address while that array lives: `a.ctypes.data` costs about a microsecond, and a
-    global shuffle's batch of 16 rows from a 128-shard store reads about 40 shards (0.24 s
-    of an epoch's 6,000 steps went to finding the same addresses again). An array mapped
-    again (evicted, then fetched anew) is a new object, so it is looked at anew."""
+    """`TokenArrays` over every token array of a store fetched on demand (a store in object
+    storage), for one thread's gathers: the arrays a gather reads have their addresses set,
+    every other's are 0, so the store's own pieces serve the gather as they are (renumbering
+    them for the arrays of each gather copied all the pieces a step: a fifth of a Megatron
+    epoch's CPU under a `cache_limit`). Only the arrays of the last gather are held, so the
+    map of a file evicted since is freed. An address is remembered while its array is held
+    (`a.ctypes.data` costs about a microsecond); an array mapped again (evicted, then fetched
+    anew) is a new object, looked at anew. One per thread: a gather reads the table while it
+    runs."""
 
-    def __init__(self):
-        self._known: dict[int, tuple] = {}  # array index -> (weak reference to the array, address, length)
-        self._dtype = None  # (every array here shares one)
+    def __init__(self, count: int, dtype):
+        self._addresses, self._lengths = np.zeros(count, np.int64), np.zeros(count, np.int64)
+        self._held: dict[int, np.ndarray] = {}  # array index -> the array (its address is set)
+        self._like = np.zeros(0, dtype)
 
     def token_arrays(self, keys, arrays: list) -> TokenArrays:
-        """`token_arrays(arrays)`, array `arrays[i]` being the store's array `keys[i]`."""
-        known, addresses, lengths = self._known, [], []
-        for k, a in zip(keys, arrays):
-            hit = known.get(k)
-            if hit is None or hit[0]() is not a:
-                hit = known[k] = self._new(a)
-            addresses.append(hit[1])
-            lengths.append(hit[2])
-        return _table(arrays, addresses, lengths)
-
-    def _new(self, a: np.ndarray) -> tuple:
-        _check([a] if self._dtype is None else [np.zeros(0, self._dtype), a])
-        self._dtype = a.dtype
-        return weakref.ref(a), a.ctypes.data, len(a)
+        """The table with arrays `keys` (their indices) set to `arrays`, and no other."""
+        held, addresses, lengths = self._held, self._addresses, self._lengths
+        now = dict(zip(keys, arrays))
+        for k in [k for k in held if k not in now]:
+            del held[k]
+            addresses[k] = lengths[k] = 0
+        for k, a in now.items():
+            if held.get(k) is not a:
+                _check([self._like, a])
+                held[k], addresses[k], lengths[k] = a, a.ctypes.data, len(a)
+        out = TokenArrays(addresses, lengths, self._like)
+        out.arrays = arrays
+        return out

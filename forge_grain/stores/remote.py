@@ -35,6 +35,7 @@ from forge_grain.files import remove_stale_temporaries, sha256_file
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.download import PART_MIN
+from forge_grain.stores.room_ahead import arrived
 from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import START
@@ -184,10 +185,16 @@ class RemoteStore(NativeStore):
             self._mapped[k] = arr
         return arr
 
+    def mapped(self, needed) -> list[np.ndarray] | None:
+        """Shards `needed` if all are mapped (None: some must be fetched, or are arriving)."""
+        mapped = self._mapped
+        arrays = [mapped.get(k) for k in np.asarray(needed, np.int64).tolist()]
+        return None if any(a is None for a in arrays) else arrays
+
     def held(self, arrays) -> np.ndarray:
         """Which of `arrays` (shards) are mapped, or downloaded by a prefetch."""
-        pending = self._pending
-        return np.array([k in self._mapped or (k in pending and pending[k].done()) for k in arrays.tolist()], bool)
+        pending, mapped = self._pending, self._mapped  # (a prefetch pops a finished download meanwhile)
+        return np.array([k in mapped or arrived(pending.get(k)) for k in arrays.tolist()], bool)
 
     def units_of(self, arrays) -> tuple[np.ndarray, np.ndarray]:
         """The shards holding token arrays `arrays` (one array a shard), and their bytes: what

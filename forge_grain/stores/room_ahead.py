@@ -12,6 +12,11 @@ from forge_grain.processes import EXITING
 GROW_POLL_S = 0.01  # how often a partial prefetch looks for room (a lock and the ledger's tail)
 
 
+def arrived(prefetch) -> bool:
+    """Whether a prefetch (a future of `Turns.submit`, or None: none) has finished."""
+    return prefetch is not None and prefetch.done()
+
+
 class Turns:
     """Prefetches of one process take room in the cache in the order the steps need them (a
     later one that took the room first was evicted by the earlier one, needed now, and

@@ -20,9 +20,11 @@ from forge_grain.packing.kernels.planning import (
     split_items,
 )
 from forge_grain.stores.target_masks import NO_MASKS  # (the masks of a source without: streaming rows)
-from forge_grain.packing.kernels.shuffle import EXACT_SHUFFLE_MAX, epoch_positions, epoch_rows, permutation
+from forge_grain.packing.kernels.shuffle import (
+    EXACT_SHUFFLE_MAX, epoch_permutation, epoch_positions, epoch_rows, permutation, window_rows,
+)
 
-__all__ = ["NATURAL_END", "NO_MASKS", "EXACT_SHUFFLE_MAX", "arrays_read", "best_fit", "clear_natural_ends", "epoch_positions", "epoch_rows", "fill_gaps",
+__all__ = ["NATURAL_END", "NO_MASKS", "EXACT_SHUFFLE_MAX", "arrays_read", "best_fit", "clear_natural_ends", "epoch_permutation", "epoch_positions", "epoch_rows", "fill_gaps",
            "fill_rows", "group_by_bin", "mix_counts", "mix_locate", "one_piece", "permutation", "plan_concat",
-           "plan_concat_capped", "row_loss_positions", "row_segments", "row_targets", "runs_in_documents", "split_items",
+           "plan_concat_capped", "row_loss_positions", "row_segments", "row_targets", "runs_in_documents", "split_items", "window_rows",
            "token_arrays"]

@@ -63,6 +63,13 @@ def _epoch_key(seed_key, e):
 
 
 @nb.njit(cache=CACHE, nogil=True)
+def epoch_permutation(n, seed_key, e):
+    """pi_e of `epoch_rows` for n up to `EXACT_SHUFFLE_MAX` (the Fisher-Yates shuffle it
+    builds on every call), for a caller that reads many batches of one small epoch."""
+    return permutation(n, _epoch_key(seed_key, e))
+
+
+@nb.njit(cache=CACHE, nogil=True)
 def epoch_rows(idx, n, seed_key, shuffle):
     """Plan rows of dataset indices: index i is row pi_e(i mod n) of epoch e = i // n, where
     pi_e is a seeded permutation of [0, n) whose key mixes `seed_key` with the epoch.
@@ -94,6 +101,21 @@ def epoch_rows(idx, n, seed_key, shuffle):
         e = idx[i] // n
         j = idx[i] - e * n
         out[i] = np.int64(_feistel(np.uint64(j), un, half, mask, _epoch_key(seed_key, e)))
+    return out
+
+
+@nb.njit(cache=CACHE, nogil=True)
+def window_rows(local, m, key, perm, cum, first):
+    """Plan rows of positions `local` among a window's m rows (`WindowOrder`): shuffled as
+    `epoch_rows` shuffles epoch 0 of m rows under `key` (by `perm`, that shuffle built
+    already, when it is not empty), then found in the window's chunks (`cum`: their rows
+    before each, `first`: their first plan rows). One call a batch, not six numpy ones."""
+    shuffled = epoch_rows(local, m, key, True) if len(perm) == 0 else perm[local]
+    out = np.empty(len(local), np.int64)
+    for i in range(len(local)):
+        x = shuffled[i]
+        c = np.searchsorted(cum, x, side="right") - 1
+        out[i] = first[c] + x - cum[c]
     return out
 
 
