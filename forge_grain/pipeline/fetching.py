@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import threading
 
 import numpy as np
@@ -39,6 +38,7 @@ class FetchWindow:
         self._last_made = -1
         self._window = {"front": 0, "end": -1}  # the last step begun, the first not in the window, shard counts
         self._lock = threading.Lock()
+        self._shards_wanted = None  # (`_want`)
 
     @property
     def active(self) -> bool:
@@ -149,10 +149,13 @@ class FetchWindow:
             entered = True
         return entered
 
-    @functools.cached_property
+    @property
     def _want(self) -> list[int]:
-        """The shards of each fetching source the window holds at most."""
-        return [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
+        """The shards of each fetching source the window holds at most (found once; not a
+        cached_property, whose lock in Python 3.11 is every instance's, held while a store opens)."""
+        if self._shards_wanted is None:
+            self._shards_wanted = [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
+        return self._shards_wanted
 
     def _block(self, a: int, b: int) -> list:
         """(step, the arrays each fetching source reads) of steps [a, b), found by one lookup.

@@ -93,16 +93,18 @@ class FetchedParts(TokenStore):
         return [self._map_part(p)[k - int(first[p])] for k, p in zip(needed.tolist(), parts)]
 
     def mapped(self, needed) -> list[np.ndarray] | None:
-        """Token arrays `needed` if their parts are all mapped: one search for them all and no
-        lock (a step reads about six arrays; a lock, a search and the per-process lookups for
+        """Token arrays `needed` if their parts are all mapped: one search and one lock for them
+        all (a step reads about six arrays; a lock, a search and the per-process lookups for
         each were a fifth of a Megatron epoch's CPU under a limit)."""
         needed = np.asarray(needed, np.int64)
         first, opened, pending, out = self._first_array, self._opened, self._pending, []
-        for k, p in zip(needed.tolist(), (np.searchsorted(first, needed, side="right") - 1).tolist()):
-            arrays = opened.get(p)
-            if arrays is None or p in pending:
-                return None
-            out.append(arrays[k - int(first[p])])
+        parts = (np.searchsorted(first, needed, side="right") - 1).tolist()
+        with self._lock:  # (as `_map_part` reads them: a prefetch's hints may drop a map meanwhile)
+            for k, p in zip(needed.tolist(), parts):
+                arrays = opened.get(p)
+                if arrays is None or p in pending:
+                    return None
+                out.append(arrays[k - int(first[p])])
         return out
 
     def _map_part(self, p: int) -> list[np.ndarray]:
