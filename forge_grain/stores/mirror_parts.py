@@ -83,22 +83,25 @@ class FetchedParts(TokenStore):
         return {}
 
     def _array(self, k: int) -> np.ndarray:
-        return (self.mapped([k]) or self.arrays_for([k]))[0]
+        return self.arrays_for([k])[0]
+
+    def _parts_of(self, arrays) -> np.ndarray:
+        """The parts (files, blocks) holding token arrays `arrays`."""
+        return np.searchsorted(self._first_array, np.asarray(arrays, np.int64), side="right") - 1
 
     def arrays_for(self, needed) -> list[np.ndarray]:
         """Token arrays `needed`, their parts mapped first where they are not."""
-        needed = np.asarray(needed, np.int64)
         first = self._first_array
-        parts = (np.searchsorted(first, needed, side="right") - 1).tolist()
-        return [self._map_part(p)[k - int(first[p])] for k, p in zip(needed.tolist(), parts)]
+        return [self._map_part(p)[k - int(first[p])]
+                for k, p in zip(np.asarray(needed, np.int64).tolist(), self._parts_of(needed).tolist())]
 
     def mapped(self, needed) -> list[np.ndarray] | None:
         """Token arrays `needed` if their parts are all mapped: one search and one lock for them
         all (a step reads about six arrays; a lock, a search and the per-process lookups for
         each were a fifth of a Megatron epoch's CPU under a limit)."""
-        needed = np.asarray(needed, np.int64)
         first, opened, pending, out = self._first_array, self._opened, self._pending, []
-        parts = (np.searchsorted(first, needed, side="right") - 1).tolist()
+        needed = np.asarray(needed, np.int64)
+        parts = self._parts_of(needed).tolist()
         with self._lock:  # (as `_map_part` reads them: a prefetch's hints may drop a map meanwhile)
             for k, p in zip(needed.tolist(), parts):
                 arrays = opened.get(p)
@@ -144,21 +147,20 @@ class FetchedParts(TokenStore):
     def held(self, arrays) -> np.ndarray:
         """Which of `arrays` lie in parts mapped, or downloaded by a prefetch."""
         opened, pending = self._opened, self._pending
-        parts = np.searchsorted(self._first_array, np.asarray(arrays, np.int64), side="right") - 1
-        return np.array([p in opened or arrived(pending.get(p)) for p in parts.tolist()], bool)
+        return np.array([p in opened or arrived(pending.get(p)) for p in self._parts_of(arrays).tolist()], bool)
 
     def units_of(self, arrays) -> tuple[np.ndarray, np.ndarray]:
         """The parts (files, blocks) holding token arrays `arrays`, and their bytes: what the
         cache fetches whole."""
-        parts = np.searchsorted(self._first_array, np.asarray(arrays, np.int64), side="right") - 1
+        parts = self._parts_of(arrays)
         return parts, np.array([self._parts[p].size for p in parts.tolist()], np.int64)
 
     def prefetch(self, needed) -> None:
         """Fetch the files holding token arrays `needed` (in reading order) in the background,
         as many as the cache holds ahead (`within_cache`); files no longer hinted are
         unmapped, so eviction frees their space."""
-        first = self.units_of(needed)[0]
-        parts = within_cache(list(dict.fromkeys(first.tolist())), lambda p: self._parts[p].size, self.cache.room())
+        ordered = list(dict.fromkeys(self._parts_of(needed).tolist()))
+        parts = within_cache(ordered, lambda p: self._parts[p].size, self.cache.room())
         with self._lock:
             self._keep = frozenset(n for p in parts for n in (self._parts[p].copy, self._parts[p].fetched))
             hinted = set(parts)
