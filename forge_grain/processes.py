@@ -158,12 +158,3 @@ def usable_cores() -> int:
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
 
-
-def default_batch_threads() -> int:
-    """Batch threads by default: none on 2 cores or fewer, where they contend with the consumer
-    and the request threads for the same cores (at 2 MB/s a connection, 16 shards: 38.9 M
-    tokens/s with none, 25.2 with two; `benchmarks/results/scale-link-ttfb30-mbps2.txt`), one
-    up to 4 cores, two beyond (making the next batch while the trainer's step runs)."""
-    cores = usable_cores()
-    return 0 if cores <= 2 else 1 if cores <= 4 else 2
-

@@ -185,6 +185,35 @@ def test_a_threads_table_of_addresses_holds_only_the_arrays_its_last_gather_read
     assert got.addresses.tolist() == [0, 0, again.ctypes.data, 0] and got.lengths.tolist() == [0, 0, 5, 0]
 
 
+def test_a_threads_table_is_reused_while_the_stores_maps_are_unchanged_and_no_longer():
+    """A step whose arrays an earlier step read finds the table as it is (`Addresses.reuse`),
+    without asking the store, only while the store's maps (`mapping.Maps`) are unchanged: the
+    arrays held then are still mapped. Once a map comes or goes, the store is asked again, and
+    the arrays held before (an evicted block's among them) are let go."""
+    import weakref
+
+    from forge_grain.stores.mapping import Addresses, Maps
+
+    arrays = [np.arange(i, i + 10, dtype=np.uint16) for i in range(4)]
+    maps = Maps(enumerate(arrays))
+    table = Addresses(4, np.uint16)
+    assert table.reuse(np.array([1]), maps) is None  # (nothing held yet)
+    table.token_arrays([1, 2], arrays[1:3], maps, maps.changes)
+    got = table.token_arrays([3], arrays[3:], maps, maps.changes)  # (unchanged maps: 1 and 2 stay)
+    assert got.addresses.tolist() == [0, *(a.ctypes.data for a in arrays[1:])]
+    assert table.reuse(np.array([2, 1, 3]), maps) is got
+    assert table.reuse(np.array([0, 1]), maps) is None  # (block 0 was never read: the store is asked)
+    assert table.reuse(np.array([1]), Maps(enumerate(arrays))) is None  # (another process's maps)
+    evicted = weakref.ref(arrays[1])
+    del maps[1]  # (the store evicts block 1)
+    arrays[1] = None
+    assert table.reuse(np.array([2]), maps) is None
+    got = table.token_arrays([2], arrays[2:3], maps, maps.changes)
+    assert evicted() is None
+    assert got.addresses.tolist() == [0, 0, arrays[2].ctypes.data, 0]
+    assert table.reuse(np.array([2]), maps) is got and table.reuse(np.array([3]), maps) is None
+
+
 def test_bos_bestfit_keeps_its_rows_under_a_fitted_order(tmp_path, s3, stores):
     """bos_bestfit (rows start at a document's BOS) planned in the fitted chunks: every row still
     starts at a document, and the epoch fetches each shard about once."""

@@ -206,16 +206,16 @@ def test_threads_processes_and_inline_give_the_same_batches(stores):
         assert all(same(a, b) for a, b in zip(ref, got)), kw
 
 
-@pytest.mark.parametrize("cores,threads", [(1, 0), (2, 0), (4, 1), (16, 2)])
-def test_batch_threads_by_default_follow_the_cores_the_process_may_use(stores, monkeypatch, cores, threads):
-    """The default batch threads come from the process's CPU affinity (a job's share of a node),
-    not a constant: none on 2 cores or fewer, where they slowed an epoch from object storage by
-    contending with the consumer and the request threads, one up to 4, two beyond. A number
-    given is kept."""
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_batches_are_made_in_the_consumers_thread_by_default_on_any_cores(stores, monkeypatch, cores):
+    """No batch threads by default, however many cores the process may use: making a batch
+    mostly holds the GIL, so threads only hand batches across it to a consumer that does not
+    release it (on 16 idle cores an epoch from object storage read flat out ran 0.72-0.89x as
+    fast with the 2 threads that were the default there). A number given is kept."""
     import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-    assert Pipeline(config(stores), 0, 1).num_threads == threads
+    assert Pipeline(config(stores), 0, 1).num_threads == 0
     assert Pipeline(config(stores), 0, 1, num_threads=3).num_threads == 3
 
 

@@ -403,17 +403,22 @@ class PackedDataset(grain.MapDataset):
         and the shards only they read are told done (`step_reads`) before the rest wait: so
         that a step across a boundary of the read order that fits the cache frees the shard
         it leaves while the next one arrives."""
-        p = self.plan
+        p, store = self.plan, self.store
         segments = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
         needed = self._arrays_of(rows)
-        arrays = self.store.mapped(needed)  # (most steps: all mapped)
-        if arrays is None:
-            if self.store.cache.limit is not None and len(rows) > 1:
-                held = self.store.held(needed)
-                if held.any() and not held.all():
-                    rows, dest, needed = self._fill_held_first(rows, dest, out, segments, needed, held)
-            arrays = self.store.arrays_for(needed)
-        self._fill(rows, dest, out, (*segments, self._fetched_pieces(needed, arrays)))
+        table, maps = self._table(), store.maps
+        found = table.reuse(needed, maps)  # (most steps: the arrays of the steps before)
+        if found is None:
+            changes = maps.changes  # (before the store is asked: a map changed meanwhile counts)
+            arrays = store.mapped(needed)  # (most other steps: all mapped)
+            if arrays is None:
+                if store.cache.limit is not None and len(rows) > 1:
+                    held = store.held(needed)
+                    if held.any() and not held.all():
+                        rows, dest, needed = self._fill_held_first(rows, dest, out, segments, needed, held)
+                arrays = store.arrays_for(needed)
+            found = table.token_arrays(needed.tolist(), arrays, maps, changes)
+        self._fill(rows, dest, out, (*segments, (found, *self._pieces[1:])))
 
     def _fill_held_first(self, rows, dest, out: dict, segments, needed, held) -> tuple:
         """Fill the rows reading only `needed[held]`, tell the arrays no other row reads done:
@@ -423,8 +428,8 @@ class PackedDataset(grain.MapDataset):
         if not ready.any():
             return rows, dest, needed
         first = self._arrays_of(rows[ready])
-        pieces = self._fetched_pieces(first, self.store.arrays_for(first))
-        self._fill(rows[ready], dest[ready], out, (*segments, pieces))
+        found = self._table().token_arrays(first.tolist(), self.store.arrays_for(first))
+        self._fill(rows[ready], dest[ready], out, (*segments, (found, *self._pieces[1:])))
         later = self._arrays_of(rows[~ready])
         step_reads.done_reading(self.store, needed[held & ~np.isin(needed, later)])
         return rows[~ready], dest[~ready], later
@@ -453,14 +458,12 @@ class PackedDataset(grain.MapDataset):
         return kernels.arrays_read(np.asarray(rows, np.int64), self.plan.row_ptr, self.plan.seg_start, starts, array,
                                    len(arrays.addresses))
 
-    def _fetched_pieces(self, needed: np.ndarray, arrays: list) -> tuple:
-        """For a store whose files are fetched on demand: the pieces, with the addresses of
-        only the arrays `needed` (their maps `arrays`) that the rows read."""
-        _, starts, array, base = self._pieces
+    def _table(self) -> Addresses:
+        """This thread's table of the store's token arrays, by address (`mapping.Addresses`)."""
         table = getattr(self._tables, "table", None)
         if table is None:
             table = self._tables.table = Addresses(self.store.num_arrays, self.store.dtype)
-        return table.token_arrays(needed.tolist(), arrays), starts, array, base
+        return table
 
     def arrays_read(self, indices) -> np.ndarray:
         """The token arrays rows `indices` read, in reading order, for a store that fetches

@@ -168,38 +168,83 @@ def _check(arrays: list) -> None:
         raise TypeError("token arrays must be one-dimensional and contiguous")
 
 
+class Maps(dict):
+    """A fetching store's token arrays mapped now (by shard, or part), counting its changes:
+    a thread that found its arrays here at one count knows them still mapped, the same
+    objects, while the count is unchanged (`Addresses.reuse`)."""
+
+    changes = 0
+
+    def __setitem__(self, key, value):
+        self.changes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.changes += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.changes += 1
+        return super().pop(*args)
+
+    def clear(self):
+        self.changes += 1
+        super().clear()
+
+
 class Addresses:
     """`TokenArrays` over every token array of a store fetched on demand (a store in object
     storage), for one thread's gathers: the arrays a gather reads have their addresses set,
     every other's are 0, so the store's own pieces serve the gather as they are (renumbering
     them for the arrays of each gather copied all the pieces a step: a fifth of a Megatron
-    epoch's CPU under a `cache_limit`). Only the arrays of the last gather are held, so the
-    map of a file evicted since is freed. Each array's address is remembered while the array
-    lives: `a.ctypes.data` costs about a microsecond, and a global shuffle's batch of 16 rows
-    from a 128-shard store reads about 40 shards (0.24 s of an epoch's 6,000 steps went to
-    finding the same addresses again); an array mapped again (evicted, then fetched anew) is
-    a new object, looked at anew. One per thread: a gather reads the table while it runs."""
+    epoch's CPU under a `cache_limit`). The arrays are held while the store's `Maps` are
+    unchanged, so a step reading only arrays an earlier one read since finds the table as
+    it is (`reuse`: asking the store for its maps and setting the table were a sixth of a
+    Megatron step under a limit); once the maps change, only the last gather's arrays are
+    held, so the map of a file evicted since is freed. Each array's address is remembered
+    while the array lives: `a.ctypes.data` costs about a microsecond, and a global shuffle's
+    batch of 16 rows from a 128-shard store reads about 40 shards (0.24 s of an epoch's 6,000
+    steps went to finding the same addresses again); an array mapped again (evicted, then
+    fetched anew) is a new object, looked at anew. One per thread: a gather reads the table
+    while it runs."""
 
     def __init__(self, count: int, dtype):
         self._addresses, self._lengths = np.zeros(count, np.int64), np.zeros(count, np.int64)
+        self._set = np.zeros(count, bool)  # the arrays held (their addresses set)
         self._held: dict[int, np.ndarray] = {}  # array index -> the array (its address is set)
         self._known: dict[int, tuple] = {}  # array index -> (weak reference to the array, address, length)
         self._like = np.zeros(0, dtype)
+        self._out = TokenArrays(self._addresses, self._lengths, self._like)
+        self._out.arrays = self._held
+        self._seen = (None, -1)  # (the store's maps, their change count) the held arrays were found at
 
-    def token_arrays(self, keys, arrays: list) -> TokenArrays:
-        """The table with arrays `keys` (their indices) set to `arrays`, and no other."""
-        held, addresses, lengths = self._held, self._addresses, self._lengths
+    def reuse(self, keys: np.ndarray, maps: Maps) -> TokenArrays | None:
+        """The table as it is, if it holds arrays `keys` and `maps` has not changed since
+        (None: ask the store, then `token_arrays`)."""
+        seen, changes = self._seen
+        if seen is not maps or changes != maps.changes or not self._set[keys].all():
+            return None
+        return self._out
+
+    def token_arrays(self, keys, arrays: list, maps: Maps | None = None, changes: int = -1) -> TokenArrays:
+        """The table with arrays `keys` (their indices) set to `arrays`, found in `maps` at its
+        change count `changes`: the arrays held before stay if the maps had not changed since,
+        else none but these."""
+        held, addresses, lengths, known = self._held, self._addresses, self._lengths, self._set
         now = dict(zip(keys, arrays))
-        for k in [k for k in held if k not in now]:
-            del held[k]
-            addresses[k] = lengths[k] = 0
+        seen, seen_changes = self._seen
+        if maps is None or seen is not maps or seen_changes != changes:
+            for k in [k for k in held if k not in now]:
+                del held[k]
+                addresses[k] = lengths[k] = 0
+                known[k] = False
+            self._seen = (maps, changes)
         for k, a in now.items():
             if held.get(k) is not a:
                 held[k] = a
                 _, addresses[k], lengths[k] = self._known_as(k, a)
-        out = TokenArrays(addresses, lengths, self._like)
-        out.arrays = arrays
-        return out
+                known[k] = True
+        return self._out
 
     def _known_as(self, k: int, a: np.ndarray) -> tuple:
         hit = self._known.get(k)

@@ -36,6 +36,7 @@ from forge_grain.processes import per_process
 from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
 from forge_grain.stores.cache_room import read_copy
+from forge_grain.stores.mapping import Maps
 from forge_grain.stores.room_ahead import arrived
 from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under, listing
@@ -66,9 +67,14 @@ class FetchedParts(TokenStore):
     _first_array: list
 
     @per_process
-    def _opened(self) -> dict:
+    def _opened(self) -> Maps:
         """The token arrays of the parts this process has mapped, by part."""
-        return {}
+        return Maps()
+
+    @property
+    def maps(self) -> Maps:
+        """The parts mapped now (a gather's table of addresses holds them while these are unchanged)."""
+        return self._opened
 
     @per_process
     def _lock(self):

@@ -31,6 +31,7 @@ from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import arrayrecord, checks
 from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, split_joined_index
+from forge_grain.stores.mapping import Maps
 from forge_grain.files import remove_stale_temporaries, sha256_file
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.cache_room import read_copy
@@ -101,7 +102,7 @@ class RemoteStore(NativeStore):
                 list(pool.map(lambda s: self.cache.get(s.index, f"{self.mirror}/{s.index}", s.index_sha256,
                                                        self._sizes.get(s.index)), m.shards))
         self._fetch_threads = fetch_threads
-        self._mapped: dict[int, np.ndarray] = {}
+        self._mapped = Maps()  # shard -> its tokens, mapped
         self._keep: frozenset = frozenset()
         super()._open(dtype)
         if self._records is not None:
@@ -184,6 +185,11 @@ class RemoteStore(NativeStore):
         with self._lock:
             self._mapped[k] = arr
         return arr
+
+    @property
+    def maps(self) -> Maps:
+        """The shards mapped now (a gather's table of addresses holds them while these are unchanged)."""
+        return self._mapped
 
     def mapped(self, needed) -> list[np.ndarray] | None:
         """Shards `needed` if all are mapped (None: some must be fetched, or are arriving)."""
