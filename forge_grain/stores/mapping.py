@@ -171,7 +171,8 @@ def _check(arrays: list) -> None:
 class Maps(dict):
     """A fetching store's token arrays mapped now (by shard, or part), counting its changes:
     a thread that found its arrays here at one count knows them still mapped, the same
-    objects, while the count is unchanged (`Addresses.reuse`)."""
+    objects, while the count is unchanged (`Addresses.reuse`). The stores change it by item,
+    `del`, `pop` and `clear` only, which count."""
 
     changes = 0
 
@@ -230,20 +231,20 @@ class Addresses:
         """The table with arrays `keys` (their indices) set to `arrays`, found in `maps` at its
         change count `changes`: the arrays held before stay if the maps had not changed since,
         else none but these."""
-        held, addresses, lengths, known = self._held, self._addresses, self._lengths, self._set
+        held, addresses, lengths, is_set = self._held, self._addresses, self._lengths, self._set
         now = dict(zip(keys, arrays))
         seen, seen_changes = self._seen
         if maps is None or seen is not maps or seen_changes != changes:
             for k in [k for k in held if k not in now]:
                 del held[k]
                 addresses[k] = lengths[k] = 0
-                known[k] = False
+                is_set[k] = False
             self._seen = (maps, changes)
         for k, a in now.items():
             if held.get(k) is not a:
                 held[k] = a
                 _, addresses[k], lengths[k] = self._known_as(k, a)
-                known[k] = True
+                is_set[k] = True
         return self._out
 
     def _known_as(self, k: int, a: np.ndarray) -> tuple:
