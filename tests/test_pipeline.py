@@ -211,11 +211,13 @@ def test_batches_are_made_in_the_consumers_thread_by_default_on_any_cores(stores
     """No batch threads by default, however many cores the process may use: making a batch
     mostly holds the GIL, so threads only hand batches across it to a consumer that does not
     release it (on 16 idle cores an epoch from object storage read flat out ran 0.72-0.89x as
-    fast with the 2 threads that were the default there). A number given is kept."""
+    fast with the 2 threads that were the default there). A number given is kept; None, the
+    default of earlier versions, is none."""
     import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert Pipeline(config(stores), 0, 1).num_threads == 0
+    assert Pipeline(config(stores), 0, 1, num_threads=None).num_threads == 0  # (the old default's spelling)
     assert Pipeline(config(stores), 0, 1, num_threads=3).num_threads == 3
 
 

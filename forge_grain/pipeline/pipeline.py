@@ -92,7 +92,7 @@ class Pipeline:
         shard_index: int | None = None,
         shard_count: int | None = None,
         *,
-        num_threads: int = 0,
+        num_threads: int | None = 0,  # (None, the default of earlier versions: 0)
         prefetch: int = 4,
         worker_count: int = 0,
         plan_workers: int | None = None,
@@ -118,7 +118,7 @@ class Pipeline:
         start = resume_from.get("step") if isinstance(resume_from, dict) else 0
         start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
         check_shards(batches, shard_index, shard_count, start)
-        self.num_threads = num_threads
+        self.num_threads = num_threads or 0
         self.prefetch, self.worker_count, self.cache_dir, self.fetch_ahead = prefetch, worker_count, cache_dir, fetch_ahead
         self.tokenize_threads, self.dtype = tokenize_threads, np.dtype(dtype)  # (of ids and positions in batches)
         self.layout = layout_for(config, batches, shard_count, resume_from)
