@@ -12,8 +12,8 @@
    uploaded to a local S3-compatible server (moto in server mode, as the tests use), read
    through s3fs with a cache limit of 10% of the store (at least 3 shards) and the locality order, against the
    same pipeline over the store on disk: time to the first batch and steady tokens/s, batches
-   made in the consumer's thread (`num_threads=0`, as LitData's loader with `num_workers=0`
-   makes them) and, once more from S3, with the default 2 batch threads.
+   made in the consumer's thread (`num_threads=0`, the default, as LitData's loader with
+   `num_workers=0` makes them) and, once more from S3, with 2 batch threads.
    The server runs in its own process; its own rate is measured too (every shard read once
    with s3fs, one at a time and on 8 connections, and with obstore on 8 connections), and the
    peers reading the same tokens from it (`--peer-python`: LitData; with `--mosaic`, MosaicML
@@ -111,9 +111,9 @@ def object_storage(num_docs: int, shards: int, work: Path, peer_python: str | No
         rates, whole = {}, {}  # steady tokens/s; tokens/s from the request, the first batch included
         s3_threads = config(dict(path="s3://bench/store", storage_options=opts, object_cache=str(work / "objects-t"),
                                  **common), chunk_docs)
-        # batches made in the consumer's thread (num_threads=0), as LitData's loader with num_workers=0
-        # makes them: this loop of next() never releases the GIL, so batch threads (the default,
-        # there for a trainer whose step waits on the accelerator) only hand batches across it
+        # batches made in the consumer's thread (num_threads=0, the default), as LitData's loader with
+        # num_workers=0 makes them: this loop of next() never releases the GIL, so batch threads (there
+        # for a trainer whose step releases it for long) only hand batches across it
         for label, cfg, threads in (
                 ("local disk", disk_cfg, 0), (f"S3 (moto), cache_limit {100 * limit / size:.0f}%", s3_cfg, 0),
                 ("S3 (moto), unbounded cache", s3_all, 0), ("S3 (moto), unbounded, 2 batch threads", s3_threads, 2)):

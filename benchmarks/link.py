@@ -6,10 +6,10 @@ connection paced to `mbps` MB/s), so the link, not this 2-core machine, is the l
 machine's idle CPU is reported beside each figure so a reader can check that. Measured in
 one run: the link's ceiling (obstore reading every shard once with 8 and with 32 ranged GETs
 in flight, parts of at most 8 MiB), forge-grain with its defaults reading a whole epoch from
-the request (pipeline build and first batch included; with its default 2 batch threads, and
-with batches made in the consumer's thread, `num_threads=0`, as the peers' loaders with 0
-workers make them: a loop of bare `next()` never releases the GIL, so batch threads only hand
-batches across it), and the peers reading the same uint16
+the request (pipeline build and first batch included; batches made in the consumer's thread,
+`num_threads=0`, the default, as the peers' loaders with 0 workers make them, and with 2 batch
+threads: a loop of bare `next()` never releases the GIL, so batch threads only hand batches
+across it), and the peers reading the same uint16
 tokens from the same link (LitData's `StreamingDataset` with `TokensLoader`, MosaicML
 Streaming), each as a fraction of the 32-GET ceiling.
 """
