@@ -335,6 +335,24 @@ def test_skipping_steps_under_a_schedule_skips_exactly_those_steps_rows(stores):
     assert b.phase_at(3)["start_step"] == 0 and b.consumed(3) == a.consumed(3)
 
 
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_the_prefetch_hints_blocks_of_steps_read_the_rows_each_step_reads(stores, shards):
+    """The hints look rows up a block of steps at a time (`shard_rows_between`): the same rows
+    as step by step, inside a segment of the schedule and across its changes, and with skipped
+    steps (where it goes step by step)."""
+    cfg = config(stores, batch_sizes=SCHEDULE, global_batch_size=16, num_epochs=None)
+    plain = Pipeline(cfg, shards - 1, shards, num_threads=0)
+    skipped = Pipeline(cfg, shards - 1, shards, num_threads=0, resume_from=plain.state_at(3), skip_steps=2)
+    for p in (plain, skipped):
+        o = p.order
+        for a, b in [(0, 1), (0, 3), (2, 5), (3, 6), (6, 22), (1, 17)]:
+            got = o.shard_rows_between(a, b)
+            assert len(got) == b - a
+            for s, rows in zip(range(a, b), got):
+                assert rows.dtype == np.int64 and np.array_equal(rows, o.shard_rows(s)), (a, b, s)
+    assert not skipped.order.rowmap.empty and plain.order.rowmap.empty
+
+
 def test_grain_worker_processes_follow_the_schedule(stores):
     """Worker processes rebuild the pipeline from its config: the schedule comes with it."""
     cfg = config(stores, batch_sizes=SCHEDULE, global_batch_size=16, max_steps=8)

@@ -65,6 +65,10 @@ class BatchSchedule:
         k = self._segment(step)
         return int(self._row_list[k] + (step - self._starts[k]) * self._size_list[k])
 
+    def uniform(self, a: int, b: int) -> bool:
+        """Steps [a, b) all have one size (they lie in one segment)."""
+        return self._segment(a) == self._segment(b - 1)
+
     def steps_within(self, rows: int) -> int:
         """The most steps whose rows fit in the first `rows` rows: the largest s with R(s) <= rows."""
         k = int(np.searchsorted(self.rows_at, rows, side="right")) - 1

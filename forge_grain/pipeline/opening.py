@@ -28,6 +28,7 @@ from forge_grain.sources.factory import fitted_args, open_source
 
 AHEAD = 256  # steps the opener runs ahead of the last step made
 _IDLE_S = 1.0  # how often a waiting opener checks that its pipeline still exists
+_NOTHING = contextlib.nullcontext()
 
 
 def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_dir, plan_workers: int | None, layout,
@@ -87,14 +88,17 @@ class AheadOpener:
             self.thread.start()
             stop_at_exit(self.thread)  # not left inside a native open while the interpreter exits
 
-    @contextlib.contextmanager
     def making(self, step: int):
         """The consumer makes `step` inside this: the opener keeps within `AHEAD` steps of it, and
         pauses meanwhile (two threads opening at once, under one lock and the GIL, were slower
-        than one: the opener only fills the time between batches)."""
+        than one: the opener only fills the time between batches). Once every source is open,
+        nothing (no generator made every step)."""
         if not (self._pending and self.thread.is_alive()):
-            yield
-            return
+            return _NOTHING
+        return self._making(step)
+
+    @contextlib.contextmanager
+    def _making(self, step: int):
         with self._wake:
             self._made = step
             self._busy += 1

@@ -132,6 +132,15 @@ class RowOrder:
         b = self.local_size(step)
         return self.rowmap.rows(self.batches.row(step) + self.shard_index * b, b)
 
+    def shard_rows_between(self, a: int, b: int) -> list[np.ndarray]:
+        """`shard_rows` of steps [a, b): one array where the batch size is the same throughout
+        and no row is skipped (the prefetch hints look steps up in blocks)."""
+        if not self.rowmap.empty or not self.batches.uniform(a, b):
+            return [self.shard_rows(s) for s in range(a, b)]
+        size, local = self.batches.size(a), self.local_size(a)
+        first = self.batches.row(a) + self.shard_index * local
+        return list(first + np.arange(b - a, dtype=np.int64)[:, None] * size + np.arange(local, dtype=np.int64))
+
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source index, the source's row) of each mixture row."""
         return self.mixture.locate(rows)

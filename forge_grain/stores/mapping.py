@@ -223,7 +223,9 @@ class Addresses:
         """The table as it is, if it holds arrays `keys` and `maps` has not changed since
         (None: ask the store, then `token_arrays`)."""
         seen, changes = self._seen
-        if seen is not maps or changes != maps.changes or not self._set[keys].all():
+        if seen is not maps or changes != maps.changes:
+            return None
+        if np.count_nonzero(self._set[keys]) != len(keys):  # (`.all()` took 3x as long, every step)
             return None
         return self._out
 
