@@ -181,3 +181,42 @@ def test_a_process_forked_while_sources_open_in_the_background_makes_its_batches
         if code is None:
             pytest.fail(f"the forked process hung (trial {trial})")
         assert code == 0
+
+
+def test_a_source_slow_to_open_in_one_thread_holds_up_no_other_sources_first_batch(tmp_path):
+    """Batch threads (or a trainer's own) make batches of different sources at once: one whose
+    store is still opening (from object storage: seconds) must not hold up the first batch
+    of another. Python 3.11's `functools.cached_property` held one lock per class while the
+    first computed its value, so the other waited for the whole open."""
+    import threading
+
+    sources = small_stores(tmp_path, 2)
+    slow, ready = (Pipeline(config([s], seq_len=32, global_batch_size=2), 0, 1).mixture.datasets[0] for s in sources)
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowToOpen:  # the store as it answers while its open waits on the network
+        def __init__(self, store):
+            self._store = store
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+        @property
+        def pieces(self):
+            entered.set()
+            release.wait(60)
+            return self._store.pieces
+
+    slow._store = SlowToOpen(slow._store)
+    opening = threading.Thread(target=slow.get_batch, args=([0, 1],), daemon=True)
+    opening.start()
+    assert entered.wait(30)
+    other = threading.Thread(target=ready.get_batch, args=([0, 1],), daemon=True)
+    other.start()
+    other.join(10)
+    held_up = other.is_alive()
+    release.set()
+    opening.join(30)
+    other.join(30)
+    assert not held_up, "the other source's first batch waited for this one's open"
+    assert not opening.is_alive() and not other.is_alive()

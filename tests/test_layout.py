@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LEAVES = {"errors", "files", "paths", "locks", "processes", "splits", "tokenizer", "hub", "moved", "absl_flags"}
+LEAVES = {"errors", "files", "paths", "locks", "lazy", "processes", "splits", "tokenizer", "hub", "moved", "absl_flags"}
 # rank of each part: a module may import its own part and any of lower rank
 # (parts of one rank import neither each other: preparation and sources share what reads texts, corpora)
 RANKS = {"leaf": 0, "stores": 1, "corpora": 2, "packing": 2, "preparation": 3, "sources": 3, "pipeline": 4, "top": 5,

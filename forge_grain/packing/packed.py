@@ -20,6 +20,7 @@ import numpy as np
 from forge_grain.packing import kernels
 from forge_grain.paths import plan_cache_dir
 from forge_grain.packing.buffers import BufferPool
+from forge_grain.lazy import lazy
 from forge_grain.files import remove_stale_temporaries, temporary
 from forge_grain.locks import file_lock
 from forge_grain.packing.chunked import CHUNK_DOCS, plan_chunked
@@ -255,11 +256,11 @@ class PackedDataset(grain.MapDataset):
         self._plan_sha256 = None
         self._tables = threading.local()  # each thread's `Addresses` of the arrays it gathers from object storage
 
-    @functools.cached_property
+    @lazy
     def _seed_key(self) -> int:
         return seed_key(self.seed)
 
-    @functools.cached_property
+    @lazy
     def _pool(self) -> BufferPool:
         return BufferPool()
 
@@ -449,7 +450,7 @@ class PackedDataset(grain.MapDataset):
         step_reads.done_reading(self.store, needed[held & ~np.isin(needed, later)])
         return rows[~ready], dest[~ready], later
 
-    @functools.cached_property
+    @lazy
     def _gather(self) -> tuple | None:
         """What the compiled gather reads, found once (a row read one at a time feels every
         attribute looked up: these lookups were a tenth of its time); None where a read must

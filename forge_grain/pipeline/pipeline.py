@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from forge_grain.errors import StateError, StoreError
+from forge_grain.lazy import lazy
 from forge_grain.pipeline import describe as describing
 from forge_grain.pipeline import explain as flight
 from forge_grain.pipeline import history, live as live_changes, resume, states
@@ -164,8 +165,8 @@ class Pipeline:
 
     # what the batches depend on, and its digest (a state's fingerprint): made when first asked for (a state, a
     # check, a worker), as a store's content fingerprint may come from the blocks an epoch reads (stores/harvest.py)
-    _summary = functools.cached_property(lambda self: self._summarize(*self._summary_of))
-    fingerprint = functools.cached_property(lambda self: history.digest(self._summary))
+    _summary = lazy(lambda self: self._summarize(*self._summary_of))
+    fingerprint = lazy(lambda self: history.digest(self._summary))
 
     def _summarize(self, batches: BatchSchedule, runs: dict | None = None) -> dict:
         """This pipeline's summary (`states.summarize`) under `batches`, with the records `runs`."""
