@@ -345,6 +345,7 @@ def test_the_prefetch_hints_blocks_of_steps_read_the_rows_each_step_reads(stores
     skipped = Pipeline(cfg, shards - 1, shards, num_threads=0, resume_from=plain.state_at(3), skip_steps=2)
     for p in (plain, skipped):
         o = p.order
+        assert o.shard_rows_between(4, 4) == []
         for a, b in [(0, 1), (0, 3), (2, 5), (3, 6), (6, 22), (1, 17)]:
             got = o.shard_rows_between(a, b)
             assert len(got) == b - a

@@ -135,6 +135,8 @@ class RowOrder:
     def shard_rows_between(self, a: int, b: int) -> list[np.ndarray]:
         """`shard_rows` of steps [a, b): one array where the batch size is the same throughout
         and no row is skipped (the prefetch hints look steps up in blocks)."""
+        if b <= a:
+            return []
         if not self.rowmap.empty or not self.batches.uniform(a, b):
             return [self.shard_rows(s) for s in range(a, b)]
         size, local = self.batches.size(a), self.local_size(a)
