@@ -434,6 +434,38 @@ def test_a_cache_of_two_shards_fetches_the_next_as_far_as_it_fits_before_it_is_r
     assert not list(store.cache.dir.glob(".*.hurry.lock"))  # (the word "needed now" is spent once heard)
 
 
+def test_the_word_needed_now_is_spent_also_when_the_prefetch_ended_as_it_was_said(tmp_path, s3):
+    """A batch that needs a shard being prefetched says so (a marker file: a prefetch waiting
+    for room stops waiting) and waits for it. The prefetch spends the word as it ends; said
+    after that and before its future is done, the word was left in the cache for good (the
+    two-shard epoch above found such a marker at its end)."""
+    import concurrent.futures
+
+    from forge_grain.stores.object_cache import ObjectCache
+
+    cache = ObjectCache("s3://fit/bin", s3.options(), tmp_path / "objects", 1 << 20)
+    copy, prefetch, spent = "m/shard.bin", concurrent.futures.Future(), threading.Event()
+    marker = cache._hurry_marker(copy)
+
+    def ending():  # the prefetch: it spends the word, then (later) its future is done
+        cache.heard(copy)
+        spent.set()
+        for _ in range(500):  # until the batch has said it needs the shard
+            if marker.exists():
+                break
+            time.sleep(0.01)
+        prefetch.set_result("done")
+
+    threading.Thread(target=ending, daemon=True).start()
+    assert spent.wait(10)
+    assert cache.result_now(prefetch, copy) == "done"
+    assert not marker.exists()
+    failed = concurrent.futures.Future()
+    failed.set_exception(OSError("the object is gone"))
+    with pytest.raises(OSError, match="gone"):  # (a failed prefetch raises as it did)
+        cache.result_now(failed, copy)
+
+
 def test_a_shard_leaves_the_hints_once_the_last_step_reading_it_is_made(tmp_path, s3, stores):
     """The hints tell a bounded cache which shards the coming steps read; a shard leaves them
     as soon as the last step reading it is made, in this process or (steps it never makes, as

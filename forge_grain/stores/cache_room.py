@@ -61,6 +61,18 @@ class CacheRoom:
             with contextlib.suppress(OSError):
                 self._hurry_marker(copy).touch()
 
+    def result_now(self, prefetch, copy: str):
+        """The result of `prefetch`, the future of a prefetch of `copy`, needed now: hurried
+        while it runs, and the word spent once it is over (the prefetch spends it as it ends,
+        but one told after that, and before its future was done, left the marker behind)."""
+        if prefetch.done():
+            return prefetch.result()
+        self.hurry(copy)
+        try:
+            return prefetch.result()
+        finally:
+            self.heard(copy)
+
     def heard(self, copy: str) -> None:
         """The word that `copy` is needed now is spent (its fetch is over)."""
         if self.limit is not None:

@@ -122,9 +122,7 @@ class FetchedParts(TokenStore):
             arrays, future = self._opened.get(p), self._pending.pop(p, None)
         if arrays is None:
             if future is not None:
-                if not future.done():
-                    self.cache.hurry(self._parts[p].fetched)  # (a prefetch of it waiting for room: needed now)
-                future.result()  # a failed prefetch raises here, naming the object
+                self.cache.result_now(future, self._parts[p].fetched)  # (a failed prefetch raises, naming it)
             arrays = self._parts[p].arrays(self._keep)
             with self._lock:
                 self._opened[p] = arrays

@@ -166,9 +166,7 @@ class RemoteStore(NativeStore):
             return arr
         with self._lock:
             future = self._pending.get(k)
-        if future is not None and not future.done():
-            self.cache.hurry(self._name(k))  # (a prefetch of it waiting for room: needed now)
-        path = future.result() if future is not None else None
+        path = self.cache.result_now(future, self._name(k)) if future is not None else None
         shard, first = self.manifest.shards[k], [path] if path else []  # (not prefetched: fetched now)
 
         def mapped(path):
