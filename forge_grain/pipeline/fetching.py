@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+from forge_grain.lazy import lazy
 from forge_grain.stores import step_reads
 
 FETCH_SHARDS = 64  # shards a source in object storage is told of ahead: as many as its reads in flight can grow to
@@ -41,7 +42,6 @@ class FetchWindow:
         self._last_made = -1
         self._window = {"front": 0, "end": -1}  # the last step begun, the first not in the window, shard counts
         self._lock = threading.Lock()
-        self._shards_wanted = None  # (`_want`)
 
     @property
     def active(self) -> bool:
@@ -146,13 +146,11 @@ class FetchWindow:
             entered = True
         return entered
 
-    @property
+    @lazy
     def _want(self) -> list[int]:
-        """The shards of each fetching source the window holds at most (found once; not a
-        cached_property, whose lock in Python 3.11 is every instance's, held while a store opens)."""
-        if self._shards_wanted is None:
-            self._shards_wanted = [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
-        return self._shards_wanted
+        """The shards of each fetching source the window holds at most (found once, when a store
+        may still be opening: `lazy`, not a cached_property)."""
+        return [min(FETCH_SHARDS, max(1, self.datasets[i].store.num_arrays)) for i in self.fetching]
 
     def _block(self, a: int, b: int) -> list:
         """(step, the arrays each fetching source reads) of steps [a, b), found by one lookup.
