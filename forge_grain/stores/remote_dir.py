@@ -10,12 +10,15 @@ the object. `listing` lists what is under a URL, with sizes and ETags.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 
 from forge_grain.errors import StoreError
 from forge_grain.processes import per_process, without_per_process
 from forge_grain.stores.request_pool import RETRIES, bounded, deadline, request_deadline
+
+log = logging.getLogger(__name__)
 
 
 class RemoteDir:
@@ -125,6 +128,8 @@ class RemoteDir:
                 raise
             except Exception as e:  # network errors come as many types (OSError, botocore, aiohttp, timeouts)
                 last = e
+                log.info("forge-grain: %s: attempt %d failed (%s: %s); trying again", where, tried,
+                         e.__class__.__name__, e)
                 time.sleep(min(0.05 * 2**k, 2.0))
         spent = time.monotonic() - start
         raise StoreError(f"{where}: failed after {tried} attempts in {spent:.0f} s: {last.__class__.__name__}: {last} "
