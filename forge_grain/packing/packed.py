@@ -427,6 +427,8 @@ class PackedDataset(grain.MapDataset):
         if found is None:
             changes = maps.changes  # (before the store is asked: a map changed meanwhile counts)
             arrays = store.mapped(needed)  # (most other steps: all mapped)
+            if arrays is None and self._fill_ranges(rows, dest, out):
+                return  # (the first steps: their shards still arriving)
             if arrays is None:
                 if store.cache.limit is not None and len(rows) > 1:
                     held = store.held(needed)
@@ -493,7 +495,6 @@ class PackedDataset(grain.MapDataset):
         into one buffer and describe them as a plan over that buffer."""
         p = self.plan
         seg = kernels.row_segments(rows, p.row_ptr)
-        counts = np.array([p.row_ptr[r + 1] - p.row_ptr[r] for r in rows], np.int64)
         offsets = self.store.offsets
         parts = []
         for s in seg:
@@ -501,6 +502,40 @@ class PackedDataset(grain.MapDataset):
             doc = int(np.searchsorted(offsets, g, side="right") - 1)
             lo = g - int(offsets[doc])
             parts.append(self.store[doc][lo : lo + int(p.seg_len[s])])
+        return self._over_parts(rows, seg, parts)
+
+    def _fill_ranges(self, rows, dest, out: dict) -> bool:
+        """Rows of a store fetched from object storage whose shards are still arriving, their
+        segments read in ranged GETs now (`stores.document_ranges`: the first steps of a
+        global shuffle read a little of dozens of shards); False where the store says to wait
+        for the downloads instead."""
+        p = self.plan
+        seg = kernels.row_segments(rows, p.row_ptr)
+        start, length = np.asarray(p.seg_start)[seg], np.asarray(p.seg_len)[seg]
+        _, starts, array, base = self._pieces
+        piece = np.searchsorted(starts, start, side="right") - 1
+        where = list(zip(np.asarray(array)[piece].tolist(),
+                         (np.asarray(base, np.int64)[piece] + start - np.asarray(starts)[piece]).tolist(),
+                         length.tolist()))
+        spans: dict[int, list] = {}
+        for k, a, n in where:
+            spans.setdefault(k, []).append((a, a + n))
+        got = self.store.read_ranges(spans)
+        if got is None:
+            return False
+        here = [k for k in spans if k not in got]
+        local = dict(zip(here, self.store.arrays_for(np.array(here, np.int64)) if here else []))
+        taken = {k: iter(arrays) for k, arrays in got.items()}
+        parts = [next(taken[k]) if k in taken else local[k][a : a + n] for k, a, n in where]
+        over, *read = self._over_parts(rows, seg, parts)
+        self._fill(over, dest, out, read)
+        return True
+
+    def _over_parts(self, rows, seg, parts):
+        """Rows `rows` (segments `seg`, their tokens `parts`) as a plan over one buffer of
+        those tokens: (rows, row_ptr, start, length, skip, flags, pieces)."""
+        p = self.plan
+        counts = np.array([p.row_ptr[r + 1] - p.row_ptr[r] for r in rows], np.int64)
         length = np.asarray(p.seg_len)[seg]
         start = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
         flat = np.concatenate(parts) if parts else np.zeros(0, self.store.dtype)

@@ -35,6 +35,7 @@ from forge_grain.stores.mapping import Maps
 from forge_grain.files import remove_stale_temporaries, sha256_file
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.cache_room import read_copy
+from forge_grain.stores.document_ranges import DocumentRanges
 from forge_grain.stores.download import PART_MIN
 from forge_grain.stores.room_ahead import arrived
 from forge_grain.stores.object_cache import ObjectCache, within_cache
@@ -151,6 +152,44 @@ class RemoteStore(NativeStore):
             self._pieces = (np.concatenate([[0], np.cumsum(sizes)]), np.arange(len(sizes)), np.zeros(len(sizes)))
         return offsets
 
+    @per_process
+    def _ranges(self) -> DocumentRanges:
+        """This process's ranged reads ahead of the downloads (a forked child has its own
+        budget and lock)."""
+        return DocumentRanges(sum(s.num_tokens for s in self.manifest.shards) * self.dtype.itemsize, self.url)
+
+    def read_ranges(self, spans: dict[int, list]) -> dict[int, list[np.ndarray]] | None:
+        """For the shards of `spans` (shard -> token spans [a, b) a step reads) still arriving:
+        the tokens of each span, read now in ranged GETs (`document_ranges`), shard -> arrays
+        in `spans`' order; shards here are left out (read from their copies). None: the step
+        waits for the downloads (a shard no prefetch asked for, few bytes left to arrive, the
+        budget spent, or a `cache_limit`)."""
+        if self.cache.limit is not None or self.manifest.layout != "bin":
+            return None
+        with self._lock:
+            pending, mapped = self._pending, self._mapped
+            arriving = [k for k in spans if k not in mapped and not arrived(pending.get(k))]
+            if not arriving or any(k not in pending for k in arriving):
+                return None
+        item, shards = self.dtype.itemsize, self.manifest.shards
+        joined = self._ranges.take({k: [(a * item, b * item) for a, b in spans[k]] for k in arriving},
+                                   sum(shards[k].num_tokens for k in arriving) * item)
+        if joined is None:
+            return None
+        got = self._ranges.read(self.cache, joined, lambda k: shards[k].tokens, self._fetch)
+        out = {}
+        for k in arriving:
+            joined = got[k]
+            at = [next(j for j in joined if j[0] <= a * item and b * item <= j[1]) for a, b in spans[k]]
+            out[k] = [np.frombuffer(d, self.dtype, b - a, a * item - ja) for (a, b), (ja, _, d) in zip(spans[k], at)]
+        return out
+
+    def _landed(self, k: int, path: Path | None) -> Path | None:
+        """A prefetch of shard `k` landed at `path`: the ranges read of it before are compared."""
+        if path is not None:
+            self._ranges.landed(k, path, self.manifest.shards[k].tokens)
+        return path
+
     def _name(self, k: int) -> str:
         return f"{self.mirror}/{self.manifest.shards[k].tokens}"
 
@@ -221,7 +260,8 @@ class RemoteStore(NativeStore):
                 del self._mapped[k]
             for k in needed:  # each shard's place among the reads taken now, in the order of need (the
                 if k not in self._mapped and k not in self._pending:  # threads start them in any order)
-                    self._pending[k] = self.cache.turns.submit(self._pool, lambda job, k=k: self._fetch(k, True, job))
+                    self._pending[k] = self.cache.turns.submit(
+                        self._pool, lambda job, k=k: self._landed(k, self._fetch(k, True, job)))
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 

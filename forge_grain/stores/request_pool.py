@@ -140,6 +140,14 @@ class Requests:
         measurements: it finds its own share of the link)."""
         self._queue, self._lock, self._running = queue.PriorityQueue(), threading.Lock(), 0
         self.growth = Growth(self.fixed, self.fixed) if self.fixed else Growth()
+        self._held, self._unheld = 0, threading.Condition()
+
+    def holding(self) -> "_Holding":
+        """While in it, the workers start no read that is not urgent: small reads a batch waits
+        for, made on threads of their own (`object_cache.read_at_once`), are not served
+        behind the parts of the downloads that start meanwhile (a first batch's 38 ranges
+        behind a 30 ms link took 0.2-0.5 s beside them on 2 cores)."""
+        return _Holding(self)
 
     def submit(self, urgent: bool, job: int, fn, *args, size: int = 0) -> concurrent.futures.Future:
         """Run `fn(*args)` on a worker; `job` orders the jobs of equal urgency (earlier first);
@@ -161,7 +169,10 @@ class Requests:
 
     def _work(self, jobs: queue.PriorityQueue) -> None:
         while True:
-            _, future, fn, args, size = jobs.get()
+            (later, *_), future, fn, args, size = jobs.get()
+            if later and self._held:
+                with self._unheld:
+                    self._unheld.wait_for(lambda: not self._held)
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
@@ -170,6 +181,22 @@ class Requests:
                     continue
                 if jobs is self._queue:  # (not a parent's queue, in a forked child)
                     self._grow(self.growth.done(size, not jobs.empty()))
+
+
+class _Holding:
+    """`Requests.holding` (counted: batches in several threads may hold it at once)."""
+
+    def __init__(self, requests: Requests):
+        self.requests = requests
+
+    def __enter__(self) -> None:
+        with self.requests._unheld:
+            self.requests._held += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.requests._unheld:
+            self.requests._held -= 1
+            self.requests._unheld.notify_all()
 
 
 _REQUESTS: dict[int | None, Requests] = {}  # by worker count: shared by every cache of the process

@@ -1,0 +1,107 @@
+"""A step's documents read in ranges while the shards holding them are still downloading.
+
+A step of a global shuffle reads a few documents from each of dozens of shards: the first
+batch of a 128-shard store (shards of 3.1 MB) waited for 35 whole shards, 108 MB, to deliver
+its 128 KB. While the shards a step reads are still arriving, `RemoteStore.read_ranges`
+reads the token spans its rows take in ranged GETs instead (spans closer than `GAP` in one),
+and the downloads go on for the steps after.
+
+A range is not checked as it arrives (the manifest has a sha256 a shard, not a range): its
+own sha256 is kept and compared with the shard's bytes once the shard's download, checked
+against the manifest, lands; a range that differs is an error naming the object (it was
+replaced while it was read), raised at the next step. So the reads are bounded:
+- only for shards whose downloads are under way (a prefetch asked for them: each lands, and
+  its ranges are compared then);
+- only where those shards hold `RATIO` times the bytes the step needs of them (otherwise the
+  step waits for them, as before);
+- at most `SHARE` of the store's bytes a process (and `MOST`): an epoch fetches at most that
+  much more than the store;
+- not under a `cache_limit`: its order reads few shards at once, and a prefetch there may be
+  skipped for room, which would leave a range unchecked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+from forge_grain.errors import StoreError
+from forge_grain.stores.object_cache import read_at_once
+from forge_grain.stores.remote_dir import changed_under
+
+SHARE = 0.01  # of the store's bytes, the most a process reads in ranges ahead of downloads ...
+MOST = 64 << 20  # ... and at most this many bytes
+RATIO = 16  # shards arriving must hold this many times the bytes a step needs of them
+# spans of one shard closer than this are read in one GET (they are read all at once, so joining
+# saves requests, not time; joined, the bytes between count against the budget)
+GAP = 1 << 12
+
+
+def merged(spans, gap: int = GAP) -> list[tuple[int, int]]:
+    """Byte spans [a, b), sorted, and joined where they overlap or lie within `gap`."""
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+class DocumentRanges:
+    """One process's ranged reads of a store's shards ahead of their downloads: what is left
+    of its budget, and the sha256 of each range not yet compared with its shard."""
+
+    def __init__(self, store_bytes: int, url: str):
+        self.left, self.url = min(int(store_bytes * SHARE), MOST), url
+        self._lock = threading.Lock()
+        self._unchecked: dict[int, list] = {}  # shard -> [(a, b, sha256 of the bytes read)]
+        self._landed: set[int] = set()  # shards whose checked copy has arrived
+
+    def take(self, spans: dict[int, list], arriving: int) -> dict[int, list] | None:
+        """The byte spans (shard -> [(a, b)]) a step reads of shards of `arriving` bytes, still
+        downloading, joined as they would be read (`merged`), if it reads them in ranges now
+        (their bytes then taken from the budget); None: it waits for the downloads."""
+        joined = {k: merged(s) for k, s in spans.items()}
+        nbytes = sum(b - a for s in joined.values() for a, b in s)
+        with self._lock:
+            if arriving < RATIO * nbytes or nbytes > self.left:
+                return None
+            self.left -= nbytes
+            return joined
+
+    def read(self, cache, joined: dict[int, list], name_of, copy_of) -> dict[int, list]:
+        """Byte spans of shards (`joined`: shard -> [(a, b)], from `take`), read at once:
+        shard -> [(a, b, bytes)]. `name_of(k)`: the shard's object; `copy_of(k)`: the path of
+        its checked copy, where it landed meanwhile (the ranges are compared with it now)."""
+        order = [(k, a, b) for k, s in joined.items() for a, b in s]
+        data = read_at_once(cache, [(name_of(k), a, b) for k, a, b in order])
+        got: dict[int, list] = {}
+        for (k, a, b), d in zip(order, data):
+            got.setdefault(k, []).append((a, b, d))
+        records = {k: [(a, b, hashlib.sha256(d).digest()) for a, b, d in reads] for k, reads in got.items()}
+        with self._lock:
+            now = [k for k in records if k in self._landed]
+            for k in records:
+                if k not in self._landed:
+                    self._unchecked.setdefault(k, []).extend(records[k])
+        for k in now:
+            self._compare(copy_of(k), records[k], name_of(k))
+        return got
+
+    def landed(self, k: int, path, name: str) -> None:
+        """Shard `k`'s checked copy is at `path`: the ranges read of it before are compared."""
+        with self._lock:
+            self._landed.add(k)
+            records = self._unchecked.pop(k, None)
+        if records:
+            self._compare(path, records, name)
+
+    def _compare(self, path, records, name: str) -> None:
+        with open(path, "rb") as f:
+            for a, b, digest in records:
+                f.seek(a)
+                if hashlib.sha256(f.read(b - a)).digest() != digest:
+                    raise StoreError(f"{changed_under(f'{self.url}/{name}')} (its bytes {a}-{b}, read in a "
+                                     "ranged GET before its download, differ from the download, which matches "
+                                     "the manifest's sha256)")

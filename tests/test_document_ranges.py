@@ -1,0 +1,171 @@
+"""The first steps of a store in object storage read their documents in ranged GETs while the
+shards holding them download (`forge_grain.stores.document_ranges`): the first batch of a
+global shuffle does not wait for dozens of whole shards. These tests hold every shard download
+(a prefetch's `_fetch` waits at a gate, in this process and in forked workers) and ask:
+- the first batch comes anyway, and is the batch the local copy gives; the epoch after is too;
+- under DataLoader workers (forked) the same;
+- a range read from an object replaced after the open, then put back before its download
+  (checked against the manifest's sha256) lands, stops the run with an error naming it;
+- under a `cache_limit`, or once the budget is spent, a step waits for its shards instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import make_texts, write_jsonl
+
+from forge_grain import DataConfig, Pipeline, StoreError, prepare
+from forge_grain.stores import document_ranges
+from forge_grain.stores.remote import RemoteStore
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+from s3server import S3Server  # noqa: E402
+
+SHARDS = 12
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server("ranges") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, s3):
+    """A store of 12 shards, on disk and at s3://ranges/store."""
+    base = tmp_path_factory.mktemp("ranges")
+    path = prepare(write_jsonl(base / "docs.jsonl", make_texts(12000, seed=3)), base / "store", num_shards=SHARDS,
+                   progress=False)
+    s3.fs().put(str(path), "ranges/store", recursive=True)
+    return path
+
+
+class Gate:
+    """Shard downloads asked for ahead (prefetches) wait until it is opened (60 s at most, then
+    fail: a batch waited for them), in
+    this process and in its forked children (it is a file); `fetched` lists the shards fetched
+    any other way (needed now) in this process."""
+
+    def __init__(self, door):
+        self.door, self.fetched = door, []
+
+    def open(self) -> None:
+        self.door.touch()
+
+    def close(self) -> None:
+        self.door.unlink(missing_ok=True)
+
+    def wrap(self, fetch):
+        def held(store, k, ahead=False, job=None):
+            if ahead:
+                end = time.monotonic() + 60
+                while not self.door.exists():
+                    if time.monotonic() > end:
+                        raise TimeoutError("a download held at the gate for 60 s: a batch waited for it")
+                    time.sleep(0.01)
+            else:
+                self.fetched.append(k)
+            return fetch(store, k, ahead, job)
+        return held
+
+
+@pytest.fixture
+def gate(tmp_path, monkeypatch) -> Gate:
+    held = Gate(tmp_path / "gate")
+    monkeypatch.setattr(RemoteStore, "_fetch", held.wrap(RemoteStore._fetch))
+    yield held
+    held.open()  # (downloads still held in another thread go on, and end)
+
+
+def config(store, s3, tmp_path, **options) -> DataConfig:
+    src = dict(name="web", path="s3://ranges/store", storage_options=s3.options(via_proxy=True),
+               object_cache=str(tmp_path / "objects"), **options)
+    return DataConfig(sources=[src], seq_len=64, global_batch_size=8, seed=5, num_epochs=1)
+
+
+def local_batches(store, tmp_path) -> list[np.ndarray]:
+    cfg = DataConfig(sources=[dict(name="web", path=str(store))], seq_len=64, global_batch_size=8, seed=5,
+                     num_epochs=1)
+    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "local")
+    return [p.batch(s)["inputs"].copy() for s in range(p.num_steps)]
+
+
+def test_the_first_batch_comes_while_its_shards_download_and_is_the_local_ones(store, s3, tmp_path, gate):
+    want = local_batches(store, tmp_path)
+    s3.proxy.clear()
+    pipe = Pipeline(config(store, s3, tmp_path), 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    it = pipe.iterator()
+    first = next(it)["inputs"]
+    assert np.array_equal(first, want[0])
+    assert gate.fetched == []  # no shard was fetched whole for it: every download is held at the gate
+    read = [p for p, n in s3.proxy.sent.items() if p.endswith(".bin") and n]
+    assert read, "the batch's tokens came from the objects, in ranges"
+    gate.open()
+    rest = [b["inputs"].copy() for b in it]
+    assert len(rest) == len(want) - 1
+    assert all(np.array_equal(a, b) for a, b in zip(rest, want[1:]))
+    sizes = {f"/ranges/store/{s.tokens}": s.num_tokens * pipe.datasets[0].store.dtype.itemsize
+             for s in pipe.datasets[0].store.manifest.shards}
+    fetched = sum(n for p, n in s3.proxy.sent.items() if p in sizes)
+    assert fetched <= sum(sizes.values()) * (1 + document_ranges.SHARE) + 1  # the ranges are within the budget
+
+
+def test_forked_workers_read_their_first_batches_in_ranges_too(store, s3, tmp_path, gate):
+    from torch.utils.data import DataLoader
+
+    from forge_grain.bridges.torch import GrainIterableDataset
+
+    want = local_batches(store, tmp_path)
+    ds = GrainIterableDataset(config(store, s3, tmp_path), rank=0, world_size=1, cache_dir=tmp_path / "cache")
+    batches = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120))
+    firsts = [next(batches) for _ in range(2)]  # each worker's first, its downloads held at the gate
+    assert [int(b["step"]) for b in firsts] == [0, 1]
+    assert all(np.array_equal(b["inputs"].numpy(), want[int(b["step"])]) for b in firsts)
+    gate.open()
+    rest = [(int(b["step"]), b["inputs"].numpy()) for b in batches]
+    assert [s for s, _ in rest] == list(range(2, len(want)))
+    assert all(np.array_equal(x, want[s]) for s, x in rest)
+
+
+def test_a_range_read_from_a_replaced_object_is_an_error_once_the_download_lands(store, s3, tmp_path, gate):
+    pipe = Pipeline(config(store, s3, tmp_path), 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    fs = s3.fs()
+    names = [f"ranges/store/{s.tokens}" for s in pipe.datasets[0].store.manifest.shards]
+    kept = {n: fs.cat_file(n) for n in names}
+    try:
+        for n, data in kept.items():  # every shard replaced by other bytes of the same size
+            fs.pipe(n, bytes(255 - b for b in data))
+        it = pipe.iterator()
+        next(it)  # read in ranges from the replaced objects
+    finally:
+        for n, data in kept.items():
+            fs.pipe(n, data)
+    gate.open()  # the downloads get the original objects, which match the manifest
+    with pytest.raises(StoreError, match=r"s3://ranges/store/.*changed after the pipeline opened it.*ranged GET"):
+        for _ in it:
+            pass
+
+
+def test_under_a_cache_limit_or_with_no_budget_left_the_first_step_waits_for_its_shards(store, s3, tmp_path, gate,
+                                                                                     monkeypatch):
+    size = sum(f.stat().st_size for f in store.glob("*.bin"))
+    for options in (dict(cache_limit=4 * size), {}):
+        if not options:
+            monkeypatch.setattr(document_ranges, "SHARE", 0.0)
+        gate.close()
+        pipe = Pipeline(config(store, s3, tmp_path / str(len(options)), **options), 0, 1, num_threads=0,
+                        cache_dir=tmp_path / "cache")
+        s3.proxy.clear()
+        box: dict = {}
+        waiting = threading.Thread(target=lambda: box.setdefault("batch", next(pipe.iterator())), daemon=True)
+        waiting.start()
+        waiting.join(1.0)
+        assert "batch" not in box and not any(p.endswith(".bin") for p in s3.proxy.gets), options
+        gate.open()  # the downloads go on, and the batch comes once they land
+        waiting.join(60)
+        assert "batch" in box
