@@ -17,7 +17,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from forge_grain.packing import kernels
+from forge_grain.packing import kernels, row_parts
 from forge_grain.paths import plan_cache_dir
 from forge_grain.packing.buffers import BufferPool
 from forge_grain.lazy import lazy
@@ -493,57 +493,21 @@ class PackedDataset(grain.MapDataset):
     def _read_segments(self, rows):
         """For stores read a document at a time (ArrayRecord, MDS): read the rows' segments
         into one buffer and describe them as a plan over that buffer."""
-        p = self.plan
-        seg = kernels.row_segments(rows, p.row_ptr)
-        offsets = self.store.offsets
-        parts = []
-        for s in seg:
-            g = int(p.seg_start[s])
-            doc = int(np.searchsorted(offsets, g, side="right") - 1)
-            lo = g - int(offsets[doc])
-            parts.append(self.store[doc][lo : lo + int(p.seg_len[s])])
-        return self._over_parts(rows, seg, parts)
+        seg = kernels.row_segments(rows, self.plan.row_ptr)
+        parts = row_parts.document_parts(self.plan, self.store, seg)
+        return row_parts.over_parts(self.plan, rows, seg, parts, self.store.dtype)
 
     def _fill_ranges(self, rows, dest, out: dict) -> bool:
-        """Rows of a store fetched from object storage whose shards are still arriving, their
-        segments read in ranged GETs now (`stores.document_ranges`: the first steps of a
-        global shuffle read a little of dozens of shards); False where the store says to wait
-        for the downloads instead."""
-        p = self.plan
-        seg = kernels.row_segments(rows, p.row_ptr)
-        start, length = np.asarray(p.seg_start)[seg], np.asarray(p.seg_len)[seg]
-        _, starts, array, base = self._pieces
-        piece = np.searchsorted(starts, start, side="right") - 1
-        where = list(zip(np.asarray(array)[piece].tolist(),
-                         (np.asarray(base, np.int64)[piece] + start - np.asarray(starts)[piece]).tolist(),
-                         length.tolist()))
-        spans: dict[int, list] = {}
-        for k, a, n in where:
-            spans.setdefault(k, []).append((a, a + n))
-        got = self.store.read_ranges(spans)
-        if got is None:
+        """Rows of a store in object storage whose shards are still arriving, their segments
+        read in ranged GETs now (`stores.document_ranges`: the first steps of a global shuffle
+        read a little of dozens of shards); False where the store says to wait instead."""
+        seg = kernels.row_segments(rows, self.plan.row_ptr)
+        parts = row_parts.ranged_parts(self.plan, self._pieces, self.store, seg)
+        if parts is None:
             return False
-        here = [k for k in spans if k not in got]
-        local = dict(zip(here, self.store.arrays_for(np.array(here, np.int64)) if here else []))
-        taken = {k: iter(arrays) for k, arrays in got.items()}
-        parts = [next(taken[k]) if k in taken else local[k][a : a + n] for k, a, n in where]
-        over, *read = self._over_parts(rows, seg, parts)
+        over, *read = row_parts.over_parts(self.plan, rows, seg, parts, self.store.dtype)
         self._fill(over, dest, out, read)
         return True
-
-    def _over_parts(self, rows, seg, parts):
-        """Rows `rows` (segments `seg`, their tokens `parts`) as a plan over one buffer of
-        those tokens: (rows, row_ptr, start, length, skip, flags, pieces)."""
-        p = self.plan
-        counts = np.array([p.row_ptr[r + 1] - p.row_ptr[r] for r in rows], np.int64)
-        length = np.asarray(p.seg_len)[seg]
-        start = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
-        flat = np.concatenate(parts) if parts else np.zeros(0, self.store.dtype)
-        row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        return (
-            np.arange(len(rows), dtype=np.int64), row_ptr, start, length,
-            np.asarray(p.seg_skip)[seg], np.asarray(p.seg_flags)[seg], kernels.one_piece(flat),
-        )
 
     def __reduce__(self):
         plan_ref = self._plan_dir if self._plan_dir is not None and (self._plan_dir / "plan.json").exists() else self.plan

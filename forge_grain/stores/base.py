@@ -205,11 +205,6 @@ class TokenStore(TargetMasks):
         """Token arrays `needed` (indices), for one gather."""
         return [self._array(int(k)) for k in needed]
 
-    def read_ranges(self, spans: dict) -> dict | None:
-        """A fetching store's token spans read now, ahead of their arrays' downloads
-        (`RemoteStore.read_ranges`); None: the step waits for the arrays."""
-        return None
-
     def prefetch(self, needed: np.ndarray) -> None:
         """Token arrays the next steps will read (a hint; stores in object storage fetch them)."""
 
