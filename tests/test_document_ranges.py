@@ -76,6 +76,9 @@ class Gate:
 
 @pytest.fixture
 def gate(tmp_path, monkeypatch) -> Gate:
+    # this store's shards are small (120 KB): a GET a KiB of them waited for is "fewer requests
+    # than the downloads"; what that rule decides is `test_a_step_reads_ranges_only_where_...`
+    monkeypatch.setattr(document_ranges, "REQUEST_BYTES", 1024)
     held = Gate(tmp_path / "gate")
     monkeypatch.setattr(RemoteStore, "_fetch", held.wrap(RemoteStore._fetch))
     yield held
@@ -169,3 +172,22 @@ def test_under_a_cache_limit_or_with_no_budget_left_the_first_step_waits_for_its
         gate.open()  # the downloads go on, and the batch comes once they land
         waiting.join(60)
         assert "batch" in box
+
+
+def test_only_the_first_step_of_a_fresh_start_reads_ranges_and_only_where_they_cost_less_than_the_wait():
+    """A global shuffle's first step (a document from each of 35 shards of 3 MiB) reads ranges;
+    a window order's (30 documents of one shard) waits, as does any step but the first of a
+    fresh window of hints, and any past the budget."""
+    mib = 1 << 20
+    spread = {k: [(k * 1000, k * 1000 + 4096)] for k in range(35)}
+    one = {0: [(a * 90_000, a * 90_000 + 2048) for a in range(30)]}
+    ranges = document_ranges.DocumentRanges(400 * mib, "s3://b/store")
+    assert ranges.take(spread, 35 * 3 * mib, 0) is None  # no window has started
+    ranges.first = 7
+    assert ranges.take(one, 3 * mib, 7) is None  # 30 GETs where the download takes 3
+    assert ranges.take(spread, 35 * 3 * mib, 8) is None  # not the window's first step
+    assert ranges.take(spread, 35 * 3 * mib, None) is None  # no step being made (no hints)
+    assert ranges.take(spread, 35 * 3 * mib, 7) == {k: [(a, b)] for k, [(a, b)] in spread.items()}
+    assert ranges.left == 4 * mib - 35 * 4096
+    assert ranges.take({0: [(0, 100), (2000, 2100)]}, 8 * mib, 7) == {0: [(0, 2100)]}  # joined within GAP
+    assert ranges.take({0: [(0, 5 * mib)]}, 200 * mib, 7) is None  # past the budget

@@ -66,7 +66,9 @@ class FetchWindow:
                 if step in self._steps:  # another thread's step, just behind one begun already
                     self._begun.add(step)
                 return
+            first = None
             if not w["front"] <= step <= w["end"]:  # the first call, a restore, or a jump
+                first = step
                 self._steps.clear()
                 self._begun.clear()
                 self._made.clear()
@@ -78,7 +80,7 @@ class FetchWindow:
             if step in self._steps:  # (not a step made again after it left)
                 self._begun.add(step)
             if changed:  # a shard came or went: tell the shards, unless they are those told last time
-                self._tell()
+                self._tell(first)
 
     def made(self, step: int) -> None:
         """`step`'s batch is made: the shards that only it and the steps before it read leave
@@ -170,7 +172,10 @@ class FetchWindow:
         return [(s, [datasets[i].arrays_read(rank_s[src_s == i]) for i in self.fetching])
                 for s, src_s, rank_s in zip(range(a, b), np.split(src, cuts), np.split(rank, cuts))]
 
-    def _tell(self) -> None:
+    def _tell(self, first: int | None = None) -> None:
+        """Tell the sources the shards of the window's steps; `first`: the step the window
+        starts afresh at (an iterator made, a restore, a jump), which may read its documents
+        in ranges while its shards arrive (`stores.document_ranges`)."""
         w = self._window
         shards = [frozenset(c) for c in w["counts"]]
         if shards == w["sent"]:  # the same shards as the last hint: nothing to tell
@@ -178,7 +183,7 @@ class FetchWindow:
         w["sent"] = shards
         for j, i in enumerate(self.fetching):
             read = [arrays[j] for arrays in self._steps.values() if len(arrays[j])]  # (most steps' are empty)
-            self.datasets[i].store.prefetch(np.concatenate(read) if read else np.zeros(0, np.int64))
+            self.datasets[i].store.prefetch(np.concatenate(read) if read else np.zeros(0, np.int64), first)
 
 
 _NOTHING = contextlib.nullcontext()

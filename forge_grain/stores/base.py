@@ -205,8 +205,9 @@ class TokenStore(TargetMasks):
         """Token arrays `needed` (indices), for one gather."""
         return [self._array(int(k)) for k in needed]
 
-    def prefetch(self, needed: np.ndarray) -> None:
-        """Token arrays the next steps will read (a hint; stores in object storage fetch them)."""
+    def prefetch(self, needed: np.ndarray, first: int | None = None) -> None:
+        """Token arrays the next steps will read (a hint; stores in object storage fetch them);
+        `first`: the step they start afresh at, if they do."""
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))

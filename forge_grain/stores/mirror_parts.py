@@ -165,7 +165,7 @@ class FetchedParts(TokenStore):
         parts = self._parts_of(arrays)
         return parts, np.array([self._parts[p].size for p in parts.tolist()], np.int64)
 
-    def prefetch(self, needed) -> None:
+    def prefetch(self, needed, first: int | None = None) -> None:
         """Fetch the files holding token arrays `needed` (in reading order) in the background,
         as many as the cache holds ahead (`within_cache`); files no longer hinted are
         unmapped, so eviction frees their space."""

@@ -12,6 +12,7 @@ which objects it needs.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import concurrent.futures
 import contextlib
@@ -243,11 +244,13 @@ def span_reader(cache: ObjectCache, name: str, condition: str | None = None, slo
 
 def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
     """The bytes of each span (name, a, b) of objects at `cache`'s URL, in order: small reads a
-    batch waits for, all made at once on threads of their own while the request pool starts
-    no new part of a download (`Requests.holding`). On the pool's threads each waited for a
-    part in flight to end (0.4 s for the 38 ranges of a first batch behind a 30 ms link, on
-    2 cores). Where `fetch_threads` fixes the reads in flight, they queue first on its threads
-    instead. Their memory is their caller's (no read slot)."""
+    batch waits for, all made at once, each on a thread of its own, while the request pool
+    starts no new part of a download (`Requests.holding`). On the pool's threads each waited
+    for a part in flight to end (0.4 s for the 38 ranges of a first batch behind a 30 ms
+    link, on 2 cores). The threads are started without waiting for each to run (`_thread`:
+    `Thread.start` waits a few ms each while another thread holds the GIL). Where
+    `fetch_threads` fixes the reads in flight, they queue first on its threads instead. Their
+    memory is their caller's (no read slot)."""
     requests = cache.requests
     if requests.fixed:
         job = requests.job()
@@ -258,6 +261,16 @@ def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
         finally:  # (one failed: the others are not left queued)
             for f in futures:
                 f.cancel()
-    with requests.holding(), concurrent.futures.ThreadPoolExecutor(min(len(spans), BOUND) or 1,
-                                                                    "forge-grain-range") as pool:
-        return list(pool.map(lambda s: span_reader(cache, s[0], slot=False)(s[1], s[2]), spans))
+    futures = [concurrent.futures.Future() for _ in spans]
+    with requests.holding():
+        for f, (name, a, b) in zip(futures, spans):
+            _thread.start_new_thread(_into, (f, span_reader(cache, name, slot=False), a, b))
+        return [f.result() for f in futures]
+
+
+def _into(future: concurrent.futures.Future, fn, *args) -> None:
+    """`fn(*args)`'s result or error, into `future`."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # handed to the caller
+        future.set_exception(e)

@@ -29,7 +29,7 @@ import numpy as np
 
 from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
-from forge_grain.stores import arrayrecord, checks
+from forge_grain.stores import arrayrecord, checks, step_reads
 from forge_grain.stores.manifest import MANIFEST_NAME, Manifest, split_joined_index
 from forge_grain.stores.mapping import Maps
 from forge_grain.files import remove_stale_temporaries, sha256_file
@@ -167,13 +167,13 @@ class RemoteStore(NativeStore):
         if self.cache.limit is not None or self.manifest.layout != "bin":
             return None
         with self._lock:
-            pending, mapped = self._pending, self._mapped
-            arriving = [k for k in spans if k not in mapped and not arrived(pending.get(k))]
+            pending, mapped, landed = self._pending, self._mapped, self._ranges.landed_shards
+            arriving = [k for k in spans if k not in mapped and k not in landed and not arrived(pending.get(k))]
             if not arriving or any(k not in pending for k in arriving):
                 return None
         item, shards = self.dtype.itemsize, self.manifest.shards
         joined = self._ranges.take({k: [(a * item, b * item) for a, b in spans[k]] for k in arriving},
-                                   sum(shards[k].num_tokens for k in arriving) * item)
+                                   sum(shards[k].num_tokens for k in arriving) * item, step_reads.step_now())
         if joined is None:
             return None
         got = self._ranges.read(self.cache, joined, lambda k: shards[k].tokens, self._fetch)
@@ -246,11 +246,14 @@ class RemoteStore(NativeStore):
         tokens = np.array([self.manifest.shards[k].num_tokens for k in shards.tolist()], np.int64)
         return shards, tokens * self.dtype.itemsize
 
-    def prefetch(self, needed) -> None:
+    def prefetch(self, needed, first: int | None = None) -> None:
         """Download shards `needed` (in the order the next steps read them) in the background,
         first needed first; until the next hint, eviction spares them. With `cache_limit`, the
         hint is cut to what the cache holds ahead (`within_cache`). Maps of shards no longer
-        needed are dropped, so evicted files free their space."""
+        needed are dropped, so evicted files free their space. `first`: the step the hinted
+        steps start afresh at, which may read its documents in ranges (`read_ranges`)."""
+        if first is not None:
+            self._ranges.first = first
         needed = within_cache(list(dict.fromkeys(int(k) for k in needed)),
                               lambda k: self.manifest.shards[k].num_tokens * self.dtype.itemsize, self.cache.room())
         hinted = set(needed)

@@ -34,6 +34,12 @@ class making:
         _making.now = self.before
 
 
+def step_now() -> int | None:
+    """The step this thread makes (None: none, or no prefetch hints)."""
+    now = getattr(_making, "now", None)
+    return None if now is None else now[1]
+
+
 def done_reading(store, arrays) -> None:
     """The batch this thread makes will read `arrays` of `store` no more (nothing outside a
     step being made)."""
