@@ -1,12 +1,14 @@
-"""The first steps of a store in object storage read their documents in ranged GETs while the
-shards holding them download (`forge_grain.stores.document_ranges`): the first batch of a
-global shuffle does not wait for dozens of whole shards. These tests hold every shard download
+"""The first batch an iterator makes from a store in object storage reads its documents in
+ranged GETs while the shards holding them download (`forge_grain.stores.document_ranges`): the
+first batch of a global shuffle does not wait for dozens of whole shards. These tests hold every shard download
 (a prefetch's `_fetch` waits at a gate, in this process and in forked workers) and ask:
 - the first batch comes anyway, and is the batch the local copy gives; the epoch after is too;
+- the same for the first batch of an iterator restored at an odd step;
 - under DataLoader workers (forked) the same;
 - a range read from an object replaced after the open, then put back before its download
   (checked against the manifest's sha256) lands, stops the run with an error naming it;
-- under a `cache_limit`, or once the budget is spent, a step waits for its shards instead.
+- under a `cache_limit`, or once the budget is spent, a step waits for its shards instead;
+  and only the first step of a fresh window of hints reads ranges, where they cost less.
 """
 
 from __future__ import annotations
@@ -116,6 +118,19 @@ def test_the_first_batch_comes_while_its_shards_download_and_is_the_local_ones(s
              for s in pipe.datasets[0].store.manifest.shards}
     fetched = sum(n for p, n in s3.proxy.sent.items() if p in sizes)
     assert fetched <= sum(sizes.values()) * (1 + document_ranges.SHARE) + 1  # the ranges are within the budget
+
+
+def test_an_iterator_restored_at_an_odd_step_reads_that_step_in_ranges(store, s3, tmp_path, gate):
+    want = local_batches(store, tmp_path)
+    pipe = Pipeline(config(store, s3, tmp_path), 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    at = len(want) // 2 + 1
+    it = pipe.iterator(pipe.state_at(at))
+    assert np.array_equal(next(it)["inputs"], want[at])
+    assert gate.fetched == []
+    gate.open()
+    rest = [b["inputs"].copy() for b in it]
+    assert len(rest) == len(want) - at - 1
+    assert all(np.array_equal(a, b) for a, b in zip(rest, want[at + 1:]))
 
 
 def test_forked_workers_read_their_first_batches_in_ranges_too(store, s3, tmp_path, gate):
