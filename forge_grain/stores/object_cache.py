@@ -31,7 +31,7 @@ from forge_grain.stores.cache_room import CacheRoom
 from forge_grain.files import temporary
 from forge_grain.stores.download import SPLIT, Damaged, Download
 from forge_grain.stores.remote_dir import RemoteDir, check_unchanged, remote_sizes
-from forge_grain.stores.request_pool import BOUND, RETRIES, read_slot, shared_requests
+from forge_grain.stores.request_pool import RETRIES, read_slot, shared_requests
 
 
 def within_cache(needed: list, size_of, limit: int | None) -> list:

@@ -162,8 +162,9 @@ class RemoteStore(NativeStore):
         """For the shards of `spans` (shard -> token spans [a, b) a step reads) still arriving:
         the tokens of each span, read now in ranged GETs (`document_ranges`), shard -> arrays
         in `spans`' order; shards here are left out (read from their copies). None: the step
-        waits for the downloads (a shard no prefetch asked for, few bytes left to arrive, the
-        budget spent, or a `cache_limit`)."""
+        waits for the downloads (it is not the first step of a fresh window of hints, a shard
+        no prefetch asked for, ranges that cost more than the wait, the budget spent, or a
+        `cache_limit`)."""
         if self.cache.limit is not None or self.manifest.layout != "bin":
             return None
         with self._lock:
@@ -179,8 +180,8 @@ class RemoteStore(NativeStore):
         got = self._ranges.read(self.cache, joined, lambda k: shards[k].tokens, self._fetch)
         out = {}
         for k in arriving:
-            joined = got[k]
-            at = [next(j for j in joined if j[0] <= a * item and b * item <= j[1]) for a, b in spans[k]]
+            reads = got[k]
+            at = [next(r for r in reads if r[0] <= a * item and b * item <= r[1]) for a, b in spans[k]]
             out[k] = [np.frombuffer(d, self.dtype, b - a, a * item - ja) for (a, b), (ja, _, d) in zip(spans[k], at)]
         return out
 
