@@ -10,8 +10,8 @@ A range is not checked as it arrives (the manifest has a sha256 a shard, not a r
 own sha256 is kept and compared with the shard's bytes once the shard's download, checked
 against the manifest, lands; a range that differs is an error naming the object (it was
 replaced while it was read), held by the download's future: raised by the next step that
-reads the shard, or by the next change of the hints (`RemoteStore.prefetch`). The reads are for the first batch
-only, and only where they cost less than the wait:
+reads the shard, or by the next change of the hints (`RemoteStore.prefetch`). The reads
+are for the first batch only, and only where they cost less than the wait:
 - only the first step of a window of prefetch hints that starts afresh (an iterator made, a
   state restored, a jump: `FetchWindow` says which step, as `first`): once downloads arrive,
   the prefetch is what keeps steps fed (where every step waiting read ranges, up to the
