@@ -427,7 +427,7 @@ class PackedDataset(grain.MapDataset):
         if found is None:
             changes = maps.changes  # (before the store is asked: a map changed meanwhile counts)
             arrays = store.mapped(needed)  # (most other steps: all mapped)
-            if arrays is None and self._fill_ranges(rows, dest, out):
+            if arrays is None and store.may_read_ranges() and self._fill_ranges(rows, dest, out):
                 return  # (the first steps: their shards still arriving)
             if arrays is None:
                 if store.cache.limit is not None and len(rows) > 1:

@@ -73,6 +73,11 @@ class DocumentRanges:
         """Shards whose downloads have landed in this process (their futures may be gone)."""
         return self._landed
 
+    def may(self, step: int | None) -> bool:
+        """Whether step `step` may read ranges at all: the first of a fresh window of hints,
+        with budget left (asked before its spans are found, which a waiting step pays for)."""
+        return step is not None and step == self.first and self.left > 0
+
     def take(self, spans: dict[int, list], arriving: int, step: int | None) -> dict[int, list] | None:
         """The byte spans (shard -> [(a, b)]) step `step` reads of shards of `arriving` bytes,
         still downloading, joined as they would be read (`merged`), if it reads them in ranges
@@ -81,7 +86,7 @@ class DocumentRanges:
         nbytes = sum(b - a for s in joined.values() for a, b in s)
         requests = sum(len(s) for s in joined.values())
         with self._lock:
-            if (step is None or step != self.first or arriving < RATIO * nbytes or arriving < REQUEST_BYTES * requests
+            if (not self.may(step) or arriving < RATIO * nbytes or arriving < REQUEST_BYTES * requests
                     or nbytes > self.left):
                 return None
             self.left -= nbytes

@@ -91,11 +91,11 @@ class FetchedParts(TokenStore):
     def _array(self, k: int) -> np.ndarray:
         return self.arrays_for([k])[0]
 
-    def read_ranges(self, spans: dict) -> None:
-        """None: a step waits for its parts (a forge-grain store's steps read ranges of the
+    def may_read_ranges(self) -> bool:
+        """No: a step waits for its parts (a forge-grain store's first step reads ranges of the
         shards still arriving, `RemoteStore.read_ranges`; these parts' documents are found
         inside them, or their blocks are already ranges)."""
-        return None
+        return False
 
     def _parts_of(self, arrays) -> np.ndarray:
         """The parts (files, blocks) holding token arrays `arrays`."""

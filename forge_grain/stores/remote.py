@@ -158,15 +158,19 @@ class RemoteStore(NativeStore):
         budget and lock)."""
         return DocumentRanges(sum(s.num_tokens for s in self.manifest.shards) * self.dtype.itemsize, self.url)
 
+    def may_read_ranges(self) -> bool:
+        """Whether the step this thread makes may read its documents in ranges (`read_ranges`):
+        the first of a fresh window of hints, budget left, no `cache_limit`. Asked before the
+        step's spans are found: every step that waits would pay for those."""
+        return (self.cache.limit is None and self.manifest.layout == "bin"
+                and self._ranges.may(step_reads.step_now()))
+
     def read_ranges(self, spans: dict[int, list]) -> dict[int, list[np.ndarray]] | None:
         """For the shards of `spans` (shard -> token spans [a, b) a step reads) still arriving:
         the tokens of each span, read now in ranged GETs (`document_ranges`), shard -> arrays
         in `spans`' order; shards here are left out (read from their copies). None: the step
-        waits for the downloads (it is not the first step of a fresh window of hints, a shard
-        no prefetch asked for, ranges that cost more than the wait, the budget spent, or a
-        `cache_limit`)."""
-        if self.cache.limit is not None or self.manifest.layout != "bin":
-            return None
+        waits for the downloads (a shard no prefetch asked for, ranges that cost more than the
+        wait, or the budget spent). Asked where `may_read_ranges`."""
         with self._lock:
             pending, mapped, landed = self._pending, self._mapped, self._ranges.landed_shards
             arriving = [k for k in spans if k not in mapped and k not in landed and not arrived(pending.get(k))]
