@@ -639,3 +639,42 @@ def test_a_step_across_a_shard_boundary_lets_the_shard_it_leaves_go_before_it_wa
         assert not [j for j in left if store._name(j) in keep], (step, k, left)
         boundaries += bool(left)
     assert boundaries >= 5, waits
+
+
+@pytest.mark.parametrize("kind", ["megatron", "raw"])
+def test_the_parts_hinted_download_together_as_far_as_the_cache_holds_them(tmp_path, s3, stores, monkeypatch,
+                                                                            kind):
+    """The blocks of a Megatron or raw token file, hinted ahead under a cache_limit that holds
+    them all, all download at once (each waits on its own reads): they downloaded 8 at a time
+    while the hints held 28, and an epoch behind 2 MB/s a connection ran at half the rate the
+    link allowed. Every download is held until as many run as were hinted
+    (or 20 s pass); then they all land, and the store's tokens are the local copy's."""
+    from forge_grain import TokenStore
+    from forge_grain.stores.download import Download
+
+    gate, lock, running = threading.Event(), threading.Lock(), []
+    attempt = Download._attempt
+
+    def held(self):
+        with lock:
+            running.append(self.name)
+        assert gate.wait(60), "no release"
+        return attempt(self)
+
+    store = TokenStore.open(f"s3://fit/{kind}", **remote(s3, tmp_path, kind, 3 * sum(data_files(stores[kind]))))
+    parts = store.units_of(np.arange(store.num_arrays))[0]
+    hinted = len(set(parts.tolist()))
+    assert hinted > 8
+    monkeypatch.setattr(Download, "_attempt", held)
+    store.prefetch(np.arange(store.num_arrays))
+    deadline = time.monotonic() + 20
+    while len(running) < hinted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    together = len(running)
+    gate.set()
+    deadline = time.monotonic() + 60
+    while not store.held(np.arange(store.num_arrays)).all() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert together == hinted, f"{together} of {hinted} hinted downloads ran at once"
+    local = TokenStore.open(stores[kind], **KINDS[kind])
+    assert all(np.array_equal(store[i], local[i]) for i in range(len(local)))

@@ -38,7 +38,7 @@ from forge_grain.stores.base import TokenStore, join_offsets
 from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.mapping import Maps
 from forge_grain.stores.room_ahead import arrived
-from forge_grain.stores.object_cache import ObjectCache, within_cache
+from forge_grain.stores.object_cache import OBJECTS, ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under, listing
 
 # format -> (its index file, the list in it naming the data files)
@@ -82,7 +82,8 @@ class FetchedParts(TokenStore):
 
     @per_process
     def _pool(self):
-        return concurrent.futures.ThreadPoolExecutor(INDEXING_THREADS, thread_name_prefix="forge-grain-part")
+        """This process's download threads, one for each part downloading ahead (`OBJECTS`)."""
+        return concurrent.futures.ThreadPoolExecutor(OBJECTS, thread_name_prefix="forge-grain-part")
 
     @per_process
     def _pending(self) -> dict:

@@ -38,11 +38,9 @@ from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.document_ranges import DocumentRanges
 from forge_grain.stores.download import PART_MIN
 from forge_grain.stores.room_ahead import arrived
-from forge_grain.stores.object_cache import ObjectCache, within_cache
+from forge_grain.stores.object_cache import OBJECTS, ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import START
-
-OBJECTS = 64  # shards downloading at once ahead of need (each waits on its parts' reads): FETCH_SHARDS
 
 log = logging.getLogger(__name__)
 
