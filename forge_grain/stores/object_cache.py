@@ -37,7 +37,7 @@ from forge_grain.stores.request_pool import RETRIES, read_slot, shared_requests
 # (FetchWindow's FETCH_SHARDS); `within_cache` and the request pool bound them further. The
 # parts of a Megatron file under a cache_limit downloaded 8 at a time (the pool they shared with
 # the first open's indexing) while the hints held 28: behind 30 ms and 2 MB/s a connection the
-# epoch at 2 and 4 blocks' worth took 11.0 and 9.2 s, now 6.8 and 4.8 s
+# epoch at 2 and 4 blocks' worth took 11.9 and 10.3 s, now 7.4 and 5.3 s (bench_cache_limit.py)
 OBJECTS = 64
 
 
