@@ -429,6 +429,32 @@ def test_a_persistent_failure_is_an_error_naming_the_object(tmp_path, s3, local_
     s3.proxy.clear()
 
 
+def test_a_shard_never_answered_is_an_error_within_the_deadline_and_its_reads_start_no_threads(tmp_path, s3,
+                                                                                                 local_stores,
+                                                                                                 monkeypatch):
+    """The server takes every ranged read of one shard and never answers: each read is given
+    up after its share of FORGE_GRAIN_REMOTE_DEADLINE by obstore's own client timeout, and
+    the error names the shard. No thread is started for a read (one each, as for s3fs, was
+    two more hand-overs of the GIL a request, up to 5 ms each while the consumer ran Python)."""
+    monkeypatch.setenv("FORGE_GRAIN_REMOTE_DEADLINE", "2")
+    s3.proxy.clear()
+    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "objects"))
+    assert store.cache._fast is not None  # (read through obstore)
+    started, start = [], threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda t: (started.append(t.name), start(t))[1])
+    disk = TokenStore.open(local_stores["bin"])
+    assert np.array_equal(store[int(store._file_doc_starts[2])], disk[int(disk._file_doc_starts[2])])
+    s3.proxy.fail("shard-00004.bin", "hang", times=1000)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match=r"s3://bucket/bin/shard-00004\.bin: failed after \d attempts in 2 s: "
+                                         r"TimeoutError: no answer within 0.5 s"):
+        store[int(store._file_doc_starts[4])]
+    assert time.monotonic() - t0 < 2.5
+    assert "forge-grain-remote" not in started
+    s3.proxy.clear()
+
+
 def test_a_corrupt_object_fails_its_checksum_naming_it(tmp_path, s3, local_stores):
     fs = s3.fs()
     fs.put(str(local_stores["bin"]), "bucket/corrupt", recursive=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from forge_grain.files import temporary
 from forge_grain.stores.room_ahead import GROW_POLL_S
 from forge_grain.stores.remote_dir import check_unchanged
-from forge_grain.stores.request_pool import bounded, read_slot
+from forge_grain.stores.request_pool import read_slot
 
 BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
 # an object is read in as many ranged parts as there are reads in flight (SPLIT at least), each of
@@ -151,8 +151,8 @@ class Download:
         def part(span):  # one ranged GET (no HEAD first), written where it belongs
             a, b = span
             with read_slot():  # (a retry reads ranges: the whole object's bytes are used once)
-                block = whole.pop() if whole else memoryview(bounded(c.read_range, name, self.start + a,
-                                                                     self.start + b, self.condition))
+                block = whole.pop() if whole else memoryview(c.read_bounded(name, self.start + a,
+                                                                          self.start + b, self.condition))
                 if block.nbytes != b - a:
                     raise Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
                 if staged:

@@ -241,11 +241,11 @@ def span_reader(cache: ObjectCache, name: str, condition: str | None = None, slo
     def read(a, b):
         def attempt():
             with read_slot() if slot else contextlib.nullcontext():
-                data = memoryview(cache.read_range(name, a, b, condition))
+                data = memoryview(cache.read_bounded(name, a, b, condition))
             if data.nbytes != b - a:
                 raise Damaged(f"{data.nbytes} bytes arrived of the {b - a} asked for at {a}")
             return data
-        return cache.retry(name, attempt)
+        return cache.retry(name, attempt, bound=False)
     return read
 
 

@@ -2,7 +2,8 @@
 
 Every request to a remote store is bounded (`bounded`: `request_deadline()` seconds, a
 quarter of `FORGE_GRAIN_REMOTE_DEADLINE`, so a server that accepts a request and never
-answers cannot block a job), and ranged reads run on one pool of worker threads per
+answers cannot block a job; a read through obstore by its client's own timeout,
+`RemoteDir.read_bounded`), and ranged reads run on one pool of worker threads per
 process (`shared_requests`), most urgent first. How many run at once is what the link
 gives (`Growth`: doubled while the throughput grows with it, from `START` up to `BOUND`),
 unless a fixed number is asked for (`fetch_threads`). The pool, its lock and the read slots
