@@ -385,6 +385,87 @@ def test_reads_in_flight_stop_growing_when_the_link_is_full():
     assert (idle.workers, idle.settled) == (16, False)
 
 
+def test_reads_in_flight_settled_in_a_busy_moment_grow_again_while_they_stay_the_limit():
+    """A round measured while the CPU was busy (here 32 reads came at 16's rate) settles the
+    pool at 32. While its workers stay the limit (requests waiting through every round), a
+    doubling is tried again after PROBE_S seconds of such rounds, measured against the rate
+    then: on a link that now carries 64 reads' worth the pool reaches 64. Where a probe does
+    not help, the next waits twice as long."""
+    from forge_grain.stores.request_pool import Growth
+
+    now = [0.0]
+
+    def rounds(growth, count, carried):
+        """`count` rounds of as many reads as workers, the link carrying `carried(workers)`
+        reads a second, requests waiting throughout."""
+        for _ in range(count):
+            n = growth.workers
+            for _ in range(n):
+                now[0] += 1.0 / carried(n)
+                growth.done(1 << 20, True)
+
+    growth = Growth(clock=lambda: now[0])
+    growth.done(0, True)  # (the first round's clock starts)
+    rounds(growth, 2, lambda n: 16)  # 16 reads a second, then 32 at the same rate: the CPU was busy
+    assert (growth.workers, growth.settled) == (32, True)
+    rounds(growth, 4, lambda n: n)  # one second a round: 4 s of the workers being the limit
+    assert (growth.workers, growth.settled) == (32, True)
+    rounds(growth, 1, lambda n: n)
+    assert growth.workers == 64  # (its bound)
+    rounds(growth, 3, lambda n: n)
+    assert (growth.workers, growth.settled) == (64, True)
+
+    full = Growth(start=4, clock=lambda: now[0])  # a link full at 6 reads a second: 8 help, 16 do not
+    full.done(0, True)
+    rounds(full, 3, lambda n: min(n, 6))
+    assert (full.workers, full.settled) == (16, True)
+    for wait in (Growth.PROBE_S, 2 * Growth.PROBE_S):
+        start = now[0]
+        while full.workers == 16:
+            rounds(full, 1, lambda n: min(n, 6))
+        assert wait <= now[0] - start < wait + 16 / 6  # (a round of 16 reads)
+        assert (full.workers, full.settled) == (32, False)  # the probe's round ...
+        rounds(full, 1, lambda n: min(n, 6))
+        assert (full.workers, full.settled) == (16, True)  # ... no faster: back
+
+
+def test_workers_above_the_growths_count_rest_until_it_wants_them():
+    """After a probe goes back, the pool runs no more reads at once than its growth wants;
+    the workers resting take jobs again when it wants more."""
+    from forge_grain.stores.request_pool import Growth, Requests
+
+    pool = Requests()
+    pool.growth = Growth(8, 8, clock=lambda: 0.0)  # (its clock still: no round ends to change it)
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def read(gate):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        gate.wait(10)
+        with lock:
+            running[0] -= 1
+
+    def batch(count):
+        peak[0], gate = 0, threading.Event()
+        futures = [pool.submit(False, pool.job(), read, gate) for _ in range(count)]
+        deadline = time.monotonic() + 10
+        while running[0] < min(count, pool.workers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # (a worker that should rest would have taken a job by now)
+        gate.set()
+        for f in futures:
+            f.result(timeout=10)
+        return peak[0]
+
+    assert batch(16) == 8
+    pool.growth.workers = 4  # a probe that did not help
+    assert batch(4) == 4  # (each worker, done with a job, rests while more than 4 take jobs)
+    assert batch(16) == 4
+    pool.growth.workers = 8
+    assert batch(16) == 8
+
+
 def test_ranged_reads_run_in_order_of_need():
     """A read for a batch waiting now runs before queued prefetches, and the parts of a shard
     asked for earlier before those of one asked for later (so the next shard arrives with all

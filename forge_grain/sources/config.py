@@ -252,7 +252,8 @@ class SourceConfig:
     """A `path` in object storage: ranged reads in flight at once, taken in order of need.
     Default: as many as the link gives: 16 to start, doubled while the throughput grows with
     them, up to 64 (a far region, tens of milliseconds to the first byte, needs many; a link
-    already full gains nothing). A number fixes it; each read holds at most 8 MiB.
+    already full gains nothing), and a doubling tried again from time to time while the
+    reads are the limit. A number fixes it; each read holds at most 8 MiB.
     Example: fetch_threads = 32"""
 
     shuffle_window: int | None = None

@@ -83,14 +83,23 @@ class Growth:
     bytes read are measured; while a doubling of the workers raised that rate by `GAIN` or
     more, they double again, up to `BOUND`; the first doubling that did not help ends the
     growth (a link that is already full, or a machine whose CPU is: more requests would only
-    hold more memory)."""
+    hold more memory). Settled below `BOUND`, it probes: once its workers have been the limit
+    for `PROBE_S` seconds of rounds, it doubles them for a round, keeps them if the rate rose
+    by `GAIN`, and otherwise goes back (more reads sharing a full link would each arrive later,
+    the one a batch waits for too) and waits twice as long before the next probe. Without it,
+    one round measured while the CPU was busy (a cold start loading its kernels, another
+    pipeline of the process) ended the growth for good."""
 
     INTERVAL = 0.1  # the fewest seconds a measurement spans
     GAIN = 1.15
+    PROBE_S = 5.0  # seconds of rounds with requests waiting, settled, before the first probe
 
     def __init__(self, start: int = START, bound: int = BOUND, clock=time.monotonic):
         self.workers, self.bound, self.settled = start, bound, start >= bound
         self._best, self._lock, self._clock = 0.0, threading.Lock(), clock
+        # settled: seconds of rounds the workers were the limit, those a probe waits for, and while
+        # a probe's round is measured, the workers before it
+        self._waited, self._probe_after, self._probing = 0.0, self.PROBE_S, None
         self._begin()
 
     def _begin(self) -> None:
@@ -104,17 +113,29 @@ class Growth:
             self._reads += 1
             self._busy &= backlog
             elapsed = self._clock() - self._since
-            if self.settled or self._reads < self.workers or elapsed < self.INTERVAL:
+            if (self.settled and self.workers >= self.bound) or self._reads < self.workers or elapsed < self.INTERVAL:
                 return self.workers
             rate, busy = self._bytes / elapsed, self._busy
             self._begin()
             if not busy:  # the consumer asked for less than the workers could read: nothing learnt
                 return self.workers
-            if rate >= self._best * self.GAIN:
-                self._best, self.workers = rate, min(2 * self.workers, self.bound)
-                self.settled = self.workers >= self.bound
+            if self.settled:
+                self._waited += elapsed
+                if self._waited < self._probe_after:
+                    return self.workers
+                # a doubling tried again, measured against the rate now
+                self._best, self._waited, self._probing = rate, 0.0, self.workers
+            elif rate >= self._best * self.GAIN:
+                self._best, self._probe_after, self._probing = rate, self.PROBE_S, None
+            elif self._probing is not None:  # the probe did not help: back, and the next waits longer
+                self.workers, self.settled, self._probing = self._probing, True, None
+                self._probe_after *= 2
+                return self.workers
             else:
                 self.settled = True
+                return self.workers
+            self.workers = min(2 * self.workers, self.bound)
+            self.settled = self.workers >= self.bound and self._probing is None
             return self.workers
 
 
@@ -140,6 +161,7 @@ class Requests:
         """No workers yet (and, in a forked child, none of the parent's queue, lock or
         measurements: it finds its own share of the link)."""
         self._queue, self._lock, self._running = queue.PriorityQueue(), threading.Lock(), 0
+        self._resting, self._more = 0, threading.Condition(self._lock)  # (workers above the growth's)
         self.growth = Growth(self.fixed, self.fixed) if self.fixed else Growth()
         self._held, self._unheld = 0, threading.Condition()
 
@@ -170,6 +192,8 @@ class Requests:
         with self._lock:
             more = workers - self._running
             self._running = max(self._running, workers)
+            if self._resting and self._running - self._resting < workers:
+                self._more.notify_all()
         if more > 0:
             self._start(self._queue, more)
 
@@ -192,6 +216,17 @@ class Requests:
                     continue
                 if jobs is self._queue:  # (not a parent's queue, in a forked child)
                     self._grow(self.growth.done(size, not jobs.empty()))
+                    self._rest()
+
+    def _rest(self) -> None:
+        """Wait while more workers take jobs than the growth wants (a probe that did not help
+        gave its doubling back)."""
+        with self._more:
+            if self._running - self._resting <= self.growth.workers:
+                return
+            self._resting += 1
+            self._more.wait_for(lambda: self._running - self._resting < self.growth.workers)
+            self._resting -= 1
 
 
 class _Holding:
