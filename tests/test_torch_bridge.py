@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -370,3 +371,74 @@ def test_a_full_dev_shm_makes_worker_batches_go_torch_s_way(stores, monkeypatch)
     assert_same(got, [(s, ref.batch(s)["inputs"]) for s in range(ref.num_steps)])
     from forge_grain.bridges import torch_slots
     assert not list(Path(torch_slots.SHM_DIR).glob(f"{torch_slots.PREFIX}{torch_slots._HOST}-*"))  # none left
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_job_stopped_by_a_signal_leaves_no_resume_directory_once_the_next_starts(stores, tmp_path, monkeypatch,
+                                                                                    request):
+    """A dataset keeps a small directory in the temporary directory for its DataLoader workers.
+    A job preempted (SIGTERM) or killed runs no exit handler: the next job on the host removes
+    what it left, and never the directory of a job still running."""
+    import select
+    import shutil
+    import signal
+    import tempfile
+
+    from forge_grain.bridges.torch_channel import ResumeChannel
+
+    # (a short path: torch's workers hand batches over AF_UNIX sockets made there, and a path
+    # past 108 bytes fails in their feeder thread, which leaves the DataLoader waiting)
+    tmp = Path(tempfile.mkdtemp(prefix="fg-"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    toml = write_toml(tmp_path / "run.toml", stores)
+    job = ("import sys, torch\n"
+           "from forge_grain import DataConfig\n"
+           "from forge_grain.bridges.torch import GrainIterableDataset\n"
+           f"ds = GrainIterableDataset(DataConfig.from_toml({str(toml)!r}), rank=0, world_size=1)\n"
+           "it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1))\n"
+           "next(it)\n"
+           "print('running', flush=True)\n"
+           "sys.stdin.read()\n")
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-c", job], env={**os.environ, "TMPDIR": str(tmp)},
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        if not ready:
+            proc.kill()
+        assert ready and proc.stdout.readline() == "running\n", f"the job gave no batch within 120 s (pid {proc.pid})"
+        return proc
+
+    def channels():
+        return sorted(p.name for p in tmp.glob("forge-grain-resume-*"))
+
+    stopped = start()
+    left = channels()
+    workers = children(stopped.pid)
+    assert workers  # (its DataLoader worker)
+    running = start()
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(60) == -signal.SIGTERM
+    deadline = time.monotonic() + 60  # its DataLoader worker, which shares the directory, exits on its own
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left[0] in channels() and len(channels()) == 2  # (no exit handler ran)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    mine = ResumeChannel()
+    assert channels() == sorted(set(channels()) - set(left)) and len(channels()) == 2  # its own and the running job's
+    running.stdin.close()
+    assert running.wait(60) == 0
+    assert channels() == [mine.dir.name]

@@ -4,6 +4,8 @@ stand at a pass's end, through a small directory every copy shares (`ResumeChann
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -12,6 +14,8 @@ import weakref
 from pathlib import Path
 
 from forge_grain.locks import file_lock
+
+PREFIX = "forge-grain-resume-"
 
 
 class ResumeChannel:
@@ -23,11 +27,19 @@ class ResumeChannel:
     counter in a small directory (under a file lock); a posted state records the number it
     was posted at and applies to the W pass starts that follow it (W: the workers of the
     pass), and to no later pass.
+
+    The directory goes at the creator's exit. A job stopped by a signal (SIGTERM at a
+    preemption, SIGKILL) runs no exit handler, so the creator also holds a lock on the
+    directory's `owner` file for its life, and the next channel made on the host removes
+    every channel directory whose lock is free: its creator, and any worker forked from it,
+    is gone.
     """
 
     def __init__(self):
-        self.dir = Path(tempfile.mkdtemp(prefix="forge-grain-resume-"))
-        self._cleanup = weakref.finalize(self, _remove_if_owner, str(self.dir), os.getpid())
+        _remove_abandoned()
+        self.dir = Path(tempfile.mkdtemp(prefix=PREFIX))
+        owner = _hold(self.dir)
+        self._cleanup = weakref.finalize(self, _remove_if_owner, str(self.dir), os.getpid(), owner)
 
     def post(self, state: dict | None) -> None:
         with file_lock(self.dir / "lock"):
@@ -109,6 +121,45 @@ class ResumeChannel:
         self.dir = state["dir"]
 
 
-def _remove_if_owner(directory: str, owner: int) -> None:
+def _hold(directory: Path) -> int:
+    """Lock `directory`'s owner file for this process's life (and its forked children's: they
+    share the lock); the open descriptor. Locked before it takes its name, so no sweep
+    (`_remove_abandoned`) ever finds it unlocked."""
+    tmp = directory / f".owner.{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.replace(tmp, directory / "owner")
+    return fd
+
+
+def _remove_abandoned() -> None:
+    """Remove the channel directories in the temporary directory whose owner lock is free (their
+    creator was stopped by a signal). One without an owner file (being made) is left alone."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if name.startswith(PREFIX):
+                _remove_if_free(os.path.join(root, name))
+
+
+def _remove_if_free(directory: str) -> None:
+    try:
+        fd = os.open(os.path.join(directory, "owner"), os.O_RDONLY)
+    except OSError:  # (being made, another user's, or removed meanwhile)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its creator (or a worker forked from it) is running
+        os.close(fd)
+        return
+    try:
+        shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+def _remove_if_owner(directory: str, owner: int, fd: int) -> None:
     if os.getpid() == owner:
         shutil.rmtree(directory, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(fd)
