@@ -442,3 +442,22 @@ def test_a_job_stopped_by_a_signal_leaves_no_resume_directory_once_the_next_star
     running.stdin.close()
     assert running.wait(60) == 0
     assert channels() == [mine.dir.name]
+
+
+def test_a_temporary_directory_too_long_for_torchs_sockets_is_an_error_not_a_hang(stores, tmp_path):
+    """DataLoader workers hand batches to the main process over Unix sockets made in the
+    temporary directory; Linux refuses a socket path past 107 bytes, in a worker thread no one
+    hears from, and the DataLoader then waits for ever. A dataset's worker says so instead,
+    naming TMPDIR."""
+    long = tmp_path / ("t" * 90)
+    long.mkdir()
+    toml = write_toml(tmp_path / "run.toml", stores)
+    job = ("import torch\n"
+           "from forge_grain import DataConfig\n"
+           "from forge_grain.bridges.torch import GrainIterableDataset\n"
+           f"ds = GrainIterableDataset(DataConfig.from_toml({str(toml)!r}), rank=0, world_size=1)\n"
+           "next(iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)))\n")
+    got = subprocess.run([sys.executable, "-c", job], env={**os.environ, "TMPDIR": str(long)}, capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode != 0
+    assert "ConfigError" in got.stderr and str(long) in got.stderr and "Set TMPDIR to a shorter directory" in got.stderr

@@ -45,7 +45,7 @@ from forge_grain.pipeline.live import adopting
 from forge_grain.processes import exit_with_parent
 
 from forge_grain.bridges.torch_channel import ResumeChannel
-from forge_grain.bridges.torch_slots import worker_ring
+from forge_grain.bridges.torch_slots import check_socket_dir, worker_ring
 
 # torchdata's StatefulDataLoader (the loader this bridge is made for) calls a torch API
 # torch has deprecated, on every iter(): a warning per epoch its user cannot act on
@@ -244,6 +244,7 @@ class GrainIterableDataset(IterableDataset):
     def __iter__(self):
         if get_worker_info() is not None:
             exit_with_parent()  # a worker outliving a killed training process would hold its memory and locks
+            check_socket_dir()
         w, W = self._worker()
         self._num_workers = W
         step, end = self._first_step(w, W)

@@ -23,6 +23,7 @@ import math
 import mmap
 import os
 import socket
+import tempfile
 import uuid
 import weakref
 
@@ -167,6 +168,26 @@ def sweep_stale() -> None:
             pass
 
 
+def check_socket_dir() -> None:
+    """In a DataLoader worker, before its first batch: torch hands a batch's tensors that go its
+    own way (a small one, or no free slot) to the main process over a Unix socket it makes in
+    the temporary directory (its `file_descriptor` sharing strategy). Linux takes socket paths
+    of 107 bytes at most; a longer one fails in the worker's queue feeder thread, where no one
+    sees it, and the DataLoader waits for that batch for ever. An error naming TMPDIR instead."""
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return
+    from multiprocessing import util
+
+    from forge_grain.errors import ConfigError
+
+    path = os.path.join(util.get_temp_dir(), "listener-" + "x" * 8)  # (multiprocessing's own name for it)
+    if len(os.fsencode(path)) > _SOCKET_PATH_MAX:
+        raise ConfigError(f"the temporary directory {tempfile.gettempdir()} is too long a path for DataLoader workers: "
+                          f"torch hands batches over Unix sockets made there ({path}, {len(os.fsencode(path))} "
+                          f"bytes; Linux allows {_SOCKET_PATH_MAX}). Set TMPDIR to a shorter directory, such as /tmp")
+
+
+_SOCKET_PATH_MAX = 107
 _WORKER_RINGS: dict[int, SlotRing | None] = {}  # in a worker (by pid: forked workers make their own)
 
 
