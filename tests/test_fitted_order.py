@@ -186,32 +186,52 @@ def test_a_threads_table_of_addresses_holds_only_the_arrays_its_last_gather_read
 
 
 def test_a_threads_table_is_reused_while_the_stores_maps_are_unchanged_and_no_longer():
-    """A step whose arrays an earlier step read finds the table as it is (`Addresses.reuse`),
+    """A step whose arrays an earlier step read finds the table as it is (`Addresses.unchanged`),
     without asking the store, only while the store's maps (`mapping.Maps`) are unchanged: the
-    arrays held then are still mapped. Once a map comes or goes, the store is asked again, and
-    the arrays held before (an evicted block's among them) are let go."""
+    arrays held then are still mapped. Its gather stops at the first row reading an array the
+    table holds no address of, and says where, so the store is asked for the rest. Once a map
+    comes or goes, the store is asked again, and the arrays held before (an evicted block's
+    among them) are let go."""
     import weakref
 
+    from forge_grain.packing import kernels
+    from forge_grain.packing.packed import ROW_KEYS, empty_rows
     from forge_grain.stores.mapping import Addresses, Maps
 
-    arrays = [np.arange(i, i + 10, dtype=np.uint16) for i in range(4)]
+    arrays = [np.arange(100 * i, 100 * i + 10, dtype=np.uint16) for i in range(4)]
     maps = Maps(enumerate(arrays))
     table = Addresses(4, np.uint16)
-    assert table.reuse(np.array([1]), maps) is None  # (nothing held yet)
+    assert table.unchanged(maps) is None  # (nothing found in these maps yet)
     table.token_arrays([1, 2], arrays[1:3], maps, maps.changes)
     got = table.token_arrays([3], arrays[3:], maps, maps.changes)  # (unchanged maps: 1 and 2 stay)
     assert got.addresses.tolist() == [0, *(a.ctypes.data for a in arrays[1:])]
-    assert table.reuse(np.array([2, 1, 3]), maps) is got
-    assert table.reuse(np.array([0, 1]), maps) is None  # (block 0 was never read: the store is asked)
-    assert table.reuse(np.array([1]), Maps(enumerate(arrays))) is None  # (another process's maps)
+    assert table.unchanged(maps) is got
+    assert table.unchanged(Maps(enumerate(arrays))) is None  # (another process's maps)
+
+    # rows of one segment each: the 10 tokens of array r (one piece per array)
+    rows, seq_len = np.array([2, 3, 0, 1], np.int64), 8
+    row_ptr, start = np.arange(5, dtype=np.int64), np.arange(4, dtype=np.int64) * 10
+    pieces = np.arange(0, 50, 10, dtype=np.int64), np.arange(4, dtype=np.int64), np.zeros(4, np.int64)
+    out = empty_rows(4, seq_len)
+
+    def gather(table_now):
+        return kernels.fill_rows(rows, np.arange(4, dtype=np.int64), row_ptr, start, np.full(4, 10, np.int64),
+                                 np.zeros(4, np.int64), np.zeros(4, np.uint8), table_now, *pieces, seq_len, 0,
+                                 *(out[k] for k in ROW_KEYS), kernels.NO_MASKS, False)
+
+    assert gather(got) == 2  # rows 2 and 3 written; row 0 reads array 0, never mapped here
+    assert out["inputs"][:2].tolist() == [arrays[2][:8].tolist(), arrays[3][:8].tolist()]
+    got = table.token_arrays([0], arrays[:1], maps, maps.changes)
+    assert gather(got) == 4 and out["inputs"][2:].tolist() == [arrays[0][:8].tolist(), arrays[1][:8].tolist()]
+
     evicted = weakref.ref(arrays[1])
     del maps[1]  # (the store evicts block 1)
     arrays[1] = None
-    assert table.reuse(np.array([2]), maps) is None
+    assert table.unchanged(maps) is None
     got = table.token_arrays([2], arrays[2:3], maps, maps.changes)
     assert evicted() is None
     assert got.addresses.tolist() == [0, 0, arrays[2].ctypes.data, 0]
-    assert table.reuse(np.array([2]), maps) is got and table.reuse(np.array([3]), maps) is None
+    assert table.unchanged(maps) is got and gather(got) == 1  # (the first row reads array 2, held; the next 3, no longer)
 
 
 def test_bos_bestfit_keeps_its_rows_under_a_fitted_order(tmp_path, s3, stores):

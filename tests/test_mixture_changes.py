@@ -170,3 +170,20 @@ def test_a_state_saved_before_trees_were_recorded_continues_as_it_was_mixed(six_
     assert {n: c["rows"] for n, c in changed.consumed(12).items()} == \
         {n: c["rows"] for n, c in resumed.consumed(12).items()}
     assert all(seg["tree"] == union for seg in changed.history)
+
+
+@pytest.mark.parametrize("phases", [(), [(40, [2.0])], [(40, [2.0]), (90, [0.5])]])
+def test_a_single_source_mixture_gives_each_row_to_its_source_unchanged(six_stores, phases):
+    """A mixture of one source finds no tree (`Mixture.locate` answers at once: a step asks it
+    twice from object storage): every row is the source's row of the same number, across weight
+    phases too, as the mixing kernel says."""
+    from forge_grain.packing import kernels
+    from forge_grain.pipeline.mixture import Mixture
+
+    p = Pipeline(make_config(six_stores, [("s0", 1.0)]), 0, 1, num_threads=0)
+    m = Mixture(p.mixture.datasets, [1.0], phases=phases)
+    rows = np.concatenate([np.arange(200), [10**12]])
+    src, rank = m.locate(rows)
+    want = kernels.mix_locate(rows, m.phase_rows, m._root, m._left, m._right, m._leaf, m._node_weight, m._base)
+    assert src.tolist() == want[0].tolist() == [0] * len(rows)
+    assert rank.tolist() == want[1].tolist() == rows.tolist() and rank is not rows

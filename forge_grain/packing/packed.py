@@ -405,13 +405,15 @@ class PackedDataset(grain.MapDataset):
             self._fill_fetched(rows, dest, out)
         return out
 
-    def _fill(self, rows, dest, out: dict, gather) -> None:
-        """Rows `rows` into `out` at `dest`, from `gather` (the plan's segments and the pieces)."""
+    def _fill(self, rows, dest, out: dict, gather, held_only: bool = False) -> bool:
+        """Rows `rows` into `out` at `dest`, from `gather` (the plan's segments and the pieces);
+        `held_only`: False at a row reading an array `gather` holds no address of (else an error)."""
         row_ptr, start, length, skip, flags, pieces = gather
-        kernels.fill_rows(
-            rows, dest, row_ptr, start, length, skip, flags, *pieces, self.seq_len, self.pad_id,
-            *(out[k] for k in ROW_KEYS), self.store.masks, self.store.masked,
-        )
+        done = kernels.fill_rows(rows, dest, row_ptr, start, length, skip, flags, *pieces, self.seq_len, self.pad_id,
+                                 *(out[k] for k in ROW_KEYS), self.store.masks, self.store.masked)
+        if done < len(rows) and not held_only:  # (never: the arrays are set before)
+            raise RuntimeError(f"{self.store.path}: a row's token array was not mapped before the gather")
+        return done == len(rows)
 
     def _fill_fetched(self, rows, dest, out: dict) -> None:
         """Rows of a store fetched from object storage. Under a `cache_limit`, where some of
@@ -421,21 +423,22 @@ class PackedDataset(grain.MapDataset):
         it leaves while the next one arrives."""
         p, store = self.plan, self.store
         segments = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
-        needed = self._arrays_of(rows)
         table, maps = self._table(), store.maps
-        found = table.reuse(needed, maps)  # (most steps: the arrays of the steps before)
-        if found is None:
-            changes = maps.changes  # (before the store is asked: a map changed meanwhile counts)
-            arrays = store.mapped(needed)  # (most other steps: all mapped)
-            if arrays is None and store.may_read_ranges() and self._fill_ranges(rows, dest, out):
-                return  # (the first steps: their shards still arriving)
-            if arrays is None:
-                if store.cache.limit is not None and len(rows) > 1:
-                    held = store.held(needed)
-                    if held.any() and not held.all():
-                        rows, dest, needed = self._fill_held_first(rows, dest, out, segments, needed, held)
-                arrays = store.arrays_for(needed)
-            found = table.token_arrays(needed.tolist(), arrays, maps, changes)
+        found = table.unchanged(maps)
+        if found is not None and self._fill(rows, dest, out, (*segments, (found, *self._pieces[1:])), held_only=True):
+            return  # (most steps: they read only arrays the steps before read, held in the table; else
+        needed = self._arrays_of(rows)  # all rows again: those of shards held are told done first)
+        changes = maps.changes  # (before the store is asked: a map changed meanwhile counts)
+        arrays = store.mapped(needed)  # (most other steps: all mapped)
+        if arrays is None and store.may_read_ranges() and self._fill_ranges(rows, dest, out):
+            return  # (the first steps: their shards still arriving)
+        if arrays is None:
+            if store.cache.limit is not None and len(rows) > 1:
+                held = store.held(needed)
+                if held.any() and not held.all():
+                    rows, dest, needed = self._fill_held_first(rows, dest, out, segments, needed, held)
+            arrays = store.arrays_for(needed)
+        found = table.token_arrays(needed.tolist(), arrays, maps, changes)
         self._fill(rows, dest, out, (*segments, (found, *self._pieces[1:])))
 
     def _fill_held_first(self, rows, dest, out: dict, segments, needed, held) -> tuple:

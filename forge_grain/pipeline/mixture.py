@@ -120,6 +120,10 @@ class Mixture(grain.MapDataset):
             self._base[p] = self._base[p - 1] + self._phase_counts(p - 1, self.phase_rows[p] - self.phase_rows[p - 1])
         self._length = length
         self._pool = BufferPool()
+        # one source, every row its own (its rank is the mixture row): no tree to walk, a step's
+        # locate (asked twice a step from object storage: by the batch and the prefetch hints)
+        self._alone = m == 1 and bool(np.all(self._left[self._root] < 0)) and np.array_equal(self._base[:, 0],
+                                                                                            self.phase_rows)
 
     def _subtree_weights(self, u: np.ndarray, sources: list[int], lo: int, hi: int) -> np.ndarray:
         """Node weights of the tree [lo, hi) whose leaves are `sources`, weighted `u`."""
@@ -140,6 +144,8 @@ class Mixture(grain.MapDataset):
     def locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """(source, row within that source) of mixture rows `indices`."""
         idx = np.asarray(indices, np.int64).reshape(-1)
+        if self._alone:
+            return np.zeros(len(idx), np.int64), idx.copy()
         return kernels.mix_locate(idx, self.phase_rows, self._root, self._left, self._right, self._leaf,
                                   self._node_weight, self._base)
 

@@ -171,7 +171,7 @@ def _check(arrays: list) -> None:
 class Maps(dict):
     """A fetching store's token arrays mapped now (by shard, or part), counting its changes:
     a thread that found its arrays here at one count knows them still mapped, the same
-    objects, while the count is unchanged (`Addresses.reuse`). The stores change it by item,
+    objects, while the count is unchanged (`Addresses.unchanged`). The stores change it by item,
     `del`, `pop` and `clear` only, which count."""
 
     changes = 0
@@ -200,8 +200,10 @@ class Addresses:
     them for the arrays of each gather copied all the pieces a step: a fifth of a Megatron
     epoch's CPU under a `cache_limit`). The arrays are held while the store's `Maps` are
     unchanged, so a step reading only arrays an earlier one read since finds the table as
-    it is (`reuse`: asking the store for its maps and setting the table were a sixth of a
-    Megatron step under a limit); once the maps change, only the last gather's arrays are
+    it is (`unchanged`: asking the store for its maps and setting the table were a sixth of
+    a Megatron step under a limit, and finding first which arrays the step reads, to check
+    they are held, a tenth of its consumer's CPU: the gather checks each address as it goes
+    instead); once the maps change, only the last gather's arrays are
     held, so the map of a file evicted since is freed. Each array's address is remembered
     while the array lives: `a.ctypes.data` costs about a microsecond, and a global shuffle's
     batch of 16 rows from a 128-shard store reads about 40 shards (0.24 s of an epoch's 6,000
@@ -211,7 +213,6 @@ class Addresses:
 
     def __init__(self, count: int, dtype):
         self._addresses, self._lengths = np.zeros(count, np.int64), np.zeros(count, np.int64)
-        self._set = np.zeros(count, bool)  # the arrays held (their addresses set)
         self._held: dict[int, np.ndarray] = {}  # array index -> the array (its address is set)
         self._known: dict[int, tuple] = {}  # array index -> (weak reference to the array, address, length)
         self._like = np.zeros(0, dtype)
@@ -219,34 +220,29 @@ class Addresses:
         self._out.arrays = self._held
         self._seen = (None, -1)  # (the store's maps, their change count) the held arrays were found at
 
-    def reuse(self, keys: np.ndarray, maps: Maps) -> TokenArrays | None:
-        """The table as it is, if it holds arrays `keys` and `maps` has not changed since
-        (None: ask the store, then `token_arrays`)."""
+    def unchanged(self, maps: Maps) -> TokenArrays | None:
+        """The table as it is, if `maps` has not changed since its arrays were found there
+        (None: ask the store, then `token_arrays`). A gather through it stops at the first
+        array it holds no address of (`kernels.fill_rows`)."""
         seen, changes = self._seen
-        if seen is not maps or changes != maps.changes:
-            return None
-        if np.count_nonzero(self._set[keys]) != len(keys):  # (`.all()` took 3x as long, every step)
-            return None
-        return self._out
+        return self._out if seen is maps and changes == maps.changes else None
 
     def token_arrays(self, keys, arrays: list, maps: Maps | None = None, changes: int = -1) -> TokenArrays:
         """The table with arrays `keys` (their indices) set to `arrays`, found in `maps` at its
         change count `changes`: the arrays held before stay if the maps had not changed since,
         else none but these."""
-        held, addresses, lengths, is_set = self._held, self._addresses, self._lengths, self._set
+        held, addresses, lengths = self._held, self._addresses, self._lengths
         now = dict(zip(keys, arrays))
         seen, seen_changes = self._seen
         if maps is None or seen is not maps or seen_changes != changes:
             for k in [k for k in held if k not in now]:
                 del held[k]
                 addresses[k] = lengths[k] = 0
-                is_set[k] = False
             self._seen = (maps, changes)
         for k, a in now.items():
             if held.get(k) is not a:
                 held[k] = a
                 _, addresses[k], lengths[k] = self._known_as(k, a)
-                is_set[k] = True
         return self._out
 
     def _known_as(self, k: int, a: np.ndarray) -> tuple:
