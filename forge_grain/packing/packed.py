@@ -424,10 +424,10 @@ class PackedDataset(grain.MapDataset):
         p, store = self.plan, self.store
         segments = p.row_ptr, p.seg_start, p.seg_len, p.seg_skip, p.seg_flags
         table, maps = self._table(), store.maps
-        found = table.unchanged(maps)
+        found = table.unchanged(maps)  # (most steps read only arrays held there; one reading any other
         if found is not None and self._fill(rows, dest, out, (*segments, (found, *self._pieces[1:])), held_only=True):
-            return  # (most steps: they read only arrays the steps before read, held in the table; else
-        needed = self._arrays_of(rows)  # all rows again: those of shards held are told done first)
+            return  # goes the way below with all its rows: those of shards held are told done first)
+        needed = self._arrays_of(rows)
         changes = maps.changes  # (before the store is asked: a map changed meanwhile counts)
         arrays = store.mapped(needed)  # (most other steps: all mapped)
         if arrays is None and store.may_read_ranges() and self._fill_ranges(rows, dest, out):
