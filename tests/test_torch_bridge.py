@@ -399,7 +399,7 @@ def test_a_job_stopped_by_a_signal_leaves_no_resume_directory_once_the_next_star
     from forge_grain.bridges.torch_channel import ResumeChannel
 
     # (a short path: torch's workers hand batches over AF_UNIX sockets made there, and a path
-    # past 108 bytes fails in their feeder thread, which leaves the DataLoader waiting)
+    # longer than 107 bytes fails in their feeder thread, which leaves the DataLoader waiting)
     tmp = Path(tempfile.mkdtemp(prefix="fg-"))
     request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     toml = write_toml(tmp_path / "run.toml", stores)

@@ -26,10 +26,12 @@ import socket
 import tempfile
 import uuid
 import weakref
+from multiprocessing import util
 
 import numpy as np
 import torch
 
+from forge_grain.errors import ConfigError
 from forge_grain.locks import process_alive
 
 SHM_DIR = "/dev/shm"
@@ -176,10 +178,6 @@ def check_socket_dir() -> None:
     sees it, and the DataLoader waits for that batch for ever. An error naming TMPDIR instead."""
     if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return
-    from multiprocessing import util
-
-    from forge_grain.errors import ConfigError
-
     path = os.path.join(util.get_temp_dir(), "listener-" + "x" * 8)  # (multiprocessing's own name for it)
     if len(os.fsencode(path)) > _SOCKET_PATH_MAX:
         raise ConfigError(f"the temporary directory {tempfile.gettempdir()} is too long a path for DataLoader workers: "
