@@ -6,6 +6,11 @@ names the holder (used where two writers would be a mistake, such as two `prepar
 runs into one output directory). The latter is a POSIX record lock (`lockf`): it belongs
 to the process, so worker processes forked while it is held do not inherit it, and it
 is released the moment its holder dies, even if a worker outlives it.
+
+`hold_for_life` and `unheld` mark what a process leaves in a shared directory (the torch
+bridge's resume directories and shared-memory rings) as its own for its life, so that a
+later process can remove what one stopped by a signal left: the kernel frees the lock at
+the holder's death, in any pid namespace, whatever pid comes next.
 """
 
 from __future__ import annotations
@@ -45,6 +50,42 @@ def file_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def hold_for_life(tmp: str | Path, name: str | Path, flags: int = 0) -> int:
+    """Create file `tmp` (with `os.open`'s extra `flags`), lock it for this process's life (and
+    its forked children's: they share the lock), then rename it `name`; the open descriptor.
+    Locked before it takes its name, so no sweep (`unheld`) ever finds it free."""
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.replace(tmp, name)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def unheld(path: str | Path):
+    """True, holding its lock meanwhile, if file `path` was locked by `hold_for_life` and its
+    holder is gone; False if it is held, missing, or not this user's to open."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its holder (or a process forked from it) is running
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -340,19 +340,30 @@ def test_without_dev_shm_worker_batches_go_torch_s_way(stores, tmp_path, monkeyp
     assert_same(got, [(s, ref.batch(s)["inputs"]) for s in range(ref.num_steps)])
 
 
-def test_rings_of_exited_workers_are_swept(tmp_path, monkeypatch):
+def test_rings_of_exited_workers_are_swept_and_live_ones_kept_whatever_their_pid(tmp_path, monkeypatch):
+    """A worker's ring is its own while the worker lives: one whose worker exited before the
+    main process mapped it goes when the next ring is made; a live one stays, also when the
+    pid in its name is free here (a container of the same pod, sharing /dev/shm and the host
+    name, runs in its own pid namespace: the sweep by pid removed its rings)."""
     from forge_grain.bridges import torch_slots
+    from forge_grain.locks import hold_for_life
 
     monkeypatch.setattr(torch_slots, "SHM_DIR", str(tmp_path))
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f"{torch_slots.PREFIX}{torch_slots._HOST}-{dead.pid}-abc"
-    live = tmp_path / f"{torch_slots.PREFIX}{torch_slots._HOST}-{os.getpid()}-abc"
-    elsewhere = tmp_path / f"{torch_slots.PREFIX}otherhost-{dead.pid}-abc"  # another container's pid space
-    for f in (stale, live, elsewhere):
-        f.write_bytes(b"x")
-    ring = torch_slots.SlotRing(1 << 16)  # a new ring sweeps first
-    assert not stale.exists() and live.exists() and elsewhere.exists() and Path(ring.path).exists()
+    make = "import sys; from forge_grain.bridges import torch_slots as t; t.SHM_DIR = sys.argv[1]; print(t.SlotRing(1 << 16).path)"
+    exited = Path(subprocess.run([sys.executable, "-c", make, str(tmp_path)], capture_output=True, text=True,
+                                 check=True).stdout.strip())
+    assert exited.exists()  # (no main process mapped it)
+    live = torch_slots.SlotRing(1 << 16)
+    elsewhere = tmp_path / exited.name.replace(exited.name.rsplit("-", 1)[1], "abc")  # the exited pid, alive elsewhere
+    held = hold_for_life(tmp_path / ".held", elsewhere)
+    other_host = tmp_path / f"{torch_slots.PREFIX}otherhost-1-abc"
+    other_host.write_bytes(b"x")
+    try:
+        ring = torch_slots.SlotRing(1 << 16)  # a new ring sweeps first
+        assert not exited.exists()
+        assert Path(live.path).exists() and elsewhere.exists() and Path(ring.path).exists() and other_host.exists()
+    finally:
+        os.close(held)
 
 
 def test_a_full_dev_shm_makes_worker_batches_go_torch_s_way(stores, monkeypatch):

@@ -5,7 +5,6 @@ stand at a pass's end, through a small directory every copy shares (`ResumeChann
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
-from forge_grain.locks import file_lock
+from forge_grain.locks import file_lock, hold_for_life, unheld
 
 PREFIX = "forge-grain-resume-"
 
@@ -38,7 +37,7 @@ class ResumeChannel:
     def __init__(self):
         _remove_abandoned()
         self.dir = Path(tempfile.mkdtemp(prefix=PREFIX))
-        owner = _hold(self.dir)
+        owner = hold_for_life(self.dir / f".owner.{os.getpid()}", self.dir / "owner")
         self._cleanup = weakref.finalize(self, _remove_if_owner, str(self.dir), os.getpid(), owner)
 
     def post(self, state: dict | None) -> None:
@@ -121,17 +120,6 @@ class ResumeChannel:
         self.dir = state["dir"]
 
 
-def _hold(directory: Path) -> int:
-    """Lock `directory`'s owner file for this process's life (and its forked children's: they
-    share the lock); the open descriptor. Locked before it takes its name, so no sweep
-    (`_remove_abandoned`) ever finds it unlocked."""
-    tmp = directory / f".owner.{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.replace(tmp, directory / "owner")
-    return fd
-
-
 def _remove_abandoned() -> None:
     """Remove the channel directories in the temporary directory whose owner lock is free (their
     creator was stopped by a signal). One without an owner file (being made) is left alone."""
@@ -143,19 +131,9 @@ def _remove_abandoned() -> None:
 
 
 def _remove_if_free(directory: str) -> None:
-    try:
-        fd = os.open(os.path.join(directory, "owner"), os.O_RDONLY)
-    except OSError:  # (being made, another user's, or removed meanwhile)
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held: its creator (or a worker forked from it) is running
-        os.close(fd)
-        return
-    try:
-        shutil.rmtree(directory, ignore_errors=True)
-    finally:
-        os.close(fd)
+    with unheld(os.path.join(directory, "owner")) as free:  # (no owner file: being made, or another user's)
+        if free:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _remove_if_owner(directory: str, owner: int, fd: int) -> None:

@@ -7,7 +7,9 @@ dies. A 64 x 2048 batch of eight tensors cost the main process about 4 ms a step
 more than a fast training step leaves it.
 
 Here each worker owns a ring of slots in one file under /dev/shm, made once and reserved
-with `posix_fallocate` (a full /dev/shm is an error there, not a SIGBUS later). A batch is
+with `posix_fallocate` (a full /dev/shm is an error there, not a SIGBUS later), and locked
+for the worker's life (a ring whose worker died before the main process mapped it goes
+when the next is made: `sweep_stale`). A batch is
 copied into a free slot and sent as its slot number and layout; the main process maps the
 ring once and builds the tensors as views of the slot. The slot is free again only when
 nothing in the main process references any of those tensors (a finalizer on their common
@@ -18,6 +20,7 @@ own way: slower, never wrong, never blocking.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import mmap
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 
 from forge_grain.errors import ConfigError
-from forge_grain.locks import process_alive
+from forge_grain.locks import hold_for_life, process_alive, unheld
 
 SHM_DIR = "/dev/shm"
 PREFIX = "forge-grain-slots-"
@@ -53,17 +56,17 @@ class SlotRing:
     def __init__(self, slot_bytes: int, count: int = SLOTS):
         sweep_stale()
         self.slot_bytes, self.count = slot_bytes, count
-        self.path = os.path.join(SHM_DIR, f"{PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        name = f"{PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join(SHM_DIR, name)
+        self._lock = hold_for_life(os.path.join(SHM_DIR, "." + name), self.path, os.O_EXCL)  # (open for life)
         try:
             size = _HEADER + slot_bytes * count
-            os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS on a write
-            self.map = mmap.mmap(fd, size)
+            os.posix_fallocate(self._lock, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS on a write
+            self.map = mmap.mmap(self._lock, size)
         except BaseException:
             os.unlink(self.path)
+            os.close(self._lock)
             raise
-        finally:
-            os.close(fd)
         self.flags = np.frombuffer(self.map, np.uint8, count=count)
         self.body = np.frombuffer(self.map, np.uint8, offset=_HEADER)
         self._next = 0
@@ -161,13 +164,14 @@ def _worker_pid(path: str) -> int:
 
 def sweep_stale() -> None:
     """Remove rings whose worker has exited before the main process mapped them (a loader
-    abandoned mid-pass, a killed worker): nothing can reach them any more."""
-    for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{_HOST}-*")):  # this host's: its pids mean something here
-        try:
-            if not process_alive(_worker_pid(path)):
-                os.unlink(path)
-        except (ValueError, FileNotFoundError, PermissionError):
-            pass
+    abandoned mid-pass, a killed worker): nothing can reach them any more. A worker holds its
+    ring's lock for its life, so a free one is a dead worker's, whatever pid namespace it ran
+    in (containers of one pod share /dev/shm and a host name, not their pids)."""
+    for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{_HOST}-*")):
+        with unheld(path) as free:
+            if free:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def check_socket_dir() -> None:
