@@ -39,7 +39,8 @@ def remote_format(url: str, storage_options: dict | None = None) -> str:
     """The format of the dataset at `url`, from its listing: "native" for a forge-grain
     store (or when nothing is recognised: `RemoteStore` then says what is there)."""
     remote = RemoteDir(url, storage_options)
-    remote.fs.invalidate_cache(remote.root)
+    if remote._fast is None:  # fsspec answers the HEAD below, from its cached listings where it holds one
+        remote.fs.invalidate_cache(remote.root)
     if remote.retry(MANIFEST_NAME, lambda: remote.size(MANIFEST_NAME), missing_ok=True) is not None:
         return "native"  # a manifest decides (as below), found without listing what may be 10,000s of objects
     _, files, stem = objects_at(url, storage_options)
