@@ -13,6 +13,7 @@ import concurrent.futures
 import hashlib
 import mmap
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +59,13 @@ class Download:
         self.tmp = temporary(local)
         self.whole: list = []  # an object got in one GET before its size was known
         self.partial = None
+        # the parts' writes into the file, one at a time: ext4 (and xfs) let one buffered write into a
+        # file run at a time, and the other writers spin on its lock while it copies, each on a core of
+        # its own; here they sleep. 16 threads writing one file in 512 KiB parts on 2 cores: 19% of the
+        # samples (`perf`) were that spin, none with this lock (kernel time 0.16-0.20 s -> 0.13-0.15 s
+        # for 400 MB). A 2-core epoch from a shaped link is unchanged (one other core to spin on); the
+        # spin grows with the cores running request threads at once
+        self.writing = threading.Lock()
 
     def run(self) -> bool:
         """The copy made (True), or a prefetch skipped for want of room (False)."""
@@ -110,7 +118,9 @@ class Download:
                     return False
                 for i, f in enumerate(staged):  # (its room is there: what arrived meanwhile is written)
                     a, _ = self.spans[len(parts) + i]
-                    os.pwrite(dst.fileno(), f.result(), a)
+                    block = f.result()
+                    with self.writing:
+                        os.pwrite(dst.fileno(), block, a)
                 parts += staged or self._submit(dst, first, size, p.hurried())
             digest = hashlib.sha256()
             self._collect(parts, self._hashing(digest, dst.fileno()) if self.sha256 is not None else None)
@@ -157,7 +167,8 @@ class Download:
                     raise Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
                 if staged:
                     return block
-                os.pwrite(dst.fileno(), block, a)
+                with self.writing:
+                    os.pwrite(dst.fileno(), block, a)
             return block if one else None
 
         return [c.requests.submit(urgent, self.job, part, span, size=span[1] - span[0]) for span in spans]
