@@ -8,6 +8,7 @@ import collections
 import http.client
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -79,6 +80,7 @@ class FaultProxy:
         self.lists = self.requests = 0
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.latency = 0.0
+        self.regions: dict[str, str] = {}  # bucket -> its region: a request signed for another is S3's 301
         self.active: collections.Counter = collections.Counter()  # reads in flight, by prefix
         self.peaks: collections.Counter = collections.Counter()
         self.lock = threading.Lock()
@@ -145,6 +147,8 @@ def _handler(proxy: FaultProxy):
 
         def _answer(self, read: bool):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self._elsewhere():
+                return
             fault = proxy.take(self.command, self.path)
             if read and proxy.latency:
                 time.sleep(proxy.latency)
@@ -183,6 +187,29 @@ def _handler(proxy: FaultProxy):
             if self.command == "GET" and "?" not in self.path and resp_status < 300:
                 with proxy.lock:
                     proxy.sent[self.path] += len(data)
+
+        def _elsewhere(self) -> bool:
+            """A request for a bucket of `proxy.regions` signed for another region (or a HEAD of
+            the bucket, signed or not) answered as S3 answers it: a 301 without a Location,
+            the bucket's region in `x-amz-bucket-region` (and, but for a HEAD, PermanentRedirect)."""
+            bucket = self.path.split("?")[0].split("/")[1]
+            region = proxy.regions.get(bucket)
+            signed = re.search(r"Credential=[^/]+/[^/]+/([^/]+)/", self.headers.get("Authorization", ""))
+            bucket_head = self.command == "HEAD" and self.path.split("?")[0].strip("/") == bucket
+            if region is None or not bucket_head and signed is not None and signed.group(1) == region:
+                return False
+            with proxy.lock:
+                proxy.seen.append((self.command, self.path))
+            body = b"" if self.command == "HEAD" else (
+                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>PermanentRedirect</Code><Message>The bucket you "
+                b"are attempting to access must be addressed using the specified endpoint.</Message></Error>")
+            self.send_response(200 if bucket_head and signed is not None and signed.group(1) == region else 301)
+            self.send_header("x-amz-bucket-region", region)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return True
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 

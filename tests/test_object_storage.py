@@ -4,6 +4,7 @@ through s3fs, with faults injected by an HTTP proxy between the two (tests/s3ser
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import logging
 import os
@@ -160,6 +161,63 @@ def test_a_store_read_through_obstore_reaches_its_first_batch_without_importing_
     disk = DataConfig.from_dict(dict(sources=[dict(name="web", path=str(local_stores["bin"]))], seq_len=64,
                                      global_batch_size=8, seed=1))
     assert got == {"tokens": int(next(Pipeline(disk, 0, 1).iterator())["inputs"].sum()), "s3fs": False}
+
+
+def test_a_bucket_in_another_region_than_the_clients_is_found_and_read(tmp_path, s3, local_stores, caplog):
+    """S3 answers a request signed for another region than its bucket's with a 301 and no
+    Location (the proxy answers as S3 does): botocore (s3fs) follows it, obstore did not, and
+    every read failed after its retries where s3fs read. The bucket's region is asked once (a
+    HEAD of the bucket names it) and the client made again for it: a Pipeline's batches are
+    the local store's, and a store opened after signs for that region from its first request."""
+    s3.fs().put(str(local_stores["bin"]), "elsewhere/bin", recursive=True)
+    s3.proxy.regions["elsewhere"] = "eu-west-1"
+    s3.proxy.clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="forge_grain"):
+            src = dict(name="web", path="s3://elsewhere/bin", storage_options=s3.options(via_proxy=True),
+                       object_cache=str(tmp_path / "o"))
+            got = list(Pipeline(config(src), 0, 1).iterator())
+        disk = list(Pipeline(config(dict(name="web", path=str(local_stores["bin"]))), 0, 1).iterator())
+        assert len(got) == len(disk) and all(same(a, b) for a, b in zip(got, disk))
+        assert "bucket 'elsewhere' is in eu-west-1, not us-east-1: asking there" in caplog.text
+        assert s3.proxy.seen.count(("HEAD", "/elsewhere")) == 1
+        s3.proxy.seen.clear()
+        again = TokenStore.open("s3://elsewhere/bin", storage_options=s3.options(via_proxy=True),
+                                object_cache=str(tmp_path / "o2"))
+        assert again.cache._fast[0].config["region"] == "eu-west-1" and ("HEAD", "/elsewhere") not in s3.proxy.seen
+    finally:
+        del s3.proxy.regions["elsewhere"]
+
+
+def test_reads_in_flight_on_many_threads_when_the_region_is_found_are_retried_not_refused(tmp_path, s3,
+                                                                                            local_stores):
+    """Every part of every download signed for the wrong region at once: one thread asks the
+    bucket's region, the others find it known (a failed read of the old client is not taken
+    for a server that names no region) and read on."""
+    s3.fs().put(str(local_stores["bin"]), "moved/bin", recursive=True)
+    store = TokenStore.open("s3://moved/bin", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "o"))
+    disk = TokenStore.open(local_stores["bin"])
+    s3.proxy.regions["moved"] = "ap-south-1"  # (from here on: the client made at the open signs for us-east-1)
+    try:
+        firsts = [int(store._file_doc_starts[i]) for i in range(len(store._files))]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda d: store[d], firsts))
+        assert all(np.array_equal(g, disk[d]) for g, d in zip(got, firsts))
+        assert s3.proxy.seen.count(("HEAD", "/moved")) == 1
+    finally:
+        del s3.proxy.regions["moved"]
+
+
+def test_a_bucket_whose_region_the_server_does_not_say_is_an_error_naming_the_option(tmp_path, s3, local_stores):
+    s3.fs().put(str(local_stores["bin"]), "nowhere/bin", recursive=True)
+    s3.proxy.regions["nowhere"] = ""  # (every signed request a 301, the bucket's HEAD without a region)
+    try:
+        with pytest.raises(StoreError, match=r"s3://nowhere/bin: the server refuses requests signed for region "
+                                             r"'us-east-1' \(the bucket is in another\) .* pass .*region_name"):
+            TokenStore.open("s3://nowhere/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path))
+    finally:
+        del s3.proxy.regions["nowhere"]
 
 
 def test_elastic_resume_from_object_storage_equals_the_disk_stream(tmp_path, s3, local_stores):

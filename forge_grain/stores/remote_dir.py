@@ -13,6 +13,8 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
+import threading
 import time
 
 from forge_grain.errors import StoreError
@@ -72,7 +74,7 @@ class RemoteDir:
         import obstore
 
         store, prefix = self._fast
-        with self._obstore_errors(name):
+        with self._obstore_errors(name, store):
             if end is None:
                 return memoryview(obstore.get(store, f"{prefix}{name}").bytes())[start:]
             if if_match is not None:
@@ -97,19 +99,22 @@ class RemoteDir:
         import obstore
 
         store, prefix = self._fast
-        with self._obstore_errors(name):
+        with self._obstore_errors(name, store):
             return int(obstore.head(store, f"{prefix}{name}")["size"])
 
     @contextlib.contextmanager
-    def _obstore_errors(self, name: str):
-        """obstore's errors for object `name` as the ones `retry` knows: a missing object, one
-        changed under a conditional read, refused credentials."""
+    def _obstore_errors(self, name: str, store):
+        """obstore's errors for object `name` (read with client `store`) as the ones `retry`
+        knows: a missing object, one changed under a conditional read, refused credentials, a
+        bucket in another region (`_relocated`)."""
         from obstore.exceptions import (GenericError, NotFoundError, PermissionDeniedError, PreconditionError,
                                         UnauthenticatedError)
 
         try:
             yield
         except GenericError as e:
+            if "incorrectly configured region" in str(e):  # (object_store's words for S3's 301)
+                raise self._relocated(store.config.get("region")) from None
             if "kind: Timeout" not in str(e):
                 raise
             raise TimeoutError(f"no answer within {client_timeout(self.storage_options):g} s") from None
@@ -119,6 +124,26 @@ class RemoteDir:
             raise changed_under(f"{self.url}/{name}") from None
         except (PermissionDeniedError, UnauthenticatedError) as e:
             raise PermissionError(str(e).splitlines()[0]) from None
+
+    def _relocated(self, signed: str) -> "MovedBucket":
+        """The bucket is in another region than `signed`, the one obstore's client signed for:
+        S3 answers such a request with a 301 without a Location, which botocore (s3fs)
+        follows and obstore does not. The bucket's region is asked (`bucket_region`, once a
+        process) and the client made again for it; the error says so, and the attempt is
+        retried. A bucket whose region the server does not say is a StoreError naming the
+        option that says it."""
+        bucket, endpoint = bucket_of(self.url), endpoint_of(self.storage_options)
+        with _REGIONS_LOCK:
+            region = _REGIONS.get((endpoint, bucket))
+            if region in (None, signed):
+                region = bucket_region(endpoint, bucket)
+            if region in (None, signed):
+                raise StoreError(f"{self.url}: the server refuses requests signed for region {signed!r} (the bucket "
+                                 "is in another) and does not say which: pass storage_options={'client_kwargs': "
+                                 "{'region_name': ...}} with the bucket's region")
+            _REGIONS[(endpoint, bucket)] = region
+        RemoteDir._fast.forget(self)  # (the next request makes the client for `region`)
+        return MovedBucket(f"bucket {bucket!r} is in {region}, not {signed}: asking there")
 
     def conditional(self, tag: str | None) -> str | None:
         """`tag` (a listing's) as a read's condition: an ETag, read through obstore (which
@@ -156,6 +181,13 @@ class RemoteDir:
                          f"(FORGE_GRAIN_REMOTE_DEADLINE={limit:g} s bounds an object's attempts)") from None
 
 
+class MovedBucket(Exception):
+    """A request signed for another region than its bucket's (retried once the client signs
+    for the bucket's: `RemoteDir._relocated`)."""
+
+
+_REGIONS: dict[tuple[str | None, str], str] = {}  # (endpoint, bucket) -> its region, as the server said
+_REGIONS_LOCK = threading.Lock()
 _OBSTORE_PID: int | None = None  # the process whose obstore runtime this memory holds, if any
 FAST_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
                 "skip_instance_cache", "use_listings_cache"}
@@ -183,15 +215,15 @@ def fast_client(url: str, storage_options: dict | None):
     opts = dict(storage_options or {})
     bucket, _, prefix = url[len("s3://"):].partition("/")
     client_kwargs, config_kwargs = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
-    config = {"region": client_kwargs.get("region_name") or os.environ.get("AWS_REGION")
-              or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    endpoint = endpoint_of(opts)
+    config = {"region": _REGIONS.get((endpoint, bucket)) or client_kwargs.get("region_name")
+              or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
     if opts.get("anon"):
         config["skip_signature"] = True
     else:
         config.update(access_key_id=opts["key"], secret_access_key=opts["secret"])
         if opts.get("token"):
             config["session_token"] = opts["token"]
-    endpoint = opts.get("endpoint_url") or client_kwargs.get("endpoint_url")
     client = {"timeout": f"{client_timeout(opts):g}s",
               "connect_timeout": f"{config_kwargs.get('connect_timeout', 60):g}s"}
     if endpoint:
@@ -209,6 +241,35 @@ def obstore_reads(url: str, storage_options: dict | None) -> bool:
                                                                        (opts.get("key") and opts.get("secret"))):
         return False
     return _OBSTORE_PID in (None, os.getpid()) and importlib.util.find_spec("obstore") is not None
+
+
+def bucket_of(url: str) -> str:
+    return url[len("s3://"):].split("/", 1)[0]
+
+
+def endpoint_of(storage_options: dict) -> str | None:
+    """The server the options name (None: AWS's)."""
+    return storage_options.get("endpoint_url") or (storage_options.get("client_kwargs") or {}).get("endpoint_url")
+
+
+def bucket_region(endpoint: str | None, bucket: str) -> str | None:
+    """The region the server says `bucket` is in, or None: S3 names it (`x-amz-bucket-region`)
+    in its answer to a HEAD of the bucket, signed or not, 200, 301 or 403 alike. Asked at
+    `endpoint`, or AWS's for the bucket; a name S3 would refuse is not asked (it goes into
+    a host name)."""
+    import urllib.error
+    import urllib.request
+
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        return None
+    url = f"{endpoint.rstrip('/')}/{bucket}" if endpoint else f"https://{bucket}.s3.amazonaws.com"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=request_deadline()) as answer:
+            return answer.headers.get("x-amz-bucket-region") or None
+    except urllib.error.HTTPError as e:
+        return e.headers.get("x-amz-bucket-region") or None
+    except OSError:
+        return None
 
 
 def client_timeout(storage_options: dict) -> float:
