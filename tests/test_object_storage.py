@@ -124,20 +124,55 @@ def settled(cache, timeout: float = 30.0) -> int:
     return cache.used()
 
 
-def test_shards_are_downloaded_by_obstore_where_the_options_allow_and_by_s3fs_otherwise(tmp_path, s3, local_stores):
+def test_shards_are_downloaded_by_obstore_where_the_options_allow_and_by_s3fs_otherwise(tmp_path, s3, local_stores,
+                                                                                       monkeypatch):
     """With explicit credentials (as here) shards come through obstore, the Rust client; options
-    obstore cannot honour (a profile, a requester-pays bucket) or none at all (boto's credential
-    chain) keep s3fs, so no credential that works with s3fs stops working."""
+    obstore cannot honour (a requester-pays bucket), or boto's credential chain finding none
+    (no such profile, nothing in the environment), keep s3fs, so no credential that works with
+    s3fs stops working."""
     from forge_grain.stores.remote_dir import fast_client
 
     store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path))
     assert store.cache._fast is not None
     assert np.array_equal(store[100], TokenStore.open(local_stores["bin"])[100])
+    nothing = tmp_path / "no-such-file"
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(nothing))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(nothing))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     assert fast_client("s3://bucket/bin", {"profile": "research"}) is None
     assert fast_client("s3://bucket/bin", {"key": "k", "secret": "s", "requester_pays": True}) is None
     assert fast_client("s3://bucket/bin", None) is None
     assert fast_client("gs://bucket/bin", {"key": "k", "secret": "s"}) is None
     assert fast_client("s3://bucket/a/b", {"anon": True})[1] == "a/b/"
+
+
+@pytest.mark.parametrize("where", ["environment", "profile"])
+def test_credentials_from_boto_s_chain_read_through_obstore(tmp_path, s3, local_stores, monkeypatch, where):
+    """No key in the options (a role, the environment, a profile: how most training hosts
+    reach S3) reads through obstore too, with the credentials boto's chain finds, as s3fs
+    would: the batches equal the local store's."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    opts = {k: v for k, v in s3.options().items() if k not in ("key", "secret")}
+    if where == "environment":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.options()["key"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.options()["secret"])
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-such-file"))
+    else:
+        (tmp_path / "credentials").write_text(f"[research]\naws_access_key_id = {s3.options()['key']}\n"
+                                              f"aws_secret_access_key = {s3.options()['secret']}\n")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+        opts["profile"] = "research"
+    src = dict(name="web", path="s3://bucket/bin", storage_options=opts, object_cache=str(tmp_path / "o"))
+    pipe = Pipeline(config(src), 0, 1)
+    got = list(pipe.iterator())
+    disk = list(Pipeline(config(dict(name="web", path=str(local_stores["bin"]))), 0, 1).iterator())
+    assert len(got) == len(disk) and all(same(a, b) for a, b in zip(got, disk))
+    store = TokenStore.open("s3://bucket/bin", storage_options=opts, object_cache=str(tmp_path / "o"))
+    assert store.cache._fast is not None and store.cache._fast[0].credential_provider is not None
 
 
 FIRST_BATCH = """

@@ -189,15 +189,17 @@ class MovedBucket(Exception):
 _REGIONS: dict[tuple[str | None, str], str] = {}  # (endpoint, bucket) -> its region, as the server said
 _REGIONS_LOCK = threading.Lock()
 _OBSTORE_PID: int | None = None  # the process whose obstore runtime this memory holds, if any
-FAST_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
+FAST_OPTIONS = {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
                 "skip_instance_cache", "use_listings_cache"}
 
 
 def fast_client(url: str, storage_options: dict | None):
-    """(an obstore `S3Store`, the key prefix) for an `s3://` URL whose storage options say
-    everything obstore needs (explicit `key`/`secret`, or `anon`; `endpoint_url`, the region
-    and timeouts), when obstore is installed; None otherwise (then s3fs reads, with boto's
-    own credential chain). Its own retries are off: `RemoteDir.retry` retries.
+    """(an obstore `S3Store`, the key prefix) for an `s3://` URL whose storage options
+    obstore can honour (explicit `key`/`secret`, `anon`, or none: boto's credential chain,
+    `profile` included, as s3fs reads it; `endpoint_url`, the region and timeouts), when
+    obstore is installed; None otherwise (then s3fs reads: a requester-pays bucket, a
+    session's own options) or where the chain finds no credentials (s3fs then says why).
+    Its own retries are off: `RemoteDir.retry` retries.
 
     None too in a process forked from one that made an obstore client: obstore runs its
     requests on one tokio runtime per process, whose threads a forked child does not have,
@@ -211,16 +213,21 @@ def fast_client(url: str, storage_options: dict | None):
 
     from obstore.store import S3Store
 
-    _OBSTORE_PID = os.getpid()
     opts = dict(storage_options or {})
+    provider, region = None, None
+    if not (opts.get("anon") or opts.get("key")):
+        provider, region = chain_credentials(opts.get("profile"))
+        if provider is None:
+            return None
+    _OBSTORE_PID = os.getpid()
     bucket, _, prefix = url[len("s3://"):].partition("/")
     client_kwargs, config_kwargs = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
     endpoint = endpoint_of(opts)
-    config = {"region": _REGIONS.get((endpoint, bucket)) or client_kwargs.get("region_name")
+    config = {"region": _REGIONS.get((endpoint, bucket)) or client_kwargs.get("region_name") or region
               or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
     if opts.get("anon"):
         config["skip_signature"] = True
-    else:
+    elif provider is None:
         config.update(access_key_id=opts["key"], secret_access_key=opts["secret"])
         if opts.get("token"):
             config["session_token"] = opts["token"]
@@ -230,17 +237,57 @@ def fast_client(url: str, storage_options: dict | None):
         config.update(endpoint=endpoint, virtual_hosted_style_request=False)
         client["allow_http"] = endpoint.startswith("http://")
     retry = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=request_deadline())}
-    store = S3Store(bucket, config=config, client_options=client, retry_config=retry)
+    store = S3Store(bucket, config=config, client_options=client, retry_config=retry, credential_provider=provider)
     return store, f"{prefix.strip('/')}/" if prefix.strip("/") else ""
 
 
 def obstore_reads(url: str, storage_options: dict | None) -> bool:
     """Whether `fast_client` makes an obstore client for `url` in this process (see there)."""
     opts = storage_options or {}
-    if not url.startswith("s3://") or set(opts) - FAST_OPTIONS or not (opts.get("anon") or
-                                                                       (opts.get("key") and opts.get("secret"))):
+    if not url.startswith("s3://") or set(opts) - FAST_OPTIONS:
         return False
-    return _OBSTORE_PID in (None, os.getpid()) and importlib.util.find_spec("obstore") is not None
+    chain = not (opts.get("key") or opts.get("secret") or opts.get("token")) and _installed("botocore")
+    if not (opts.get("anon") or (opts.get("key") and opts.get("secret")) or chain):
+        return False
+    return _OBSTORE_PID in (None, os.getpid()) and _installed("obstore")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def chain_credentials(profile: str | None) -> tuple:
+    """(obstore's credential provider, the profile's region) from boto's credential chain, as
+    s3fs finds them when no key is given (the environment, a web identity, SSO, the shared
+    files and `profile`, the container's or the instance's role); (None, None) where it
+    finds none, or the profile is not there (s3fs then says so)."""
+    import botocore.exceptions
+    import botocore.session
+
+    try:
+        session = botocore.session.Session(profile=profile)
+        credentials = session.get_credentials()
+        region = session.get_config_variable("region")
+    except botocore.exceptions.BotoCoreError:
+        return None, None
+    return (None, None) if credentials is None else (ChainCredentials(credentials), region)
+
+
+class ChainCredentials:
+    """obstore's credentials from boto's `credentials`, asked again every `TTL` (botocore
+    refreshes a role's before they expire; obstore keeps each answer until its `expires_at`)."""
+
+    TTL = 600  # seconds
+
+    def __init__(self, credentials):
+        self.credentials = credentials
+
+    def __call__(self) -> dict:
+        import datetime
+
+        frozen = self.credentials.get_frozen_credentials()
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token,
+                "expires_at": datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.TTL)}
 
 
 def bucket_of(url: str) -> str:
