@@ -10,6 +10,7 @@ the object. `listing` lists what is under a URL, with sizes and ETags.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -260,7 +261,14 @@ def chain_credentials(profile: str | None) -> tuple:
     """(obstore's credential provider, the profile's region) from boto's credential chain, as
     s3fs finds them when no key is given (the environment, a web identity, SSO, the shared
     files and `profile`, the container's or the instance's role); (None, None) where it
-    finds none, or the profile is not there (s3fs then says so)."""
+    finds none, or the profile is not there (s3fs then says so). Found once a process for
+    each profile and environment (30-40 ms a lookup, and each store's clients ask)."""
+    aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    return _chain(profile, aws, os.getpid())
+
+
+@functools.lru_cache(maxsize=8)
+def _chain(profile: str | None, _aws_environment: tuple, _pid: int) -> tuple:
     import botocore.exceptions
     import botocore.session
 
