@@ -311,13 +311,16 @@ def bucket_region(endpoint: str | None, bucket: str) -> str | None:
     """The region the server says `bucket` is in, or None: S3 names it (`x-amz-bucket-region`)
     in its answer to a HEAD of the bucket, signed or not, 200, 301 or 403 alike. Asked at
     `endpoint`, or AWS's for the bucket; a name S3 would refuse is not asked (it goes into
-    a host name)."""
+    a URL)."""
     import urllib.error
     import urllib.request
 
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
         return None
-    url = f"{endpoint.rstrip('/')}/{bucket}" if endpoint else f"https://{bucket}.s3.amazonaws.com"
+    if endpoint or "." in bucket:  # (a dotted name is no host name AWS's certificate covers)
+        url = f"{(endpoint or 'https://s3.amazonaws.com').rstrip('/')}/{bucket}"
+    else:
+        url = f"https://{bucket}.s3.amazonaws.com"
     try:
         with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=request_deadline()) as answer:
             return answer.headers.get("x-amz-bucket-region") or None
