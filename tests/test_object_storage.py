@@ -63,6 +63,22 @@ def same(a: dict, b: dict) -> bool:
     return all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def assert_disk_stream(got: list, local: Path) -> None:
+    """`got` (an epoch's batches from object storage) is the epoch of the store at `local`."""
+    disk = list(Pipeline(config(dict(name="web", path=str(local))), 0, 1).iterator())
+    assert len(got) == len(disk) and all(same(a, b) for a, b in zip(got, disk))
+
+
+def no_aws_credentials(monkeypatch, nowhere: Path) -> None:
+    """boto's credential chain finds nothing: no keys or profile in the environment, the shared
+    files at `nowhere`, the instance's role not asked."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(nowhere))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(nowhere))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
 @pytest.mark.parametrize("layout", ["bin", "arrayrecord"])
 def test_a_store_in_object_storage_gives_the_disk_stream_within_its_cache_limit(tmp_path, s3, local_stores, layout):
     limit = 400_000 if layout == "bin" else 900_000  # about 45% of the store (ArrayRecord shards are larger)
@@ -135,12 +151,7 @@ def test_shards_are_downloaded_by_obstore_where_the_options_allow_and_by_s3fs_ot
     store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(), object_cache=str(tmp_path))
     assert store.cache._fast is not None
     assert np.array_equal(store[100], TokenStore.open(local_stores["bin"])[100])
-    nothing = tmp_path / "no-such-file"
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(nothing))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(nothing))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_aws_credentials(monkeypatch, tmp_path / "no-such-file")
     assert fast_client("s3://bucket/bin", {"profile": "research"}) is None
     assert fast_client("s3://bucket/bin", {"key": "k", "secret": "s", "requester_pays": True}) is None
     assert fast_client("s3://bucket/bin", None) is None
@@ -153,24 +164,18 @@ def test_credentials_from_boto_s_chain_read_through_obstore(tmp_path, s3, local_
     """No key in the options (a role, the environment, a profile: how most training hosts
     reach S3) reads through obstore too, with the credentials boto's chain finds, as s3fs
     would: the batches equal the local store's."""
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_aws_credentials(monkeypatch, tmp_path / "no-such-file")
     opts = {k: v for k, v in s3.options().items() if k not in ("key", "secret")}
     if where == "environment":
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.options()["key"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.options()["secret"])
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-such-file"))
     else:
         (tmp_path / "credentials").write_text(f"[research]\naws_access_key_id = {s3.options()['key']}\n"
                                               f"aws_secret_access_key = {s3.options()['secret']}\n")
         monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
         opts["profile"] = "research"
     src = dict(name="web", path="s3://bucket/bin", storage_options=opts, object_cache=str(tmp_path / "o"))
-    pipe = Pipeline(config(src), 0, 1)
-    got = list(pipe.iterator())
-    disk = list(Pipeline(config(dict(name="web", path=str(local_stores["bin"]))), 0, 1).iterator())
-    assert len(got) == len(disk) and all(same(a, b) for a, b in zip(got, disk))
+    assert_disk_stream(list(Pipeline(config(src), 0, 1).iterator()), local_stores["bin"])
     store = TokenStore.open("s3://bucket/bin", storage_options=opts, object_cache=str(tmp_path / "o"))
     assert store.cache._fast is not None and store.cache._fast[0].credential_provider is not None
 
@@ -212,8 +217,7 @@ def test_a_bucket_in_another_region_than_the_clients_is_found_and_read(tmp_path,
             src = dict(name="web", path="s3://elsewhere/bin", storage_options=s3.options(via_proxy=True),
                        object_cache=str(tmp_path / "o"))
             got = list(Pipeline(config(src), 0, 1).iterator())
-        disk = list(Pipeline(config(dict(name="web", path=str(local_stores["bin"]))), 0, 1).iterator())
-        assert len(got) == len(disk) and all(same(a, b) for a, b in zip(got, disk))
+        assert_disk_stream(got, local_stores["bin"])
         assert "bucket 'elsewhere' is in eu-west-1, not us-east-1: asking there" in caplog.text
         assert s3.proxy.seen.count(("HEAD", "/elsewhere")) == 1
         s3.proxy.seen.clear()
