@@ -9,6 +9,7 @@ removes a dead process's leftovers and leaves a live one's work alone.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -75,6 +76,14 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def npy_size(n: int, dtype: str = "<i8") -> int:
+    """The bytes of the file `np.save` writes for `n` values of `dtype` in one dimension (its
+    header, padded as numpy pads it, then the values)."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": dtype, "fortran_order": False, "shape": (n,)})
+    return header.tell() + n * np.dtype(dtype).itemsize
 
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:

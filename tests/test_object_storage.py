@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
+import io
 import json
 import logging
 import os
@@ -835,9 +837,10 @@ def test_a_store_of_128_shards_opens_with_a_few_requests_before_its_first_shard(
     s3.proxy.clear()
     store = TokenStore.open("s3://bucket/s128", storage_options=s3.options(via_proxy=True),
                             object_cache=str(tmp_path / "objects"))
-    # what the README says: a HEAD and two GETs, through obstore (these options give it)
-    assert s3.proxy.seen == [("HEAD", "/bucket/s128/manifest.json"), ("GET", "/bucket/s128/manifest.json"),
-                             ("GET", "/bucket/s128/shards.idx.npy")], s3.proxy.seen
+    # what the guide says: two GETs through obstore (these options give it); the format's probe
+    # read the manifest, and the open took it from there (a HEAD, then the GET, before)
+    assert s3.proxy.seen == [("GET", "/bucket/s128/manifest.json"), ("GET", "/bucket/s128/shards.idx.npy")], \
+        s3.proxy.seen
     assert np.array_equal(store.offsets, disk.offsets)
     assert all(np.array_equal(store[i], disk[i]) for i in range(0, len(disk), 97))
 
@@ -846,9 +849,6 @@ def test_a_store_of_128_shards_opens_with_a_few_requests_before_its_first_shard(
 def test_a_joined_index_of_the_wrong_kind_is_refused_naming_it(tmp_path, s3, local_stores, bad):
     """Even with a manifest whose sha256 matches it (a writer that is not prepare), a joined
     index that is not one integer offset per document boundary is an error naming the object."""
-    import hashlib
-    import io
-
     joined = np.load(local_stores["bin"] / "shards.idx.npy")
     if bad == "float":
         joined = joined.astype(np.float64)
@@ -870,10 +870,10 @@ def test_a_joined_index_of_the_wrong_kind_is_refused_naming_it(tmp_path, s3, loc
 
 
 def test_a_large_joined_index_is_read_in_parallel_parts_and_still_checked(tmp_path, s3):
-    """An index of more than 512 KiB (here 70,000 documents) is asked its size (a HEAD) and read
-    in ranged parts on several connections, checked by its sha256 as the one-GET read of a
-    small one is; the documents are the local store's, and a tampered index of the same size
-    is refused naming it."""
+    """An index of more than 512 KiB (here 70,000 documents) is read in ranged parts on several
+    connections, their ranges from the size np.save gives the manifest's offsets (no HEAD
+    first), checked by its sha256 as the one-GET read of a small one is; the documents are the
+    local store's, and a tampered index of the same size is refused naming it."""
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"ids": [0, 2 + i % 900, 3]}) + "\n" for i in range(70_000)))
     local = prepare(docs, tmp_path / "many", token_field="ids", vocab_size=1000, bos_id=0, num_shards=4,
@@ -884,6 +884,7 @@ def test_a_large_joined_index_is_read_in_parallel_parts_and_still_checked(tmp_pa
     remote = TokenStore.open("s3://bucket/many-docs", storage_options=s3.options(via_proxy=True),
                              object_cache=str(tmp_path / "o"))
     assert s3.proxy.gets["/bucket/many-docs/shards.idx.npy"] >= 2  # parts, not one GET
+    assert ("HEAD", "/bucket/many-docs/shards.idx.npy") not in s3.proxy.seen
     disk = TokenStore.open(local)
     assert len(remote) == len(disk) == 70_000 and remote.fingerprint == disk.fingerprint
     assert all(np.array_equal(remote[i], disk[i]) for i in (0, 1, 34_567, 69_999))
@@ -892,6 +893,37 @@ def test_a_large_joined_index_is_read_in_parallel_parts_and_still_checked(tmp_pa
     fs.pipe("bucket/many-docs/shards.idx.npy", bytes(index))
     with pytest.raises(StoreError, match=r"s3://bucket/many-docs/shards[.]idx[.]npy: .*sha256"):
         TokenStore.open("s3://bucket/many-docs", storage_options=s3.options(), object_cache=str(tmp_path / "o2"))
+
+
+@pytest.mark.parametrize("header", [80, 192])
+def test_a_large_joined_index_with_another_header_than_numpys_is_read(tmp_path, s3, header, caplog):
+    """A joined index written by another tool, its .npy header shorter or longer than np.save's
+    (so not the size the manifest's offsets give), is asked its size and read once more: the
+    documents are the local store's, and the guess was read once, never retried."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"ids": [0, 2 + i % 900, 3]}) + "\n" for i in range(70_000)))
+    local = prepare(docs, tmp_path / "many", token_field="ids", vocab_size=1000, bos_id=0, num_shards=4,
+                    progress=False)
+    data = (local / "shards.idx.npy").read_bytes()
+    end = 10 + int.from_bytes(data[8:10], "little")  # numpy's header: magic, version, length, its dict
+    text = data[10:end].decode().strip()
+    text = text + " " * (header - 11 - len(text)) + "\n"
+    rewritten = data[:8] + len(text).to_bytes(2, "little") + text.encode() + data[end:]
+    assert np.array_equal(np.load(io.BytesIO(rewritten)), np.load(local / "shards.idx.npy"))
+    (local / "shards.idx.npy").write_bytes(rewritten)
+    manifest = json.loads((local / "manifest.json").read_text())
+    manifest["indices"]["sha256"] = hashlib.sha256(rewritten).hexdigest()
+    (local / "manifest.json").write_text(json.dumps(manifest))
+    s3.fs().put(str(local), f"bucket/header-{header}", recursive=True)
+    s3.proxy.clear()
+    caplog.set_level(logging.INFO, logger="forge_grain.stores")
+    remote = TokenStore.open(f"s3://bucket/header-{header}", storage_options=s3.options(via_proxy=True),
+                             object_cache=str(tmp_path / "o"))
+    disk = TokenStore.open(local)
+    assert len(remote) == len(disk) == 70_000 and np.array_equal(remote.offsets, disk.offsets)
+    assert all(np.array_equal(remote[i], disk[i]) for i in (0, 34_567, 69_999))
+    assert s3.proxy.seen.count(("HEAD", f"/bucket/header-{header}/shards.idx.npy")) == 1
+    assert re.search(r"shards[.]idx[.]npy: not the \d+ bytes expected", caplog.text) and not retried(caplog), caplog.text
 
 
 def retried(caplog) -> collections.Counter:
@@ -1595,3 +1627,24 @@ def test_a_dataset_dict_split_in_a_bucket_reads_a_file_at_a_time(tmp_path, s3):
     assert all(np.array_equal(remote[i], local[i]) for i in range(len(local)))
     with pytest.raises(StoreError, match="a DatasetDict: with cache_limit, pass split="):
         TokenStore.open("s3://peers/dd", **opts)
+
+
+def test_the_manifest_read_to_tell_the_format_serves_the_open_after_it_only(tmp_path, s3, local_stores):
+    """The format's probe reads a store's manifest whole, and the open that follows it takes
+    those bytes: one GET of it an open. A later open asks again (a store rewritten between two
+    opens is seen), and a probe of one URL never serves another's open."""
+    from forge_grain.stores.remote_dir import RemoteDir
+
+    for name in ("one", "two"):
+        s3.fs().put(str(local_stores["bin"]), f"bucket/{name}", recursive=True)
+    options = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "objects"))
+    manifest_gets = lambda: [p for m, p in s3.proxy.seen if m == "GET" and p.endswith("manifest.json")]  # noqa: E731
+    for _ in range(2):
+        s3.proxy.clear()
+        TokenStore.open("s3://bucket/one", **options)
+        assert manifest_gets() == ["/bucket/one/manifest.json"]
+    s3.proxy.clear()
+    assert RemoteDir("s3://bucket/one", options["storage_options"]).probe_manifest("manifest.json")
+    two = TokenStore.open("s3://bucket/two", format="native", **options)  # (no probe of its own)
+    assert manifest_gets() == ["/bucket/one/manifest.json", "/bucket/two/manifest.json"]
+    assert two.url == "s3://bucket/two" and len(two) == len(TokenStore.open(local_stores["bin"]))

@@ -17,9 +17,10 @@ import threading
 import time
 from pathlib import Path
 
+from forge_grain.errors import StoreError
 from forge_grain.files import temporary
 from forge_grain.stores.room_ahead import GROW_POLL_S
-from forge_grain.stores.remote_dir import check_unchanged
+from forge_grain.stores.remote_dir import Damaged, check_unchanged
 from forge_grain.stores.request_pool import read_slot
 
 BLOCK = 1 << 23  # the most bytes one ranged read asks for (and holds in memory)
@@ -53,8 +54,9 @@ class Download:
     read)."""
 
     def __init__(self, cache, name: str, local: Path, sha256: str | None, size: int | None, keep, ahead: bool,
-                 job: int | None, start: int, tag: str | None):
+                 job: int | None, start: int, tag: str | None, guessed: bool = False):
         self.cache, self.name, self.local, self.sha256, self.size = cache, name, local, sha256, size
+        self.guessed = guessed  # `size` is what the object should hold, not what the store said: see `_attempt`
         self.keep, self.ahead, self.job, self.start, self.tag = keep, ahead, job, start, tag
         self.tmp = temporary(local)
         self.whole: list = []  # an object got in one GET before its size was known
@@ -106,6 +108,17 @@ class Download:
         return made
 
     def _attempt(self) -> bool:
+        """One try at the whole copy. Where the size was guessed (`guessed`), an object that
+        proves another size (a part cut short, a checksum that differs) is `WrongSize` at once,
+        not tried again at that size."""
+        try:
+            return self._attempt_parts()
+        except Damaged as e:
+            if self.guessed:
+                raise WrongSize(f"{self.cache.url}/{self.name}: not the {self.size} bytes expected ({e})") from None
+            raise
+
+    def _attempt_parts(self) -> bool:
         p, size = self.partial, self.size
         first = size if p is None else p.held
         self.spans = []
@@ -237,5 +250,6 @@ def whole_rounds(size: int, part: int, workers: int) -> int:
     return min(BLOCK, max(part, -(-size // (rounds * workers))))
 
 
-class Damaged(Exception):
-    """A download that arrived incomplete or with the wrong checksum (retried)."""
+class WrongSize(StoreError):
+    """An object whose size was guessed (`Download.guessed`) proved another: ask it, and read
+    it again (never retried at the guess)."""

@@ -39,9 +39,9 @@ def remote_format(url: str, storage_options: dict | None = None) -> str:
     """The format of the dataset at `url`, from its listing: "native" for a forge-grain
     store (or when nothing is recognised: `RemoteStore` then says what is there)."""
     remote = RemoteDir(url, storage_options)
-    if remote._fast is None:  # fsspec answers the HEAD below, from its cached listings where it holds one
+    if remote._fast is None:  # fsspec answers the size asked below from its cached listings where it holds one
         remote.fs.invalidate_cache(remote.root)
-    if remote.retry(MANIFEST_NAME, lambda: remote.size(MANIFEST_NAME), missing_ok=True) is not None:
+    if remote.probe_manifest(MANIFEST_NAME):  # (read whole: the store's open takes it)
         return "native"  # a manifest decides (as below), found without listing what may be 10,000s of objects
     _, files, stem = objects_at(url, storage_options)
     if stem is not None:  # a Megatron prefix (its .idx and .bin beside each other), or one token file

@@ -29,8 +29,8 @@ from forge_grain.stores import identify
 from forge_grain.stores.cache_ledger import Ledger
 from forge_grain.stores.cache_room import CacheRoom
 from forge_grain.files import temporary
-from forge_grain.stores.download import SPLIT, Damaged, Download
-from forge_grain.stores.remote_dir import RemoteDir, check_unchanged, remote_sizes
+from forge_grain.stores.download import SPLIT, Download
+from forge_grain.stores.remote_dir import Damaged, RemoteDir, check_unchanged, remote_sizes
 from forge_grain.stores.request_pool import RETRIES, read_slot, shared_requests
 
 # objects downloading at once ahead of need, each on its own thread waiting on its parts' reads
@@ -80,7 +80,7 @@ class ObjectCache(CacheRoom, RemoteDir):
 
     def get(self, name: str, copy: str, sha256: str | None = None, size: int | None = None,
             upcoming=frozenset(), ahead: bool = False, job: int | None = None, start: int = 0,
-            tag: str | None = None) -> Path | None:
+            tag: str | None = None, guessed: bool = False) -> Path | None:
         """The local copy (at `copy`, relative to the cache directory) of object `name` (or of
         its `size` bytes from `start`: a range of one large object, copied as a file of its own),
         downloaded first if the cache lacks it, once per host: other processes wait for the
@@ -91,7 +91,8 @@ class ObjectCache(CacheRoom, RemoteDir):
         has room (`room_ahead.Partial`). `job` (from `requests.job()`): where its reads
         queue among other objects' (by default after every object asked for before).
         `tag`: the object's version in the listing a dataset was indexed from (ETag); an
-        object found rewritten since is an error (`changed_under`), not read."""
+        object found rewritten since is an error (`changed_under`), not read. `guessed`: `size`
+        is what the object should hold, read without asking; another size is `WrongSize`."""
         local = self.dir / copy
         if local.exists():
             return local
@@ -105,7 +106,7 @@ class ObjectCache(CacheRoom, RemoteDir):
             with file_lock(self._beside(copy, ".lock")):
                 if local.exists():
                     return local
-                if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag).run():
+                if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag, guessed).run():
                     return None
         finally:  # (a prefetch's turn ends where it was submitted: `Turns.submit`)
             if not ahead:
@@ -151,21 +152,6 @@ class ObjectCache(CacheRoom, RemoteDir):
         """Remove the copy at `copy` (a compressed chunk once decompressed) and its bytes from
         the count."""
         self._forget(self.dir / copy)
-
-    def fresh(self, name: str, missing_ok: bool = False) -> bytes | None:
-        """Object `name`'s current bytes (no cache): the manifest, which says what else to trust.
-        Through obstore one GET (a body cut short is the client's error); through fsspec the
-        size is asked as well, so that a cut-off read is never taken."""
-        def attempt():
-            if self._fast is not None:
-                return bytes(self.read_range(name, 0))
-            data = self.fs.cat_file(self.path(name))
-            size = self.fs.size(self.path(name))
-            if len(data) != size:
-                raise Damaged(f"{len(data)} bytes arrived of {size}")
-            return data
-
-        return self.retry(name, attempt, missing_ok=missing_ok)
 
     def sizes(self) -> dict[str, int]:
         """Each object's size directly under the URL, from one listing (empty if it fails: then

@@ -23,6 +23,10 @@ from forge_grain.processes import per_process, without_per_process
 from forge_grain.stores.request_pool import RETRIES, bounded, deadline, request_deadline
 
 log = logging.getLogger(__name__)
+# a manifest a format probe read, for the open that follows it on the same thread (`probe_manifest`):
+# taken once, and only this soon after the probe (the two are one call, `TokenStore(url)`)
+_PROBED = threading.local()
+PROBED_S = 1.0
 
 
 class RemoteDir:
@@ -91,6 +95,39 @@ class RemoteDir:
         if self._fast is not None:
             return self.read_range(name, start, end, if_match)
         return bounded(self.read_range, name, start, end, if_match)
+
+    def fresh(self, name: str, missing_ok: bool = False) -> bytes | None:
+        """Object `name`'s current bytes (no cache): the manifest, which says what else to trust.
+        Through obstore one GET (a body cut short is the client's error); through fsspec the
+        size is asked as well, so that a cut-off read is never taken."""
+        def attempt():
+            if self._fast is not None:
+                return bytes(self.read_range(name, 0))
+            data = self.fs.cat_file(self.path(name))
+            size = self.fs.size(self.path(name))
+            if len(data) != size:
+                raise Damaged(f"{len(data)} bytes arrived of {size}")
+            return data
+
+        return self.retry(name, attempt, missing_ok=missing_ok)
+
+    def probe_manifest(self, name: str) -> bool:
+        """Whether object `name` (a store's manifest) is here, read whole to find out: the open
+        that follows the probe on this thread takes the bytes (`probed`) instead of asking
+        again (a HEAD then a GET were two round trips before a store's first batch)."""
+        data = self.fresh(name, missing_ok=True)
+        _PROBED.last = None if data is None else (self.url, name, self.storage_options, data, time.monotonic())
+        return data is not None
+
+    def probed(self, name: str) -> bytes | None:
+        """Object `name` as `probe_manifest` read it just now on this thread at this URL (taken
+        once), else None."""
+        last, _PROBED.last = getattr(_PROBED, "last", None), None
+        if last is not None and last[:3] == (self.url, name, self.storage_options) and \
+                time.monotonic() - last[4] < PROBED_S:
+            return last[3]
+        return None
+
 
     def size(self, name: str) -> int:
         """Object `name`'s size (a HEAD): through obstore where `fast_client` made one (s3fs's
@@ -180,6 +217,10 @@ class RemoteDir:
         spent = time.monotonic() - start
         raise StoreError(f"{where}: failed after {tried} attempts in {spent:.0f} s: {last.__class__.__name__}: {last} "
                          f"(FORGE_GRAIN_REMOTE_DEADLINE={limit:g} s bounds an object's attempts)") from None
+
+
+class Damaged(Exception):
+    """A download that arrived incomplete or with the wrong checksum (retried)."""
 
 
 class MovedBucket(Exception):
