@@ -926,6 +926,22 @@ def test_a_large_joined_index_with_another_header_than_numpys_is_read(tmp_path, 
     assert re.search(r"shards[.]idx[.]npy: not the \d+ bytes expected", caplog.text) and not retried(caplog), caplog.text
 
 
+@pytest.mark.parametrize("extra", [10**6, 10**15])
+def test_a_manifest_whose_counts_make_the_joined_index_huge_is_refused_naming_it(tmp_path, s3, local_stores, extra):
+    """A manifest claiming far more documents than its joined index holds: the index is never
+    read at the size those counts give (10**15 documents: 8 PB), but asked its size, read,
+    and refused naming it and both counts."""
+    manifest = json.loads((local_stores["bin"] / "manifest.json").read_text())
+    manifest["shards"][0]["num_documents"] += extra
+    manifest["num_documents"] += extra
+    fs = s3.fs()
+    fs.put(str(local_stores["bin"]), f"bucket/counts-{extra}", recursive=True)
+    fs.pipe(f"bucket/counts-{extra}/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(StoreError, match=rf"s3://bucket/counts-{extra}/shards[.]idx[.]npy: holds \d+ offsets .* "
+                                         rf"the shards' indices {manifest['num_documents'] + 30} in one"):
+        TokenStore.open(f"s3://bucket/counts-{extra}", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
+
+
 def retried(caplog) -> collections.Counter:
     """The attempts that failed and were made again, by the object's path at the server (a
     request timing out under a loaded machine is read twice, by design: not a second read)."""

@@ -43,6 +43,7 @@ from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import START
 
 log = logging.getLogger(__name__)
+GUESSED = 64 << 20  # the largest joined index read at the size the manifest gives it, without a HEAD
 
 
 class RemoteStore(NativeStore):
@@ -113,17 +114,21 @@ class RemoteStore(NativeStore):
         took 0.87 s in one GET), their ranges from the size `np.save` gives the manifest's
         offset count, without a HEAD first (a round trip before the first batch: 33-39 ms
         behind a 30 ms link). A file of another size (not written by `prepare`) is asked its
-        size and read again."""
+        size and read again; so is one the manifest says is larger than `GUESSED` (there the
+        round trip is little beside the transfer, and a manifest's counts never make a read
+        larger than the object it reads)."""
         name, sha256 = m.indices["file"], m.indices["sha256"]
         copy, offsets = f"{self.mirror}/{name}", sum(s.num_documents + 1 for s in m.shards)
         if 8 * offsets <= 2 * PART_MIN:
             self.cache.get(name, copy, sha256)
             return
-        try:
-            self.cache.get(name, copy, sha256, npy_size(offsets), guessed=True)
-        except WrongSize as e:
-            log.info("forge-grain: %s; asking its size", e)
-            self.cache.get(name, copy, sha256, self.cache.retry(name, lambda: self.cache.size(name)))
+        if npy_size(offsets) <= GUESSED:
+            try:
+                self.cache.get(name, copy, sha256, npy_size(offsets), guessed=True)
+                return
+            except WrongSize as e:
+                log.info("forge-grain: %s; asking its size", e)
+        self.cache.get(name, copy, sha256, self.cache.retry(name, lambda: self.cache.size(name)))
 
     @per_process
     def _pool(self):
