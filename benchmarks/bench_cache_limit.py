@@ -109,7 +109,7 @@ def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path
         errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
         return {"error": ((errors or lines or ["(no message)"])[-1])[:300], "epoch": served(proxy)}
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"epoch": served(proxy), "seconds": out["steps"] * BATCH * SEQ_LEN / out["rate"]}
+    return {"epoch": served(proxy), "seconds": (out["steps"] + 1) * BATCH * SEQ_LEN / out["whole"]}  # from the request
 
 
 def cell(result: dict, size: int) -> str:
@@ -125,7 +125,8 @@ def main() -> None:
     ap.add_argument("--peer-python", help="a Python with litdata and mosaicml-streaming installed")
     ap.add_argument("--work", default="/tmp/forge-grain-bench-cache")
     ap.add_argument("--out", help="also write the table here")
-    ap.add_argument("--readers", help="only the readers whose label holds this text")
+    ap.add_argument("--readers", help="only the readers whose label holds this text (or one of these, "
+                                      "comma-separated: 'store,Megatron,LitData')")
     ap.add_argument("--step-ms", type=float, default=0.0, help="forge-grain's readers on the link sleep this long "
                     "after each batch, as a trainer's step (0: read flat out)")
     ap.add_argument("--link", help="ttfb_ms=30,mbps=10: every reader reads each epoch twice, through the counting "
@@ -176,7 +177,7 @@ def main() -> None:
         notes = []
         forge_grain(proxy, port, "s3://bench/store", None, work)  # (warm: numba's compiled kernels, the imports)
         for label, (kind, path) in readers.items():
-            if a.readers and a.readers not in label:
+            if a.readers and not any(text in label for text in a.readers.split(",")):
                 continue
             results = {}
             for k in LIMITS:
@@ -207,6 +208,10 @@ def main() -> None:
                              + ", ".join(f"{results[k]['files_together']} files" for k in LIMITS if k)
                              + " interleaved at a time")
                 print(notes[-1], flush=True)  # (as soon as it is known: a peer's run may hang for minutes)
+            elif kind != "fg" and reach and all("seconds" in r for r in results.values()):
+                notes.append(f"  {label}: an epoch from the request, " + ", ".join(
+                    f"{r['seconds']:.2f} s {f'at {k} files' if k else 'unbounded'}" for k, r in results.items()))
+                print(notes[-1], flush=True)
         lines += ["", *notes]
         print("\n".join(["", *notes]), flush=True)
         if a.out:
