@@ -238,13 +238,29 @@ def test_workers_of_a_killed_training_process_exit(tmp_path, data, s3):
         gone_by = time.monotonic() + 10
         while any(alive(w) for w in workers) and time.monotonic() < gone_by:
             time.sleep(0.1)
-        assert not any(alive(w) for w in workers)
+        assert not any(alive(w) for w in workers), [threads_of(w) for w in workers if alive(w)]
     finally:
         proc.kill()
         s3.proxy.clear()
         for w in [int(p.name) for p in pids.iterdir()]:
             if alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def threads_of(pid: int) -> list:
+    """Process `pid`'s parent and what each of its threads is doing (name, state, kernel wait),
+    for a failure's message."""
+    with open(f"/proc/{pid}/stat") as f:
+        out = [pid, "parent", int(f.read().rsplit(")", 1)[1].split()[1])]
+    for task in sorted(os.listdir(f"/proc/{pid}/task")):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+            with open(f"/proc/{pid}/task/{task}/wchan") as f:
+                out.append((name, rest.split()[0], f.read()))
+        except OSError:  # (a thread gone meanwhile)
+            continue
+    return out
 
 
 def alive(pid: int) -> bool:
