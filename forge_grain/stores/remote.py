@@ -115,8 +115,8 @@ class RemoteStore(NativeStore):
         offset count, without a HEAD first (a round trip before the first batch: 33-39 ms
         behind a 30 ms link). A file of another size (not written by `prepare`) is asked its
         size and read again; so is one the manifest says is larger than `GUESSED` (there the
-        round trip is little beside the transfer, and a manifest's counts never make a read
-        larger than the object it reads)."""
+        round trip is little beside the transfer, and no manifest's counts make a read of more
+        than `GUESSED` bytes before the object's own size is known)."""
         name, sha256 = m.indices["file"], m.indices["sha256"]
         copy, offsets = f"{self.mirror}/{name}", sum(s.num_documents + 1 for s in m.shards)
         if 8 * offsets <= 2 * PART_MIN:

@@ -128,7 +128,6 @@ class RemoteDir:
             return last[3]
         return None
 
-
     def size(self, name: str) -> int:
         """Object `name`'s size (a HEAD): through obstore where `fast_client` made one (s3fs's
         first request sets up its client: 0.3-0.5 s before a store's first batch), else fsspec."""
