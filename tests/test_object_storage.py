@@ -869,15 +869,21 @@ def test_a_joined_index_of_the_wrong_kind_is_refused_naming_it(tmp_path, s3, loc
         TokenStore.open(f"s3://bucket/joined-{bad}", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
 
 
+def many_documents(tmp_path: Path) -> Path:
+    """A store of 70,000 short documents in 4 shards: a joined index of 560 KB, more than one
+    GET's 512 KiB."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"ids": [0, 2 + i % 900, 3]}) + "\n" for i in range(70_000)))
+    return prepare(docs, tmp_path / "many", token_field="ids", vocab_size=1000, bos_id=0, num_shards=4,
+                   progress=False)
+
+
 def test_a_large_joined_index_is_read_in_parallel_parts_and_still_checked(tmp_path, s3):
     """An index of more than 512 KiB (here 70,000 documents) is read in ranged parts on several
     connections, their ranges from the size np.save gives the manifest's offsets (no HEAD
     first), checked by its sha256 as the one-GET read of a small one is; the documents are the
     local store's, and a tampered index of the same size is refused naming it."""
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"ids": [0, 2 + i % 900, 3]}) + "\n" for i in range(70_000)))
-    local = prepare(docs, tmp_path / "many", token_field="ids", vocab_size=1000, bos_id=0, num_shards=4,
-                    progress=False)
+    local = many_documents(tmp_path)
     fs = s3.fs()
     fs.put(str(local), "bucket/many-docs", recursive=True)
     s3.proxy.clear()
@@ -900,10 +906,7 @@ def test_a_large_joined_index_with_another_header_than_numpys_is_read(tmp_path, 
     """A joined index written by another tool, its .npy header shorter or longer than np.save's
     (so not the size the manifest's offsets give), is asked its size and read once more: the
     documents are the local store's, and the guess was read once, never retried."""
-    docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps({"ids": [0, 2 + i % 900, 3]}) + "\n" for i in range(70_000)))
-    local = prepare(docs, tmp_path / "many", token_field="ids", vocab_size=1000, bos_id=0, num_shards=4,
-                    progress=False)
+    local = many_documents(tmp_path)
     data = (local / "shards.idx.npy").read_bytes()
     end = 10 + int.from_bytes(data[8:10], "little")  # numpy's header: magic, version, length, its dict
     text = data[10:end].decode().strip()

@@ -122,9 +122,10 @@ class RemoteStore(NativeStore):
         if 8 * offsets <= 2 * PART_MIN:
             self.cache.get(name, copy, sha256)
             return
-        if npy_size(offsets) <= GUESSED:
+        guess = npy_size(offsets)
+        if guess <= GUESSED:
             try:
-                self.cache.get(name, copy, sha256, npy_size(offsets), guessed=True)
+                self.cache.get(name, copy, sha256, guess, guessed=True)
                 return
             except WrongSize as e:
                 log.info("forge-grain: %s; asking its size", e)
