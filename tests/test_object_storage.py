@@ -1283,6 +1283,80 @@ def test_a_peer_dataset_larger_than_cache_limit_reads_a_file_at_a_time(tmp_path,
     assert len(data_gets) <= 1, data_gets  # the last document's file, unless it was still cached
 
 
+def litdata_chunks(path: Path) -> tuple[list[int], int]:
+    """A LitData dataset's chunk sizes, and the bytes of their heads (count and item table)."""
+    index = json.loads((Path(path) / "index.json").read_text())
+    return ([(Path(path) / c["filename"]).stat().st_size for c in index["chunks"]],
+            sum(4 * (c["chunk_size"] + 2) for c in index["chunks"]))
+
+
+def test_a_litdata_dataset_under_a_cache_limit_opens_from_its_chunk_heads(tmp_path, s3, peers):
+    """Under a cache_limit, a LitData dataset's first open reads each chunk's head only (its item
+    table, one ranged GET a chunk), not every chunk whole (its first epoch fetched the dataset
+    twice). The chunks' content fingerprints are taken from the copies the epoch reads: after a
+    pass, the fingerprint is the local copy's with no further request, and a later open has it
+    kept; asked for before any read (a state saved at the first step), the chunks are read for
+    it then, within the limit, and it is the same."""
+    local = TokenStore.open(peers["litdata"])
+    sizes, heads = litdata_chunks(peers["litdata"])
+    limit = 2 * max(sizes) + 1 + LEDGER_ROOM
+
+    def opened(cache):
+        s3.proxy.clear()
+        return TokenStore.open("s3://peers/litdata", storage_options=s3.options(via_proxy=True),
+                               object_cache=str(tmp_path / cache), cache_limit=limit)
+
+    def chunks(counts) -> int:
+        return sum(n for p, n in counts.items() if "/chunk-" in p)
+
+    remote = opened("read")
+    assert chunks(s3.proxy.sent) == heads and chunks(s3.proxy.gets) == len(sizes)
+    for i in range(len(local)):
+        assert np.array_equal(remote[i], local[i]), i
+        assert remote.cache.used() <= limit
+    assert chunks(s3.proxy.sent) == heads + sum(sizes)  # each chunk once
+    gets = chunks(s3.proxy.gets)
+    assert remote.fingerprint == local.fingerprint and chunks(s3.proxy.gets) == gets
+    assert opened("read").fingerprint == local.fingerprint and chunks(s3.proxy.gets) == 0  # (kept: prints.json)
+    asked = opened("asked")
+    assert asked.fingerprint == local.fingerprint and asked.cache.used() <= limit
+    assert chunks(s3.proxy.sent) == heads + sum(sizes)
+
+
+def test_a_litdata_chunk_opened_from_its_head_keeps_the_local_checks(tmp_path, s3, peers):
+    """What the local reader refuses in a LitData dataset is refused under a cache_limit too,
+    naming the object: a damaged item table or an index whose item count the chunk cannot hold
+    at the open (no more than its head read; a count of 10**15 reads nothing), a token id past
+    the declared vocabulary when the epoch reaches that chunk."""
+    fs, opts = s3.fs(), dict(storage_options=s3.options(via_proxy=True), cache_limit=200_000)
+    sizes, _ = litdata_chunks(peers["litdata"])
+    local = TokenStore.open(peers["litdata"])
+
+    def refused(url, match, **extra):
+        with pytest.raises(StoreError, match=match):
+            store = TokenStore.open(url, object_cache=str(tmp_path / url.replace("/", "_")), **opts, **extra)
+            [store[i] for i in range(len(store))]
+
+    fs.put(str(peers["litdata"]), "peers/lit-table", recursive=True)
+    head = bytearray(fs.cat_file("peers/lit-table/chunk-0-2.bin", start=0, end=64))
+    head[8:12], head[12:16] = head[12:16], head[8:12]  # items 1 and 2 swap their starts
+    fs.pipe_file("peers/lit-table/chunk-0-2.bin", bytes(head) + fs.cat_file("peers/lit-table/chunk-0-2.bin")[64:])
+    refused("s3://peers/lit-table", r"s3://peers/lit-table/chunk-0-2\.bin: item 1 ends at byte \d+, before it starts")
+    fs.put(str(peers["litdata"]), "peers/lit-count", recursive=True)
+    index = json.loads(fs.cat_file("peers/lit-count/index.json"))
+    index["chunks"][1]["chunk_size"] = 10**15
+    fs.pipe_file("peers/lit-count/index.json", json.dumps(index).encode())
+    s3.proxy.clear()
+    refused("s3://peers/lit-count", rf"s3://peers/lit-count/chunk-0-1\.bin: {sizes[1]} bytes cannot hold the header "
+                                    rf"of {10**15} items")
+    assert sum(n for p, n in s3.proxy.sent.items() if "chunk-0-1" in p) == 0
+    largest = int(max(local[i].max() for i in range(len(local))))
+    starts = local.file_doc_starts
+    first = next(k for k in range(len(sizes)) if any(local[i].max() == largest for i in range(starts[k], starts[k + 1])))
+    refused("s3://peers/litdata", rf"s3://peers/litdata/chunk-0-{first}\.bin: token id {largest} is at or past "
+                                  rf"vocab_size {largest}", vocab_size=largest)
+
+
 @pytest.mark.parametrize("name", ["megatron", "raw"])
 def test_a_megatron_or_raw_dataset_larger_than_cache_limit_reads_in_blocks(tmp_path, s3, peers, name):
     """A Megatron dataset or raw token files in a bucket, with a cache_limit below their size,

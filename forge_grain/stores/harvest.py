@@ -1,4 +1,6 @@
-"""A file's sampled content fingerprint, gathered from the blocks an epoch reads anyway.
+"""A file's sampled content fingerprint, gathered from the blocks an epoch reads anyway
+(and, for a LitData chunk indexed from its head, `mirror_parts`, taken from its copy when an
+epoch first reads it: `Prints.give`).
 
 Under a `cache_limit`, a Megatron or raw token file at a URL is read in blocks of whole
 documents (`mirror_ranges`). Its content fingerprint (`checks.content_fingerprint`: 32
@@ -27,6 +29,7 @@ from forge_grain.processes import per_process
 from forge_grain.stores import checks
 
 log = logging.getLogger(__name__)
+PRINTS = "prints.json"  # the content fingerprints gathered after a dataset's record was made
 
 
 class Harvest:
@@ -115,6 +118,20 @@ class Prints:
                 self._settle([name], keep)
             return self.known
 
+    def waits(self, name: str) -> bool:
+        """Whether file `name`'s print is still to be taken."""
+        return name in self._sizes
+
+    def give(self, name: str, value: str, keep=frozenset()) -> bool:
+        """File `name`'s print, taken whole from its copy (a file read whole, `mirror_parts`):
+        True once every print is known."""
+        with self._lock:
+            if name in self._sizes:
+                self._prints[name] = value
+                del self._sizes[name]
+                self._kept(keep)
+            return self.known
+
     def complete(self, read, keep=frozenset()) -> None:
         """Every print, reading the places not seen yet (`read(name, spans)`: their bytes)."""
         with self._lock:
@@ -130,6 +147,10 @@ class Prints:
         for name in names:
             self._prints[name] = self._harvests.pop(name).fingerprint()
             del self._sizes[name]
+        self._kept(keep)
+
+    def _kept(self, keep) -> None:
+        """Every print known: kept in `path` for later opens."""
         if not self.known:
             return
         try:  # (kept once, all together; a cache too full to hold it: the next open gathers them again)

@@ -86,29 +86,43 @@ def _token_dtype(index_file: Path, config: dict) -> np.dtype:
 def _chunk_table(file: Path, chunk: dict, dtype: np.dtype) -> tuple[int, np.ndarray]:
     """The header size and item byte offsets of one chunk, checked against the index and file size."""
     checks.require_regular(file, "chunk listed in index.json")
-    size = file.stat().st_size
+    size, header = file.stat().st_size, header_bytes(file, chunk, file.stat().st_size)
+    with open(file, "rb") as f:
+        return header, check_table(file, f.read(header), chunk, size, dtype)
+
+
+def header_bytes(where, chunk: dict, size: int) -> int:
+    """The bytes of a chunk's header (its count and offset table) by the index's item count,
+    refused where the file of `size` bytes cannot hold them."""
     n = int(chunk["chunk_size"])
     header = 4 * (n + 2)
     if size < header:
-        raise StoreError(f"{file}: {size} bytes cannot hold the header of {n} items that index.json lists")
-    with open(file, "rb") as f:
-        table = np.frombuffer(f.read(header), "<u4").astype(np.int64)
+        raise StoreError(f"{where}: {size} bytes cannot hold the header of {n} items that index.json lists")
+    return header
+
+
+def check_table(where, head: bytes, chunk: dict, size: int, dtype: np.dtype) -> np.ndarray:
+    """The item byte offsets in a chunk's header (`head`, `header_bytes` long) of a file of
+    `size` bytes, checked against the index and the size: all that says where its documents
+    are (read from a local file, or from a ranged GET of an object's head)."""
+    n, header = int(chunk["chunk_size"]), len(head)
+    table = np.frombuffer(head, "<u4").astype(np.int64)
     offsets = table[1:]
     if table[0] != n:
-        raise StoreError(f"{file}: its header (n={int(table[0])}) disagrees with index.json ({n} items)")
+        raise StoreError(f"{where}: its header (n={int(table[0])}) disagrees with index.json ({n} items)")
     if offsets[0] != header:
-        raise StoreError(f"{file}: its first item starts at byte {int(offsets[0])}, not right after the {header}-byte "
+        raise StoreError(f"{where}: its first item starts at byte {int(offsets[0])}, not right after the {header}-byte "
                          "header; the chunk's offset table is damaged")
     bad = np.flatnonzero(np.diff(offsets) < 0)
     if len(bad):
         k = int(bad[0])
-        raise StoreError(f"{file}: item {k} ends at byte {int(offsets[k + 1])}, before it starts (byte "
+        raise StoreError(f"{where}: item {k} ends at byte {int(offsets[k + 1])}, before it starts (byte "
                          f"{int(offsets[k])}); the chunk's offset table is damaged")
     if offsets[-1] != size or chunk.get("chunk_bytes") not in (None, size - header, size):
         raise StoreError(
-            f"{file}: {size} bytes, but its offset table ends at byte {int(offsets[-1])}; the chunk is truncated "
+            f"{where}: {size} bytes, but its offset table ends at byte {int(offsets[-1])}; the chunk is truncated "
             "or was replaced"
         )
     if np.any((offsets - header) % dtype.itemsize):
-        raise StoreError(f"{file}: an item's size is not a whole number of {dtype} tokens; the dtype is wrong")
-    return header, offsets
+        raise StoreError(f"{where}: an item's size is not a whole number of {dtype} tokens; the dtype is wrong")
+    return offsets

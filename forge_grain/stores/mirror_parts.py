@@ -14,6 +14,12 @@ runs of its token arrays, the file's content fingerprint) is kept beside it in t
 only. Reads fetch the file of the document they need, and the pipeline's hints fetch the
 files of the coming steps ahead, as for a forge-grain store.
 
+An uncompressed LitData chunk says where its documents are in its head, so its record is
+made from one ranged GET of that head (`_Part.headed`): a first epoch fetches the dataset
+once, not twice. The local reader still opens each chunk as the epoch first reads it, with
+all its checks, and the chunk's content fingerprint is taken from that copy (`harvest.Prints`;
+asked for earlier, the chunks not read yet are fetched for it).
+
 The parts' directory is named by the listing (names, sizes, ETags): a dataset rewritten in
 place is read anew, never from stale records. The fingerprint is the local reader's over
 the same files, so a state saved over the local copy resumes over the bucket and back.
@@ -36,9 +42,10 @@ from forge_grain.processes import per_process
 from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
 from forge_grain.stores.cache_room import read_copy
+from forge_grain.stores.harvest import PRINTS, Prints
 from forge_grain.stores.mapping import Maps
 from forge_grain.stores.room_ahead import arrived
-from forge_grain.stores.object_cache import OBJECTS, ObjectCache, within_cache
+from forge_grain.stores.object_cache import OBJECTS, ObjectCache, read_spans, within_cache
 from forge_grain.stores.remote_dir import changed_under, listing
 
 # format -> (its index file, the list in it naming the data files)
@@ -91,6 +98,23 @@ class FetchedParts(TokenStore):
 
     def _array(self, k: int) -> np.ndarray:
         return self.arrays_for([k])[0]
+
+    @property
+    def fingerprint(self) -> str:
+        """The files' content fingerprints (those the first open did not take, taken from the
+        parts an epoch reads: those not read yet are read now, `_complete_prints`) and the
+        document boundaries."""
+        if self._fingerprint is None:
+            self._complete_prints()
+            self._fingerprint = self._of_prints()
+        return self._fingerprint
+
+    def _complete_prints(self) -> None:
+        """Take the content fingerprints not taken yet (`_prints`), reading what they need."""
+
+    def _of_prints(self) -> str:
+        """The store's fingerprint, once `_prints` knows every file's."""
+        raise NotImplementedError
 
     def may_read_ranges(self) -> bool:
         """No: a step waits for its parts (a forge-grain store's first step reads ranges of the
@@ -240,17 +264,23 @@ class Parted(FetchedParts):
             raise StoreError(f"{self.url}/{name}: not a readable {self.local.description} index") from None
         self._parts = [_Part(self, k, index, entry, files) for k, entry in enumerate(entries)]
         self._check_fits()
-        todo = [p for p in self._parts if not p.indexed()]
-        if todo:
-            from tqdm.auto import tqdm
-
-            limit, largest = self.cache.limit, max(p.size for p in self._parts)  # (todo: at least one part)
-            threads = INDEXING_THREADS if limit is None else max(1, min(INDEXING_THREADS, limit // largest // 2))
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
-                    tqdm(total=len(todo), desc=f"index {self.url}", unit="file", disable=None, leave=False) as bar:
-                for _ in pool.map(_Part.index, todo):
-                    bar.update()
+        if self.local.format == "litdata":  # (what a chunk's head is read as, `_Part.headed`)
+            self._token_dtype = _litdata_dtype(self.url, home / name, self._local_options.get("dtype"))
+        self._each([p for p in self._parts if not p.indexed()], _Part.index, "index")
         return home
+
+    def _each(self, parts: list, do, what: str) -> None:
+        """`do(part)` for each of `parts`, a few at once (as many as fit the limit twice over)."""
+        if not parts:
+            return
+        from tqdm.auto import tqdm
+
+        limit, largest = self.cache.limit, max(p.size for p in self._parts)
+        threads = INDEXING_THREADS if limit is None else max(1, min(INDEXING_THREADS, limit // largest // 2))
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=len(parts), desc=f"{what} {self.url}", unit="file", disable=None, leave=False) as bar:
+            for _ in pool.map(do, parts):
+                bar.update()
 
     def _check_fits(self) -> None:
         """One data file at a time must fit the limit beside the ledger: a compressed one with its
@@ -286,29 +316,39 @@ class Parted(FetchedParts):
         starts.append(self._offsets[-1:])
         self._pieces = tuple(np.concatenate(x).astype(np.int64) for x in (starts, array, base))
         self._arrays = [checks.empty_tokens(self.dtype)] * self._first_array[-1]
-        self._fingerprint = self._parts_fingerprint(records)
+        self._print_names = [_name(p, r) for p, r in zip(self._parts, records)]
+        self._prints = Prints([p.name for p in self._parts], [p.fingerprint(r, self._full) or None for p, r in
+                                                              zip(self._parts, records)],
+                              {p.name: p.size for p in self._parts}, self.path / PRINTS, self.cache.write_record)
+        self._extra = self._fingerprint_extra()
+        self._fingerprint = self._of_prints() if self._prints.known else None
         self._keep: frozenset = frozenset()
 
-    def _parts_fingerprint(self, records) -> str:
-        """The local reader's fingerprint of the same files (`TokenStore._fingerprint_files`),
-        from the records: a state saved over the local copy resumes here."""
+    def _fingerprint_extra(self):
+        """What the local reader's fingerprint hashes besides its files' (`TokenStore._fingerprint_files`),
+        so that a state saved over the local copy resumes here."""
         if self.format == "arrow":  # (ArrowStore: the token field and the dataset's own fingerprint)
             from forge_grain.stores.arrow import DEFAULT_FIELD
 
             state = json.loads((self.path / "state.json").read_text())
-            extra = [self._local_options.get("token_field") or DEFAULT_FIELD, state.get("_fingerprint")]
-            return self._fingerprint_of([[_name(p, r), p.fingerprint(r, self._full)]
-                                         for p, r in zip(self._parts, records)], extra)
+            return [self._local_options.get("token_field") or DEFAULT_FIELD, state.get("_fingerprint")]
         index_print = checks.content_fingerprint(self.path / "index.json", self._full)
-        extra = index_print
         if self.format == "mds":
             from forge_grain.stores.mds import _default_field
 
             field = self._local_options.get("token_field") or _default_field(
                 self.path / "index.json", json.loads((self.path / "index.json").read_text())["shards"][0])
-            extra = [field, index_print]
-        return self._fingerprint_of([[_name(p, r), p.fingerprint(r, self._full)]
-                                     for p, r in zip(self._parts, records)], extra)
+            return [field, index_print]
+        return index_print
+
+    def _of_prints(self) -> str:
+        return self._fingerprint_of([list(p) for p in zip(self._print_names, self._prints.values())], self._extra)
+
+    def _complete_prints(self) -> None:
+        """The files whose print waits (those indexed from their heads, `_Part.headed`, not read
+        since) are read now, a few at once, each evicted as the limit needs."""
+        self._each([p for p in self._parts if self._prints.waits(p.name)], lambda p: p.arrays(self._keep),
+                   "fingerprint")
 
     def _validate(self) -> None:
         """Each file was checked by the local reader when its record was made."""
@@ -356,6 +396,14 @@ class _Part:
     def indexed(self) -> bool:
         return (self.dir / "part.npz").exists()
 
+    @property
+    def headed(self) -> bool:
+        """Whether this file's documents are found from its head alone (a ranged GET), its
+        content fingerprint and the local reader's checks of its tokens waiting until an epoch
+        reads it (`arrays`): an uncompressed LitData chunk (its item table is at its head),
+        fingerprinted sampled. Its first epoch then fetches it once, not twice."""
+        return self.owner.local.format == "litdata" and not self.compression and not self.owner._full
+
     def record(self) -> dict:
         with np.load(self.dir / "part.npz") as r:
             return {k: r[k] for k in r.files}
@@ -394,17 +442,36 @@ class _Part:
         return plain
 
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:
-        """The file's token arrays (maps that outlive the store object that made them)."""
-        return self.open(keep)._arrays
+        """The file's token arrays (maps that outlive the store object that made them), opened
+        by the local reader with all its checks; a headed file's content fingerprint is taken
+        from the same copy, and its documents must be those its head showed."""
+        owner = self.owner
 
-    def open(self, keep=frozenset()) -> TokenStore:
-        """The local reader over this file, fetched first if the cache lacks it (again if it was
-        evicted between its fetch and its opening)."""
+        def read(store):
+            if owner._prints.waits(self.name):
+                self._check_record(store)
+                if owner._prints.give(self.name, checks.content_fingerprint(self.local), keep):
+                    owner._fingerprint = owner._fingerprint or owner._of_prints()
+            return store._arrays
+
+        return self.open(keep, read)
+
+    def _check_record(self, store: TokenStore) -> None:
+        """The documents the local reader found in this file are those its record (its head) gave."""
+        owner, docs = self.owner, self.owner._file_docs
+        a = sum(docs[: self.k])
+        found = owner._offsets[a : a + docs[self.k] + 1] - owner._offsets[a]
+        if not np.array_equal(found, store._offsets):
+            raise changed_under(f"{owner.url}/{self.name}")
+
+    def open(self, keep=frozenset(), then=lambda store: store):
+        """`then` of the local reader over this file, fetched first if the cache lacks it (again
+        if it was evicted between its fetch and its opening)."""
         def opened(path):  # (path: the copy, `self.local`)
             if not (self.dir / self.index_name).exists():
                 self.owner.cache.write_record(self.dir / self.index_name, json.dumps(self._index).encode())
             try:
-                return self.owner.local(self.dir, **self.owner._local_options)
+                return then(self.owner.local(self.dir, **self.owner._local_options))
             except StoreError as e:
                 if path.exists():  # named as the object, not its copy in the cache
                     raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
@@ -414,7 +481,10 @@ class _Part:
                          f"the files the reads in flight need (this one is {self.size} bytes)")
 
     def index(self) -> None:
-        """The record of this file: what its local reader found, kept beside it."""
+        """The record of this file: what its local reader found (or its head, `headed`), kept
+        beside it."""
+        if self.headed:
+            return self._write_record(self._head_record())
         store = self.open()
         runs = store._runs  # (where its tokens are: what the composite's runs are made of)
         record = dict(offsets=store._offsets, starts=runs.starts, array=runs.array, base=runs.base,
@@ -424,9 +494,40 @@ class _Part:
         store.close()
         if self.compression:  # the local reader's name for its decompressed copy
             record["name"] = (self.dir / "copy-name").read_text()
+        self._write_record(record)
+
+    def _head_record(self) -> dict:
+        """The record of an uncompressed LitData chunk from its head alone: its item table,
+        checked as the local reader checks it (against the index and the file's size); no
+        content fingerprint yet (`sampled` empty: taken when an epoch reads the file)."""
+        from forge_grain.stores.litdata import check_table, header_bytes
+
+        owner, chunk, where = self.owner, self._index["chunks"][0], f"{self.owner.url}/{self.name}"
+        dtype, head = owner._token_dtype, header_bytes(where, self._index["chunks"][0], self.size)
+        data = b"".join(bytes(b) for b in read_spans(owner.cache, self.name, [(0, head)], tag=self.tag))
+        items = check_table(where, data, chunk, self.size, dtype)
+        tokens = (int(items[-1]) - head) // dtype.itemsize
+        return dict(offsets=(items - head) // dtype.itemsize, starts=np.array([0, tokens]), array=np.zeros(1, np.int64),
+                    base=np.zeros(1, np.int64), arrays=1, dtype=str(dtype), sampled="", full="")
+
+    def _write_record(self, record: dict) -> None:
+        self.dir.mkdir(exist_ok=True)  # (a headed file's copy has not made it)
         data = io.BytesIO()
         np.savez(data, **record)
         self.owner.cache.write_record(self.dir / "part.npz", data.getvalue())
+
+
+def _litdata_dtype(url: str, index_file: Path, declared) -> np.dtype:
+    """A LitData dataset's token dtype, from its index (as its local reader finds it), checked
+    against a declared one; errors name the index at the URL."""
+    from forge_grain.stores.litdata import _read_index, _token_dtype
+
+    try:
+        dtype = _token_dtype(index_file, _read_index(index_file)["config"])
+        checks.check_declared_dtype(index_file, declared, dtype, "its data_format")
+    except StoreError as e:
+        raise StoreError(str(e).replace(str(index_file), f"{url}/index.json")) from None
+    return dtype
 
 
 def _file_of(fmt: str, index: dict, entry: dict, files: dict):

@@ -35,7 +35,7 @@ from forge_grain.splits import select_split
 from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
 from forge_grain.stores.blocks import block_bytes, block_cuts
-from forge_grain.stores.harvest import Prints
+from forge_grain.stores.harvest import PRINTS, Prints
 from forge_grain.stores.mirror_parts import FetchedParts
 from forge_grain.stores.download import SPLIT
 from forge_grain.stores.object_cache import ObjectCache, read_spans
@@ -51,7 +51,6 @@ KEEP = 64 << 20  # an object up to this size is held in memory through its first
 SAMPLED_ENDS = 1024  # documents whose delimiters are read at the first open (all of them by `verify`)
 HEAD = 4096  # bytes of a raw file's start that say what it is
 RECORD = "record.npz"
-PRINTS = "prints.json"  # the content fingerprints gathered after the record was made (`harvest`)
 
 
 @functools.cache
@@ -155,15 +154,10 @@ class Ranged(FetchedParts):
         self._fingerprint = self._of_prints() if self._prints.known else None
         self._keep: frozenset = frozenset()
 
-    @property
-    def fingerprint(self) -> str:
-        """The files' content fingerprints (gathered from the blocks read so far, the places not
-        seen yet read now: `harvest`) and the document boundaries."""
-        if self._fingerprint is None:
-            self._prints.complete(lambda name, spans: read_spans(self.cache, name, spans, ahead=64,
-                                                                 tag=self._tag(name)), self._keep)
-            self._fingerprint = self._of_prints()
-        return self._fingerprint
+    def _complete_prints(self) -> None:
+        """The places of the fingerprints not seen in the blocks read so far, read now (`harvest`)."""
+        self._prints.complete(lambda name, spans: read_spans(self.cache, name, spans, ahead=64, tag=self._tag(name)),
+                              self._keep)
 
     def _of_prints(self) -> str:
         return self._fingerprint_of([list(p) for p in zip(self._prints.names, self._prints.values())], self._extra)
