@@ -139,6 +139,40 @@ def test_an_epoch_under_a_cache_limit_of_two_files_fetches_each_file_about_once(
     assert most <= limit, (most, limit)
 
 
+def test_an_epoch_of_a_litdata_dataset_under_a_tight_limit_fetches_each_chunk_once(tmp_path, s3):
+    """A LitData dataset (written by `litdata.optimize`) under a cache_limit that holds its records
+    and two chunks, no more: the first open reads the chunks' heads only, and the epoch, in the
+    order fitted to the limit, fetches each chunk once, the cache never above the limit, the
+    batches the local copy's. (The records a chunk's first read needs are made at the open:
+    made during the epoch, into a full cache, one evicted the chunk fetched ahead, and an epoch
+    at two chunks' worth fetched the data 1.88 times behind a shaped link.)"""
+    from test_formats import LITDATA
+
+    path = LITDATA / "dataset"
+    s3.fs().put(str(path), "fit/litdata", recursive=True)
+    sizes = [f.stat().st_size for f in path.glob("chunk-*.bin")]
+    options = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "records"))
+    records = TokenStore.open("s3://fit/litdata", cache_limit=10 * sum(sizes), **options).cache.used()
+    limit = records + 2 * max(sizes) + 2_000  # (the ledger grows by a line or two)
+    local = Pipeline(config(path, shuffle_bytes=limit // 4), 0, 1, cache_dir=tmp_path / "p1")
+    s3.proxy.clear()
+    src = {**options, "object_cache": str(tmp_path / "objects"), "cache_limit": limit}
+    pipe = Pipeline(config("s3://fit/litdata", **src), 0, 1, cache_dir=tmp_path / "p2")
+    heads = served(s3)
+    assert heads < sum(sizes) // 50, heads
+    s3.proxy.clear()
+    peak = Peak(pipe.stores[0].cache)
+    try:
+        for step, batch in enumerate(pipe.iterator()):
+            want = local.batch(step)
+            assert all(np.array_equal(batch[k], want[k]) for k in want), step
+    finally:
+        most = peak.stop()
+    assert served(s3) <= 1.05 * sum(sizes), served(s3) / sum(sizes)
+    assert most <= limit, (most, limit)
+    assert pipe.fingerprint == local.fingerprint and served(s3) <= 1.05 * sum(sizes)
+
+
 @pytest.mark.parametrize("kind", ["bin", "megatron"])
 def test_a_second_epoch_reads_each_file_from_its_new_copy(tmp_path, s3, stores, kind):
     """A batch's gather finds the files it reads by their addresses in memory, remembered while

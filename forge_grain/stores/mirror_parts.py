@@ -468,8 +468,7 @@ class _Part:
         """`then` of the local reader over this file, fetched first if the cache lacks it (again
         if it was evicted between its fetch and its opening)."""
         def opened(path):  # (path: the copy, `self.local`)
-            if not (self.dir / self.index_name).exists():
-                self.owner.cache.write_record(self.dir / self.index_name, json.dumps(self._index).encode())
+            self._write_index(keep)
             try:
                 return then(self.owner.local(self.dir, **self.owner._local_options))
             except StoreError as e:
@@ -483,8 +482,9 @@ class _Part:
     def index(self) -> None:
         """The record of this file: what its local reader found (or its head, `headed`), kept
         beside it."""
-        if self.headed:
-            return self._write_record(self._head_record())
+        if self.headed:  # (its one-file index too: written during an epoch, a record could evict what comes next)
+            self._write_record(self._head_record())
+            return self._write_index()
         store = self.open()
         runs = store._runs  # (where its tokens are: what the composite's runs are made of)
         record = dict(offsets=store._offsets, starts=runs.starts, array=runs.array, base=runs.base,
@@ -509,6 +509,11 @@ class _Part:
         tokens = (int(items[-1]) - head) // dtype.itemsize
         return dict(offsets=(items - head) // dtype.itemsize, starts=np.array([0, tokens]), array=np.zeros(1, np.int64),
                     base=np.zeros(1, np.int64), arrays=1, dtype=str(dtype), sampled="", full="")
+
+    def _write_index(self, keep=frozenset()) -> None:
+        """The one-file index the local reader opens this file by, made where it is missing."""
+        if not (self.dir / self.index_name).exists():
+            self.owner.cache.write_record(self.dir / self.index_name, json.dumps(self._index).encode(), keep)
 
     def _write_record(self, record: dict) -> None:
         self.dir.mkdir(exist_ok=True)  # (a headed file's copy has not made it)
