@@ -1326,7 +1326,7 @@ def test_a_litdata_dataset_under_a_cache_limit_opens_from_its_chunk_heads(tmp_pa
 def test_a_litdata_chunk_opened_from_its_head_keeps_the_local_checks(tmp_path, s3, peers):
     """What the local reader refuses in a LitData dataset is refused under a cache_limit too,
     naming the object: a damaged item table or an index whose item count the chunk cannot hold
-    at the open (no more than its head read; a count of 10**15 reads nothing), a token id past
+    at the open (no more than its head read; a count of 10**15, or of -3, reads nothing), a token id past
     the declared vocabulary when the epoch reaches that chunk."""
     fs, opts = s3.fs(), dict(storage_options=s3.options(via_proxy=True), cache_limit=200_000)
     sizes, _ = litdata_chunks(peers["litdata"])
@@ -1350,6 +1350,9 @@ def test_a_litdata_chunk_opened_from_its_head_keeps_the_local_checks(tmp_path, s
     refused("s3://peers/lit-count", rf"s3://peers/lit-count/chunk-0-1\.bin: {sizes[1]} bytes cannot hold the header "
                                     rf"of {10**15} items")
     assert sum(n for p, n in s3.proxy.sent.items() if "chunk-0-1" in p) == 0
+    index["chunks"][1]["chunk_size"] = -3
+    fs.pipe_file("peers/lit-count/index.json", json.dumps(index).encode())
+    refused("s3://peers/lit-count", r"s3://peers/lit-count/chunk-0-1\.bin: index.json lists -3 items in it")
     largest = int(max(local[i].max() for i in range(len(local))))
     starts = local.file_doc_starts
     first = next(k for k in range(len(sizes)) if any(local[i].max() == largest for i in range(starts[k], starts[k + 1])))

@@ -96,6 +96,8 @@ def header_bytes(where, chunk: dict, size: int) -> int:
     refused where the file of `size` bytes cannot hold them."""
     n = int(chunk["chunk_size"])
     header = 4 * (n + 2)
+    if n < 0:
+        raise StoreError(f"{where}: index.json lists {n} items in it; a chunk holds zero or more")
     if size < header:
         raise StoreError(f"{where}: {size} bytes cannot hold the header of {n} items that index.json lists")
     return header

@@ -503,7 +503,7 @@ class _Part:
         from forge_grain.stores.litdata import check_table, header_bytes
 
         owner, chunk, where = self.owner, self._index["chunks"][0], f"{self.owner.url}/{self.name}"
-        dtype, head = owner._token_dtype, header_bytes(where, self._index["chunks"][0], self.size)
+        dtype, head = owner._token_dtype, header_bytes(where, chunk, self.size)
         data = b"".join(bytes(b) for b in read_spans(owner.cache, self.name, [(0, head)], tag=self.tag))
         items = check_table(where, data, chunk, self.size, dtype)
         tokens = (int(items[-1]) - head) // dtype.itemsize
