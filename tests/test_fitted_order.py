@@ -109,6 +109,18 @@ class Peak:
         return self.most
 
 
+def epoch_as_local(pipe, local) -> int:
+    """One epoch of `pipe`, each batch the `local` pipeline's: the most bytes its cache held."""
+    peak = Peak(pipe.stores[0].cache)
+    try:
+        for step, batch in enumerate(pipe.iterator()):
+            want = local.batch(step)
+            assert all(np.array_equal(batch[k], want[k]) for k in want), step
+    finally:
+        most = peak.stop()
+    return most
+
+
 CASES = [(kind, "bestfit") for kind in KINDS] + [("bin", "concat"), ("mds", "concat")]
 
 
@@ -127,13 +139,7 @@ def test_an_epoch_under_a_cache_limit_of_two_files_fetches_each_file_about_once(
     assert fit is not None and fit.files_together >= 1
     assert local.num_steps == pipe.num_steps
     s3.proxy.clear()
-    peak = Peak(pipe.stores[0].cache)
-    try:
-        for step, batch in enumerate(pipe.iterator()):
-            want = local.batch(step)
-            assert all(np.array_equal(batch[k], want[k]) for k in want), step
-    finally:
-        most = peak.stop()
+    most = epoch_as_local(pipe, local)
     data = sum(data_files(stores[kind]))
     assert served(s3) <= 1.05 * data, (served(s3) / data, fit)
     assert most <= limit, (most, limit)
@@ -161,13 +167,7 @@ def test_an_epoch_of_a_litdata_dataset_under_a_tight_limit_fetches_each_chunk_on
     heads = served(s3)
     assert heads < sum(sizes) // 50, heads
     s3.proxy.clear()
-    peak = Peak(pipe.stores[0].cache)
-    try:
-        for step, batch in enumerate(pipe.iterator()):
-            want = local.batch(step)
-            assert all(np.array_equal(batch[k], want[k]) for k in want), step
-    finally:
-        most = peak.stop()
+    most = epoch_as_local(pipe, local)
     assert served(s3) <= 1.05 * sum(sizes), served(s3) / sum(sizes)
     assert most <= limit, (most, limit)
     assert pipe.fingerprint == local.fingerprint and served(s3) <= 1.05 * sum(sizes)
