@@ -37,8 +37,8 @@ pytest.importorskip("moto")
 from s3server import S3Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ["bin", "arrayrecord", "megatron", "s3", "s3_mds_parted", "s3_arrow_parted", "s3_megatron_ranged", "streaming",
-         "streaming_s3"]
+KINDS = ["bin", "arrayrecord", "megatron", "s3", "s3_mds_parted", "s3_arrow_parted", "s3_litdata_parted",
+         "s3_megatron_ranged", "streaming", "streaming_s3"]
 LOADERS = [(0, None, False)] + [(2, ctx, persistent) for ctx in ("fork", "spawn", "forkserver")
                                 for persistent in (False, True)]
 PAUSES = [0.0, 1.0]
@@ -55,7 +55,7 @@ def s3():
 def data(tmp_path_factory, s3):
     """One corpus in every kind of data; in object storage under s3://workers/."""
     from mds_writer import write_mds
-    from test_formats import make_docs, write_arrow, write_megatron
+    from test_formats import LITDATA, make_docs, write_arrow, write_megatron
 
     base = tmp_path_factory.mktemp("workers")
     texts = make_texts(240, seed=11, empty_every=37)
@@ -72,11 +72,14 @@ def data(tmp_path_factory, s3):
     arrow = write_arrow(base / "arrow", make_docs(200, seed=7), num_shards=5)
     out["arrow_limit"] = 3 * max(f.stat().st_size for f in arrow.glob("*.arrow"))
     out["megatron_limit"] = (base / "meg" / "text_document.bin").stat().st_size // 2  # read in blocks of documents
+    # (LitData: its chunks' heads read at the open, each chunk's fingerprint and checks taken where it is read)
+    out["litdata_limit"] = 3 * max(f.stat().st_size for f in (LITDATA / "dataset").glob("chunk-*.bin"))
     fs = s3.fs()
     fs.put(str(out["bin"]), "workers/nat", recursive=True)
     fs.put(str(mds), "workers/mds", recursive=True)
     fs.put(str(arrow), "workers/arrow", recursive=True)
     fs.put(str(base / "meg"), "workers/meg", recursive=True)
+    fs.put(str(LITDATA / "dataset"), "workers/litdata", recursive=True)
     for f in files:
         fs.put(str(f), f"workers/texts/{f.name}")
     out["options"] = s3.options()
@@ -96,6 +99,9 @@ def source(data, kind: str) -> dict:
         "s3_arrow_parted": dict(name="t", path="s3://workers/arrow", strategy="bestfit",
                                 storage_options=data["options"], object_cache=str(data["objects"]),
                                 cache_limit=data["arrow_limit"]),
+        "s3_litdata_parted": dict(name="t", path="s3://workers/litdata", strategy="bestfit",
+                                  storage_options=data["options"], object_cache=str(data["objects"]),
+                                  cache_limit=data["litdata_limit"]),
         "s3_megatron_ranged": dict(name="t", path="s3://workers/meg", strategy="bestfit",
                                    storage_options=data["options"], object_cache=str(data["objects"]),
                                    cache_limit=data["megatron_limit"]),
