@@ -13,7 +13,8 @@ object is made per process, by one of three means:
 - `at_fork(fn)`: `fn()` runs in every forked child before any of its own code (module-level
   locks, semaphores and request queues start afresh).
 - `exit_with_parent()`: a worker process whose parent is gone ends within a second, also when
-  it is blocked in a download or a lock (an orphaned worker otherwise lives on).
+  it is blocked in a download or a lock, or in its own exit (an orphaned worker otherwise
+  lives on).
 
 At interpreter exit, `stop_at_exit(thread)` threads are told to stop (`EXITING`) and joined
 before the interpreter tears down: a daemon thread still inside native code then (an
@@ -28,6 +29,7 @@ import atexit
 import concurrent.futures.thread
 import os
 import threading
+import time
 import weakref
 
 _LOCK = threading.RLock()  # guards the making of per-process values (reset in a child: see below)
@@ -120,8 +122,12 @@ def _stop_threads() -> None:
             thread.join(_JOIN_AT_EXIT_S)
 
 
+_FORKED_BY: list[str] = []  # in a forked child: the name of the parent's thread that forked it
+
+
 def _clear_exiting() -> None:
     EXITING.clear()  # a child forked during exit handlers is a new process, not exiting
+    _FORKED_BY[:] = [threading.current_thread().name]  # (the forking thread is the child's only one)
 
 
 at_fork(_clear_exiting)
@@ -131,9 +137,16 @@ _WATCHED: set[int] = set()  # pids of processes that already watch their parent
 
 def exit_with_parent(poll_s: float = 0.5) -> None:
     """End this process when its parent ends: a DataLoader worker whose training process was
-    killed must not live on (holding memory, /dev/shm and the cache's locks). A daemon thread
-    polls the parent pid; Linux's PR_SET_PDEATHSIG is not used because it fires when the
-    *thread* that forked the worker ends, which need not be the end of the process."""
+    killed must not live on (holding memory, /dev/shm and the cache's locks).
+
+    A daemon thread polls the parent pid, and goes on polling while this process exits: a
+    worker that noticed first (torch's own check) and began to exit waits there for its
+    threads, and one of them may wait on a download that never comes (the watch used to stop
+    when exit began, and such a worker lived on). Where the parent's main thread forked this
+    process (a DataLoader's default), Linux's PR_SET_PDEATHSIG has the kernel kill it as
+    well, with no thread of its own needing to run (one stuck holding the GIL would stop the
+    watch). It is not used otherwise: it fires when the *thread* that forked ends, which need
+    not be the end of the process."""
     pid = os.getpid()
     if pid in _WATCHED:
         return
@@ -141,13 +154,31 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
     parent = os.getppid()
     if parent == 1:  # already orphaned
         os._exit(1)
+    if _FORKED_BY == ["MainThread"]:
+        die_with_parent(parent)
 
     def watch():
-        while not EXITING.wait(poll_s):
+        while True:
+            time.sleep(poll_s)
             if os.getppid() != parent:
                 os._exit(1)  # no clean-up: the process it served is gone
 
     threading.Thread(target=watch, name="forge-grain-parent-watch", daemon=True).start()
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: the kernel sends this process SIGKILL when the thread that started it ends
+    (`parent`: its pid then; one gone already ends this process now). Elsewhere: nothing."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
 
 
 def usable_cores() -> int:

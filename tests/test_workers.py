@@ -244,7 +244,8 @@ def test_workers_of_a_killed_training_process_exit(tmp_path, data, s3):
         gone_by = time.monotonic() + 10
         while any(alive(w) for w in workers) and time.monotonic() < gone_by:
             time.sleep(0.1)
-        assert not any(alive(w) for w in workers), [threads_of(w) for w in workers if alive(w)]
+        if any(alive(w) for w in workers):
+            pytest.fail(f"workers outlived the training process: {[threads_of(w) for w in workers if alive(w)]}")
     finally:
         proc.kill()
         s3.proxy.clear()
@@ -279,6 +280,58 @@ def alive(pid: int) -> bool:
 
 
 # -- data rewritten under a URL ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forker", ["main thread", "another thread"])
+def test_a_worker_stuck_in_its_own_exit_ends_with_its_parent(tmp_path, forker):
+    """A worker that began to exit (its loop noticed first that the training process is gone),
+    waiting there for a thread stuck in a download that never comes, still ends within 10 s of
+    its parent's SIGKILL: the parent watch goes on polling through the exit (it stopped when
+    exit began, and such a worker lived on: `test_workers_of_a_killed_training_process_exit`
+    failed so under load). Forked by the parent's main thread, the kernel kills it too
+    (PR_SET_PDEATHSIG); forked by another thread, the watch alone ends it."""
+    note = tmp_path / "child"
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""\
+        import multiprocessing, os, sys, threading, time
+        sys.path[:0] = [{str(ROOT)!r}]
+        from forge_grain.processes import exit_with_parent
+
+        def child():
+            exit_with_parent()
+            threading.Thread(target=time.sleep, args=(600,)).start()  # joined at exit: a hung download's thread
+            open({str(note)!r}, "w").write(str(os.getpid()))  # ... and now this process exits, waiting for it
+
+        def start():
+            multiprocessing.get_context("fork").Process(target=child).start()
+
+        if {forker == "main thread"}:
+            start()
+        else:
+            forker = threading.Thread(target=start)
+            forker.start()
+            forker.join()
+        time.sleep(600)
+        """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (note.exists() and note.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(note.read_text())
+        time.sleep(1)  # in its exit, joining the stuck thread
+        assert alive(child)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        gone_by = time.monotonic() + 10
+        while alive(child) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        if alive(child):
+            details = threads_of(child)
+            os.kill(child, signal.SIGKILL)
+            pytest.fail(f"the worker outlived its parent: {details}")
+    finally:
+        proc.kill()
 
 
 def test_a_peer_dataset_rewritten_under_its_url_is_refused_by_a_spawned_worker(tmp_path, s3):

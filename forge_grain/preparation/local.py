@@ -31,6 +31,7 @@ from forge_grain.stores.manifest import (
 from forge_grain.files import fsync_rename, save_npy_atomic, sha256_file, temporary, write_json_atomic
 from forge_grain.locks import exclusive_or_refuse
 from forge_grain.preparation.documents import documents
+from forge_grain.processes import die_with_parent
 from forge_grain.tokenizer import TextTokenizer
 
 SHARD_TARGET_BYTES = 64 << 20  # of text per shard by default
@@ -344,23 +345,9 @@ _WORKER: dict = {}
 
 def _init_worker(corpus, tok: TextTokenizer | None, job: Job, queue, parent: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    _die_with_parent(parent)
+    die_with_parent(parent)  # a worker ends when the prepare that started it dies (kill -9, OOM): no orphan
+    # goes on writing into the output while a re-run starts
     _WORKER.update(corpus=corpus, tok=tok, job=job, report=queue.put)
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: a worker gets SIGKILL when the prepare that started it dies (kill -9, OOM), so no
-    orphan goes on writing into the output while a re-run starts. Elsewhere: nothing."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the call
-            os._exit(1)
-    except (OSError, AttributeError):
-        pass
 
 
 def _worker_shard(task):
