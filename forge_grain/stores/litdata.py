@@ -86,7 +86,8 @@ def _token_dtype(index_file: Path, config: dict) -> np.dtype:
 def _chunk_table(file: Path, chunk: dict, dtype: np.dtype) -> tuple[int, np.ndarray]:
     """The header size and item byte offsets of one chunk, checked against the index and file size."""
     checks.require_regular(file, "chunk listed in index.json")
-    size, header = file.stat().st_size, header_bytes(file, chunk, file.stat().st_size)
+    size = file.stat().st_size
+    header = header_bytes(file, chunk, size)
     with open(file, "rb") as f:
         return header, check_table(file, f.read(header), chunk, size, dtype)
 
