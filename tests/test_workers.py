@@ -241,17 +241,24 @@ def test_workers_of_a_killed_training_process_exit(tmp_path, data, s3):
         assert all(alive(w) for w in workers)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        gone_by = time.monotonic() + 10
-        while any(alive(w) for w in workers) and time.monotonic() < gone_by:
-            time.sleep(0.1)
-        if any(alive(w) for w in workers):
-            pytest.fail(f"workers outlived the training process: {[threads_of(w) for w in workers if alive(w)]}")
+        left = outliving(workers)
+        if left:
+            pytest.fail(f"workers outlived the training process: {left}")
     finally:
         proc.kill()
         s3.proxy.clear()
         for w in [int(p.name) for p in pids.iterdir()]:
             if alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def outliving(pids: list[int], seconds: float = 10) -> list:
+    """The processes of `pids` still running after `seconds` (each with its threads' states:
+    `threads_of`), for a test that kills their parent."""
+    gone_by = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    return [threads_of(p) for p in pids if alive(p)]
 
 
 def threads_of(pid: int) -> list:
@@ -277,9 +284,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-# -- data rewritten under a URL ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("forker", ["main thread", "another thread"])
@@ -323,15 +327,15 @@ def test_a_worker_stuck_in_its_own_exit_ends_with_its_parent(tmp_path, forker):
         assert alive(child)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        gone_by = time.monotonic() + 10
-        while alive(child) and time.monotonic() < gone_by:
-            time.sleep(0.1)
-        if alive(child):
-            details = threads_of(child)
+        left = outliving([child])
+        if left:
             os.kill(child, signal.SIGKILL)
-            pytest.fail(f"the worker outlived its parent: {details}")
+            pytest.fail(f"the worker outlived its parent: {left}")
     finally:
         proc.kill()
+
+
+# -- data rewritten under a URL ----------------------------------------------------------------------
 
 
 def test_a_peer_dataset_rewritten_under_its_url_is_refused_by_a_spawned_worker(tmp_path, s3):

@@ -458,9 +458,9 @@ class _Part:
 
     def _check_record(self, store: TokenStore) -> None:
         """The documents the local reader found in this file are those its record (its head) gave."""
-        owner, docs = self.owner, self.owner._file_docs
-        a = sum(docs[: self.k])
-        found = owner._offsets[a : a + docs[self.k] + 1] - owner._offsets[a]
+        owner = self.owner
+        a, b = owner.file_doc_starts[self.k : self.k + 2]
+        found = owner._offsets[a : b + 1] - owner._offsets[a]
         if not np.array_equal(found, store._offsets):
             raise changed_under(f"{owner.url}/{self.name}")
 
