@@ -1325,8 +1325,9 @@ def test_a_litdata_dataset_under_a_cache_limit_opens_from_its_chunk_heads(tmp_pa
 
 def test_a_litdata_chunk_opened_from_its_head_keeps_the_local_checks(tmp_path, s3, peers):
     """What the local reader refuses in a LitData dataset is refused under a cache_limit too,
-    naming the object: a damaged item table or an index whose item count the chunk cannot hold
-    at the open (no more than its head read; a count of 10**15, or of -3, reads nothing), a token id past
+    naming the object: a damaged item table, a chunk cut short or really Parquet, a declared
+    dtype the index contradicts, or an index whose item count the chunk cannot hold at the open
+    (no more than its head read; a count of 10**15, or of -3, reads nothing), a token id past
     the declared vocabulary when the epoch reaches that chunk."""
     fs, opts = s3.fs(), dict(storage_options=s3.options(via_proxy=True), cache_limit=200_000)
     sizes, _ = litdata_chunks(peers["litdata"])
@@ -1353,6 +1354,20 @@ def test_a_litdata_chunk_opened_from_its_head_keeps_the_local_checks(tmp_path, s
     index["chunks"][1]["chunk_size"] = -3
     fs.pipe_file("peers/lit-count/index.json", json.dumps(index).encode())
     refused("s3://peers/lit-count", r"s3://peers/lit-count/chunk-0-1\.bin: index.json lists -3 items in it")
+    refused("s3://peers/litdata", r"s3://peers/litdata/index.json: dtype=int32 was declared, but .*int64",
+            dtype="int32")  # (the index says int64)
+    fs.put(str(peers["litdata"]), "peers/lit-cut", recursive=True)
+    fs.pipe_file("peers/lit-cut/chunk-0-3.bin", fs.cat_file("peers/lit-cut/chunk-0-3.bin")[:-8])
+    refused("s3://peers/lit-cut", r"s3://peers/lit-cut/chunk-0-3\.bin: \d+ bytes, but its offset table ends at byte "
+                                  r"\d+; the chunk is truncated")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs.put(str(peers["litdata"]), "peers/lit-parquet", recursive=True)
+    pq.write_table(pa.table({"text": ["a document"] * 2000}), tmp_path / "chunk.parquet")
+    fs.put_file(str(tmp_path / "chunk.parquet"), "peers/lit-parquet/chunk-0-4.bin")
+    refused("s3://peers/lit-parquet", r"s3://peers/lit-parquet/chunk-0-4\.bin: its header \(n=\d+\) disagrees with "
+                                      r"index\.json")
     largest = int(max(local[i].max() for i in range(len(local))))
     starts = local.file_doc_starts
     first = next(k for k in range(len(sizes)) if any(local[i].max() == largest for i in range(starts[k], starts[k + 1])))
