@@ -9,8 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,12 +29,15 @@ MULTI = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]  # 
 
 @pytest.fixture(autouse=True)
 def beam_temporaries(tmp_path, monkeypatch):
-    """Beam's local runner leaves an empty `beam-temp*` directory in the system's temporary
-    directory for every job it runs: the tests' go under their own tmp_path instead."""
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # and the jobs run in child processes
+    """Every test's system temporary directory is one of its own, and its jobs leave it as
+    they found it: Beam's local runner left seven empty directories there for every `prepare`
+    (its SDK's staging, its job servers' roots, its requirements cache)."""
+    system = tmp_path / "system-tmp"
+    system.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system))
+    monkeypatch.setenv("TMPDIR", str(system))  # (the jobs run in child processes too)
+    yield
+    assert sorted(p.name for p in system.iterdir()) == []
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,8 @@ def test_a_job_killed_part_way_completes_on_a_rerun_with_the_same_bytes(tmp_path
         time.sleep(0.02)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
+    for left in Path(tempfile.gettempdir()).iterdir():  # (what a killed process leaves: the rerun's are checked)
+        shutil.rmtree(left)
     assert not (out / "manifest.json").exists(), "the job finished before it could be killed"
     finished = {f.with_name(f.name.replace(".done.json", ".bin")) for f in out.glob("shard-*.done.json")}
     finished = {f: f.stat().st_ino for f in finished}  # (a shard renamed into place, its marker not yet written

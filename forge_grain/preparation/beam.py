@@ -30,6 +30,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import re
 import tempfile
 import time
@@ -348,7 +349,7 @@ def _run(options: list[str], build):
     if not any("default_sdk_harness_log_level" in o for o in options):
         options = [HARNESS_LOG_LEVEL, *options]
     try:
-        with beam.Pipeline(options=PipelineOptions(list(options))) as p:
+        with _temporaries(), beam.Pipeline(options=PipelineOptions(list(options))) as p:
             build(p)
         return p.result if hasattr(p, "result") else None
     except Exception as e:  # runners re-raise a worker's error with the step's name, or wrap its text
@@ -356,6 +357,25 @@ def _run(options: list[str], build):
         if found:
             raise PrepareError(re.sub(r"\s*\[while running '[^']*'\]", "", found[-1]).strip()) from None
         raise PrepareError(f"the Beam job failed: {type(e).__name__}: {str(e)[:2000]}") from None
+
+
+@contextlib.contextmanager
+def _temporaries():
+    """The job's temporary directories made in a directory of its own, and those left empty
+    removed after it: Beam's local runner leaves seven empty directories in the system's
+    temporary directory for every `prepare` (its SDK's staging, its job server's root, its
+    requirements cache). Any that still holds a file is left (another thread of the process
+    may have made it meanwhile: `tempfile.tempdir` is the process's)."""
+    before = tempfile.tempdir
+    root = tempfile.mkdtemp(prefix="forge-grain-beam-")
+    tempfile.tempdir = root
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+        for here, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):  # (deepest first)
+            with contextlib.suppress(OSError):
+                os.rmdir(here)
 
 
 def _counts(inputs: Inputs, out: Output, options: list[str]) -> list[int]:
