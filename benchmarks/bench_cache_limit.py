@@ -24,6 +24,12 @@ server, the proxy and the loader share; with `--link` each epoch is read again t
 `moto_server.py` (moto, its ranged GETs served at the cost of the range). Read flat out, a
 reader is measured by its downloads alone; `--step-ms` adds a training step after each batch
 (a sleep), and the rate says how much of the step time the reads could not hide.
+
+The server's own ceiling is measured too (ranged GETs of 512 KiB a second, 32 threads asking
+straight to it), with each reader's GETs of data files (counted at the proxy): moto answers in
+one Python process, about 400-500 GETs a second on one core whatever the machine, so an epoch
+of G GETs spends at least G / that on the server, and a rate nearer the unbounded one than
+that allows is not there to be had from this server.
 """
 
 from __future__ import annotations
@@ -49,10 +55,46 @@ FILES, SEQ_LEN, BATCH = 16, 2048, 8
 LIMITS = (2, 4, 8, None)  # files' worth of cache, None: unbounded
 HUNG_S = 300  # a peer's epoch of this size takes seconds: one still running after this is stuck
 DATA = (".bin", ".mds")  # data files' names end so (indices: .idx, .json)
+PART = 1 << 19  # bytes of the ranged GETs the server's ceiling is measured with (forge-grain's parts ahead, at least)
 
 
 def served(proxy) -> int:
     return sum(n for path, n in proxy.sent.items() if path.split("?")[0].endswith(DATA))
+
+
+def asked(proxy) -> int:
+    """GETs of data files the server answered."""
+    return sum(n for path, n in proxy.gets.items() if path.split("?")[0].endswith(DATA))
+
+
+def server_ceiling(port: int, name: str, size: int, part: int = PART, threads: int = 32,
+                   seconds: float = 2.0) -> float:
+    """Ranged GETs of `part` bytes a second that the server answers, asked for by `threads`
+    threads at once (straight to it, through forge-grain's client): moto is one Python process,
+    so each of its answers takes a share of one core whatever the machine's. An epoch of G
+    GETs spends at least G / this on the server."""
+    import threading
+
+    from forge_grain.stores.remote_dir import RemoteDir
+
+    remote = RemoteDir(f"s3://bench/{name.rpartition('/')[0]}",
+                       {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"})
+    leaf, done, stop = name.rpartition("/")[2], [0] * threads, time.perf_counter() + seconds
+
+    def ask(k: int) -> None:
+        at = k * part
+        while time.perf_counter() < stop:
+            at = (at + 7 * part) % (size - part)
+            remote.read_range(leaf, at, at + part)
+            done[k] += 1
+
+    t = time.perf_counter()
+    workers = [threading.Thread(target=ask, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(done) / (time.perf_counter() - t)
 
 
 def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reach: int | None = None,
@@ -86,7 +128,7 @@ def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reac
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     fit = pipe._sources[0].dataset.fitted
     return {"open": opened, "epoch": served(proxy) - opened, "seconds": seconds, "open_s": open_s, "steps": steps,
-            "files_together": fit.files_together if fit is not None else None}
+            "gets": asked(proxy), "files_together": fit.files_together if fit is not None else None}
 
 
 def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path, part: int,
@@ -109,7 +151,7 @@ def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path
         errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
         return {"error": ((errors or lines or ["(no message)"])[-1])[:300], "epoch": served(proxy)}
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"epoch": served(proxy), "seconds": (out["steps"] + 1) * BATCH * SEQ_LEN / out["whole"]}  # from the request
+    return {"epoch": served(proxy), "gets": asked(proxy), "seconds": (out["steps"] + 1) * BATCH * SEQ_LEN / out["whole"]}  # from the request
 
 
 def cell(result: dict, size: int) -> str:
@@ -176,6 +218,12 @@ def main() -> None:
         print("\n".join(lines), flush=True)
         notes = []
         forge_grain(proxy, port, "s3://bench/store", None, work)  # (warm: numba's compiled kernels, the imports)
+        shard = min(store.path.glob("*.bin"))
+        ceiling = server_ceiling(port, f"store/{shard.name}", shard.stat().st_size)
+        notes.append(f"  the server: {ceiling:.0f} ranged GETs of {PART >> 10} KiB a second at most ({ceiling * PART / 1e6:.0f} "
+                     "MB/s; 32 threads asking straight to it); moto is one Python process, so this holds on any number "
+                     "of cores, and a reader's GETs / it is the least time the server spends on its epoch")
+        print(notes[-1], flush=True)
         for label, (kind, path) in readers.items():
             if a.readers and not any(text in label for text in a.readers.split(",")):
                 continue
@@ -211,6 +259,11 @@ def main() -> None:
             elif kind != "fg" and reach and all("seconds" in r for r in results.values()):
                 notes.append(f"  {label}: an epoch from the request, " + ", ".join(
                     f"{r['seconds']:.2f} s {f'at {k} files' if k else 'unbounded'}" for k, r in results.items()))
+                print(notes[-1], flush=True)
+            if all("gets" in r for r in results.values()):
+                notes.append(f"  {label}: GETs of data files " + ", ".join(
+                    f"{r['gets']} ({r['gets'] / ceiling:.2f} s of the server) {f'at {k} files' if k else 'unbounded'}"
+                    for k, r in results.items()))
                 print(notes[-1], flush=True)
         lines += ["", *notes]
         print("\n".join(["", *notes]), flush=True)
