@@ -89,14 +89,16 @@ class Download:
         if self.job is None:
             self.job = c.requests.job()  # its parts are read before those of any object asked for later
         self.condition = c.conditional(self.tag)  # (a rewritten object: an error at the GET, or the HEAD after)
-        flight = c._in_flight
+        flight, waited = c._in_flight, not self.ahead
         with flight[0]:
             flight[1] += 1
+            flight[2] += waited
         try:
             made = c.retry(name, self._attempt, bound=False)  # each ranged read is bounded
         finally:
             with flight[0]:
                 flight[1] -= 1
+                flight[2] -= waited
             if self.partial is not None:
                 self.partial.close()
             elif self.ahead:  # (hurried while it ran: the word is spent)
@@ -218,7 +220,10 @@ class Download:
 
     def _part_size(self, size: int, urgent: bool) -> int:
         """The bytes of one ranged part of `size` bytes to read: as many parts as request
-        threads (SPLIT at least), of PART_MIN at least. A download fetched ahead, which nothing
+        threads (SPLIT at least), of PART_MIN at least, shared among the downloads a read
+        waits for that run at once (a LitData dataset's 16 chunks of 24.7 MB copied at its
+        open, 8 at a time, each in 64 parts: 1,025 GETs, its epoch from a link of 10 MB/s a
+        connection 3.15 s; shared, 199 GETs and 1.70 s). A download fetched ahead, which nothing
         waits for, is cut into parts of PART_AHEAD at least only while the downloads running
         and queued give every request thread two parts of that size (counting only those
         running, the first of 64 shards hinted at once were cut into parts of 256 KiB, and a
@@ -230,8 +235,8 @@ class Download:
         c = self.cache
         workers = max(SPLIT, c.requests.workers)
         even = -(-size // workers)
-        if urgent:
-            return min(BLOCK, max(PART_MIN, even))
+        if urgent:  # (objects a read waits for, fetched together, share the threads)
+            return min(BLOCK, max(PART_MIN, even * max(1, c._in_flight[2])))
         objects = c._in_flight[1] + c.turns.queued()  # (those queued count: they start in a moment)
         share = -(-size * objects // (2 * workers))
         part = min(BLOCK, max(PART_LONE, min(max(PART_AHEAD, even), share)))

@@ -188,8 +188,9 @@ class ObjectCache(CacheRoom, RemoteDir):
 
     @per_process
     def _in_flight(self) -> list:
-        """[a lock, the downloads this process has running]: how finely one fetched ahead is cut."""
-        return [threading.Lock(), 0]
+        """[a lock, the downloads this process has running, those of them that a read waits
+        for]: how finely each is cut (`Download._part_size`)."""
+        return [threading.Lock(), 0, 0]
 
 
 def read_spans(cache: ObjectCache, name: str, spans, ahead: int = SPLIT, tag: str | None = None):
