@@ -1,7 +1,7 @@
 """Bytes fetched per epoch under a bounded cache: forge-grain beside LitData and MosaicML Streaming.
 
     python benchmarks/bench_cache_limit.py [--docs 16000] [--peer-python PYTHON] [--out FILE]
-        [--link ttfb_ms=30,mbps=10] [--readers TEXT]
+        [--link ttfb_ms=30,mbps=10] [--readers TEXT] [--servers N]
 
 One corpus (synthetic documents of uint16 tokens, `corpora.sharded_synthetic_store`) is
 uploaded to moto's S3 server (its own process) as a forge-grain store of 16 shards and a
@@ -29,7 +29,10 @@ The server's own ceiling is measured too (ranged GETs of 512 KiB a second, 32 th
 straight to it), with each reader's GETs of data files (counted at the proxy): moto answers in
 one Python process, about 400-500 GETs a second on one core whatever the machine, so an epoch
 of G GETs spends at least G / that on the server, and a rate nearer the unbounded one than
-that allows is not there to be had from this server.
+that allows is not there to be had from this server. `--servers N` puts N moto servers
+holding the same objects behind the link (`servers.py`: the first written as above, its
+objects copied to the others with their ETags), which lifts that ceiling on a machine with
+the cores to run them; on two cores the servers, the link and the loader share them.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the counting proxy and the Megatron writer of the tests
 
-from bench_scale import start_server  # noqa: E402
+from servers import mirror, start_servers  # noqa: E402
 from corpora import sharded_synthetic_store  # noqa: E402
 from report import parser
 
@@ -67,25 +70,26 @@ def asked(proxy) -> int:
     return sum(n for path, n in proxy.gets.items() if path.split("?")[0].endswith(DATA))
 
 
-def server_ceiling(port: int, name: str, size: int, part: int = PART, threads: int = 32,
+def server_ceiling(ports: list[int], name: str, size: int, part: int = PART, threads: int = 32,
                    seconds: float = 2.0) -> float:
-    """Ranged GETs of `part` bytes a second that the server answers, asked for by `threads`
-    threads at once (straight to it, through forge-grain's client): moto is one Python process,
-    so each of its answers takes a share of one core whatever the machine's. An epoch of G
-    GETs spends at least G / this on the server."""
+    """Ranged GETs of `part` bytes a second that the servers at `ports` answer, asked for by
+    `threads` threads at once (straight to them, spread evenly, through forge-grain's client):
+    moto is one Python process, so each of its answers takes a share of one core whatever the
+    machine's. An epoch of G GETs spends at least G / this on the servers."""
     import threading
 
     from forge_grain.stores.remote_dir import RemoteDir
 
-    remote = RemoteDir(f"s3://bench/{name.rpartition('/')[0]}",
-                       {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"})
+    remotes = [RemoteDir(f"s3://bench/{name.rpartition('/')[0]}",
+                         {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"})
+               for port in ports]
     leaf, done, stop = name.rpartition("/")[2], [0] * threads, time.perf_counter() + seconds
 
     def ask(k: int) -> None:
         at = k * part
         while time.perf_counter() < stop:
             at = (at + 7 * part) % (size - part)
-            remote.read_range(leaf, at, at + part)
+            remotes[k % len(remotes)].read_range(leaf, at, at + part)
             done[k] += 1
 
     t = time.perf_counter()
@@ -171,6 +175,9 @@ def main() -> None:
                                       "comma-separated: 'store,Megatron,LitData')")
     ap.add_argument("--step-ms", type=float, default=0.0, help="forge-grain's readers on the link sleep this long "
                     "after each batch, as a trainer's step (0: read flat out)")
+    ap.add_argument("--servers", type=int, default=1, help="moto servers holding the same objects behind the link "
+                    "(servers.py: one answers about 450 ranged GETs a second on one core; on a machine of many cores, "
+                    "more lift that ceiling)")
     ap.add_argument("--link", help="ttfb_ms=30,mbps=10: every reader reads each epoch twice, through the counting "
                                    "proxy (the bytes) and through a shaped link straight to the server "
                                    "(shaped_link.py: the rates are those of a link, not of this machine's CPU "
@@ -183,12 +190,13 @@ def main() -> None:
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    port, server = start_server(work)
+    ports, procs = start_servers(work, a.servers)
+    port = ports[0]  # (written first; the others are its mirrors)
     proxy = FaultProxy(port)
     link, reach = None, None
     if a.link:
         from link import parse_link, start_link
-        reach, link = start_link(port, *parse_link(a.link))  # (the counting proxy, in Python, would bind)
+        reach, link = start_link(ports, *parse_link(a.link))  # (the counting proxy, in Python, would bind)
     try:
         store = sharded_synthetic_store(work / "store", a.docs, FILES)
         docs = [store[i] for i in range(len(store))]
@@ -213,16 +221,21 @@ def main() -> None:
                   f"({FILES} files of {unit / 1e6:.2f} MB); seq_len {SEQ_LEN}, batch {BATCH}, one shuffled epoch; "
                   "each cell: bytes of data files the server sent / the data's bytes (forge-grain: first open + "
                   "epoch)" + (f"; rates read through a shaped link to the server, {a.link}" if a.link else "")
-                  + (f", a training step of {a.step_ms:g} ms after each batch" if a.link and a.step_ms else ""))
+                  + (f", a training step of {a.step_ms:g} ms after each batch" if a.link and a.step_ms else "")
+                  + (f"; {a.servers} moto servers holding the same objects behind the link" if a.servers > 1 else ""))
         lines = [header, f"  {'reader':<36}" + "".join(f"{(f'{k} files' if k else 'unbounded'):>18}" for k in LIMITS)]
         print("\n".join(lines), flush=True)
         notes = []
         forge_grain(proxy, port, "s3://bench/store", None, work)  # (warm: numba's compiled kernels, the imports)
         shard = min(store.path.glob("*.bin"))
-        ceiling = server_ceiling(port, f"store/{shard.name}", shard.stat().st_size)
-        notes.append(f"  the server: {ceiling:.0f} ranged GETs of {PART >> 10} KiB a second at most ({ceiling * PART / 1e6:.0f} "
-                     "MB/s; 32 threads asking straight to it); moto is one Python process, so this holds on any number "
-                     "of cores, and a reader's GETs / it is the least time the server spends on its epoch")
+        if a.servers > 1:
+            print(f"  the bucket's {mirror(ports)} objects copied to {a.servers - 1} more servers", flush=True)
+        ceiling = server_ceiling(ports, f"store/{shard.name}", shard.stat().st_size)
+        notes.append(f"  the server{'s' if a.servers > 1 else ''}: {ceiling:.0f} ranged GETs of {PART >> 10} KiB a second at "
+                     f"most ({ceiling * PART / 1e6:.0f} MB/s; 32 threads asking straight to "
+                     + (f"{a.servers} moto processes)" if a.servers > 1 else
+                        "it); moto is one Python process, so this holds on any number of cores")
+                     + "; a reader's GETs / it is the least time the server spends on its epoch")
         print(notes[-1], flush=True)
         for label, (kind, path) in readers.items():
             if a.readers and not any(text in label for text in a.readers.split(",")):
@@ -271,7 +284,7 @@ def main() -> None:
             Path(a.out).write_text("\n".join(lines) + "\n")
     finally:
         proxy.stop()
-        for proc in (link, server):
+        for proc in (link, *procs):
             if proc is not None:
                 proc.terminate()
                 proc.wait()

@@ -37,8 +37,11 @@ def parse_link(spec: str) -> tuple[float, float]:
     return values["ttfb_ms"], values["mbps"]
 
 
-def start_link(upstream: int, ttfb_ms: float, mbps: float) -> tuple[int, subprocess.Popen]:
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("shaped_link.py")), str(upstream),
+def start_link(upstream: int | list[int], ttfb_ms: float, mbps: float) -> tuple[int, subprocess.Popen]:
+    """`shaped_link.py` in front of the server at `upstream` (or the servers holding the same
+    objects at several ports); its port and process."""
+    ports = ",".join(str(p) for p in ([upstream] if isinstance(upstream, int) else upstream))
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("shaped_link.py")), ports,
                              "--ttfb-ms", str(ttfb_ms), "--mbps", str(mbps)], stdout=subprocess.PIPE, text=True)
     return int(proc.stdout.readline()), proc
 

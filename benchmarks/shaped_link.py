@@ -1,10 +1,11 @@
 """A shaped network link in front of a local server, in its own process: what object storage
 is like from a training host, on a machine where the server is on 127.0.0.1.
 
-    python benchmarks/shaped_link.py UPSTREAM_PORT [--ttfb-ms 30] [--mbps 10]
+    python benchmarks/shaped_link.py UPSTREAM_PORT[,PORT...] [--ttfb-ms 30] [--mbps 10]
 
 Listens on a free port of 127.0.0.1 (printed on the first line of stdout) and forwards every
-TCP connection to UPSTREAM_PORT. Each response waits until `ttfb_ms` after the request that
+TCP connection to UPSTREAM_PORT (given several, each connection to the next in turn: servers
+holding the same objects, `servers.py`). Each response waits until `ttfb_ms` after the request that
 asked for it before its first byte (a request arriving while the previous answer still flows
 waits its own `ttfb_ms` too), and each connection is paced to `mbps` megabytes per second
 (a token bucket of 64 KiB): real object storage is bound by the time to the first byte and by
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import time
 from report import parser
@@ -66,10 +68,13 @@ async def pipe_answers(reader, writer, asked: list, ttfb: float, rate: float) ->
             await writer.drain()
 
 
-async def serve(upstream: int, ttfb: float, rate: float) -> None:
+async def serve(upstream: list[int], ttfb: float, rate: float) -> None:
+    turn = itertools.count()
+
     async def connection(client_reader, client_writer):
+        port = upstream[next(turn) % len(upstream)]  # (several servers holding the same objects: in turn)
         try:
-            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", upstream)
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", port)
         except OSError:
             client_writer.close()
             return
@@ -87,11 +92,12 @@ async def serve(upstream: int, ttfb: float, rate: float) -> None:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("upstream", type=int)
+    ap.add_argument("upstream", help="the server's port, or several, comma-separated (servers holding the same "
+                                     "objects: each connection goes to the next)")
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="milliseconds from a request to its answer's first byte")
     ap.add_argument("--mbps", type=float, default=10.0, help="megabytes per second one connection carries")
     args = ap.parse_args()
-    asyncio.run(serve(args.upstream, args.ttfb_ms / 1e3, args.mbps * 1e6))
+    asyncio.run(serve([int(p) for p in args.upstream.split(",")], args.ttfb_ms / 1e3, args.mbps * 1e6))
 
 
 if __name__ == "__main__":
