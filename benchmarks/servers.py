@@ -5,7 +5,7 @@ core, whatever the machine's cores. A reader that asks many small GETs (a bounde
 shard or a few blocks in flight, cut fine to fill the link) is then measured against that
 ceiling, not its own. Here the first server is written as the benchmark writes it; every
 object of its bucket is then copied to the others with the same ETag (a multipart object in
-parts of its first part's size, which `GetObject(PartNumber=1)` tells), and the shaped link
+parts of its first part's size, which `HeadObject(PartNumber=1)` tells), and the shaped link
 (`shaped_link.py` with several upstream ports) spreads its connections over all of them. An
 ETag that comes out different stops the run: forge-grain checks an object's version on every
 read, and a pool whose copies disagree would look like data rewritten under it.
