@@ -188,6 +188,10 @@ def main() -> None:
     from test_formats import write_megatron
 
     work = Path(a.work)
+
+    def chosen(label: str) -> bool:
+        return not a.readers or any(text in label for text in a.readers.split(","))
+
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ports, procs = start_servers(work, a.servers)
@@ -201,12 +205,13 @@ def main() -> None:
         store = sharded_synthetic_store(work / "store", a.docs, FILES)
         docs = [store[i] for i in range(len(store))]
         np.save(work / "tokens.npy", np.concatenate(docs))
-        (work / "megatron").mkdir()
-        write_megatron(work / "megatron" / "text_document", docs, dtype=np.uint16)
         fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=f"http://127.0.0.1:{port}")
         fs.mkdir("bench")
         fs.put(str(store.path), "bench/store", recursive=True)
-        fs.put(str(work / "megatron"), "bench/megatron", recursive=True)
+        if chosen("a Megatron file"):  # (Megatron's own writer: torch and megatron-core)
+            (work / "megatron").mkdir()
+            write_megatron(work / "megatron" / "text_document", docs, dtype=np.uint16)
+            fs.put(str(work / "megatron"), "bench/megatron", recursive=True)
         size = sum(f.stat().st_size for f in store.path.glob("*.bin"))
         unit = size // FILES
         readers = {"forge-grain, its store": ("fg", "s3://bench/store"),
@@ -238,7 +243,7 @@ def main() -> None:
                      + "; a reader's GETs / it is the least time the server spends on its epoch")
         print(notes[-1], flush=True)
         for label, (kind, path) in readers.items():
-            if a.readers and not any(text in label for text in a.readers.split(",")):
+            if not chosen(label):
                 continue
             results = {}
             for k in LIMITS:
