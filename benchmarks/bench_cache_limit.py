@@ -61,13 +61,18 @@ DATA = (".bin", ".mds")  # data files' names end so (indices: .idx, .json)
 PART = 1 << 19  # bytes of the ranged GETs the server's ceiling is measured with (forge-grain's parts ahead, at least)
 
 
+def of_data(counts) -> int:
+    """The sum of a proxy's counts (by path) over data files."""
+    return sum(n for path, n in counts.items() if path.split("?")[0].endswith(DATA))
+
+
 def served(proxy) -> int:
-    return sum(n for path, n in proxy.sent.items() if path.split("?")[0].endswith(DATA))
+    return of_data(proxy.sent)
 
 
 def asked(proxy) -> int:
     """GETs of data files the server answered."""
-    return sum(n for path, n in proxy.gets.items() if path.split("?")[0].endswith(DATA))
+    return of_data(proxy.gets)
 
 
 def server_ceiling(ports: list[int], name: str, size: int, part: int = PART, threads: int = 32,

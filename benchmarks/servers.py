@@ -41,25 +41,28 @@ def client(port: int):
 
 def mirror(ports: list[int], bucket: str = BUCKET) -> int:
     """Every object of `bucket` on the first server written to the others, each with the ETag
-    it has there; the objects copied."""
-    source = client(ports[0])
-    keys = sorted(source.find(bucket))
-    for port in ports[1:]:
-        target = client(port)
+    it has there (each read from the first once); the objects copied."""
+    source, targets = client(ports[0]), [client(port) for port in ports[1:]]
+    for target in targets:
         target.mkdir(bucket)
-        for key in keys:
-            copy_object(source, target, key)
+    keys = sorted(source.find(bucket))
+    for key in keys:
+        bucket_name, name = key.split("/", 1)
+        etag, data = source.call_s3("head_object", Bucket=bucket_name, Key=name)["ETag"], source.cat_file(key)
+        part = source.call_s3("head_object", Bucket=bucket_name, Key=name, PartNumber=1)["ContentLength"] \
+            if "-" in etag.strip('"') else None  # (a multipart object: the size of its parts)
+        for target in targets:
+            copy_object(target, key, data, etag, part)
     return len(keys)
 
 
-def copy_object(source, target, key: str) -> None:
+def copy_object(target, key: str, data: bytes, etag: str, part: int | None) -> None:
+    """`data` written to `key` at `target` in one PUT (`part` None) or in parts of `part`
+    bytes, and checked to have ETag `etag` there."""
     bucket, name = key.split("/", 1)
-    head = source.call_s3("head_object", Bucket=bucket, Key=name)
-    etag, data = head["ETag"], source.cat_file(key)
-    if "-" not in etag.strip('"'):
+    if part is None:
         target.call_s3("put_object", Bucket=bucket, Key=name, Body=data)
     else:
-        part = source.call_s3("head_object", Bucket=bucket, Key=name, PartNumber=1)["ContentLength"]
         upload = target.call_s3("create_multipart_upload", Bucket=bucket, Key=name)["UploadId"]
         done = []
         for k, a in enumerate(range(0, len(data), part), start=1):
