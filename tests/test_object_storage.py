@@ -401,6 +401,38 @@ def test_objects_a_read_waits_for_together_share_the_request_threads_between_the
     assert alone == workers and workers <= 8 * together <= workers + 8
 
 
+def test_a_prefetch_waiting_for_a_download_slot_goes_on_when_needed_and_is_dropped_when_unhinted(tmp_path, s3,
+                                                                                                monkeypatch):
+    """The objects a process downloads ahead are bounded process-wide (each holds two
+    descriptors). A prefetch waiting for a slot must not keep a read waiting: the slots may
+    all be held by prefetches that wait for room the reader frees only once it has that
+    object, so once its object is needed now (`hurry`) it goes on without a slot; and one
+    whose object is no longer hinted gives up, taking no slot."""
+    from forge_grain.stores import request_pool
+    from forge_grain.stores.object_cache import ObjectCache
+
+    s3.fs().pipe("bucket/slots/a", b"a" * 1000)
+    s3.fs().pipe("bucket/slots/b", b"b" * 1000)
+    cache = ObjectCache("s3://bucket/slots", s3.options(), tmp_path)
+    slots, hinted = request_pool.Slots(1), {"copy/a", "copy/b"}
+    monkeypatch.setattr(request_pool, "_AHEAD", [slots])
+    assert slots.take(lambda: True, lambda: False)  # the one slot held (by a prefetch waiting for room)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(cache.get, "a", "copy/a", size=1000, upcoming=lambda: hinted, ahead=True)
+            b = pool.submit(cache.get, "b", "copy/b", size=1000, upcoming=lambda: hinted, ahead=True)
+            time.sleep(0.5)
+            assert not a.done() and not b.done()  # waiting for a slot
+            cache.hurry("copy/a")
+            assert a.result(timeout=30).read_bytes() == b"a" * 1000
+            hinted.discard("copy/b")
+            slots.poke()
+            assert b.result(timeout=30) is None and not (cache.dir / "copy/b").exists()
+        assert slots.free == 0  # neither took a slot
+    finally:
+        slots.give()
+
+
 def test_an_object_fetched_ahead_alone_is_read_in_whole_rounds_of_the_request_threads():
     """A part's time is mostly the wait for its first byte: an object whose parts would end in
     a round that leaves request threads idle (48 parts on 32 threads) is cut into larger parts

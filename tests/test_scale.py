@@ -55,6 +55,12 @@ def run_limited(config: dict, work, max_open: int | None = None) -> tuple[int, i
     return int(fds), int(tokens)
 
 
+def docs_jsonl_of(path, docs) -> Path:
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"ids": d.tolist()}) + "\n" for d in docs)
+    return path
+
+
 def docs_jsonl(path, n_docs: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
@@ -94,6 +100,69 @@ def test_a_pipeline_of_1000_sources_iterates_and_resumes_under_ulimit_256(tmp_pa
     config = dict(sources=sources, seq_len=32, global_batch_size=64, seed=5)
     fds, tokens = run_limited(config, tmp_path)
     assert fds < 64 and tokens > 0
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 on 127.0.0.1, bucket "scale" (each test writes under a prefix of its own)."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from s3server import S3Server
+
+    with S3Server("scale") as server:
+        yield server
+
+
+@pytest.mark.parametrize("kind, limit", [("store", None), pytest.param("store", "tight", marks=pytest.mark.slow),
+                                         pytest.param("mds", None, marks=pytest.mark.slow),
+                                         pytest.param("mds", "tight", marks=pytest.mark.slow)])
+def test_a_mixture_of_datasets_of_1000_files_in_object_storage_resumes_under_ulimit_256(tmp_path, s3, kind, limit):
+    """Object storage holds descriptors for every object downloading (its temporary file and
+    its lock) and every request (a connection): four sources of 250 files each, read whole or
+    under a cache_limit that holds some dozens of them (evicting as it goes), need no more than
+    a cluster gives, however many sources download at once (each has threads for 64)."""
+    from mds_writer import write_mds
+
+    rng = np.random.default_rng(4)
+    docs = [np.concatenate([[0], rng.integers(2, 1000, int(rng.integers(400, 1600)))]) for _ in range(750)]
+    if kind == "store":
+        local = prepare(docs_jsonl_of(tmp_path / "docs.jsonl", docs), tmp_path / "local", token_field="ids",
+                        vocab_size=1000, bos_id=0, num_shards=250, progress=False)
+        extra, room = {}, 400_000  # its manifest (about 80 KB) and some 50 shards of 6 KB
+    else:
+        local = write_mds(tmp_path / "local", {"tokens": "ndarray:int32"},
+                          [{"tokens": d.astype(np.int32)} for d in docs], samples_per_shard=3)
+        extra, room = {"token_field": "tokens"}, 1_500_000  # its index, a record a file (2.3 KB), 70 files of 12 KB
+    data = sum(f.stat().st_size for f in Path(local).rglob("*") if f.is_file())
+    assert limit is None or data > room  # (a limit that evicts)
+    sources = []
+    for i in range(4):
+        s3.fs().put(str(local), f"scale/{tmp_path.name}/d{i}", recursive=True)
+        sources.append(dict(name=f"d{i}", path=f"s3://scale/{tmp_path.name}/d{i}", storage_options=s3.options(),
+                            strategy="bestfit", object_cache=str(tmp_path / "objects"), **extra,
+                            **({"cache_limit": room} if limit else {})))
+    fds, tokens = run_limited(dict(sources=sources, seq_len=64, global_batch_size=64, seed=1), tmp_path)
+    assert fds < 64 and tokens > 0
+
+
+def test_the_ranges_a_first_batch_reads_at_once_stay_within_ulimit_256(tmp_path, s3):
+    """A large batch's first step, read in ranges while its shards download, reads 1000s of
+    spans: made at once on a thread and a connection each, 600 of them ran out of descriptors."""
+    payload = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    child = textwrap.dedent(f"""\
+        import json, resource, sys
+        resource.setrlimit(resource.RLIMIT_NOFILE, ({LIMIT}, {LIMIT}))
+        from forge_grain.stores.object_cache import ObjectCache, read_at_once
+        cache = ObjectCache("s3://scale/spans", json.loads(sys.argv[1]), sys.argv[2])
+        spans = [("blob", a, a + 100) for a in range(0, 600 * 1500, 1500)]
+        got = read_at_once(cache, spans)
+        sys.stdout.buffer.write(b"".join(bytes(g) for g in got))
+    """)
+    s3.fs().pipe("scale/spans/blob", payload)
+    r = subprocess.run([sys.executable, "-c", child, json.dumps(s3.options()), str(tmp_path / "objects")],
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert r.stdout == b"".join(payload[a:a + 100] for a in range(0, 600 * 1500, 1500))
 
 
 # -- chunked planning -------------------------------------------------------------------------

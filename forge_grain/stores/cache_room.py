@@ -16,6 +16,7 @@ from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.processes import per_process
 from forge_grain.stores import handles
+from forge_grain.stores.request_pool import ahead_slots
 from forge_grain.stores.room_ahead import Partial, Turns
 from forge_grain.files import remove_stale_temporaries
 
@@ -55,8 +56,11 @@ class CacheRoom:
 
     def hurry(self, copy: str) -> None:
         """Say, to any process, that the copy at `copy` is needed now: a prefetch of it waiting
-        for room (`Partial`) stops waiting and makes room as a fetch needed now does. Nothing
-        for an unbounded cache, where nothing waits for room."""
+        for room (`Partial`) stops waiting and makes room as a fetch needed now does, and one
+        of this process waiting for a download slot (`ObjectCache.get`) stops waiting. Only the
+        latter for an unbounded cache, where nothing waits for room."""
+        self._needed_now.add(copy)
+        ahead_slots().poke()
         if self.limit is not None:
             with contextlib.suppress(OSError):
                 self._hurry_marker(copy).touch()
@@ -75,8 +79,14 @@ class CacheRoom:
 
     def heard(self, copy: str) -> None:
         """The word that `copy` is needed now is spent (its fetch is over)."""
+        self._needed_now.discard(copy)
         if self.limit is not None:
             self._hurry_marker(copy).unlink(missing_ok=True)
+
+    @per_process
+    def _needed_now(self) -> set:
+        """Copies this process waits for now (`hurry`)."""
+        return set()
 
     def _hurry_marker(self, copy: str) -> Path:
         return self._beside(copy, ".hurry.lock")

@@ -45,7 +45,8 @@ from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.harvest import PRINTS, Prints
 from forge_grain.stores.mapping import Maps
 from forge_grain.stores.room_ahead import arrived
-from forge_grain.stores.object_cache import OBJECTS, ObjectCache, read_spans, within_cache
+from forge_grain.stores.object_cache import ObjectCache, read_spans, within_cache
+from forge_grain.stores.request_pool import OBJECTS
 from forge_grain.stores.remote_dir import changed_under, listing
 
 # format -> (its index file, the list in it naming the data files)

@@ -27,18 +27,14 @@ from forge_grain.paths import cache_root, private_cache
 from forge_grain.processes import per_process
 from forge_grain.stores import identify
 from forge_grain.stores.cache_ledger import Ledger
+from forge_grain.stores.handles import share_of_descriptors
 from forge_grain.stores.cache_room import CacheRoom
 from forge_grain.files import temporary
 from forge_grain.stores.download import SPLIT, Download
 from forge_grain.stores.remote_dir import Damaged, RemoteDir, check_unchanged, remote_sizes
-from forge_grain.stores.request_pool import RETRIES, read_slot, shared_requests
+from forge_grain.stores.request_pool import RETRIES, ahead_slots, read_slot, shared_requests
 
-# objects downloading at once ahead of need, each on its own thread waiting on its parts' reads
-# (FetchWindow's FETCH_SHARDS); `within_cache` and the request pool bound them further. The
-# parts of a Megatron file under a cache_limit downloaded 8 at a time (the pool they shared with
-# the first open's indexing) while the hints held 28: behind 30 ms and 2 MB/s a connection the
-# epoch at 2 and 4 blocks' worth took 11.9 and 10.3 s, now 7.4 and 5.3 s (bench_cache_limit.py)
-OBJECTS = 64
+AT_ONCE = 64  # small reads a batch waits for made at once at most (`read_at_once`; fewer under a low ulimit -n)
 
 
 def within_cache(needed: list, size_of, limit: int | None) -> list:
@@ -103,15 +99,35 @@ class ObjectCache(CacheRoom, RemoteDir):
         try:
             if ahead and self.limit is not None and not self.turns.wait(copy, keep, job):
                 return None  # no longer hinted while it waited for its turn
-            with file_lock(self._beside(copy, ".lock")):
-                if local.exists():
-                    return local
-                if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag, guessed).run():
-                    return None
+            with self._slot(copy, keep, ahead) as wanted:
+                if not wanted:
+                    return None  # no longer hinted while it waited for a slot
+                with file_lock(self._beside(copy, ".lock")):
+                    if local.exists():
+                        return local
+                    if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag, guessed).run():
+                        return None
         finally:  # (a prefetch's turn ends where it was submitted: `Turns.submit`)
             if not ahead:
                 self.heard(copy)
         return local
+
+    @contextlib.contextmanager
+    def _slot(self, copy: str, keep, ahead: bool):
+        """One of the process's `ahead_slots` held meanwhile, for a prefetch (`ahead`); True,
+        or False where `copy` is no longer hinted (`keep()`) while it waited. One needed now
+        (`hurry`) waits no longer: the slots may all be held by prefetches that wait for room
+        the reader frees only once it has that copy."""
+        slots = ahead_slots()
+        held = slots.take(lambda: copy in keep(), lambda: copy in self._needed_now) if ahead else False
+        if held is None:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            if held:
+                slots.give()
 
     def derive(self, copy: str, size: int | None, write, upcoming=frozenset(), source: str | None = None) -> Path:
         """A file made in the cache from copies there (a compressed chunk's decompressed copy), at
@@ -238,13 +254,14 @@ def span_reader(cache: ObjectCache, name: str, condition: str | None = None, slo
 
 def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
     """The bytes of each span (name, a, b) of objects at `cache`'s URL, in order: small reads a
-    batch waits for, all made at once, each on a thread of its own, while the request pool
-    starts no new part of a download (`Requests.holding`). On the pool's threads each waited
-    for a part in flight to end (0.4 s for the 38 ranges of a first batch behind a 30 ms
-    link, on 2 cores). The threads are started without waiting for each to run (`_thread`:
-    `Thread.start` waits a few ms each while another thread holds the GIL). Where
-    `fetch_threads` fixes the reads in flight, they queue first on its threads instead. Their
-    memory is their caller's (no read slot)."""
+    batch waits for, made at once on threads of their own (up to `AT_ONCE`, each reading
+    spans in turn: each read holds a connection, and a large batch's first step read 1000s),
+    while the request pool starts no new part of a download (`Requests.holding`). On the
+    pool's threads each waited for a part in flight to end (0.4 s for the 38 ranges of a
+    first batch behind a 30 ms link, on 2 cores). The threads are started without waiting
+    for each to run (`_thread`: `Thread.start` waits a few ms each while another thread holds
+    the GIL). Where `fetch_threads` fixes the reads in flight, they queue first on its
+    threads instead. Their memory is their caller's (no read slot)."""
     requests = cache.requests
     if requests.fixed:
         job = requests.job()
@@ -256,15 +273,28 @@ def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
             for f in futures:
                 f.cancel()
     futures = [concurrent.futures.Future() for _ in spans]
+    jobs, lock = iter(list(zip(futures, spans))), threading.Lock()
     with requests.holding():
-        for f, (name, a, b) in zip(futures, spans):
-            _thread.start_new_thread(_into, (f, span_reader(cache, name, slot=False), a, b))
-        return [f.result() for f in futures]
+        for _ in range(min(len(spans), share_of_descriptors(AT_ONCE))):
+            _thread.start_new_thread(_each_into, (cache, jobs, lock))
+        try:
+            return [f.result() for f in futures]
+        finally:  # (one failed: the others are not started)
+            for f in futures:
+                f.cancel()
 
 
-def _into(future: concurrent.futures.Future, fn, *args) -> None:
-    """`fn(*args)`'s result or error, into `future`."""
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # handed to the caller
-        future.set_exception(e)
+def _each_into(cache: ObjectCache, jobs, lock: threading.Lock) -> None:
+    """Each span of `jobs` ((future, (name, a, b)), shared with the other threads) read, its
+    bytes or error into its future, until none is left."""
+    while True:
+        with lock:
+            future, (name, a, b) = next(jobs, (None, (None, 0, 0)))
+        if future is None:
+            return
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(span_reader(cache, name, slot=False)(a, b))
+        except BaseException as e:  # handed to the caller
+            future.set_exception(e)

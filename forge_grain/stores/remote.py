@@ -38,9 +38,9 @@ from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.document_ranges import DocumentRanges
 from forge_grain.stores.download import PART_MIN, WrongSize
 from forge_grain.stores.room_ahead import arrived
-from forge_grain.stores.object_cache import OBJECTS, ObjectCache, within_cache
+from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under
-from forge_grain.stores.request_pool import START
+from forge_grain.stores.request_pool import OBJECTS, START
 
 log = logging.getLogger(__name__)
 GUESSED = 64 << 20  # the largest joined index read at the size the manifest gives it, without a HEAD

@@ -21,9 +21,17 @@ import time
 import weakref
 
 from forge_grain.errors import StoreError
-from forge_grain.processes import at_fork
+from forge_grain.processes import EXITING, at_fork
+from forge_grain.stores.handles import share_of_descriptors
 
 RETRIES = 5
+# objects downloading at once ahead of need (a store's threads for them; `ahead_slots`: a
+# process's), each on its own thread waiting on its parts' reads (FetchWindow's FETCH_SHARDS);
+# `object_cache.within_cache` and the request pool bound them further. The
+# parts of a Megatron file under a cache_limit downloaded 8 at a time (the pool they shared with
+# the first open's indexing) while the hints held 28: behind 30 ms and 2 MB/s a connection the
+# epoch at 2 and 4 blocks' worth took 11.9 and 10.3 s, now 7.4 and 5.3 s (bench_cache_limit.py)
+OBJECTS = 64
 START, BOUND = 16, 64  # ranged reads in flight: where a pool starts, and the most it grows to
 IN_FLIGHT = BOUND  # ranged reads held in memory at once, process-wide (parts of at most 8 MiB: 512 MiB)
 _IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
@@ -256,11 +264,63 @@ def _after_fork() -> None:
     global _REQUESTS_LOCK, _IN_FLIGHT
     _REQUESTS_LOCK = threading.Lock()
     _IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
+    _AHEAD.clear()
     for pool in list(_ALL_REQUESTS):
         pool._reset()
 
 
 at_fork(_after_fork)
+
+
+class Slots:
+    """A count of things held at once across a process's threads, which a waiter stops waiting
+    for when what it waits to do is no longer wanted, or is needed now (then it goes on
+    without one). Waiters sleep until a slot is given back or `poke` says the needs changed
+    (hundreds of a mixture's download threads may wait: none polls)."""
+
+    WAKE_S = 1.0  # the longest a waiter sleeps without looking (the interpreter's exit)
+
+    def __init__(self, count: int):
+        self.free, self.changed = count, threading.Condition()
+
+    def take(self, wanted, now) -> bool | None:
+        """True: a slot taken (`give` it back); False: none, but `now()`: go on without one;
+        None: not `wanted()` any more (or the interpreter exits), nothing taken."""
+        with self.changed:
+            while True:
+                if not wanted() or EXITING.is_set():
+                    self.changed.notify()  # (the wake-up this waiter took is another's)
+                    return None
+                if self.free:
+                    self.free -= 1
+                    return True
+                if now():
+                    return False
+                self.changed.wait(self.WAKE_S)
+
+    def give(self) -> None:
+        with self.changed:
+            self.free += 1
+            self.changed.notify()
+
+    def poke(self) -> None:
+        """What the waiters want may have changed: each looks again."""
+        with self.changed:
+            self.changed.notify_all()
+
+
+_AHEAD: list = []  # this process's download slots (made on first use: `ahead_slots`)
+
+
+def ahead_slots() -> Slots:
+    """The objects a process downloads ahead of need at once, whatever the number of its
+    stores (each has threads for `OBJECTS`): as many, or fewer where the process
+    may open few descriptors (`share_of_descriptors`), since each holds two while it runs
+    (its temporary file and its lock)."""
+    with _REQUESTS_LOCK:
+        if not _AHEAD:
+            _AHEAD.append(Slots(share_of_descriptors(OBJECTS)))
+        return _AHEAD[0]
 
 
 def read_slot() -> threading.BoundedSemaphore:
