@@ -96,8 +96,7 @@ def data(tmp_path_factory, s3):
         shutil.copy(f, hub / f"train-{k:05d}-of-00002.jsonl")
     fs = s3.fs()
     for kind, path in local.items():
-        if not kind.startswith("aux"):
-            fs.put(str(path), f"cross/{kind}", recursive=True)
+        fs.put(str(path), f"cross/{kind}", recursive=True)
     for f in halves:
         fs.put(str(f), f"cross/texts/{f.name}")
     return {"local": local, "files": [str(f) for f in halves], "hub": str(base / "hub"), "base": base,
@@ -148,9 +147,16 @@ def source(data, case: dict, s3, local: bool = False) -> dict:
 
 
 def config(data, case, s3, local=False, weights=(0.7, 0.3)) -> dict:
+    """The case's mixture: the source under test and an aux store, which is in object storage
+    too where the case's location is "s3" (two sources there: opened at once, and a fresh
+    step's read from both at once), on disk otherwise (one of each)."""
     aux = "aux_ids" if case["store"] in FOREIGN else "aux_text"
     t = dict(source(data, case, s3, local), weight=weights[0])
-    d = dict(sources=[t, dict(name="aux", path=str(data["local"][aux]), weight=weights[1], strategy="concat")],
+    a = dict(name="aux", path=str(data["local"][aux]), weight=weights[1], strategy="concat")
+    if case["location"] == "s3" and not local:
+        a.update(path=f"s3://cross/{aux}", storage_options=t.get("storage_options") or s3.options(),
+                 object_cache=str(data["base"] / "objects" / uuid.uuid4().hex[:8]))
+    d = dict(sources=[t, a],
              seq_len=32, global_batch_size=8, seed=5, num_epochs=None, max_steps=STEPS + 4, canonical_streams=4,
              canonical_workers=2)
     shape = case["shape"]

@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -431,6 +432,29 @@ def test_a_prefetch_waiting_for_a_download_slot_goes_on_when_needed_and_is_dropp
         assert slots.free == 0  # neither took a slot
     finally:
         slots.give()
+
+
+def test_a_mixtures_sources_in_object_storage_open_at_once_and_give_the_local_batches(tmp_path, s3, local_stores):
+    """A mixture of sources in object storage opens them at once (each open waits on its
+    manifest and index: one after another, 8 sources behind a 30 ms link took 1.2 s to
+    build), and its first step reads them at once: the batches are the local copies'."""
+    for i in range(4):
+        s3.fs().put(str(local_stores["bin"]), f"bucket/openmix/d{i}", recursive=True)  # reads counted by prefix
+    s3.proxy.clear()
+    s3.proxy.latency = 0.1  # (each read: its opens overlap only if made at once)
+
+    def mixture(where):
+        return DataConfig.from_dict(dict(sources=[dict(name=f"d{i}", weight=1 + i, strategy="bestfit", **where(i))
+                                                  for i in range(4)],
+                                         seq_len=64, global_batch_size=16, seed=3, num_epochs=1))
+
+    remote = Pipeline(mixture(lambda i: dict(path=f"s3://bucket/openmix/d{i}", object_cache=str(tmp_path / "objects"),
+                                             storage_options=s3.options(via_proxy=True))), 0, 1)
+    assert s3.proxy.peaks["openmix"] >= 2  # (one after another: 1)
+    got = list(itertools.islice(remote.iterator(), 6))
+    want = list(itertools.islice(Pipeline(mixture(lambda i: dict(path=str(local_stores["bin"]))), 0, 1).iterator(), 6))
+    assert len(got) == 6 and all(same(a, b) for a, b in zip(got, want))
+    assert len(set(np.unique(got[0]["source_id"]).tolist())) > 1  # (a first step of several sources)
 
 
 def test_an_object_fetched_ahead_alone_is_read_in_whole_rounds_of_the_request_threads():

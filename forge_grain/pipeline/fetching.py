@@ -41,6 +41,7 @@ class FetchWindow:
         self._made: set = set()  # ... and made (`made`)
         self._last_made = -1
         self._window = {"front": 0, "end": -1}  # the last step begun, the first not in the window, shard counts
+        self.fresh_step: int | None = None  # the step the window last started afresh at (`step_reads.fresh`)
         self._lock = threading.Lock()
 
     @property
@@ -68,7 +69,7 @@ class FetchWindow:
                 return
             first = None
             if not w["front"] <= step <= w["end"]:  # the first call, a restore, or a jump
-                first = step
+                first = self.fresh_step = step
                 self._steps.clear()
                 self._begun.clear()
                 self._made.clear()

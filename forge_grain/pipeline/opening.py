@@ -12,6 +12,7 @@ that reads it to report."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import threading
@@ -27,6 +28,7 @@ from forge_grain.sources.deferred import SourceRecords, source_key
 from forge_grain.sources.factory import fitted_args, open_source
 
 AHEAD = 256  # steps the opener runs ahead of the last step made
+OPENING = 16  # sources in object storage opened at once at a build
 _IDLE_S = 1.0  # how often a waiting opener checks that its pipeline still exists
 _NOTHING = contextlib.nullcontext()
 
@@ -46,16 +48,33 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
         eager = None
         if any(s.hf_dataset is not None and not s.hf_streaming for s in c.sources):
             from forge_grain.preparation.hf_cache import eager_store as eager
-        opened = [open_source(s, c.seq_len, seed, shard_index, shard_count, cache_dir, c.plan_chunk_docs,
-                              plan_workers, records, key, c.max_segments_per_row, layout, tokenize_threads, progress,
-                              eager_store=eager)
-                  for s, seed, key in zip(c.sources, seeds, keys)]
+        def open_one(j: int):
+            return open_source(c.sources[j], c.seq_len, seeds[j], shard_index, shard_count, cache_dir,
+                               c.plan_chunk_docs, plan_workers, records, keys[j], c.max_segments_per_row, layout,
+                               tokenize_threads, progress, eager_store=eager)
+
+        remote = [j for j, s in enumerate(c.sources) if keys[j] is None and s.path is not None and is_url(s.path)]
+        together = remote if len(remote) > 1 else []
+        opened = dict(zip(together, opened_together(open_one, together)))
+        opened = [opened[j] if j in opened else open_one(j) for j in range(len(c.sources))]
         if records is not None:
             records.save()
     finally:
         if warming is not None:  # (also when an open fails: no thread outlives the build)
             warming.join()
     return opened
+
+
+def opened_together(open_one, sources: list[int]) -> list:
+    """`open_one(j)` of each source `j` in object storage, `OPENING` at once: each open waits
+    on a few requests (a manifest, an index), and one after another a mixture of 8 sources
+    behind a 30 ms link took 1.2 s to build. A failed open raises (the first in source order)
+    once the others are done."""
+    if not sources:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(min(OPENING, len(sources)), thread_name_prefix="forge-grain-open") as pool:
+        futures = [pool.submit(open_one, j) for j in sources]
+    return [f.result() for f in futures]
 
 
 def pack_args(config: DataConfig, cache_dir, plan_workers: int | None, progress: bool) -> list[dict]:

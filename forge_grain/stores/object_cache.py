@@ -105,7 +105,9 @@ class ObjectCache(CacheRoom, RemoteDir):
                 with file_lock(self._beside(copy, ".lock")):
                     if local.exists():
                         return local
-                    if not Download(self, name, local, sha256, size, keep, ahead, job, start, tag, guessed).run():
+                    now = ahead and copy in self._needed_now  # (a read waits for it already: fetched as such)
+                    if not Download(self, name, local, sha256, size, keep, ahead and not now, job, start, tag,
+                                    guessed).run():
                         return None
         finally:  # (a prefetch's turn ends where it was submitted: `Turns.submit`)
             if not ahead:

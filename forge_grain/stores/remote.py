@@ -240,6 +240,21 @@ class RemoteStore(NativeStore):
             self._mapped[k] = arr
         return arr
 
+    def arrays_for(self, needed) -> list[np.ndarray]:
+        """Shards `needed`, for one gather. Those still downloading ahead are all said to be
+        needed now before the first is waited for (`hurry`: each then goes on as a download a
+        read waits for, not behind the prefetches asked for before it): one after another, a
+        first batch reading 15 shards of one source of a mixture waited 1.2-1.8 s for them."""
+        with self._lock:
+            waiting = [self._name(k) for k in map(int, needed) if k not in self._mapped and k in self._pending]
+        for copy in waiting:
+            self.cache.hurry(copy)
+        try:
+            return [self._array(int(k)) for k in needed]
+        finally:
+            for copy in waiting:
+                self.cache.heard(copy)
+
     @property
     def maps(self) -> Maps:
         """The shards mapped now (a gather's table of addresses holds them while these are unchanged)."""

@@ -1,4 +1,5 @@
-"""A batch's early word to the prefetch hints: the shards it has finished reading.
+"""A batch's early word to the prefetch hints: the shards it has finished reading; and
+whether the step it makes starts a fresh window of hints.
 
 A step's hints keep every shard the step reads until its batch is made (the pipeline's
 `FetchWindow`). Where a step reads a shard it holds and one still arriving (a boundary
@@ -47,3 +48,24 @@ def done_reading(store, arrays) -> None:
     if now is not None and len(arrays):
         listener, step = now
         listener.read_early(step, store, arrays)
+
+
+def fresh() -> bool:
+    """Whether the step this thread makes is the first of a fresh window of hints (an
+    iterator made, a restore, a jump): its sources in object storage have none of its shards
+    yet, and each may wait on the network for them."""
+    now = getattr(_making, "now", None)
+    return now is not None and getattr(now[0], "fresh_step", None) == now[1]
+
+
+def carried(fn):
+    """`fn`, to run on another thread as part of the step this thread makes (its reads' word
+    reaches the same hints, and a first step reads ranges there too)."""
+    now = getattr(_making, "now", None)
+    if now is None:
+        return fn
+
+    def run(*args, **kwargs):
+        with making(*now):
+            return fn(*args, **kwargs)
+    return run
