@@ -258,6 +258,58 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
             proc.wait()
 
 
+def mixture_link(num_docs: int, sources: int, work: Path, link: str, peer_python: str | None, steps: int) -> list[str]:
+    """A mixture of `sources` copies of a 16-shard store through the shaped link, equal
+    weights: the first batch from the request (the build's part of it) and the rate over the
+    first `steps` steps after it, beside one of them alone and LitData's
+    `CombinedStreamingDataset` over as many copies of its own dataset."""
+    import s3fs
+
+    from corpora import sharded_synthetic_store
+    from link import forge_grain_epoch, parse_link, start_link
+
+    ttfb_ms, mbps = parse_link(link)
+    port, server = start_server(work)
+    link_port, proxy = start_link(port, ttfb_ms, mbps)
+    try:
+        direct = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
+        opts = {**direct, "endpoint_url": f"http://127.0.0.1:{link_port}"}
+        fs = s3fs.S3FileSystem(**direct)
+        fs.mkdir("bench")
+        local = sharded_synthetic_store(work / "store-16", num_docs, 16).path
+        for i in range(sources):
+            fs.put(str(local), f"bench/mix{i}", recursive=True)
+        size = sum(f.stat().st_size for f in local.iterdir() if f.suffix == ".bin")
+        lines = [f"a mixture of {sources} sources through a shaped link ({ttfb_ms:g} ms to every answer's first byte, "
+                 f"{mbps:g} MB/s a connection), each a copy of a 16-shard store of {num_docs:,} documents "
+                 f"({size / 1e6:.0f} MB), equal weights; seq_len {SEQ_LEN}, batch {BATCH}; the first batch from the "
+                 f"request and the rate over the first {steps} steps after it, from the request"]
+        print(lines[0], flush=True)
+        for n in (sources, 1):  # (the mixture first, in a cold process, as the peer's own)
+            cfg = DataConfig.from_dict(dict(sources=[dict(name=f"mix{i}", path=f"s3://bench/mix{i}",
+                                                          storage_options=opts, object_cache=str(work / f"objects-{n}"))
+                                                     for i in range(n)],
+                                            seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0))
+            got = forge_grain_epoch(cfg, steps=steps)
+            what = f"{n} sources" if n > 1 else "one of them alone"
+            lines.append(f"  forge-grain, {what:<18} first batch {got['first']:5.2f} s (the build {got['build']:.2f} s), "
+                         f"{got['rate'] / 1e6:6.2f} M tok/s, {got['cpu_per_gb']:.1f} core-s/GB")
+            print(lines[-1], flush=True)
+        if peer_python:
+            part = size // 2 // 16  # (LitData's chunks: the tokens of a shard, as in `shaped_link`)
+            line, _, whole, first, cpu = peer("LitData", peer_python, local, port, part, work, steps, link_port,
+                                             sources=sources)
+            lines.append(line if whole is None else
+                         f"  LitData CombinedStreamingDataset, {sources} sources: first batch {first:5.2f} s, "
+                         f"{whole / 1e6:6.2f} M tok/s" + (f", {cpu:.1f} core-s/GB" if cpu is not None else ""))
+            print(lines[-1], flush=True)
+        return lines
+    finally:
+        for proc in (proxy, server):
+            proc.terminate()
+            proc.wait()
+
+
 # the peers read by `peer`: their script, what they hold of the tokens, and the directories a retry clears
 PEERS = {
     "LitData": ("peer_litdata_s3.py", lambda o: f"{o['chunks']} chunks written by its optimize(), TokensLoader, "
@@ -268,11 +320,12 @@ PEERS = {
 
 
 def peer(name: str, python: str, local: Path, port: int, part: int, work: Path,
-         steps: int, read_port: int | None = None) -> tuple[str, float | None, float | None, float | None]:
+         steps: int, read_port: int | None = None, sources: int = 1) -> tuple:
     """A peer (`PEERS`) reading the same tokens from the same server (through `read_port`, a
     shaped link, where given), in parts of about `part` tokens (LitData's chunks) or bytes
     (Streaming's shards), run by `python`: the peers need an environment of their own here.
-    `steps` 0: the whole epoch. (line, steady rate, rate from the request, first batch s,
+    `steps` 0: the whole epoch; `sources`: as many copies of it mixed (LitData's
+    `CombinedStreamingDataset`). (line, steady rate, rate from the request, first batch s,
     core-seconds per GB delivered where the peer's script counts them)."""
     import json
 
@@ -285,11 +338,12 @@ def peer(name: str, python: str, local: Path, port: int, part: int, work: Path,
     label = f"{name} StreamingDataset"
     for attempt in range(2):  # LitData's reader has failed now and then here (a KeyError closing a chunk)
         for d in dirs:
-            shutil.rmtree(work / d, ignore_errors=True)
+            for path in work.glob(f"{d}*"):  # (a mixture's caches: litdata-cache-0, ...)
+                shutil.rmtree(path, ignore_errors=True)
         done = subprocess.run([python, str(Path(__file__).with_name(script)), str(work / "tokens.npy"),
                                f"http://127.0.0.1:{port}", str(work), str(SEQ_LEN), str(BATCH), str(steps), str(part),
                                f"http://127.0.0.1:{read_port or port}"],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env={**os.environ, "BENCH_SOURCES": str(sources)})
         if not done.returncode:
             break
         print(f"{name} failed (attempt {attempt + 1}): {done.stderr[-3000:]}", file=sys.stderr)
@@ -356,7 +410,15 @@ def main() -> None:
     ap.add_argument("--link", help="ttfb_ms=30,mbps=10: read whole epochs through a shaped link instead "
                                     "(benchmarks/link.py), at each of --link-shards")
     ap.add_argument("--link-shards", default="16,128", help="the shard counts read through --link")
+    ap.add_argument("--link-mixture", type=int, default=0, help="N: instead, a mixture of N copies of a 16-shard "
+                                                                  "store through --link (its first batch; --steps)")
     args = ap.parse_args()
+    if args.link and args.link_mixture:
+        with tempfile.TemporaryDirectory() as tmp:
+            lines = mixture_link(args.docs, args.link_mixture, Path(tmp), args.link, args.peer_python, args.steps)
+        spec = args.link.replace("_ms", "").replace("=", "").replace(",", "-")
+        publish(f"scale-link-mixture-{args.link_mixture}-{spec}", lines)
+        return
     if args.link:
         with tempfile.TemporaryDirectory() as tmp:
             counts = [int(n) for n in args.link_shards.split(",")]

@@ -86,23 +86,26 @@ def cpu_seconds() -> float:
     return use.ru_utime + use.ru_stime
 
 
-def forge_grain_epoch(cfg, **pipeline_options) -> dict:
-    """A whole epoch of `cfg` from the request: first batch s, tokens/s delivered, idle share,
-    and core-seconds per GB of tokens delivered (the loader's process only: the server and the
-    link run in their own)."""
+def forge_grain_epoch(cfg, steps: int | None = None, **pipeline_options) -> dict:
+    """A whole epoch of `cfg` from the request (or its first batch and `steps` more): first
+    batch s, the build's s, tokens/s delivered, idle share, and core-seconds per GB of tokens
+    delivered (the loader's process only: the server and the link run in their own)."""
+    import itertools
+
     from forge_grain import Pipeline
 
     with Idle() as idle:
         cpu = cpu_seconds()
         t = time.perf_counter()
         pipe = Pipeline(cfg, 0, 1, **pipeline_options)
+        build = time.perf_counter() - t
         it = pipe.iterator()
         batch = next(it)
         first = time.perf_counter() - t
         tokens = batch["segment_ids"].size
-        for batch in it:
+        for batch in it if steps is None else itertools.islice(it, steps):
             tokens += batch["segment_ids"].size
         elapsed = time.perf_counter() - t
         cpu = cpu_seconds() - cpu
-    return {"first": first, "rate": tokens / elapsed, "idle": idle.share, "steps": pipe.num_steps,
+    return {"first": first, "build": build, "rate": tokens / elapsed, "idle": idle.share, "steps": pipe.num_steps,
             "cpu_per_gb": cpu / (tokens * 2 / 1e9)}  # the store's uint16 tokens
