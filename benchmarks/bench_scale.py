@@ -292,8 +292,9 @@ def mixture_link(num_docs: int, sources: int, work: Path, link: str, peer_python
                                             seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0))
             got = forge_grain_epoch(cfg, steps=steps)
             what = f"{n} sources" if n > 1 else "one of them alone"
-            lines.append(f"  forge-grain, {what:<18} first batch {got['first']:5.2f} s (the build {got['build']:.2f} s), "
-                         f"{got['rate'] / 1e6:6.2f} M tok/s, {got['cpu_per_gb']:.1f} core-s/GB")
+            lines.append(f"  forge-grain, {what:<18} first batch {got['first']:5.2f} s "
+                         f"(the build {got['build']:.2f} s), {got['rate'] / 1e6:6.2f} M tok/s, "
+                         f"{got['cpu_per_gb']:.1f} core-s/GB")
             print(lines[-1], flush=True)
         if peer_python:
             part = size // 2 // 16  # (LitData's chunks: the tokens of a shard, as in `shaped_link`)

@@ -166,7 +166,8 @@ class Mixture(grain.MapDataset):
         fetching = [g for g in groups if getattr(getattr(self.datasets[g[0]], "store", None), "fetches", False)]
         if len(fetching) > 1 and step_reads.fresh():
             together(self._fill, fetching, out, rank, idx)
-            groups = [g for g in groups if g not in fetching]
+            done = {i for i, _ in fetching}
+            groups = [(i, sel) for i, sel in groups if i not in done]
         for i, sel in groups:
             self._fill(i, sel, out, rank, idx)
         out["source_id"] = src.astype(np.int32)

@@ -48,6 +48,7 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
         eager = None
         if any(s.hf_dataset is not None and not s.hf_streaming for s in c.sources):
             from forge_grain.preparation.hf_cache import eager_store as eager
+
         def open_one(j: int):
             return open_source(c.sources[j], c.seq_len, seeds[j], shard_index, shard_count, cache_dir,
                                c.plan_chunk_docs, plan_workers, records, keys[j], c.max_segments_per_row, layout,
@@ -72,7 +73,8 @@ def opened_together(open_one, sources: list[int]) -> list:
     once the others are done."""
     if not sources:
         return []
-    with concurrent.futures.ThreadPoolExecutor(min(OPENING, len(sources)), thread_name_prefix="forge-grain-open") as pool:
+    threads = min(OPENING, len(sources))
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="forge-grain-open") as pool:
         futures = [pool.submit(open_one, j) for j in sources]
     return [f.result() for f in futures]
 
