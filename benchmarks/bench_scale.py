@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import socket
@@ -190,14 +191,9 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
     import s3fs
 
     from corpora import sharded_synthetic_store
-    from link import ceiling, forge_grain_epoch, parse_link, start_link
+    from link import ceiling, forge_grain_epoch
 
-    ttfb_ms, mbps = parse_link(link)
-    port, server = start_server(work)
-    link_port, proxy = start_link(port, ttfb_ms, mbps)
-    try:
-        direct = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
-        opts = {**direct, "endpoint_url": f"http://127.0.0.1:{link_port}"}
+    with linked_server(work, link) as (port, link_port, direct, opts, ttfb_ms, mbps):
         s3fs.S3FileSystem(**direct).mkdir("bench")
         lines = [f"a shaped link: {ttfb_ms:g} ms to every answer's first byte, {mbps:g} MB/s a connection "
                  f"(benchmarks/shaped_link.py), moto behind it; {num_docs:,} documents of uint16 tokens; seq_len "
@@ -252,6 +248,21 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
                                  + (f", {cpu:.1f} core-s/GB" if cpu is not None else "") + (f", {note}" if note else ""))
                 print(lines[-1], flush=True)
         return lines
+
+
+@contextlib.contextmanager
+def linked_server(work: Path, link: str):
+    """moto behind the shaped link `link` ("ttfb_ms=30,mbps=10"), stopped at the end:
+    (server port, link port, storage options straight to the server, through the link,
+    the link's ms to the first byte, its MB/s a connection)."""
+    from link import parse_link, start_link
+
+    ttfb_ms, mbps = parse_link(link)
+    port, server = start_server(work)
+    link_port, proxy = start_link(port, ttfb_ms, mbps)
+    try:
+        direct = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
+        yield port, link_port, direct, {**direct, "endpoint_url": f"http://127.0.0.1:{link_port}"}, ttfb_ms, mbps
     finally:
         for proc in (proxy, server):
             proc.terminate()
@@ -266,14 +277,9 @@ def mixture_link(num_docs: int, sources: int, work: Path, link: str, peer_python
     import s3fs
 
     from corpora import sharded_synthetic_store
-    from link import forge_grain_epoch, parse_link, start_link
+    from link import forge_grain_epoch
 
-    ttfb_ms, mbps = parse_link(link)
-    port, server = start_server(work)
-    link_port, proxy = start_link(port, ttfb_ms, mbps)
-    try:
-        direct = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{port}"}
-        opts = {**direct, "endpoint_url": f"http://127.0.0.1:{link_port}"}
+    with linked_server(work, link) as (port, link_port, direct, opts, ttfb_ms, mbps):
         fs = s3fs.S3FileSystem(**direct)
         fs.mkdir("bench")
         local = sharded_synthetic_store(work / "store-16", num_docs, 16).path
@@ -305,10 +311,6 @@ def mixture_link(num_docs: int, sources: int, work: Path, link: str, peer_python
                          f"{whole / 1e6:6.2f} M tok/s" + (f", {cpu:.1f} core-s/GB" if cpu is not None else ""))
             print(lines[-1], flush=True)
         return lines
-    finally:
-        for proc in (proxy, server):
-            proc.terminate()
-            proc.wait()
 
 
 # the peers read by `peer`: their script, what they hold of the tokens, and the directories a retry clears
