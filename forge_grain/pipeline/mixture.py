@@ -163,7 +163,7 @@ class Mixture(grain.MapDataset):
         idx = np.asarray(indices, np.int64).reshape(-1)
         one = len(self.datasets) == 1  # (no grouping to do: every row is the one source's)
         groups = [(0, np.arange(len(src)))] if one else [(i, np.flatnonzero(src == i)) for i in np.unique(src)]
-        fetching = [g for g in groups if getattr(getattr(self.datasets[g[0]], "store", None), "fetches", False)]
+        fetching = [g for g in groups if fetches(self.datasets[g[0]])]
         if len(fetching) > 1 and step_reads.fresh():
             together(self._fill, fetching, out, rank, idx)
             done = {i for i, _ in fetching}
@@ -188,6 +188,12 @@ class Mixture(grain.MapDataset):
 
     def __str__(self) -> str:
         return f"Mixture({len(self.datasets)} sources, {len(self.phase_rows)} phase(s))"
+
+
+def fetches(dataset) -> bool:
+    """Whether `dataset` reads a store in object storage (a deferred source is a local one:
+    asking its store would open it)."""
+    return getattr(dataset, "is_open", True) and getattr(getattr(dataset, "store", None), "fetches", False)
 
 
 def together(fill, groups: list, *args) -> None:
