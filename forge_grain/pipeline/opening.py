@@ -55,8 +55,7 @@ def open_sources(config: DataConfig, shard_index: int, shard_count: int, cache_d
                                tokenize_threads, progress, eager_store=eager)
 
         remote = [j for j, s in enumerate(c.sources) if keys[j] is None and s.path is not None and is_url(s.path)]
-        together = remote if len(remote) > 1 else []
-        opened = dict(zip(together, opened_together(open_one, together)))
+        opened = dict(zip(remote, opened_together(open_one, remote))) if len(remote) > 1 else {}
         opened = [opened[j] if j in opened else open_one(j) for j in range(len(c.sources))]
         if records is not None:
             records.save()
@@ -71,8 +70,6 @@ def opened_together(open_one, sources: list[int]) -> list:
     on a few requests (a manifest, an index), and one after another a mixture of 8 sources
     behind a 30 ms link took 1.2 s to build. A failed open raises (the first in source order)
     once the others are done."""
-    if not sources:
-        return []
     threads = min(OPENING, len(sources))
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="forge-grain-open") as pool:
         futures = [pool.submit(open_one, j) for j in sources]

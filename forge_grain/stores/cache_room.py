@@ -65,6 +65,20 @@ class CacheRoom:
             with contextlib.suppress(OSError):
                 self._hurry_marker(copy).touch()
 
+    @contextlib.contextmanager
+    def needed_now(self, copies: list):
+        """All of `copies` (prefetches a step waits for) said to be needed now (`hurry`) before
+        the first is waited for, so that each is fetched as a read waiting now, not behind the
+        prefetches asked for before it (one at a time, a first batch reading 15 shards of one
+        source of a mixture waited 1.2-1.8 s for them); the word spent at the end."""
+        for copy in copies:
+            self.hurry(copy)
+        try:
+            yield
+        finally:
+            for copy in copies:
+                self.heard(copy)
+
     def result_now(self, prefetch, copy: str):
         """The result of `prefetch`, the future of a prefetch of `copy`, needed now: hurried
         while it runs, and the word spent once it is over (the prefetch spends it as it ends,

@@ -128,10 +128,13 @@ class FetchedParts(TokenStore):
         return np.searchsorted(self._first_array, np.asarray(arrays, np.int64), side="right") - 1
 
     def arrays_for(self, needed) -> list[np.ndarray]:
-        """Token arrays `needed`, their parts mapped first where they are not."""
-        first = self._first_array
-        return [self._map_part(p)[k - int(first[p])]
-                for k, p in zip(np.asarray(needed, np.int64).tolist(), self._parts_of(needed).tolist())]
+        """Token arrays `needed`, their parts mapped first where they are not (those still
+        downloading ahead all needed now: `CacheRoom.needed_now`)."""
+        first, parts = self._first_array, self._parts_of(needed).tolist()
+        with self._lock:
+            waiting = [self._parts[p].fetched for p in dict.fromkeys(parts) if p in self._pending]
+        with self.cache.needed_now(waiting):
+            return [self._map_part(p)[k - int(first[p])] for k, p in zip(np.asarray(needed, np.int64).tolist(), parts)]
 
     def mapped(self, needed) -> list[np.ndarray] | None:
         """Token arrays `needed` if their parts are all mapped: one search and one lock for them

@@ -241,19 +241,12 @@ class RemoteStore(NativeStore):
         return arr
 
     def arrays_for(self, needed) -> list[np.ndarray]:
-        """Shards `needed`, for one gather. Those still downloading ahead are all said to be
-        needed now before the first is waited for (`hurry`: each then goes on as a download a
-        read waits for, not behind the prefetches asked for before it): one after another, a
-        first batch reading 15 shards of one source of a mixture waited 1.2-1.8 s for them."""
+        """Shards `needed`, for one gather: those still downloading ahead all needed now
+        (`CacheRoom.needed_now`)."""
         with self._lock:
             waiting = [self._name(k) for k in map(int, needed) if k not in self._mapped and k in self._pending]
-        for copy in waiting:
-            self.cache.hurry(copy)
-        try:
+        with self.cache.needed_now(waiting):
             return [self._array(int(k)) for k in needed]
-        finally:
-            for copy in waiting:
-                self.cache.heard(copy)
 
     @property
     def maps(self) -> Maps:
