@@ -551,6 +551,45 @@ def test_shards_hinted_together_are_read_in_the_order_of_need(tmp_path, s3, loca
     assert got == need
 
 
+def test_a_mixtures_downloads_ahead_follow_the_steps_across_its_sources(tmp_path, s3, local_stores):
+    """A mixture's hint numbers its sources' downloads by the steps that first read them: with
+    one read in flight, the shards arrive in the order of need across the sources. Numbered
+    one source after another, one source's whole window queued before the other's first
+    shard, which a step then waited for."""
+    from forge_grain.pipeline.fetching import HINT_STEPS
+
+    for name in ("a", "b"):
+        s3.fs().put(str(local_stores["bin"]), f"bucket/needmix/{name}", recursive=True)
+    s3.proxy.clear()
+    pipe = Pipeline(DataConfig.from_dict(dict(
+        sources=[dict(name=n, path=f"s3://bucket/needmix/{n}", strategy="bestfit", shuffle_window=1, fetch_threads=1,
+                      object_cache=str(tmp_path / "objects"), storage_options=s3.options(via_proxy=True))
+                 for n in "ab"],
+        seq_len=64, global_batch_size=8, seed=1, plan_chunk_docs=100, num_epochs=1)), 0, 1)
+    stores = [d.store for d in pipe.datasets]
+    requests = stores[0].cache.requests  # (one pool: both have fetch_threads = 1)
+    gate = threading.Event()  # the one reader is held while the hint queues every shard behind it
+    requests.submit(True, requests.job(), gate.wait)
+    pipe.fetching.advance(0)  # the hint of the first steps, as the first batch tells it
+    time.sleep(0.5)  # the download threads all start meanwhile, in whatever order
+    gate.set()
+    hinted = [sorted(store._pending) for store in stores]
+    for store, shards in zip(stores, hinted):
+        for k in shards:
+            store._array(k)
+    got = [(path.split("/needmix/")[1][0], int(path.rsplit("shard-", 1)[1][:5])) for method, path in s3.proxy.seen
+           if method == "GET" and "/needmix/" in path and path.endswith(".bin")]
+    first_block = {}  # (source, shard) -> the block of steps that first reads it (what a hint orders by)
+    for step in range(pipe.order.num_steps):
+        src, rank = pipe.order.locate(pipe.order.shard_rows(step))
+        for i, name in enumerate("ab"):
+            for k in pipe.datasets[i].arrays_read(rank[src == i]).tolist():
+                first_block.setdefault((name, k), step // HINT_STEPS)
+    blocks = [first_block[g] for g in got]
+    assert {name for name, _ in got} == {"a", "b"} and len(got) == sum(map(len, hinted))
+    assert blocks == sorted(blocks), got
+
+
 def test_a_pipeline_over_object_storage_leaves_no_thread_of_its_build_running(tmp_path, s3, local_stores):
     """numba is set up in a thread while remote stores open; the build joins it, so a
     DataLoader worker forked after the build finds no lock held by it."""

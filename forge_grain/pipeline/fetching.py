@@ -190,9 +190,36 @@ class FetchWindow:
         if shards == w["sent"]:  # the same shards as the last hint: nothing to tell
             return
         w["sent"] = shards
+        steps = list(self._steps.values())
+        reads = [[(p, arrays[j]) for p, arrays in enumerate(steps) if len(arrays[j])]  # (most steps' are empty)
+                 for j in range(len(self.fetching))]
+        jobs = self._numbered(reads)
         for j, i in enumerate(self.fetching):
-            read = [arrays[j] for arrays in self._steps.values() if len(arrays[j])]  # (most steps' are empty)
-            self.datasets[i].store.prefetch(np.concatenate(read) if read else np.zeros(0, np.int64), first)
+            read = [a for _, a in reads[j]]
+            self.datasets[i].store.prefetch(np.concatenate(read) if read else np.zeros(0, np.int64), first, jobs[j])
+
+    def _numbered(self, reads: list) -> list:
+        """The job numbers of each source's reads ((place of the step in the window, arrays)),
+        in the order of need across the sources: by step, and within a step (a block's)
+        the sources' first arrays, then their second ones, and so on. Numbered one source
+        after another, a mixture's whole window of one source queued before the next source's
+        first shard, and each of the others was fetched only once a step waited for it."""
+        if len(reads) < 2:
+            return [None] * len(reads)
+        entries = [(np.full(len(a), p), np.arange(len(a)), np.full(len(a), j))
+                   for j, read in enumerate(reads) for p, a in read]
+        if not entries:
+            return [None] * len(reads)
+        place, within, source = (np.concatenate(c) for c in zip(*entries))
+        rank = np.empty(len(place), np.int64)
+        rank[np.lexsort((source, within, place))] = np.arange(len(place))
+        pools = [self.datasets[i].store.cache.requests for i in self.fetching]
+        base = {}  # (sources with `fetch_threads` of their own have pools of their own)
+        for requests in pools:
+            if id(requests) not in base:
+                base[id(requests)] = requests.jobs(len(place))
+        ends = np.cumsum([sum(len(a) for _, a in read) for read in reads])
+        return [base[id(requests)] + r for requests, r in zip(pools, np.split(rank, ends[:-1]))]
 
 
 _NOTHING = contextlib.nullcontext()

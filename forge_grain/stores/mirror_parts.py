@@ -44,7 +44,7 @@ from forge_grain.stores.base import TokenStore, join_offsets
 from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.harvest import PRINTS, Prints
 from forge_grain.stores.mapping import Maps
-from forge_grain.stores.room_ahead import arrived
+from forge_grain.stores.room_ahead import arrived, first_numbers
 from forge_grain.stores.object_cache import ObjectCache, read_spans, within_cache
 from forge_grain.stores.request_pool import OBJECTS
 from forge_grain.stores.remote_dir import changed_under, listing
@@ -194,11 +194,13 @@ class FetchedParts(TokenStore):
         parts = self._parts_of(arrays)
         return parts, np.array([self._parts[p].size for p in parts.tolist()], np.int64)
 
-    def prefetch(self, needed, first: int | None = None) -> None:
+    def prefetch(self, needed, first: int | None = None, jobs=None) -> None:
         """Fetch the files holding token arrays `needed` (in reading order) in the background,
         as many as the cache holds ahead (`within_cache`); files no longer hinted are
         unmapped, so eviction frees their space."""
-        ordered = list(dict.fromkeys(self._parts_of(needed).tolist()))
+        holding = self._parts_of(needed)
+        number = first_numbers(holding, jobs)
+        ordered = list(dict.fromkeys(holding.tolist()))
         parts = within_cache(ordered, lambda p: self._parts[p].size, self.cache.room())
         with self._lock:
             self._keep = frozenset(n for p in parts for n in (self._parts[p].copy, self._parts[p].fetched))
@@ -208,7 +210,8 @@ class FetchedParts(TokenStore):
             for p in parts:
                 if p not in self._opened and p not in self._pending:
                     self._pending[p] = self.cache.turns.submit(
-                        self._pool, lambda job, part=self._parts[p]: part.fetch(lambda: self._keep, True, job))
+                        self._pool, lambda job, part=self._parts[p]: part.fetch(lambda: self._keep, True, job),
+                        number.get(p))
 
     def close(self) -> None:
         super().close()

@@ -37,7 +37,7 @@ from forge_grain.stores.native import NativeStore
 from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.document_ranges import DocumentRanges
 from forge_grain.stores.download import PART_MIN, WrongSize
-from forge_grain.stores.room_ahead import arrived
+from forge_grain.stores.room_ahead import arrived, first_numbers
 from forge_grain.stores.object_cache import ObjectCache, within_cache
 from forge_grain.stores.remote_dir import changed_under
 from forge_grain.stores.request_pool import OBJECTS, START
@@ -271,7 +271,7 @@ class RemoteStore(NativeStore):
         tokens = np.array([self.manifest.shards[k].num_tokens for k in shards.tolist()], np.int64)
         return shards, tokens * self.dtype.itemsize
 
-    def prefetch(self, needed, first: int | None = None) -> None:
+    def prefetch(self, needed, first: int | None = None, jobs=None) -> None:
         """Download shards `needed` (in the order the next steps read them) in the background,
         first needed first; until the next hint, eviction spares them. With `cache_limit`, the
         hint is cut to what the cache holds ahead (`within_cache`). Maps of shards no longer
@@ -279,6 +279,7 @@ class RemoteStore(NativeStore):
         steps start afresh at, which may read its documents in ranges (`read_ranges`)."""
         if first is not None:
             self._ranges.first = first
+        number = first_numbers(needed, jobs)
         needed = within_cache(list(dict.fromkeys(int(k) for k in needed)),
                               lambda k: self.manifest.shards[k].num_tokens * self.dtype.itemsize, self.cache.room())
         hinted = set(needed)
@@ -289,7 +290,7 @@ class RemoteStore(NativeStore):
             for k in needed:  # each shard's place among the reads taken now, in the order of need (the
                 if k not in self._mapped and k not in self._pending:  # threads start them in any order)
                     self._pending[k] = self.cache.turns.submit(
-                        self._pool, lambda job, k=k: self._landed(k, self._fetch(k, True, job)))
+                        self._pool, lambda job, k=k: self._landed(k, self._fetch(k, True, job)), number.get(k))
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 

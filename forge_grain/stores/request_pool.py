@@ -156,7 +156,8 @@ class Requests:
     once, or None: as many as the link gives (`Growth`)."""
 
     def __init__(self, workers: int | None = None):
-        self.fixed, self._order = workers, itertools.count()
+        self.fixed, self._order = workers, itertools.count()  # (ties: the order of submission)
+        self._next_job = 0
         self._reset()
         _ALL_REQUESTS.add(self)
 
@@ -169,6 +170,7 @@ class Requests:
         """No workers yet (and, in a forked child, none of the parent's queue, lock or
         measurements: it finds its own share of the link)."""
         self._queue, self._lock, self._running = queue.PriorityQueue(), threading.Lock(), 0
+        self._numbering = threading.Lock()
         self._resting, self._more = 0, threading.Condition(self._lock)  # (workers above the growth's)
         self.growth = Growth(self.fixed, self.fixed) if self.fixed else Growth()
         self._held, self._unheld = 0, threading.Condition()
@@ -190,7 +192,15 @@ class Requests:
 
     def job(self) -> int:
         """A number for a new job, after those of the jobs asked for before."""
-        return next(self._order)
+        return self.jobs(1)
+
+    def jobs(self, count: int) -> int:
+        """The first of `count` consecutive numbers for new jobs, after those asked for before:
+        a hint to several sources numbers their prefetches in the order the steps need them
+        across the sources (`FetchWindow`)."""
+        with self._numbering:
+            first, self._next_job = self._next_job, self._next_job + count
+        return first
 
     def _grow(self, workers: int) -> None:
         """Workers up to `workers`, each new one starting the next: `Thread.start` waits until

@@ -7,9 +7,22 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from forge_grain.processes import EXITING
 
 GROW_POLL_S = 0.01  # how often a partial prefetch looks for room (a lock and the ledger's tail)
+
+
+def first_numbers(needed, jobs) -> dict:
+    """Each of `needed` (shards, parts) to the job number of its first place in the hint
+    (`jobs`, one for each; None: {}, numbered as they are submitted)."""
+    if jobs is None:
+        return {}
+    number: dict = {}
+    for k, job in zip(np.asarray(needed, np.int64).tolist(), np.asarray(jobs, np.int64).tolist()):
+        number.setdefault(k, job)
+    return number
 
 
 def arrived(prefetch) -> bool:
@@ -29,10 +42,11 @@ class Turns:
         self._partial = 0  # partial prefetches waiting for room (one at most)
         self._queued: set = set()  # jobs of prefetches submitted and still to take their room
 
-    def submit(self, pool, fetch):
+    def submit(self, pool, fetch, job: int | None = None):
         """`fetch(job)` on `pool`, as a prefetch whose job number is taken now, in the order of
-        need: it takes room after those submitted before it, and its reads queue after theirs."""
-        job = self._next_job()
+        need (or given: `job`, one of a hint's numbers): it takes room after those of lower
+        numbers, and its reads queue after theirs."""
+        job = self._next_job() if job is None else job
         with self._changed:
             self._queued.add(job)
 
