@@ -277,7 +277,7 @@ def mixture_link(num_docs: int, sources: int, work: Path, link: str, peer_python
     import s3fs
 
     from corpora import sharded_synthetic_store
-    from link import forge_grain_epoch
+    from link import cold_epoch
 
     with linked_server(work, link) as (port, link_port, direct, opts, ttfb_ms, mbps):
         fs = s3fs.S3FileSystem(**direct)
@@ -289,18 +289,18 @@ def mixture_link(num_docs: int, sources: int, work: Path, link: str, peer_python
         lines = [f"a mixture of {sources} sources through a shaped link ({ttfb_ms:g} ms to every answer's first byte, "
                  f"{mbps:g} MB/s a connection), each a copy of a 16-shard store of {num_docs:,} documents "
                  f"({size / 1e6:.0f} MB), equal weights; seq_len {SEQ_LEN}, batch {BATCH}; the first batch from the "
-                 f"request and the rate over the first {steps} steps after it, from the request"]
+                 f"request and the rate over the first {steps} steps after it, from the request; each reader in a "
+                 f"cold process"]
         print(lines[0], flush=True)
-        # (the mixture first, in a cold process, as the peer's own); the docs' settings for object
-        # storage: shuffle_window 1 of chunks of one shard, each step reading a shard or two of a source
+        # each in a cold process, as the peer's own; the docs' settings for object storage:
+        # shuffle_window 1 of chunks of one shard, each step reading a shard or two of a source
         for n, docs in ((sources, False), (sources, True), (1, False)):
             local_order = dict(shuffle_window=1) if docs else {}
-            cfg = DataConfig.from_dict(dict(sources=[dict(name=f"mix{i}", path=f"s3://bench/mix{i}", storage_options=opts,
-                                                          object_cache=str(work / f"objects-{n}-{docs}"), **local_order)
-                                                     for i in range(n)],
-                                            seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0,
-                                            **(dict(plan_chunk_docs=-(-num_docs // 16)) if docs else {})))
-            got = forge_grain_epoch(cfg, steps=steps)
+            got = cold_epoch(dict(sources=[dict(name=f"mix{i}", path=f"s3://bench/mix{i}", storage_options=opts,
+                                                object_cache=str(work / f"objects-{n}-{docs}"), **local_order)
+                                           for i in range(n)],
+                                  seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0,
+                                  **(dict(plan_chunk_docs=-(-num_docs // 16)) if docs else {})), steps)
             what = (f"{n} sources" if n > 1 else "one of them alone") + (", docs' settings" if docs else "")
             lines.append(f"  forge-grain, {what:<34} first batch {got['first']:5.2f} s "
                          f"(the build {got['build']:.2f} s), {got['rate'] / 1e6:6.2f} M tok/s, "

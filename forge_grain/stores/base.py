@@ -207,9 +207,7 @@ class TokenStore(TargetMasks):
 
     def prefetch(self, needed: np.ndarray, first: int | None = None, jobs=None) -> None:
         """Token arrays the next steps will read (a hint; stores in object storage fetch them);
-        `first`: the step they start afresh at, if they do; `jobs`: each array's job number in
-        the request pool (`Requests.jobs`: a mixture's hint orders its sources' downloads by
-        step), or None: numbered in the order given."""
+        `first`: the step they start afresh at, if they do; `jobs`: their numbers (`Requests.jobs`)."""
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))
