@@ -590,6 +590,40 @@ def test_a_mixtures_downloads_ahead_follow_the_steps_across_its_sources(tmp_path
     assert blocks == sorted(blocks), got
 
 
+def test_a_closed_iterator_stops_the_downloads_ahead_it_asked_for(tmp_path, s3, local_stores, monkeypatch):
+    """Closing an iterator withdraws its hints: the downloads ahead not yet begun give up, and
+    only those already running (two here, the process's download slots) finish. Left to run,
+    a closed iterator's window downloaded every shard it named beside the next reader's."""
+    from forge_grain.stores import request_pool
+
+    monkeypatch.setattr(request_pool, "_AHEAD", [request_pool.Slots(2)])  # (two downloads ahead at once)
+    s3.fs().put(str(local_stores["bin"]), "bucket/closing", recursive=True)
+    s3.proxy.clear()
+    s3.proxy.latency = 0.05
+    pipe = Pipeline(config(source("s3://bucket/closing", storage_options=s3.options(via_proxy=True),
+                                  object_cache=str(tmp_path / "objects"))), 0, 1)
+    it = pipe.iterator()
+    next(it)
+    hinted = len(pipe.datasets[0].store._keep)
+    it.close()
+
+    def fetched():
+        return {path for method, path in s3.proxy.seen if method == "GET" and "/closing/" in path and
+                path.endswith(".bin")}
+
+    seen, deadline = None, time.monotonic() + 30
+    while fetched() != seen and time.monotonic() < deadline:  # until no new shard for a second
+        seen = fetched()
+        time.sleep(1.0)
+    assert hinted >= 20 and len(seen) <= 8, (hinted, len(seen))  # (the first batch's, and two running)
+    assert not pipe.datasets[0].store._keep
+    again = pipe.iterator()  # a new iterator tells its own hints again, and reads as before
+    got = [next(again) for _ in range(3)]
+    want = list(itertools.islice(Pipeline(config(source(local_stores["bin"])), 0, 1).iterator(), 3))
+    assert all(same(a, b) for a, b in zip(got, want))
+    again.close()
+
+
 def test_a_pipeline_over_object_storage_leaves_no_thread_of_its_build_running(tmp_path, s3, local_stores):
     """numba is set up in a thread while remote stores open; the build joins it, so a
     DataLoader worker forked after the build finds no lock held by it."""

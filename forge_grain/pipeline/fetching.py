@@ -100,6 +100,23 @@ class FetchWindow:
                 self._enter(self._window["front"])
                 self._tell()
 
+    def stop(self) -> None:
+        """No step is coming (the iterator closed): the sources are told of no shard, so the
+        downloads ahead not yet begun give up (those running, at most the process's
+        `ahead_slots`, finish), and the next step starts the window afresh. A closed
+        iterator's window went on downloading every shard it named, up to `FETCH_SHARDS` of
+        every source, beside the reads of whatever the process read next."""
+        with self._lock:
+            if self._window["end"] < 0:  # (never told anything since the last start)
+                return
+            self._steps.clear()
+            self._begun.clear()
+            self._made.clear()
+            self._last_made = -1
+            self._window = {"front": 0, "end": -1}
+            for i in self.fetching:
+                self.datasets[i].store.prefetch(np.zeros(0, np.int64))
+
     def read_early(self, step: int, store, arrays) -> None:
         """`step`'s batch has read `arrays` of `store` and will read them no more (it waits for
         its other shards): they leave the step's hints now, and a shard that no step in the

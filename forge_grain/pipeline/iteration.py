@@ -131,6 +131,7 @@ class PipelineIterator(grain.DatasetIterator):
             getattr(self._mp_iter, "close", lambda: None)()
             self._mp_iter = None
             _WITH_WORKERS.discard(self)
+        self.pipeline.fetching.stop()  # (its downloads ahead not yet begun: none is needed now)
 
 
 class _ThreadPrefetch:
