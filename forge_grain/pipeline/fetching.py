@@ -70,10 +70,7 @@ class FetchWindow:
             first = None
             if not w["front"] <= step <= w["end"]:  # the first call, a restore, or a jump
                 first = self.fresh_step = step
-                self._steps.clear()
-                self._begun.clear()
-                self._made.clear()
-                self._last_made = -1
+                self._empty()
                 w.update(end=step, counts=[collections.Counter() for _ in self.fetching], sent=None)
             w["front"] = step
             changed = self._leave() | (w["sent"] is None)
@@ -109,13 +106,17 @@ class FetchWindow:
         with self._lock:
             if self._window["end"] < 0:  # (never told anything since the last start)
                 return
-            self._steps.clear()
-            self._begun.clear()
-            self._made.clear()
-            self._last_made = -1
-            self._window = {"front": 0, "end": -1}
+            self._empty()
+            self._window.update(front=0, end=-1)  # (the next step is a first call)
             for i in self.fetching:
                 self.datasets[i].store.prefetch(np.zeros(0, np.int64))
+
+    def _empty(self) -> None:
+        """No step in the window (a fresh start, or a stop)."""
+        self._steps.clear()
+        self._begun.clear()
+        self._made.clear()
+        self._last_made = -1
 
     def read_early(self, step: int, store, arrays) -> None:
         """`step`'s batch has read `arrays` of `store` and will read them no more (it waits for
@@ -231,12 +232,10 @@ class FetchWindow:
         rank = np.empty(len(place), np.int64)
         rank[np.lexsort((source, within, place))] = np.arange(len(place))
         pools = [self.datasets[i].store.cache.requests for i in self.fetching]
-        base = {}  # (sources with `fetch_threads` of their own have pools of their own)
-        for requests in pools:
-            if id(requests) not in base:
-                base[id(requests)] = requests.jobs(len(place))
+        # (sources with `fetch_threads` of their own have pools of their own, each numbering its jobs)
+        base = {requests: requests.jobs(len(place)) for requests in dict.fromkeys(pools)}
         ends = np.cumsum([sum(len(a) for _, a in read) for read in reads])
-        return [base[id(requests)] + r for requests, r in zip(pools, np.split(rank, ends[:-1]))]
+        return [base[requests] + r for requests, r in zip(pools, np.split(rank, ends[:-1]))]
 
 
 _NOTHING = contextlib.nullcontext()
