@@ -193,6 +193,31 @@ def test_a_small_store_is_planned_in_process_and_a_large_one_in_workers(tmp_path
     assert all(np.array_equal(a, b) for a, b in zip(plan_arrays(small), plan_arrays(large)))
 
 @pytest.mark.parametrize("strategy", ["bestfit", "bos_bestfit", "concat"])
+def test_a_store_planned_in_process_is_joined_in_memory_as_the_chunks_on_disk_are(tmp_path, monkeypatch, strategy):
+    """The default in-process planning (a store under a cache_limit: chunks fitted to the cache,
+    an empty one among them) saves the store's plan once, no chunk's, and gives the plan, the
+    checksum and the stats of the chunks planned and joined on disk."""
+    offsets = lognormal_offsets(8_000, seed=5)
+    bounds = np.array([0, 700, 2_500, 2_500, 6_100, 8_000])
+    saved = []
+    real_save = PackingPlan.save
+    monkeypatch.setattr(PackingPlan, "save", lambda self, d: (saved.append(Path(d).name), real_save(self, d))[1])
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "mem" / "plan.json").write_text("{}")  # a damaged plan left there: replaced
+    memory = plan_chunked(offsets, 512, strategy, tmp_path / "mem", seed=3, bounds=bounds, max_segments=6,
+                          progress=False)
+    assert saved == ["mem"]
+    disk = plan_chunked(offsets, 512, strategy, tmp_path / "disk", seed=3, bounds=bounds, max_segments=6, workers=1,
+                        progress=False)
+    assert len(saved) == 1 + 5  # (the chunks, on disk)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(plan_arrays(memory), plan_arrays(disk)))
+    assert PackingPlan.load(tmp_path / "mem").checksum() == PackingPlan.load(tmp_path / "disk").checksum()
+    same = lambda stats: {k: v for k, v in stats.items() if k != "planning_seconds"}  # noqa: E731
+    assert same(memory.stats) == same(disk.stats) and memory.stats["chunk_rows"][2] == 0
+    assert not (tmp_path / "mem.chunks").exists()
+
+
+@pytest.mark.parametrize("strategy", ["bestfit", "bos_bestfit", "concat"])
 def test_chunked_plans_match_the_whole_corpus_quality_whatever_the_workers(tmp_path, strategy):
     offsets = lognormal_offsets(20_000)
     whole = plan_offsets(offsets, 2048, strategy, seed=4)

@@ -6,7 +6,8 @@ contiguous documents instead: chunk k is documents [k * n / c, (k + 1) * n / c) 
 store's c = ceil(n / chunk_docs) chunks (equal sizes, so no chunk is a small remainder),
 with its own seeded document order. Chunks are planned in worker processes, each saved
 on its own as it finishes (a killed run re-plans only the missing ones), then streamed
-into one plan in chunk order. Rows are shuffled globally as always, so the chunking
+into one plan in chunk order. A store small enough to be planned in this process by default
+(`IN_PROCESS_DOCS`: about a second) is planned and joined in memory and saved once. Rows are shuffled globally as always, so the chunking
 changes which documents can share a row (never two from different chunks) and nothing
 else; with chunks of millions of documents the fill and crop are those of the whole
 corpus to within a few thousandths of a percent (`benchmarks/bench_planning.py`).
@@ -57,21 +58,22 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
     """Plan `offsets` chunk by chunk in `workers` processes (default: in this process up to
     `IN_PROCESS_DOCS` documents, else one per core, at most one per chunk), and save the
     store's plan to `directory` (atomically); returns it, memory-mapped. Chunks finished by an
-    earlier, interrupted run are reused. `bounds`: the chunks' document bounds, when not
+    earlier, interrupted run are reused (a store planned in this process by default is
+    planned in memory: `_plan_in_memory`). `bounds`: the chunks' document bounds, when not
     `chunk_docs` documents each (chunks fitted to a cache: `forge_grain.packing.fitted`)."""
     t0 = time.perf_counter()
     offsets = np.asarray(offsets, np.int64)
     bounds = chunk_bounds(len(offsets) - 1, chunk_docs) if bounds is None else np.asarray(bounds, np.int64)
+    job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name, max_segments=max_segments)
+    if workers is None and len(offsets) - 1 <= IN_PROCESS_DOCS:
+        return _plan_in_memory(offsets, bounds, directory, job, progress, t0)
     parts = directory.with_name(directory.name + ".chunks")
     parts.mkdir(parents=True, exist_ok=True)
     jobs = [(k, int(bounds[k]), int(bounds[k + 1])) for k in range(len(bounds) - 1)]
-    job = dict(seq_len=seq_len, strategy=strategy, seed=seed, stride=stride, name=name, max_segments=max_segments)
     dirs = [_chunk_dir(parts, offsets, a, b, k, job) for k, a, b in jobs]
     todo = [(k, a, b, str(d)) for (k, a, b), d in zip(jobs, dirs) if _load_chunk(d) is None]
     for *_, d in todo:  # what a run cut short left of it (a join removes chunks' arrays as it goes)
         shutil.rmtree(d, ignore_errors=True)
-    if workers is None and len(offsets) - 1 <= IN_PROCESS_DOCS:
-        workers = 1  # a worker's start (an interpreter importing numpy and numba) costs more than the plan
     workers = max(1, min(workers or usable_cores(), len(todo)))
     with _bar(len(jobs), len(jobs) - len(todo), f"plan {name}", progress) as bar:
         if workers == 1:
@@ -87,10 +89,51 @@ def plan_chunked(offsets: np.ndarray, seq_len: int, strategy: str, directory: Pa
     del chunks  # their maps: the join removes each chunk's arrays as it copies them
     _join(dirs, seq_len, strategy, directory, stats)
     shutil.rmtree(parts, ignore_errors=True)
+    return _planned(directory, offsets, name, seq_len)
+
+
+def _planned(directory: Path, offsets: np.ndarray, name: str, seq_len: int) -> PackingPlan:
+    """The plan just saved in `directory` (memory-mapped), refused if it has no row."""
     p = PackingPlan.load(directory, verify=False)
     if p.num_rows == 0:
         raise PackingError(f"{name}: {int(offsets[-1])} tokens cannot fill one row of {seq_len} + 1 tokens")
     return p
+
+
+def _plan_in_memory(offsets: np.ndarray, bounds: np.ndarray, directory: Path, job: dict, progress: bool,
+                    t0: float) -> PackingPlan:
+    """A store of at most `IN_PROCESS_DOCS` documents planned by default (in this process, in
+    about a second): its chunks planned and joined in memory and the plan saved once. Saving
+    each chunk and joining them on disk is for a run of minutes that a kill must not undo;
+    here it was nearly all of the planning: a Megatron file of 200,000 documents under a
+    `cache_limit` of 2 blocks' worth (129 chunks fitted to the cache) took 0.5 s of its
+    open's CPU, 2.5 ms for every chunk's five arrays and its directory, to plan 0.06 s."""
+    name, seq_len, strategy = job["name"], job["seq_len"], job["strategy"]
+    chunks = []
+    with _bar(len(bounds) - 1, 0, f"plan {name}", progress) as bar:
+        for k in range(len(bounds) - 1):
+            chunks.append(_chunk_plan(offsets[int(bounds[k]) : int(bounds[k + 1]) + 1], k, **job))
+            bar.update(1)
+    stats = _join_stats(chunks, seq_len, strategy, time.perf_counter() - t0)
+    plan = PackingPlan(strategy, seq_len, **_joined(chunks), stats=stats)
+    shutil.rmtree(directory, ignore_errors=True)  # (a plan found invalid: the caller holds the plan's lock)
+    plan.save(directory)
+    shutil.rmtree(directory.with_name(directory.name + ".chunks"), ignore_errors=True)  # (an earlier run's)
+    return _planned(directory, offsets, name, seq_len)
+
+
+def _joined(chunks: list[PackingPlan]) -> dict:
+    """The chunks' arrays as one plan's, as `_join` writes them: row pointers continue from
+    the previous chunk's segments, each array in its first chunk's dtype."""
+    out = {}
+    for name in PLAN_ARRAYS:
+        parts = [np.asarray(getattr(c, name)) for c in chunks]
+        dtype = parts[0].dtype
+        if name == "row_ptr":
+            bases = np.cumsum([0] + [int(p[-1]) for p in parts[:-1]])
+            parts = [np.zeros(1, dtype)] + [p[1:] + base for p, base in zip(parts, bases.tolist())]
+        out[name] = np.concatenate([p.astype(dtype, copy=False) for p in parts])
+    return out
 
 
 def _chunk_dir(parts: Path, offsets: np.ndarray, a: int, b: int, k: int, job: dict) -> Path:
@@ -155,8 +198,13 @@ def _feed(pipe, offsets: np.ndarray, chunks: list) -> None:
         pass  # the worker died or was killed: its exit status says why
 
 
-def _plan_chunk(offsets, k, directory: Path, *, seq_len, strategy, seed, stride, name, max_segments=None) -> None:
+def _plan_chunk(offsets, k, directory: Path, **job) -> None:
     """Plan one chunk (its documents in token positions of the store) and save it."""
+    _chunk_plan(offsets, k, **job).save(directory)
+
+
+def _chunk_plan(offsets, k, *, seq_len, strategy, seed, stride, name, max_segments=None) -> PackingPlan:
+    """The plan of one chunk, its documents at `offsets` (token positions of the store)."""
     base = int(offsets[0])
     if offsets[-1] == base:  # a chunk of empty documents: no rows
         p = PackingPlan(strategy, seq_len, np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32),
@@ -165,7 +213,7 @@ def _plan_chunk(offsets, k, directory: Path, *, seq_len, strategy, seed, stride,
         p = plan_offsets(offsets - base, seq_len, strategy, seed=seed, stride=stride, name=name, chunk=k,
                          max_segments=max_segments)
         p.seg_start = p.seg_start + base
-    p.save(directory)
+    return p
 
 
 def _load_chunk(directory: Path, verify: bool = True) -> PackingPlan | None:
