@@ -191,14 +191,14 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
     import s3fs
 
     from corpora import sharded_synthetic_store
-    from link import ceiling, forge_grain_epoch
+    from link import ceiling, cold_epoch
 
     with linked_server(work, link) as (port, link_port, direct, opts, ttfb_ms, mbps):
         s3fs.S3FileSystem(**direct).mkdir("bench")
         lines = [f"a shaped link: {ttfb_ms:g} ms to every answer's first byte, {mbps:g} MB/s a connection "
                  f"(benchmarks/shaped_link.py), moto behind it; {num_docs:,} documents of uint16 tokens; seq_len "
-                 f"{SEQ_LEN}, batch {BATCH}; a whole epoch from the request (build and first batch included); "
-                 "idle: the machine's idle CPU over the run"]
+                 f"{SEQ_LEN}, batch {BATCH}; a whole epoch from the request (build and first batch included), each "
+                 "reader in a cold process of its own; idle: the machine's idle CPU over the run"]
         for shards in shard_counts:
             local = sharded_synthetic_store(work / f"store-{shards}", num_docs, shards).path
             s3fs.S3FileSystem(**direct).put(str(local), f"bench/s{shards}", recursive=True)
@@ -215,20 +215,19 @@ def shaped_link(num_docs: int, shard_counts: list[int], work: Path, link: str, p
             src = dict(name="web", path=f"s3://bench/s{shards}", storage_options=opts,
                        object_cache=str(work / f"objects-{shards}-global"))
             readers = {}
-            got = forge_grain_epoch(DataConfig.from_dict(dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=BATCH,
-                                                              seed=0, num_epochs=1)))
+            got = cold_epoch(config_dict(src))
             readers["forge-grain, defaults"] = (got["rate"], got["first"], got["cpu_per_gb"],
                                                 f"a global shuffle, idle {got['idle']:.0%}")
             src.update(shuffle_window=1, object_cache=str(work / f"objects-{shards}"))  # (downloaded afresh)
-            got = forge_grain_epoch(config(src, chunk_docs))
+            got = cold_epoch(config_dict(src, chunk_docs))
             readers["forge-grain, docs' settings"] = (got["rate"], got["first"], got["cpu_per_gb"],
                                                       f"shuffle_window 1, idle {got['idle']:.0%}")
             for threads in (0, 2):
                 src["object_cache"] = str(work / f"objects-{shards}-t{threads}")
-                got = forge_grain_epoch(config(src, chunk_docs), num_threads=threads)
+                got = cold_epoch(config_dict(src, chunk_docs), num_threads=threads)
                 readers[f"  the same, num_threads={threads}"] = (got["rate"], got["first"], got["cpu_per_gb"],
                                                                  f"idle {got['idle']:.0%}")
-            disk = forge_grain_epoch(config(dict(name="web", path=str(local), shuffle_window=1), chunk_docs))
+            disk = cold_epoch(config_dict(dict(name="web", path=str(local), shuffle_window=1), chunk_docs))
             readers["forge-grain, local disk"] = (disk["rate"], disk["first"], disk["cpu_per_gb"],
                                                   "the docs' settings, no network: what this machine's CPU allows, "
                                                   f"idle {disk['idle']:.0%}")
@@ -384,8 +383,13 @@ def start_server(work: Path):
 
 
 def config(src: dict, chunk_docs: int) -> DataConfig:
-    return DataConfig.from_dict(dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0,
-                                     plan_chunk_docs=chunk_docs, num_epochs=1))
+    return DataConfig.from_dict(config_dict(src, chunk_docs))
+
+
+def config_dict(src: dict, chunk_docs: int | None = None) -> dict:
+    """One epoch of source `src` (planned in chunks of `chunk_docs` documents, if given)."""
+    return dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0, num_epochs=1,
+                **({"plan_chunk_docs": chunk_docs} if chunk_docs else {}))
 
 
 def resharded(store: Path, shards: int, work: Path) -> Path:

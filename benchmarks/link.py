@@ -87,17 +87,22 @@ def cpu_seconds() -> float:
     return use.ru_utime + use.ru_stime
 
 
-def cold_epoch(config: dict, steps: int | None = None) -> dict:
-    """`forge_grain_epoch` of `config` (`DataConfig.from_dict`'s) in a cold process of its own:
-    a pipeline read for part of an epoch leaves its downloads ahead running (up to 64 shards
-    of each source), and in one process they shared the link with the next reader measured
-    (one source after a mixture of 8 read 10.4 M tok/s, in its own process 17.5-21.2)."""
+def cold_epoch(config: dict, steps: int | None = None, **pipeline_options) -> dict:
+    """`forge_grain_epoch` of `config` (`DataConfig.from_dict`'s) in a cold process of its own,
+    as a training job starts and as a peer's reader is measured (its library imported first,
+    everything after counted). In one process, a pipeline read for part of an epoch left its
+    downloads ahead running (up to 64 shards of each source), sharing the link with the next
+    reader measured (one source after a mixture of 8 read 10.4 M tok/s, in its own process
+    17.5-21.2); and the first reader alone paid the process's one-time setup (numba's, about
+    half a second of a core here): a global shuffle read first spent 8.9 core-seconds a GB,
+    read after another reader 3.9-4.4, as the docs' settings."""
     code = ("import json, sys; from link import forge_grain_epoch; from forge_grain import DataConfig; "
-            "print(json.dumps(forge_grain_epoch(DataConfig.from_dict(json.loads(sys.argv[1])), json.loads(sys.argv[2]))))")
+            "print(json.dumps(forge_grain_epoch(DataConfig.from_dict(json.loads(sys.argv[1])), json.loads(sys.argv[2]), "
+            "**json.loads(sys.argv[3]))))")
     # run in this directory (`-c` puts the working directory first on the path: from a checkout's
     # root that is its package, ahead of a PYTHONPATH naming another version to compare)
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(config), json.dumps(steps)],
-                          cwd=Path(__file__).parent, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(config), json.dumps(steps),
+                           json.dumps(pipeline_options)], cwd=Path(__file__).parent, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"forge-grain's epoch failed: {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
