@@ -6,11 +6,12 @@ contiguous documents instead: chunk k is documents [k * n / c, (k + 1) * n / c) 
 store's c = ceil(n / chunk_docs) chunks (equal sizes, so no chunk is a small remainder),
 with its own seeded document order. Chunks are planned in worker processes, each saved
 on its own as it finishes (a killed run re-plans only the missing ones), then streamed
-into one plan in chunk order. A store small enough to be planned in this process by default
-(`IN_PROCESS_DOCS`: about a second) is planned and joined in memory and saved once. Rows are shuffled globally as always, so the chunking
-changes which documents can share a row (never two from different chunks) and nothing
-else; with chunks of millions of documents the fill and crop are those of the whole
-corpus to within a few thousandths of a percent (`benchmarks/bench_planning.py`).
+into one plan in chunk order; a store small enough to be planned in this process by
+default (`IN_PROCESS_DOCS`: about a second) is planned and joined in memory and saved
+once. Rows are shuffled globally as always, so the chunking changes which documents can
+share a row (never two from different chunks) and nothing else; with chunks of millions
+of documents the fill and crop are those of the whole corpus to within a few thousandths
+of a percent (`benchmarks/bench_planning.py`).
 
 Peak memory is one chunk's planning and offsets per worker (they come through a pipe); the
 parent maps the store's offsets. Peak disk is the final plan plus one chunk's part of one
