@@ -124,16 +124,12 @@ def _plan_in_memory(offsets: np.ndarray, bounds: np.ndarray, directory: Path, jo
 
 
 def _joined(chunks: list[PackingPlan]) -> dict:
-    """The chunks' arrays as one plan's, as `_join` writes them: row pointers continue from
-    the previous chunk's segments, each array in its first chunk's dtype."""
+    """The chunks' arrays as one plan's, as `_join` writes them (`_continued`), each array in
+    its first chunk's dtype."""
     out = {}
     for name in PLAN_ARRAYS:
-        parts = [np.asarray(getattr(c, name)) for c in chunks]
-        dtype = parts[0].dtype
-        if name == "row_ptr":
-            bases = np.cumsum([0] + [int(p[-1]) for p in parts[:-1]])
-            parts = [np.zeros(1, dtype)] + [p[1:] + base for p, base in zip(parts, bases.tolist())]
-        out[name] = np.concatenate([p.astype(dtype, copy=False) for p in parts])
+        dtype = np.asarray(getattr(chunks[0], name)).dtype
+        out[name] = np.concatenate(list(_continued((getattr(c, name) for c in chunks), name, dtype)))
     return out
 
 
@@ -259,20 +255,28 @@ def _length(file: Path) -> int:
 
 def _parts(files: list[Path], name: str, dtype: np.dtype):
     """The bytes of array `name` of the joined plan, a chunk at a time, each chunk's file
-    removed once read: row pointers continue from the previous chunk's segments; the rest is
-    the chunks' arrays in order."""
+    removed once read."""
+    def mapped():
+        for file in files:
+            yield map_npy(file)
+            file.unlink()  # (once its part is written: the next is asked for)
+
+    for part in _continued(mapped(), name, dtype):
+        yield part.tobytes()
+
+
+def _continued(parts, name: str, dtype: np.dtype):
+    """Array `name` of the joined plan a chunk at a time, from the chunks' arrays `parts` in
+    order: row pointers continue from the previous chunk's segments; the rest as they are."""
     base = 0
     if name == "row_ptr":
-        yield np.zeros(1, dtype).tobytes()
-    for file in files:
-        part = map_npy(file)
+        yield np.zeros(1, dtype)
+    for part in parts:
         if name == "row_ptr":
-            yield (np.asarray(part[1:]) + base).astype(dtype).tobytes()
+            yield (np.asarray(part[1:]) + base).astype(dtype)
             base += int(part[-1])
         else:
-            yield np.ascontiguousarray(part, dtype).tobytes()
-        del part
-        file.unlink()
+            yield np.ascontiguousarray(part, dtype)
 
 
 def _join_stats(chunks: list[PackingPlan], seq_len: int, strategy: str, seconds: float) -> dict:
