@@ -546,6 +546,28 @@ def test_a_shard_leaves_the_hints_once_the_last_step_reading_it_is_made(tmp_path
         assert len(early) >= 5, early  # (shards that left before the end of their block of steps)
 
 
+@pytest.mark.parametrize("kind", ["bin", "megatron"])
+def test_the_shards_of_a_block_of_steps_found_in_one_call_are_those_each_step_reads(tmp_path, s3, stores, kind):
+    """The hints look up a block of steps at once and, at a boundary of the fitted order, each
+    step's shards (`arrays_read` with `ends`, one call): the same shards, in the same order, as each
+    step's rows read when asked for alone; steps of no rows (a mixture's other source) read none;
+    also under a schedule of sequence lengths (a dataset of two plans)."""
+    for top in ({}, {"seq_lens": [[0, 128], [20, 256]], "num_epochs": None, "max_steps": 80}):
+        pipe = Pipeline(config(f"s3://fit/{kind}", top=top, **remote(s3, tmp_path / str(len(top)), kind,
+                                                                     two_files(stores[kind]))),
+                        0, 1, num_threads=0, cache_dir=tmp_path / f"p{len(top)}")
+        d = pipe.datasets[0]
+        rng = np.random.default_rng(len(top))
+        for a in range(0, 60, 7):
+            steps = [pipe.mixture.locate(pipe.shard_rows(t))[1] for t in range(a, a + 16)]
+            steps = [r[: int(rng.integers(0, len(r) + 1))] for r in steps]  # (some of no rows)
+            ends = np.cumsum([len(r) for r in steps])
+            got = d.arrays_read(np.concatenate(steps), ends)
+            want = [d.arrays_read(r) for r in steps]
+            assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want)), (top, a)
+            assert any(len(w) for w in want)
+
+
 def test_a_script_that_ends_without_closing_its_pipeline_exits_while_a_prefetch_waits_for_room(tmp_path, s3,
                                                                                                 stores):
     """A training script that stops after some steps and never closes its pipeline exits at

@@ -137,9 +137,13 @@ class LengthSchedule:
             piece.dataset.get_batch(piece.base + idx[sel] - piece.start, out=out, dest=dest[sel], id_dtype=id_dtype)
         return out
 
-    def arrays_read(self, indices) -> np.ndarray:
-        """The token arrays rows `indices` read, in reading order (object storage's hints)."""
+    def arrays_read(self, indices, ends=None):
+        """The token arrays rows `indices` read, in reading order (object storage's hints);
+        with `ends`, a list: those of each group of `indices` (group k ends at `ends[k]`)."""
         idx = np.asarray(indices, np.int64).reshape(-1)
+        if ends is not None:
+            cuts = np.concatenate([[0], ends]).astype(np.int64)
+            return [self.arrays_read(idx[cuts[k] : cuts[k + 1]]) for k in range(len(ends))]
         parts = [piece.dataset.arrays_read(piece.base + idx[sel] - piece.start) for piece, sel in self._by_piece(idx)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 

@@ -25,7 +25,8 @@ from forge_grain.files import remove_stale_temporaries, temporary
 from forge_grain.locks import file_lock
 from forge_grain.packing.chunked import CHUNK_DOCS, plan_chunked
 from forge_grain.packing.fitted import fitted_chunks
-from forge_grain.packing.plans import PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos
+from forge_grain.packing.plans import (PLAN_ARRAYS, PLAN_VERSION, ROW_KEYS, PackingPlan, key63, plan, require_bos,
+                                       rows_holding)
 from forge_grain.packing.windows import WindowOrder
 from forge_grain.stores import TokenStore, step_reads
 from forge_grain.stores.mapping import Addresses
@@ -370,23 +371,8 @@ class PackedDataset(grain.MapDataset):
         return self._windows.positions(rows, int(epoch))
 
     def rows_holding(self, documents) -> np.ndarray:
-        """The plan rows (sorted) that hold any token of the store's `documents`: a segment
-        is one document's run of tokens, so a row holds document d where a segment starts
-        within d's tokens. The plan is read in blocks (it may be memory-mapped and large)."""
-        docs = np.unique(np.asarray(documents, np.int64))
-        offsets = self.store.offsets
-        if len(docs) and (docs[0] < 0 or docs[-1] >= len(offsets) - 1):
-            raise IndexError(f"document {int(docs[0] if docs[0] < 0 else docs[-1])} is not in {self.store.path} "
-                             f"({len(offsets) - 1} documents)")
-        lo, hi = np.asarray(offsets[docs], np.int64), np.asarray(offsets[docs + 1], np.int64)
-        plan, hits, block = self.plan, [], 1 << 24
-        for a in range(0, len(plan.seg_start), block):
-            start = np.asarray(plan.seg_start[a : a + block], np.int64)
-            k = np.searchsorted(lo, start, side="right") - 1
-            inside = (k >= 0) & (start < hi[np.maximum(k, 0)])
-            hits.append(a + np.flatnonzero(inside))
-        segments = np.concatenate(hits) if hits else np.zeros(0, np.int64)
-        return np.unique(np.searchsorted(np.asarray(plan.row_ptr), segments, side="right") - 1)
+        """The plan rows (sorted) that hold any token of the store's `documents`."""
+        return rows_holding(self.plan, self.store, documents)
 
     def get_batch(self, indices, out: dict | None = None, dest=None, id_dtype=np.int32) -> dict:
         """Rows `indices` as [len(indices), seq_len] arrays; into `out` when given, at
@@ -472,12 +458,17 @@ class PackedDataset(grain.MapDataset):
         builds them on the first gather, so a mixture of thousands of sources opens quickly."""
         return self.store.pieces
 
-    def _arrays_of(self, rows) -> np.ndarray:
+    def _arrays_of(self, rows, ends=None):
         """The token arrays plan rows `rows` read, once each, in the order the rows first read
-        them (a segment never spans two arrays: it lies in one document)."""
+        them (a segment never spans two arrays: it lies in one document); with `ends`, a list:
+        those of each group of the rows (group k ends at `ends[k]`)."""
         arrays, starts, array, _ = self._pieces
-        return kernels.arrays_read(np.asarray(rows, np.int64), self.plan.row_ptr, self.plan.seg_start, starts, array,
-                                   len(arrays.addresses))
+        rows, p = np.asarray(rows, np.int64), self.plan
+        if ends is None:
+            return kernels.arrays_read(rows, p.row_ptr, p.seg_start, starts, array, len(arrays.addresses))
+        out, out_ends = kernels.arrays_read_each(rows, np.asarray(ends, np.int64), p.row_ptr, p.seg_start, starts,
+                                                 array, len(arrays.addresses))
+        return np.split(out, out_ends[:-1]) if len(out_ends) else []
 
     def _table(self) -> Addresses:
         """This thread's table of the store's token arrays, by address (`mapping.Addresses`)."""
@@ -486,12 +477,16 @@ class PackedDataset(grain.MapDataset):
             table = self._tables.table = Addresses(self.store.num_arrays, self.store.dtype)
         return table
 
-    def arrays_read(self, indices) -> np.ndarray:
+    def arrays_read(self, indices, ends=None):
         """The token arrays rows `indices` read, in reading order, for a store that fetches
-        them ahead (`TokenStore.prefetch`); empty for any other store."""
+        them ahead (`TokenStore.prefetch`); empty for any other store. With `ends`, a list:
+        those of each group of `indices` (group k ends at `ends[k]`), found in one call (the
+        hints' blocks of steps, each step's own at a boundary of a fitted order: a call a step
+        was a tenth of a bounded consumer's time a step)."""
         if self._pieces is not None and self.store.fetches:
-            return self._arrays_of(self.rows_of(indices))
-        return np.zeros(0, np.int64)
+            return self._arrays_of(self.rows_of(indices), ends)
+        none = np.zeros(0, np.int64)
+        return none if ends is None else [none] * len(ends)
 
     def _read_segments(self, rows):
         """For stores read a document at a time (ArrayRecord, MDS): read the rows' segments

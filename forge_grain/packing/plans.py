@@ -122,6 +122,26 @@ class PackingPlan:
         return p
 
 
+def rows_holding(plan: PackingPlan, store: TokenStore, documents) -> np.ndarray:
+    """The rows (sorted) of `store`'s `plan` that hold any token of its `documents`: a segment
+    is one document's run of tokens, so a row holds document d where a segment starts within
+    d's tokens. The plan is read in blocks (it may be memory-mapped and large)."""
+    docs = np.unique(np.asarray(documents, np.int64))
+    offsets = store.offsets
+    if len(docs) and (docs[0] < 0 or docs[-1] >= len(offsets) - 1):
+        raise IndexError(f"document {int(docs[0] if docs[0] < 0 else docs[-1])} is not in {store.path} "
+                         f"({len(offsets) - 1} documents)")
+    lo, hi = np.asarray(offsets[docs], np.int64), np.asarray(offsets[docs + 1], np.int64)
+    hits, block = [], 1 << 24
+    for a in range(0, len(plan.seg_start), block):
+        start = np.asarray(plan.seg_start[a : a + block], np.int64)
+        k = np.searchsorted(lo, start, side="right") - 1
+        inside = (k >= 0) & (start < hi[np.maximum(k, 0)])
+        hits.append(a + np.flatnonzero(inside))
+    segments = np.concatenate(hits) if hits else np.zeros(0, np.int64)
+    return np.unique(np.searchsorted(np.asarray(plan.row_ptr), segments, side="right") - 1)
+
+
 def checksum_start(strategy: str, seq_len: int):
     """The plan checksum's hash, started with the parameters (arrays follow, in `PLAN_ARRAYS` order)."""
     return hashlib.sha256(json.dumps([PLAN_VERSION, strategy, seq_len]).encode())

@@ -73,8 +73,8 @@ class FetchWindow:
                 self._empty()
                 w.update(end=step, counts=[collections.Counter() for _ in self.fetching], sent=None)
             w["front"] = step
-            changed = self._leave() | (w["sent"] is None)
-            changed |= self._enter(step)
+            # (no step leaves here: steps leave once made, `made`, and a step entering is made yet by none)
+            changed = self._enter(step) | (w["sent"] is None)
             if step in self._steps:  # (not a step made again after it left)
                 self._begun.add(step)
             if changed:  # a shard came or went: tell the shards, unless they are those told last time
@@ -92,7 +92,8 @@ class FetchWindow:
             if step not in self._steps:
                 return
             self._made.add(step)
-            self._last_made = max(self._last_made, step)
+            if step > self._last_made:
+                self._last_made = step
             if self._leave():
                 self._enter(self._window["front"])
                 self._tell()
@@ -139,33 +140,45 @@ class FetchWindow:
     def _leave(self) -> bool:
         """Steps leave the window in order: each once made here or, never begun here (another
         worker process's), once a step after it is made here. True if a shard left with them."""
+        steps, made, begun = self._steps, self._made, self._begun
         counts, left = self._window["counts"], False
-        while self._steps:
-            step = next(iter(self._steps))
-            if not (step in self._made or (step not in self._begun and step < self._last_made)):
+        while steps:
+            step = next(iter(steps))
+            if step not in made and (step in begun or step >= self._last_made):
                 break
-            for count, arrays in zip(counts, self._steps.pop(step)):
-                left |= _uncount(count, arrays)
-            self._made.discard(step)
-            self._begun.discard(step)
+            arrays = steps.pop(step)
+            if arrays is not None:  # (None: a step whose reads its block's last step holds)
+                for count, read in zip(counts, arrays):
+                    left |= _uncount(count, read)
+            made.discard(step)
+            begun.discard(step)
         return left
 
     def _enter(self, step: int) -> bool:
         """Blocks of steps enter the window until it holds `FETCH_SHARDS` shards of every
         source or reaches `fetch_ahead` steps past `step`."""
-        w, o, want = self._window, self.order, self._want
+        w, o = self._window, self.order
         last = min(step + 1 + self.fetch_ahead, o.step_limit)
         entered = False
-        while w["end"] < last and (w["end"] <= step or any(len(c) < n for c, n in zip(w["counts"], want))):
+        while w["end"] < last and (w["end"] <= step or not self._full()):
             a = w["end"]  # (a block may reach up to HINT_STEPS - 1 steps past `fetch_ahead`)
             b = min(a + min(HINT_STEPS, self.fetch_ahead), o.step_limit)
             for s, arrays in self._block(a, b):
                 self._steps[s] = arrays
-                for count, read in zip(w["counts"], arrays):
-                    count.update(read.tolist())
+                if arrays is not None:
+                    for count, read in zip(w["counts"], arrays):
+                        count.update(read.tolist())
             w["end"] = b
             entered = True
         return entered
+
+    def _full(self) -> bool:
+        """Whether the window holds `FETCH_SHARDS` shards of every fetching source (asked
+        every step: a loop, not `any` over a generator)."""
+        for count, n in zip(self._window["counts"], self._want):
+            if len(count) < n:
+                return False
+        return True
 
     @lazy
     def _want(self) -> list[int]:
@@ -192,12 +205,14 @@ class FetchWindow:
         src, rank = o.locate(np.concatenate(rows))
         datasets = o.mixture.datasets  # (a source's rows at the steps' lengths: `seq_lens`)
         whole = [datasets[i].arrays_read(rank[src == i]) for i in self.fetching]
-        none = [np.zeros(0, np.int64)] * len(self.fetching)
         if not self._bounded or not any(2 <= len(arrays) <= BOUNDARY for arrays in whole):
-            return [(s, none) for s in range(a, b - 1)] + [(b - 1, whole)]
-        cuts = np.cumsum([len(r) for r in rows])[:-1]
-        return [(s, [datasets[i].arrays_read(rank_s[src_s == i]) for i in self.fetching])
-                for s, src_s, rank_s in zip(range(a, b), np.split(src, cuts), np.split(rank, cuts))]
+            return [(s, None) for s in range(a, b - 1)] + [(b - 1, whole)]  # (None: no reads of its own)
+        ends = np.cumsum([len(r) for r in rows])
+        each = []
+        for i in self.fetching:  # (each source's rows of each step: its rows before each step's end)
+            mine = src == i
+            each.append(datasets[i].arrays_read(rank[mine], np.concatenate([[0], np.cumsum(mine)])[ends]))
+        return [(s, [arrays[k] for arrays in each]) for k, s in enumerate(range(a, b))]
 
     def _tell(self, first: int | None = None) -> None:
         """Tell the sources the shards of the window's steps; `first`: the step the window
@@ -208,7 +223,7 @@ class FetchWindow:
         if shards == w["sent"]:  # the same shards as the last hint: nothing to tell
             return
         w["sent"] = shards
-        steps = list(self._steps.values())
+        steps = [arrays for arrays in self._steps.values() if arrays is not None]
         reads = [[(p, arrays[j]) for p, arrays in enumerate(steps) if len(arrays[j])]  # (most steps' are empty)
                  for j in range(len(self.fetching))]
         jobs = self._numbered(reads)
@@ -264,7 +279,7 @@ class _Making:
 def _uncount(count: collections.Counter, arrays: np.ndarray) -> bool:
     """Take one step's reads of `arrays` off the window's `count` of them: True if a shard is
     read by no step left in the window (it leaves the count)."""
-    if not len(arrays):  # (most steps of a block: their reads are the block's last step's)
+    if not len(arrays):  # (a step of a boundary block reading none of this source's shards)
         return False
     read = arrays.tolist()
     count.subtract(read)

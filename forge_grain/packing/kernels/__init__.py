@@ -12,7 +12,7 @@ kept. Callers use `kernels.<name>`.
 """
 
 from forge_grain.packing.kernels.gather import (
-    arrays_read, fill_rows, one_piece, row_loss_positions, row_segments, token_arrays,
+    arrays_read, arrays_read_each, fill_rows, one_piece, row_loss_positions, row_segments, token_arrays,
 )
 from forge_grain.packing.kernels.mixing import mix_counts, mix_locate
 from forge_grain.packing.kernels.planning import (
@@ -24,7 +24,7 @@ from forge_grain.packing.kernels.shuffle import (
     EXACT_SHUFFLE_MAX, epoch_permutation, epoch_positions, epoch_rows, permutation, window_rows,
 )
 
-__all__ = ["NATURAL_END", "NO_MASKS", "EXACT_SHUFFLE_MAX", "arrays_read", "best_fit", "clear_natural_ends", "epoch_permutation", "epoch_positions", "epoch_rows", "fill_gaps",
+__all__ = ["NATURAL_END", "NO_MASKS", "EXACT_SHUFFLE_MAX", "arrays_read", "arrays_read_each", "best_fit", "clear_natural_ends", "epoch_permutation", "epoch_positions", "epoch_rows", "fill_gaps",
            "fill_rows", "group_by_bin", "mix_counts", "mix_locate", "one_piece", "permutation", "plan_concat",
            "plan_concat_capped", "row_loss_positions", "row_segments", "row_targets", "runs_in_documents", "split_items", "window_rows",
            "token_arrays"]

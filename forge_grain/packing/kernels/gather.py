@@ -56,17 +56,37 @@ def arrays_read(rows, row_ptr, seg_start, piece_starts, piece_array, num_arrays)
     """The token arrays (of a store's pieces) plan rows `rows` read, once each, in the order
     the rows first read them: what a store fetched from object storage must have mapped
     before the gather, and what the next steps' downloads are ordered by."""
-    seen = np.zeros(num_arrays, np.bool_)
-    out = np.empty(num_arrays, np.int64)
-    n = 0
+    out, _ = arrays_read_each(rows, np.array([len(rows)], np.int64), row_ptr, seg_start, piece_starts, piece_array,
+                              num_arrays)
+    return out
+
+
+@nb.njit(cache=CACHE, nogil=True)
+def arrays_read_each(rows, ends, row_ptr, seg_start, piece_starts, piece_array, num_arrays):
+    """`arrays_read` of each group of `rows` (group k: rows[ends[k-1]:ends[k]]), in one call:
+    the groups' arrays one after another, and where each group's end (the prefetch hints
+    look up a block of steps at once, each step's arrays its own)."""
+    segments = 0
     for r in rows:
-        for s in range(row_ptr[r], row_ptr[r + 1]):
-            a = piece_array[np.searchsorted(piece_starts, seg_start[s], side="right") - 1]
-            if not seen[a]:
-                seen[a] = True
-                out[n] = a
-                n += 1
-    return out[:n]
+        segments += row_ptr[r + 1] - row_ptr[r]
+    seen = np.zeros(num_arrays, np.bool_)
+    out = np.empty(min(segments, num_arrays * len(ends)), np.int64)
+    out_ends = np.empty(len(ends), np.int64)
+    n, lo = 0, 0
+    for k in range(len(ends)):
+        first = n
+        for i in range(lo, ends[k]):
+            r = rows[i]
+            for s in range(row_ptr[r], row_ptr[r + 1]):
+                a = piece_array[np.searchsorted(piece_starts, seg_start[s], side="right") - 1]
+                if not seen[a]:
+                    seen[a] = True
+                    out[n] = a
+                    n += 1
+        seen[out[first:n]] = False  # (the next group's are its own)
+        out_ends[k] = n
+        lo = ends[k]
+    return out[:n], out_ends
 
 
 def one_piece(tokens: np.ndarray) -> tuple:
