@@ -243,6 +243,32 @@ def test_importing_forge_grain_loads_neither_torch_nor_jax():
     assert out.strip() == "[]"
 
 
+def test_reading_a_store_loads_no_scipy_blas_and_numbas_blas_still_works(tmp_path):
+    """numba's first kernel in a process probed for BLAS by importing scipy.linalg, whose
+    OpenBLAS starts a thread a core (spinning before they sleep): forge-grain's kernels use
+    no BLAS, and a process reading batches loads none. The user's own numba code that uses
+    BLAS still compiles and runs (it imports scipy's BLAS itself then)."""
+    pytest.importorskip("scipy")
+    store = tmp_path / "store"
+    from forge_grain.stores.writer import write_store
+
+    write_store(store, [np.arange(2, 300, dtype=np.int32) % 97 + 2] * 20, vocab_size=100, eos_id=1)
+    code = (
+        "import sys, json, numpy as np, numba\n"
+        "from forge_grain import DataConfig, Pipeline\n"
+        f"cfg = dict(sources=[dict(name='a', path={str(store)!r})], seq_len=64, global_batch_size=4, seed=0)\n"
+        f"pipe = Pipeline(DataConfig.from_dict(cfg), 0, 1, cache_dir={str(tmp_path / 'plans')!r})\n"
+        "batch = pipe.batch(0)\n"
+        "before = 'scipy.linalg' in sys.modules\n"
+        "from numba.np import arraymath\n"
+        "dot = numba.njit(lambda a, b: np.dot(a, b))\n"
+        "print(json.dumps([before, arraymath._HAVE_BLAS, float(dot(np.ones(3), np.arange(3.0))), int(batch['inputs'].sum() > 0)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True, 3.0, 1]
+
+
 # -- fingerprints and orders owe nothing to numpy's generators -------------------------------
 
 

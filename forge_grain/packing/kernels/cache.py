@@ -34,7 +34,39 @@ def _numba_cache() -> bool:
     return False
 
 
+def _without_scipy_blas() -> None:
+    """Import numba's array math, which a process's first kernel imports with the rest of
+    numba's target, without loading the scipy BLAS it only probes for: `_check_blas` imports
+    `scipy.linalg.cython_blas` to learn whether BLAS is there. Loading it (and scipy.linalg)
+    took 0.22 s of a core here, 0.12 s of it scipy's OpenBLAS starting a thread for each other
+    core, each spinning until it sleeps; a 128-shard epoch from object storage spends 2.0-2.4
+    core-seconds in all. The probe is answered by whether scipy is installed, as it was
+    answered before (but for a broken scipy); numba's functions that use BLAS still import it
+    when they are first compiled (`ensure_blas`, put back)."""
+    import importlib.util
+    import sys
+
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
+        return
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.np import linalg
+
+    def installed() -> None:
+        if importlib.util.find_spec("scipy") is None:
+            raise ImportError("scipy 0.16+ is required for linear algebra")
+
+    probe = linalg.ensure_blas
+    with global_compiler_lock:
+        linalg.ensure_blas = installed
+        try:
+            from numba.np import arraymath
+        finally:
+            linalg.ensure_blas = probe
+        arraymath.ensure_blas = probe
+
+
 CACHE = _numba_cache()
+_without_scipy_blas()
 
 
 @nb.njit(cache=CACHE)
