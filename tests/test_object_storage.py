@@ -130,6 +130,43 @@ def test_a_bounded_cache_keeps_its_bytes_in_a_ledger_not_a_walk_per_download(tmp
     assert settled(pipe.stores[0].cache) <= limit
 
 
+def test_a_record_written_while_another_threads_download_lands_counts_the_ledger_safely(tmp_path):
+    """Whether a record (or a download) fits beside the ledger is read under the lock the
+    ledger's files change under: read outside it while a fetch thread's download landed, a
+    run of a mixture of 1,000 files stopped with "dictionary changed size during iteration"."""
+    import sys
+    import threading
+
+    from forge_grain.stores.object_cache import ObjectCache
+
+    cache = ObjectCache("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:9"}, tmp_path / "objects", 10**9)
+    for i in range(3000):  # (a ledger of many files: counting it takes a while)
+        (cache.dir / f"f{i}.bin").write_bytes(b"")
+    cache.ledger.rebuild()
+    stop = threading.Event()
+
+    def land():
+        k = 0
+        while not stop.is_set():
+            part = cache.dir / f"g{k % 50}.bin"
+            part.write_bytes(b"x")
+            cache._commit(part, cache.dir / f"h{k % 50}.bin", 1)
+            k += 1
+
+    lander, interval = threading.Thread(target=land), sys.getswitchinterval()
+    lander.start()
+    sys.setswitchinterval(1e-5)  # (threads switch often: the race is met at once)
+    try:
+        for i in range(300):
+            cache.write_record(cache.dir / f"r{i % 5}.json", b"{}")
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        lander.join()
+    assert cache.ledger.sync() == {str(p.relative_to(cache.dir)): p.stat().st_size for p in cache.dir.rglob("*")
+                                   if p.is_file() and not p.name.startswith(".")}
+
+
 def settled(cache, timeout: float = 30.0) -> int:
     """The cache's bytes once the ledger and a walk agree: downloads hinted ahead may still be
     landing when the iterator closes (the store's fetch threads finish them), so compare once

@@ -73,7 +73,7 @@ class FetchWindow:
                 self._empty()
                 w.update(end=step, counts=[collections.Counter() for _ in self.fetching], sent=None)
             w["front"] = step
-            # (no step leaves here: steps leave once made, `made`, and a step entering is made yet by none)
+            # (no step leaves here: a step leaves once made, `made`, and no step entering now is made yet)
             changed = self._enter(step) | (w["sent"] is None)
             if step in self._steps:  # (not a step made again after it left)
                 self._begun.add(step)

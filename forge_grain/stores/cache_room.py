@@ -37,6 +37,13 @@ class CacheRoom:
             kept = sum(size for name, size in files.items() if not name.endswith(EVICTABLE) and ".tmp-" not in name)
             return self.limit - kept - self.ledger.reserve()
 
+    def ledger_reserve(self) -> int:
+        """The most bytes the ledger may take (`Ledger.reserve`), read under the lock its files
+        change under (read outside it, beside another thread's download landing, it stopped
+        a run with "dictionary changed size during iteration")."""
+        with self._accounting():
+            return self.ledger.reserve()
+
     def _commit(self, tmp: Path, local: Path, size: int) -> None:
         """A finished temporary renamed into place, counted at `size` in place of its reservation
         (the ledger and the directory change together)."""
@@ -141,7 +148,7 @@ class CacheRoom:
         to free theirs, and fails only when nothing can. The bytes held come from the ledger;
         only when they do not fit are the copies' times of last use looked up (a stat each).
         `held`: bytes `reserve` holds already (a partial prefetch growing by `size`)."""
-        if held + size + self.ledger.reserve() > self.limit:
+        if held + size + self.ledger_reserve() > self.limit:
             raise StoreError(f"{self.url}: an object of {size} bytes cannot fit cache_limit {self.limit} beside the "
                              "cache's ledger; raise it")
         walked = False

@@ -161,7 +161,7 @@ class ObjectCache(CacheRoom, RemoteDir):
         limit before it exists, so the directory never holds more than the limit, not for a
         moment (one that cannot fit beside the ledger is refused, naming it); the copies
         `upcoming` are spared if room must be made."""
-        if self.limit is not None and len(data) + self.ledger.reserve() > self.limit:
+        if self.limit is not None and len(data) + self.ledger_reserve() > self.limit:
             raise StoreError(f"{self.url}: cache_limit {self.limit} bytes cannot hold its {path.name} "
                              f"({len(data)} bytes) beside the cache's ledger, let alone its data; raise cache_limit")
         self.derive(self._name(path), len(data), lambda tmp: tmp.write_bytes(data), upcoming)

@@ -55,7 +55,9 @@ def _without_scipy_blas() -> None:
         if importlib.util.find_spec("scipy") is None:
             raise ImportError("scipy 0.16+ is required for linear algebra")
 
-    probe = linalg.ensure_blas
+    probe = getattr(linalg, "ensure_blas", None)
+    if probe is None:  # (a numba that probes otherwise: left as it is)
+        return
     with global_compiler_lock:
         linalg.ensure_blas = installed
         try:
