@@ -148,13 +148,13 @@ class CacheRoom:
         to free theirs, and fails only when nothing can. The bytes held come from the ledger;
         only when they do not fit are the copies' times of last use looked up (a stat each).
         `held`: bytes `reserve` holds already (a partial prefetch growing by `size`)."""
-        if held + size + self.ledger_reserve() > self.limit:
-            raise StoreError(f"{self.url}: an object of {size} bytes cannot fit cache_limit {self.limit} beside the "
-                             "cache's ledger; raise it")
         walked = False
         while True:
             with self._accounting():
                 self.ledger.sync()
+                if held + size + self.ledger.reserve() > self.limit:
+                    raise StoreError(f"{self.url}: an object of {size} bytes cannot fit cache_limit {self.limit} "
+                                     "beside the cache's ledger; raise it")
                 used = self.ledger.used()
                 if used + size > self.limit:
                     used -= self._evict(used + size - self.limit, upcoming, ahead, never)
