@@ -33,6 +33,15 @@ import time
 import weakref
 
 _LOCK = threading.RLock()  # guards the making of per-process values (reset in a child: see below)
+_PID = os.getpid()  # this process's (`os.getpid` is a system call, 0.14 us: a step asks for several values)
+
+
+def _new_pid() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_new_pid)  # (the first of this module's hooks: those after may use values)
 EXITING = threading.Event()  # set when the interpreter begins to exit: background threads stop
 _STOPPED_AT_EXIT: weakref.WeakSet = weakref.WeakSet()
 _JOIN_AT_EXIT_S = 5.0  # how long exit waits for a background thread to finish what it is doing
@@ -55,8 +64,8 @@ class per_process:
     def __get__(self, obj, owner=None):
         if obj is None:
             return self
-        held, pid = obj.__dict__.get(self.slot), os.getpid()
-        if held is not None and held[0] == pid:  # the common case: one lookup and one getpid
+        held, pid = obj.__dict__.get(self.slot), _PID
+        if held is not None and held[0] == pid:  # the common case: one lookup
             return held[1]
         with _LOCK:
             held = obj.__dict__.get(self.slot)
@@ -67,12 +76,12 @@ class per_process:
 
     def keep(self, obj, value) -> None:
         """Take `value` as this process's (made along with something else)."""
-        obj.__dict__[self.slot] = (os.getpid(), value)
+        obj.__dict__[self.slot] = (_PID, value)
 
     def made(self, obj):
         """The value if this process made it already, else None (nothing is made)."""
         held = obj.__dict__.get(self.slot)
-        return held[1] if held is not None and held[0] == os.getpid() else None
+        return held[1] if held is not None and held[0] == _PID else None
 
     def forget(self, obj) -> None:
         """Drop the value (closed by its owner): the next use makes another."""

@@ -432,3 +432,38 @@ def test_a_shard_whose_compression_disagrees_with_the_manifest_is_named_at_open(
     with pytest.raises(StoreError, match=r"shard-00000\.array_record: its records are compressed, but manifest\.json "
                                          r"says not"):
         TokenStore.open(store)
+
+
+def test_a_value_made_per_process_is_made_anew_in_a_forked_child_and_in_its_own_child():
+    """A network client, thread pool or lock is made once per process (`per_process`): a
+    forked child (a DataLoader worker) makes its own, so does a child it forks in turn, and
+    the parent keeps its own. The process's id is kept and renewed at a fork rather than
+    asked for at each use (a system call, several a step): the fork must still be seen."""
+    import multiprocessing
+    from forge_grain.processes import per_process
+
+    class Holder:
+        @per_process
+        def client(self):
+            return (os.getpid(), object())
+
+    holder, ctx = Holder(), multiprocessing.get_context("fork")
+    mine = holder.client
+
+    def child(out, depth):
+        made = holder.client
+        ok = made[0] == os.getpid() and made is holder.client and made is not mine
+        if depth:
+            inner = ctx.Queue()
+            p = ctx.Process(target=child, args=(inner, depth - 1))
+            p.start()
+            ok = ok and inner.get(timeout=60)
+            p.join(60)
+        out.put(ok)
+
+    out = ctx.Queue()
+    p = ctx.Process(target=child, args=(out, 1))
+    p.start()
+    assert out.get(timeout=60)
+    p.join(60)
+    assert holder.client is mine and mine[0] == os.getpid()

@@ -468,7 +468,8 @@ class PackedDataset(grain.MapDataset):
             return kernels.arrays_read(rows, p.row_ptr, p.seg_start, starts, array, len(arrays.addresses))
         out, out_ends = kernels.arrays_read_each(rows, np.asarray(ends, np.int64), p.row_ptr, p.seg_start, starts,
                                                  array, len(arrays.addresses))
-        return np.split(out, out_ends[:-1]) if len(out_ends) else []
+        cuts = [0, *out_ends.tolist()]  # (slices: `np.split` took most of this call for a block of 16 steps)
+        return [out[cuts[k] : cuts[k + 1]] for k in range(len(out_ends))]
 
     def _table(self) -> Addresses:
         """This thread's table of the store's token arrays, by address (`mapping.Addresses`)."""

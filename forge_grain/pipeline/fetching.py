@@ -9,7 +9,6 @@ It only advises: a shard nobody was told of is downloaded when a batch reads it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import threading
 
@@ -22,31 +21,35 @@ FETCH_SHARDS = 64  # shards a source in object storage is told of ahead: as many
 # a step this far behind the hinted window's start is one the prefetch threads made out of order,
 # not a restore: it leaves the window as it is (recomputing a window of 1,024 steps took ~40 ms)
 BEHIND = 64
-HINT_STEPS = 16  # steps whose shards are found together (one lookup for 16 steps, not one a step)
+HINT_STEPS = 16  # steps entering the window together, their shards found together (not one lookup a step)
+LOOKUP_BLOCKS = 4  # blocks of steps looked up in one call (the call's own cost was most of a block's: 2 us a step)
 BOUNDARY = 3  # a block of steps reading this many shards of a source at most is looked up step by step
 
 
 class FetchWindow:
-    """The steps ahead whose shards the sources in object storage are told of."""
+    """The steps ahead whose shards the sources in object storage are told of.
+
+    The window is the steps [`_lo`, `_end`): `_lo` the first not made (nor passed), `_end` the
+    first not looked up. Each fetching source's shards in it are kept as the last step of the
+    window reading each (`_last`), and each step as the number of shards whose last reader it
+    is (`_expiring`): so a step leaving says at once whether a shard leaves with it, and most
+    steps cost a few dict lookups (counting each step's reads in and out took a quarter of
+    a bounded consumer's CPU a step)."""
 
     def __init__(self, opened: list, order, fetch_ahead: int):
         self.datasets = [o.dataset for o in opened]
         self.fetching = [i for i, o in enumerate(opened) if o.fetches]  # sources in object storage
         self.order, self.fetch_ahead = order, fetch_ahead
-        # step -> the arrays each fetching source reads at it, in step order; ordered by links, not a
-        # dict: its first entry, asked for every step, is found past every entry deleted before it
-        # (steps leave from the front), ~4 us a step in a window of 3,000 steps
-        self._steps: collections.OrderedDict[int, list] = collections.OrderedDict()
-        self._begun: set = set()  # steps of the window this process began (`advance`) ...
-        self._made: set = set()  # ... and made (`made`)
-        self._last_made = -1
-        self._window = {"front": 0, "end": -1}  # the last step begun, the first not in the window, shard counts
+        self.active = bool(self.fetching and fetch_ahead)  # (asked three times a step: not a property)
+        self._reads: dict[int, list] = {}  # step -> the arrays each fetching source reads at it (steps that read)
+        self._last: list[dict] = [{} for _ in self.fetching]  # shard -> the last step of the window reading it
+        self._expiring: dict[int, int] = {}  # step -> shards whose last reader in the window it is
+        self._looked: dict[int, tuple] = {}  # a block's first step -> its end and steps, looked up ahead (`_block`)
+        self._pending: set = set()  # steps of the window this process began (`advance`), not made yet
+        self._lo, self._front, self._end, self._last_made = 0, 0, -1, -1  # (the last step begun: `_front`)
+        self._changed, self._sent = False, None  # whether a shard came or went since the last hint; its shards
         self.fresh_step: int | None = None  # the step the window last started afresh at (`step_reads.fresh`)
         self._lock = threading.Lock()
-
-    @property
-    def active(self) -> bool:
-        return bool(self.fetching and self.fetch_ahead)
 
     def making(self, step: int):
         """Around the making of `step`'s batch: `advance` before, `made` after (also when it
@@ -58,26 +61,25 @@ class FetchWindow:
         lookahead goes as far as `FETCH_SHARDS` shards of every such source (enough to keep its
         downloads busy whatever the shard size), `fetch_ahead` steps at most (rounded up to a
         block). Steps enter the window `HINT_STEPS` at a time (their shards found by one lookup)
-        and leave it one at a time, once made (`made`)."""
+        and leave it in order, once made (`made`)."""
         if not self.active:
             return
         with self._lock:  # Grain's threads make several steps at once
-            w = self._window
-            if w["front"] - BEHIND <= step < w["front"]:
-                if step in self._steps:  # another thread's step, just behind one begun already
-                    self._begun.add(step)
+            if self._front - BEHIND <= step < self._front:
+                if step >= self._lo:  # another thread's step, just behind one begun already
+                    self._pending.add(step)
                 return
             first = None
-            if not w["front"] <= step <= w["end"]:  # the first call, a restore, or a jump
+            if not self._front <= step <= self._end:  # the first call, a restore, or a jump
                 first = self.fresh_step = step
-                self._empty()
-                w.update(end=step, counts=[collections.Counter() for _ in self.fetching], sent=None)
-            w["front"] = step
+                self._empty(step)
+            self._front = step
             # (no step leaves here: a step leaves once made, `made`, and no step entering now is made yet)
-            changed = self._enter(step) | (w["sent"] is None)
-            if step in self._steps:  # (not a step made again after it left)
-                self._begun.add(step)
-            if changed:  # a shard came or went: tell the shards, unless they are those told last time
+            if self._end <= step or not self._full():  # (else the window holds all it may: most steps)
+                self._enter(step)
+            if step < self._end:  # (not past the last step)
+                self._pending.add(step)
+            if self._changed:
                 self._tell(first)
 
     def made(self, step: int) -> None:
@@ -89,13 +91,15 @@ class FetchWindow:
         if not self.active:
             return
         with self._lock:
-            if step not in self._steps:
+            if not self._lo <= step < self._end:
                 return
-            self._made.add(step)
+            self._pending.discard(step)
             if step > self._last_made:
                 self._last_made = step
-            if self._leave():
-                self._enter(self._window["front"])
+            if self._lo not in self._pending:  # (else no step leaves: the first is still being made)
+                self._leave()
+            if self._changed:
+                self._enter(self._front)
                 self._tell()
 
     def stop(self) -> None:
@@ -105,78 +109,105 @@ class FetchWindow:
         iterator's window went on downloading every shard it named, up to `FETCH_SHARDS` of
         every source, beside the reads of whatever the process read next."""
         with self._lock:
-            if self._window["end"] < 0:  # (never told anything since the last start)
+            if self._end < 0:  # (never told anything since the last start)
                 return
-            self._empty()
-            self._window.update(front=0, end=-1)  # (the next step is a first call)
+            self._empty(0)
+            self._front, self._end = 0, -1  # (the next step is a first call)
             for i in self.fetching:
                 self.datasets[i].store.prefetch(np.zeros(0, np.int64))
 
-    def _empty(self) -> None:
-        """No step in the window (a fresh start, or a stop)."""
-        self._steps.clear()
-        self._begun.clear()
-        self._made.clear()
+    def _empty(self, step: int) -> None:
+        """No step in the window, which starts at `step` (a fresh start, or a stop)."""
+        self._reads.clear()
+        self._expiring.clear()
+        self._looked.clear()
+        self._pending.clear()
+        for last in self._last:
+            last.clear()
+        self._lo = self._end = step
         self._last_made = -1
+        self._changed, self._sent = True, None
 
     def read_early(self, step: int, store, arrays) -> None:
         """`step`'s batch has read `arrays` of `store` and will read them no more (it waits for
         its other shards): they leave the step's hints now, and a shard that no step in the
         window reads any more leaves the window (`step_reads`)."""
         with self._lock:
-            held = self._steps.get(step)
+            held = self._reads.get(step)
             j = next((j for j, i in enumerate(self.fetching) if self.datasets[i].store is store), None)
-            if held is None or j is None or next(iter(self._steps)) != step:  # (steps before it still read)
+            if held is None or j is None or step != self._lo:  # (steps before it still read)
                 return
             done = np.isin(held[j], np.asarray(arrays, np.int64))
             if not done.any():
                 return
-            left = _uncount(self._window["counts"][j], held[j][done])
-            self._steps[step] = [a[~done] if i == j else a for i, a in enumerate(held)]
-            if left:
-                self._enter(self._window["front"])
+            self._forget(step, j, held[j][done])
+            self._reads[step] = [a[~done] if i == j else a for i, a in enumerate(held)]
+            if self._changed:
+                self._enter(self._front)
                 self._tell()
 
-    def _leave(self) -> bool:
+    def _leave(self) -> None:
         """Steps leave the window in order: each once made here or, never begun here (another
-        worker process's), once a step after it is made here. True if a shard left with them."""
-        steps, made, begun = self._steps, self._made, self._begun
-        counts, left = self._window["counts"], False
-        while steps:
-            step = next(iter(steps))
-            if step not in made and (step in begun or step >= self._last_made):
-                break
-            arrays = steps.pop(step)
-            if arrays is not None:  # (None: a step whose reads its block's last step holds)
-                for count, read in zip(counts, arrays):
-                    left |= _uncount(count, read)
-            made.discard(step)
-            begun.discard(step)
-        return left
+        worker process's), once a step after it is made here; the shards whose last reader
+        leaves leave with it."""
+        lo, pending, expiring, reads = self._lo, self._pending, self._expiring, self._reads
+        while lo <= self._last_made and lo not in pending:
+            arrays = reads.pop(lo, None)
+            if lo in expiring:
+                for j, read in enumerate(arrays):
+                    self._forget(lo, j, read)
+            lo += 1
+        self._lo = lo
 
-    def _enter(self, step: int) -> bool:
+    def _forget(self, step: int, j: int, read: np.ndarray) -> None:
+        """Shards `read` of source `j` are read at `step` no more: those whose last reader it
+        was leave the window."""
+        last = self._last[j]
+        for k in read.tolist():
+            if last.get(k) == step:
+                del last[k]
+                self._expire(step)
+                self._changed = True
+
+    def _expire(self, step: int) -> None:
+        """One shard fewer has `step` as its last reader."""
+        n = self._expiring[step] - 1
+        if n:
+            self._expiring[step] = n
+        else:
+            del self._expiring[step]
+
+    def _enter(self, step: int) -> None:
         """Blocks of steps enter the window until it holds `FETCH_SHARDS` shards of every
         source or reaches `fetch_ahead` steps past `step`."""
-        w, o = self._window, self.order
+        o = self.order
         last = min(step + 1 + self.fetch_ahead, o.step_limit)
-        entered = False
-        while w["end"] < last and (w["end"] <= step or not self._full()):
-            a = w["end"]  # (a block may reach up to HINT_STEPS - 1 steps past `fetch_ahead`)
+        while self._end < last and (self._end <= step or not self._full()):
+            a = self._end  # (a block may reach up to HINT_STEPS - 1 steps past `fetch_ahead`)
             b = min(a + min(HINT_STEPS, self.fetch_ahead), o.step_limit)
             for s, arrays in self._block(a, b):
-                self._steps[s] = arrays
-                if arrays is not None:
-                    for count, read in zip(w["counts"], arrays):
-                        count.update(read.tolist())
-            w["end"] = b
-            entered = True
-        return entered
+                self._add(s, arrays)
+            self._end = b
+
+    def _add(self, step: int, arrays: list) -> None:
+        """`step` reads `arrays` (those of each fetching source): it is their last reader now."""
+        self._reads[step] = arrays
+        expiring = self._expiring
+        for last, read in zip(self._last, arrays):
+            for k in read.tolist():
+                before = last.get(k)
+                if before is None:
+                    self._changed = True
+                else:
+                    self._expire(before)
+                last[k] = step
+                expiring[step] = expiring.get(step, 0) + 1
 
     def _full(self) -> bool:
         """Whether the window holds `FETCH_SHARDS` shards of every fetching source (asked
         every step: a loop, not `any` over a generator)."""
-        for count, n in zip(self._window["counts"], self._want):
-            if len(count) < n:
+        for last, n in zip(self._last, self._want):
+            if len(last) < n:
                 return False
         return True
 
@@ -192,7 +223,7 @@ class FetchWindow:
         return any(self.datasets[i].store.cache.limit is not None for i in self.fetching)
 
     def _block(self, a: int, b: int) -> list:
-        """(step, the arrays each fetching source reads) of steps [a, b), found by one lookup.
+        """(step, the arrays each fetching source reads) of the steps of [a, b) that read.
         Where a source's steps there read one shard, or a shuffle's many, the block's shards
         are given to its last step (they leave the window with the block); where they read
         two or three (a boundary between shards of the locality order) and a cache is
@@ -200,30 +231,52 @@ class FetchWindow:
         window once those are made, and may be evicted. Unbounded, nothing is evicted: with
         the docs' settings most blocks read two shards, and finding each step's took 0.085-
         0.115 s of an epoch's consumer thread (0.6-0.8 s in all, 16 shards, 6,043 steps)."""
+        looked = self._looked.pop(a, None)
+        if looked is None or looked[0] != b:
+            self._looked = self._look_up(a, b - a)
+            looked = self._looked.pop(a)
+        return looked[1]
+
+    def _look_up(self, a: int, size: int) -> dict:
+        """`_block`'s answer for `LOOKUP_BLOCKS` blocks of `size` steps from step `a`, found in
+        one call of each source's lookup (two where a block lies at a boundary), by block."""
         o = self.order
-        rows = o.shard_rows_between(a, b)
+        c = min(a + LOOKUP_BLOCKS * size, o.step_limit)
+        rows = o.shard_rows_between(a, c)
         src, rank = o.locate(np.concatenate(rows))
         datasets = o.mixture.datasets  # (a source's rows at the steps' lengths: `seq_lens`)
-        whole = [datasets[i].arrays_read(rank[src == i]) for i in self.fetching]
-        if not self._bounded or not any(2 <= len(arrays) <= BOUNDARY for arrays in whole):
-            return [(s, None) for s in range(a, b - 1)] + [(b - 1, whole)]  # (None: no reads of its own)
-        ends = np.cumsum([len(r) for r in rows])
-        each = []
-        for i in self.fetching:  # (each source's rows of each step: its rows before each step's end)
-            mine = src == i
-            each.append(datasets[i].arrays_read(rank[mine], np.concatenate([[0], np.cumsum(mine)])[ends]))
-        return [(s, [arrays[k] for arrays in each]) for k, s in enumerate(range(a, b))]
+        step_ends = np.cumsum([len(r) for r in rows])
+        starts = list(range(a, c, size))
+        block_ends = step_ends[[min(s + size, c) - 1 - a for s in starts]]
+        mine = [src == i for i in self.fetching]  # (each source's rows of each group: its rows before the group's end)
+        before = [np.concatenate([[0], np.cumsum(m)]) for m in mine]
+        wholes = [datasets[i].arrays_read(rank[m], n[block_ends]) for i, m, n in zip(self.fetching, mine, before)]
+        at_boundary = [self._bounded and any(2 <= len(w[k]) <= BOUNDARY for w in wholes) for k in range(len(starts))]
+        each = None
+        if any(at_boundary):
+            each = [datasets[i].arrays_read(rank[m], n[step_ends]) for i, m, n in zip(self.fetching, mine, before)]
+        out = {}
+        for k, s in enumerate(starts):
+            e = min(s + size, c)
+            if at_boundary[k]:
+                steps = [(t, [arrays[t - a] for arrays in each]) for t in range(s, e)]
+            else:
+                steps = [(e - 1, [w[k] for w in wholes])]
+            out[s] = (e, steps)
+        return out
 
     def _tell(self, first: int | None = None) -> None:
-        """Tell the sources the shards of the window's steps; `first`: the step the window
-        starts afresh at (an iterator made, a restore, a jump), which may read its documents
-        in ranges while its shards arrive (`stores.document_ranges`)."""
-        w = self._window
-        shards = [frozenset(c) for c in w["counts"]]
-        if shards == w["sent"]:  # the same shards as the last hint: nothing to tell
+        """Tell the sources the shards of the window's steps, if a shard came or went; `first`:
+        the step the window starts afresh at (an iterator made, a restore, a jump), which may
+        read its documents in ranges while its shards arrive (`stores.document_ranges`)."""
+        if not self._changed:
             return
-        w["sent"] = shards
-        steps = [arrays for arrays in self._steps.values() if arrays is not None]
+        self._changed = False
+        shards = [frozenset(last) for last in self._last]
+        if shards == self._sent:  # the same shards as the last hint (one left and came back): nothing to tell
+            return
+        self._sent = shards
+        steps = list(self._reads.values())  # (in step order: steps enter in order, and leave from the front)
         reads = [[(p, arrays[j]) for p, arrays in enumerate(steps) if len(arrays[j])]  # (most steps' are empty)
                  for j in range(len(self.fetching))]
         jobs = self._numbered(reads)
@@ -256,34 +309,22 @@ class FetchWindow:
 _NOTHING = contextlib.nullcontext()
 
 
-class _Making:
-    """`FetchWindow.making` (a class: it is entered every step, and a generator's context
-    manager cost several times as much)."""
+class _Making(step_reads.making):
+    """`FetchWindow.making`: `step_reads.making` for the step, the window told before and
+    after (a class, entered every step: a generator's context manager cost several times as
+    much; and one object a step, not two)."""
 
-    __slots__ = ("window", "step", "reads")
+    __slots__ = ("window",)
 
     def __init__(self, window: FetchWindow, step: int):
-        self.window, self.step, self.reads = window, step, step_reads.making(window, step)
+        self.window, self.now, self.before = window, (window, step), None
 
     def __enter__(self) -> None:
-        self.window.advance(self.step)
-        self.reads.__enter__()
+        self.window.advance(self.now[1])
+        super().__enter__()
 
     def __exit__(self, *exc) -> None:
         try:
-            self.reads.__exit__()
+            super().__exit__()
         finally:
-            self.window.made(self.step)
-
-
-def _uncount(count: collections.Counter, arrays: np.ndarray) -> bool:
-    """Take one step's reads of `arrays` off the window's `count` of them: True if a shard is
-    read by no step left in the window (it leaves the count)."""
-    if not len(arrays):  # (a step of a boundary block reading none of this source's shards)
-        return False
-    read = arrays.tolist()
-    count.subtract(read)
-    gone = [k for k in read if count[k] <= 0]
-    for k in gone:
-        del count[k]
-    return bool(gone)
+            self.window.made(self.now[1])

@@ -129,10 +129,12 @@ class FetchedParts(TokenStore):
 
     def arrays_for(self, needed) -> list[np.ndarray]:
         """Token arrays `needed`, their parts mapped first where they are not (those still
-        downloading ahead all needed now: `CacheRoom.needed_now`)."""
+        downloading ahead all needed now: `CacheRoom.needed_now`; not those downloaded
+        already: saying so is a file made and removed, 0.2 ms of this thread's CPU)."""
         first, parts = self._first_array, self._parts_of(needed).tolist()
         with self._lock:
-            waiting = [self._parts[p].fetched for p in dict.fromkeys(parts) if p in self._pending]
+            running = [p for p in dict.fromkeys(parts) if p in self._pending and not arrived(self._pending[p])]
+            waiting = [self._parts[p].fetched for p in running]
         with self.cache.needed_now(waiting):
             return [self._map_part(p)[k - int(first[p])] for k, p in zip(np.asarray(needed, np.int64).tolist(), parts)]
 
