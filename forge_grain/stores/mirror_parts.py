@@ -133,8 +133,8 @@ class FetchedParts(TokenStore):
         already: saying so is a file made and removed, 0.2 ms of this thread's CPU)."""
         first, parts = self._first_array, self._parts_of(needed).tolist()
         with self._lock:
-            running = [p for p in dict.fromkeys(parts) if p in self._pending and not arrived(self._pending[p])]
-            waiting = [self._parts[p].fetched for p in running]
+            pending = self._pending
+            waiting = [self._parts[p].fetched for p in dict.fromkeys(parts) if p in pending and not arrived(pending[p])]
         with self.cache.needed_now(waiting):
             return [self._map_part(p)[k - int(first[p])] for k, p in zip(np.asarray(needed, np.int64).tolist(), parts)]
 
