@@ -75,12 +75,10 @@ class FetchWindow:
                 self._empty(step)
             self._front = step
             # (no step leaves here: a step leaves once made, `made`, and no step entering now is made yet)
-            if self._end <= step or not self._full():  # (else the window holds all it may: most steps)
-                self._enter(step)
+            self._enter(step)
             if step < self._end:  # (not past the last step)
                 self._pending.add(step)
-            if self._changed:
-                self._tell(first)
+            self._tell(first)
 
     def made(self, step: int) -> None:
         """`step`'s batch is made: the shards that only it and the steps before it read leave
@@ -96,8 +94,7 @@ class FetchWindow:
             self._pending.discard(step)
             if step > self._last_made:
                 self._last_made = step
-            if self._lo not in self._pending:  # (else no step leaves: the first is still being made)
-                self._leave()
+            self._leave()
             if self._changed:
                 self._enter(self._front)
                 self._tell()
