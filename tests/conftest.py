@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -22,6 +24,23 @@ from forge_grain.tokenizer import DEFAULT_TOKENIZER
 # Fault-injection trials run a seeded subset by default and all of them with FORGE_GRAIN_SLOW=1;
 # tests marked `slow` run only then.
 SLOW = os.environ.get("FORGE_GRAIN_SLOW") == "1"
+
+
+if sys.version_info < (3, 11, 8):
+    _parse = ast.parse
+
+    def _parse_again(*args, **kwargs):
+        """`ast.parse`, once more where it raised CPython's spurious "AST constructor recursion
+        depth mismatch" (gh-106905, fixed in 3.11.8; seen in threaded processes): `test_layout`
+        hit it parsing a module of the package, in a worker whose earlier tests left threads."""
+        try:
+            return _parse(*args, **kwargs)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e):
+                raise
+            return _parse(*args, **kwargs)
+
+    ast.parse = _parse_again
 
 
 def trials(default: int, slow: int) -> list[int]:

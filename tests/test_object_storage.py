@@ -130,6 +130,27 @@ def test_a_bounded_cache_keeps_its_bytes_in_a_ledger_not_a_walk_per_download(tmp
     assert settled(pipe.stores[0].cache) <= limit
 
 
+def test_a_full_cache_evicts_the_least_recently_used_copy_the_next_steps_do_not_read(tmp_path, s3):
+    """What a full bounded cache gives up: the least recently used copy of those the next steps
+    do not read, even where a copy they read was used longer ago; only when nothing else is
+    left, the least recently used of theirs."""
+    from forge_grain.stores.object_cache import ObjectCache
+
+    size = 10_000
+    for name in "abcdef":
+        s3.fs().pipe(f"bucket/lru/{name}", name.encode() * size)
+    cache = ObjectCache("s3://bucket/lru", s3.options(), tmp_path, limit=3 * size + 4_000)  # three copies
+    held = lambda: {p.stem for p in (cache.dir / "copy").glob("?.bin")}  # noqa: E731
+    for age, name in zip((300, 200, 100), "bca"):  # b used longest ago, then c, then a
+        os.utime(cache.get(name, f"copy/{name}.bin", size=size), (time.time() - age,) * 2)
+    assert cache.get("d", "copy/d.bin", size=size, upcoming={"copy/b.bin"}).read_bytes() == b"d" * size
+    assert held() == {"a", "b", "d"}  # c went, not b: the next steps read b
+    os.utime(cache.dir / "copy/a.bin", (time.time() - 400,) * 2)  # a, set back: now the least recently used
+    assert cache.get("f", "copy/f.bin", size=size, upcoming={"copy/a.bin", "copy/b.bin", "copy/d.bin"}).read_bytes() \
+        == b"f" * size
+    assert held() == {"b", "d", "f"}  # with nothing else to give up: the least recently used of theirs, a
+
+
 def test_a_record_written_while_another_threads_download_lands_counts_the_ledger_safely(tmp_path):
     """Whether a record (or a download) fits beside the ledger is read under the lock the
     ledger's files change under: read outside it while a fetch thread's download landed, a
