@@ -178,33 +178,25 @@ class CacheRoom:
 
     def _evict(self, excess: int, upcoming, ahead: bool, never=frozenset()) -> int:
         """Remove copies of shards until `excess` bytes are freed, least recently used first and
-        those in `upcoming` last (none of them for a prefetch), none in `never`: the bytes freed.
-        A copy's last use is looked up (a stat) only where it may go: those in `upcoming` only
-        when the others do not free enough. Under a bounded Megatron epoch most copies are
-        upcoming, and a stat of each, for every download, was ~7,000 stats an epoch, each
-        handing the interpreter's lock to the reader and waiting to get it back."""
-        others, hinted = [], []
+        those in `upcoming` last (none of them for a prefetch), none in `never`: the bytes freed."""
+        candidates, freed = [], 0
         for name, size in list(self.ledger.files.items()):
-            if _evictable(name) and name not in never:
-                (hinted if name in upcoming else others).append((name, size))
-        freed = 0
-        for group in (others, [] if ahead else hinted):
-            if freed >= excess:
-                break
-            candidates = []
-            for name, size in group:
-                try:
-                    candidates.append((os.stat(self.dir / name).st_mtime, size, name))
-                except FileNotFoundError:  # removed by hand, or a damaged copy dropped: not there to count
-                    self.ledger.drop(name)
-                    freed += size
-            for _, size, name in sorted(candidates):
-                if freed >= excess:
-                    break
-                (self.dir / name).unlink(missing_ok=True)
-                handles.POOL.drop(("arrayrecord", str(self.dir / name)))  # an open reader would hold its space
+            if not _evictable(name) or name in never:
+                continue
+            try:
+                used = os.stat(self.dir / name).st_mtime
+            except FileNotFoundError:  # removed by hand, or a damaged copy dropped: not there to count
                 self.ledger.drop(name)
                 freed += size
+                continue
+            candidates.append((name in upcoming, used, size, name))
+        for is_upcoming, _, size, name in sorted(candidates, key=lambda c: c[:2]):
+            if freed >= excess or (ahead and is_upcoming):
+                break
+            (self.dir / name).unlink(missing_ok=True)
+            handles.POOL.drop(("arrayrecord", str(self.dir / name)))  # an open reader would hold its space
+            self.ledger.drop(name)
+            freed += size
         return freed
 
     def _downloading(self, own: str | None = None) -> bool:
