@@ -34,14 +34,6 @@ import weakref
 
 _LOCK = threading.RLock()  # guards the making of per-process values (reset in a child: see below)
 _PID = os.getpid()  # this process's (`os.getpid` is a system call, 0.14 us: a step asks for several values)
-
-
-def _new_pid() -> None:
-    global _PID
-    _PID = os.getpid()
-
-
-os.register_at_fork(after_in_child=_new_pid)  # (the first of this module's hooks: those after may use values)
 EXITING = threading.Event()  # set when the interpreter begins to exit: background threads stop
 _STOPPED_AT_EXIT: weakref.WeakSet = weakref.WeakSet()
 _JOIN_AT_EXIT_S = 5.0  # how long exit waits for a background thread to finish what it is doing
@@ -98,12 +90,14 @@ def at_fork(fn) -> None:
     os.register_at_fork(after_in_child=fn)
 
 
-def _reset_lock() -> None:
-    global _LOCK
+def _in_child() -> None:
+    """A forked child's own lock for per-process values (the parent's may be held) and its pid."""
+    global _LOCK, _PID
     _LOCK = threading.RLock()
+    _PID = os.getpid()
 
 
-at_fork(_reset_lock)
+at_fork(_in_child)  # (at this module's import: before any other module's hook, which may use values)
 
 
 def stop_at_exit(thread: threading.Thread) -> None:
