@@ -43,13 +43,17 @@ class LockedError(ForgeGrainError):
 
 @contextlib.contextmanager
 def file_lock(path: Path):
-    """Exclusive; waits for the holder."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """Exclusive; waits for the holder. (A bare descriptor: `open` makes four system calls more,
+    and a bounded object cache takes its lock a few times a download, on every download thread.)"""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def hold_for_life(tmp: str | Path, name: str | Path, flags: int = 0) -> int:

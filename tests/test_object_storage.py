@@ -151,6 +151,36 @@ def test_a_full_cache_evicts_the_least_recently_used_copy_the_next_steps_do_not_
     assert held() == {"b", "d", "f"}  # with nothing else to give up: the least recently used of theirs, a
 
 
+def test_a_full_cache_finds_copies_removed_behind_its_back_in_a_directory_of_many(tmp_path, s3):
+    """Where a directory holds many copies, eviction lists it once instead of looking each
+    copy up: copies removed by hand (one of them read by the next steps) are still found,
+    their bytes freed from the count before anything is evicted, and what it evicts then is
+    still the least recently used."""
+    from forge_grain.stores.cache_room import LISTED
+    from forge_grain.stores.object_cache import ObjectCache
+
+    size, names = 10_000, "abcdefgh"
+    for name in names:
+        s3.fs().pipe(f"bucket/many/{name}", name.encode() * size)
+    held = LISTED + 2
+    cache = ObjectCache("s3://bucket/many", s3.options(), tmp_path, limit=held * size + 4_000)
+    on_disk = lambda: {p.stem for p in (cache.dir / "copy").glob("?.bin")}  # noqa: E731
+    for age, name in zip(range(held, 0, -1), names[:held]):  # a used longest ago, then b, ...
+        os.utime(cache.get(name, f"copy/{name}.bin", size=size), (time.time() - 100 * age,) * 2)
+    first = set(names[:held])
+    assert on_disk() == first
+    for gone in "be":  # removed by hand; the next steps read e
+        (cache.dir / f"copy/{gone}.bin").unlink()
+    upcoming = {"copy/e.bin", "copy/a.bin"}
+    assert cache.get("g", "copy/g.bin", size=size, upcoming=upcoming).read_bytes() == b"g" * size
+    assert on_disk() == first - {"b", "e"} | {"g"}  # the room of b and e was enough: nothing evicted
+    counted = sum(cache.ledger.sync().values())
+    assert counted == cache.used() - cache.ledger.size() == len(on_disk()) * size
+    cache.get("e", "copy/e.bin", size=size)
+    assert cache.get("h", "copy/h.bin", size=size, upcoming=upcoming).read_bytes() == b"h" * size
+    assert on_disk() == first - {"b", "c"} | {"g", "h"}  # c: the least recently used the next steps do not read
+
+
 def test_a_record_written_while_another_threads_download_lands_counts_the_ledger_safely(tmp_path):
     """Whether a record (or a download) fits beside the ledger is read under the lock the
     ledger's files change under: read outside it while a fetch thread's download landed, a

@@ -54,6 +54,17 @@ class BufferPool:
         self.__init__(state["max_blocks"])
 
 
+_COUNT = np.arange(4096, dtype=np.int64)
+
+
+def count(n: int, start: int = 0) -> np.ndarray:
+    """np.arange(start, start + n) (int64), every step's row places and numbers, from a range
+    made once: `np.arange` lets go of the interpreter's lock to fill even eight numbers (an
+    addition over fewer than 500 keeps it), and a reader sharing the lock with busy threads
+    waits to take it back: 430 us a call beside two threads running Python, against 0.3 us."""
+    return np.add(_COUNT[:n], start) if n <= len(_COUNT) else np.arange(start, start + n, dtype=np.int64)
+
+
 @functools.lru_cache(maxsize=64)
 def _layout(specs: tuple) -> tuple[int, tuple]:
     """The bytes of a block holding `specs`' arrays, and where each lies in it (found once

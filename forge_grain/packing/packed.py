@@ -19,7 +19,7 @@ import numpy as np
 
 from forge_grain.packing import kernels, row_parts
 from forge_grain.paths import plan_cache_dir
-from forge_grain.packing.buffers import BufferPool
+from forge_grain.packing.buffers import BufferPool, count
 from forge_grain.lazy import lazy
 from forge_grain.files import remove_stale_temporaries, temporary
 from forge_grain.locks import file_lock
@@ -380,7 +380,7 @@ class PackedDataset(grain.MapDataset):
         rows = self.rows_of(indices)
         n = len(rows)
         out = out if out is not None else empty_rows(n, self.seq_len, id_dtype, self._pool if n > 1 else None)
-        dest = np.arange(n, dtype=np.int64) if dest is None else np.asarray(dest, np.int64)
+        dest = count(n) if dest is None else np.asarray(dest, np.int64)
         gather = self._gather
         if gather is not None:
             self._fill(rows, dest, out, gather)

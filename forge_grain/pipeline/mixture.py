@@ -21,7 +21,7 @@ import grain
 import numpy as np
 
 from forge_grain.packing import kernels
-from forge_grain.packing.buffers import BufferPool
+from forge_grain.packing.buffers import BufferPool, count
 from forge_grain.packing.packed import PackedDataset, empty_rows
 from forge_grain.stores import step_reads
 
@@ -162,7 +162,7 @@ class Mixture(grain.MapDataset):
         out = out if out is not None else empty_rows(len(src), seq_len or self.seq_len, id_dtype, self._pool)
         idx = np.asarray(indices, np.int64).reshape(-1)
         one = len(self.datasets) == 1  # (no grouping to do: every row is the one source's)
-        groups = [(0, np.arange(len(src)))] if one else [(i, np.flatnonzero(src == i)) for i in np.unique(src)]
+        groups = [(0, count(len(src)))] if one else [(i, np.flatnonzero(src == i)) for i in np.unique(src)]
         fetching = [g for g in groups if fetches(self.datasets[g[0]])]
         if len(fetching) > 1 and step_reads.fresh():
             together(self._fill, fetching, out, rank, idx)

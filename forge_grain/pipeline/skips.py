@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from forge_grain.packing.buffers import count
 from forge_grain.packing.epoch_counts import tally
 
 
@@ -136,7 +137,7 @@ class RowMap:
     def rows(self, t: int, n: int) -> np.ndarray:
         """The stream rows of trainer rows [t, t + n)."""
         if self.empty:
-            return np.arange(t, t + n, dtype=np.int64)
+            return count(n, t)
         out, x = [], self.stream_row(t)
         need = n
         while need:

@@ -22,6 +22,7 @@ from forge_grain.files import remove_stale_temporaries
 
 # data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
 EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
+LISTED = 4  # copies in one directory above which eviction lists it (one call) rather than look up each
 
 
 class CacheRoom:
@@ -159,8 +160,11 @@ class CacheRoom:
                 if used + size > self.limit:
                     used -= self._evict(used + size - self.limit, upcoming, ahead, never)
                 if used + size <= self.limit:
-                    with open(reserve, "r+b" if held else "wb") as f:
-                        f.truncate(held + size)
+                    fd = os.open(reserve, os.O_WRONLY | (0 if held else os.O_CREAT | os.O_TRUNC), 0o666)
+                    try:  # (a bare descriptor: see `cache_ledger._read_span`)
+                        os.ftruncate(fd, held + size)
+                    finally:
+                        os.close(fd)
                     self.ledger.add(self._name(reserve), held + size)
                     return True
                 downloading = self._downloading(self._name(reserve) if held else None)
@@ -178,26 +182,68 @@ class CacheRoom:
 
     def _evict(self, excess: int, upcoming, ahead: bool, never=frozenset()) -> int:
         """Remove copies of shards until `excess` bytes are freed, least recently used first and
-        those in `upcoming` last (none of them for a prefetch), none in `never`: the bytes freed."""
-        candidates, freed = [], 0
-        for name, size in list(self.ledger.files.items()):
-            if not _evictable(name) or name in never:
-                continue
-            try:
-                used = os.stat(self.dir / name).st_mtime
-            except FileNotFoundError:  # removed by hand, or a damaged copy dropped: not there to count
+        those in `upcoming` last (none of them for a prefetch), none in `never`: the bytes freed.
+        Copies removed behind the cache's back are found first (`_present`) and count as freed;
+        a copy's time of last use is looked up (a stat) only where it may go: those the next
+        steps read only when the others do not free enough. A Megatron file at a limit of two
+        blocks' worth holds about 30 blocks, nearly all hinted: a stat of each made 25 system
+        calls a download, each a hand-over of the interpreter's lock between a download thread
+        and the reader."""
+        names = [name for name in self.ledger.files if _evictable(name) and name not in never]
+        present, freed = self._present(names), 0
+        for name in names:
+            if name not in present:  # removed by hand, or a damaged copy dropped: not there to count
+                freed += self.ledger.files[name]
                 self.ledger.drop(name)
-                freed += size
-                continue
-            candidates.append((name in upcoming, used, size, name))
-        for is_upcoming, _, size, name in sorted(candidates, key=lambda c: c[:2]):
-            if freed >= excess or (ahead and is_upcoming):
+        others = [name for name in names if name in present and name not in upcoming]
+        freed = self._evict_oldest(others, present, excess, freed)
+        if freed < excess and not ahead:
+            freed = self._evict_oldest([n for n in names if n in present and n in upcoming], present, excess, freed)
+        return freed
+
+    def _evict_oldest(self, names: list, used: dict, excess: int, freed: int) -> int:
+        """Remove `names`, least recently used first (`used`: the times known, by name), until
+        `excess` bytes are freed counting `freed` so far: the bytes freed then."""
+        aged = []
+        for name in names:
+            if freed >= excess:
+                return freed
+            try:
+                aged.append((used[name] if used[name] is not None else os.stat(self.dir / name).st_mtime, name))
+            except FileNotFoundError:  # evicted by another process meanwhile
+                freed += self.ledger.files.get(name, 0)
+                self.ledger.drop(name)
+        for _, name in sorted(aged):
+            if freed >= excess:
                 break
+            freed += self.ledger.files.get(name, 0)
             (self.dir / name).unlink(missing_ok=True)
             handles.POOL.drop(("arrayrecord", str(self.dir / name)))  # an open reader would hold its space
             self.ledger.drop(name)
-            freed += size
         return freed
+
+    def _present(self, names: list) -> dict:
+        """Which of the copies `names` are in the cache directory, each to its time of last use
+        where that was looked up on the way (None where not): a directory holding many of them
+        is listed once, a copy alone in its directory is looked up by itself."""
+        by_dir: dict = {}
+        for name in names:
+            by_dir.setdefault(name.rpartition("/")[0], []).append(name)
+        present = {}
+        for directory, inside in by_dir.items():
+            if len(inside) > LISTED:
+                try:
+                    entries = set(os.listdir(self.dir / directory))
+                except FileNotFoundError:
+                    continue
+                present.update((name, None) for name in inside if name.rpartition("/")[2] in entries)
+                continue
+            for name in inside:
+                try:
+                    present[name] = os.stat(self.dir / name).st_mtime
+                except FileNotFoundError:
+                    pass
+        return present
 
     def _downloading(self, own: str | None = None) -> bool:
         """Whether downloads (other than `own`) hold reservations now; those of processes that
@@ -240,10 +286,16 @@ class CacheRoom:
         with self._accounting():
             return sum(size for _, size, _ in self._cached()) + self.ledger.size()
 
+    @contextlib.contextmanager
     def _accounting(self):
         """The lock under which the cache's bytes change by more than a shrink (reservations,
-        renames, eviction) and are counted, and its ledger written, across the host's processes."""
-        return file_lock(self.dir / ".evict.lock")
+        renames, eviction) and are counted, and its ledger written, across the host's processes
+        (the ledger's lines of each turn written as it ends)."""
+        with file_lock(self.dir / ".evict.lock"):
+            try:
+                yield
+            finally:
+                self.ledger.flush()
 
 
 def _evictable(name: str) -> bool:
