@@ -121,7 +121,8 @@ class Ledger:
 def _read_span(path: Path, start: int, end: int) -> bytes:
     """Bytes [start, end) of file `path` (fewer if it is shorter), in three system calls:
     `open` makes six before its first read, and each is a hand-over of the interpreter's lock
-    among the download threads of a bounded cache, which read the ledger twice a download."""
+    among the download threads of a bounded cache (the processes sharing it read each
+    other's lines at every download)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.pread(fd, end - start, start)
