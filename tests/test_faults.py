@@ -173,6 +173,46 @@ def test_plans_on_a_full_disk_stay_in_memory(small_disk, tmp_path, caplog):
     assert np.array_equal(ds.get_batch(np.arange(8))["inputs"], fresh.get_batch(np.arange(8))["inputs"])
 
 
+def test_a_cache_ledger_line_cut_short_by_a_full_disk_is_an_error_and_the_cache_is_counted_anew(small_disk):
+    """A bounded cache's ledger is a log of lines: a line a full disk cut short would run
+    into the next one written, and every process would read a file that is not there, and
+    miss one that is. The append is an error, and the next look counts the cache by a walk."""
+    import errno
+
+    from forge_grain.stores.cache_ledger import Ledger
+
+    cache = small_disk.path / "cache"
+    cache.mkdir()
+    (cache / "a.bin").write_bytes(b"a" * 1000)
+    walk = lambda: ((0, f.stat().st_size, f) for f in cache.glob("*.bin"))  # noqa: E731
+    ledger = Ledger(cache, walk)
+    assert ledger.sync() == {"a.bin": 1000}
+    page = os.statvfs(small_disk.path).f_bsize
+    pad = page - 20 - ledger.path.stat().st_size  # the ledger ends 20 bytes short of its page
+    ledger.add("p" * (pad - len("+0\t.bin\n")) + ".bin", 0)
+    ledger.flush()
+    assert ledger.path.stat().st_size == page - 20
+    fd = os.open(small_disk.path / "filler", os.O_WRONLY | os.O_CREAT)  # the rest of the disk
+    with pytest.raises(OSError):
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    name = "b" * 40 + ".bin"  # a line of 48 bytes: 20 fit
+    (cache / name).touch()  # (its bytes written once there is room)
+    ledger.add(name, 500)
+    with pytest.raises(OSError) as failed:
+        ledger.flush()
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(ledger.path)
+    (small_disk.path / "filler").unlink()
+    (cache / name).write_bytes(b"b" * 500)
+    ledger.add("c.bin", 7)  # (what the next turn of the lock would do after a sync)
+    assert ledger.sync() == {"a.bin": 1000, name: 500}  # counted anew, by a walk
+    (cache / "c.bin").write_bytes(b"c" * 7)
+    ledger.add("c.bin", 7)
+    ledger.flush()
+    assert Ledger(cache, walk).sync() == {"a.bin": 1000, name: 500, "c.bin": 7}  # as another process reads it
+
+
 # -- read-only deployments ------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ rebuilt by one walk, as is one that says the cache is full when it may not be.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -104,7 +105,14 @@ class Ledger:
         data, self._unwritten = "".join(self._unwritten).encode(), []
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # (not `open`: see `_read_span`)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # (a full disk takes part of a write, then refuses the rest)
+                view = view[os.write(fd, view):]
+        except OSError as e:  # a line cut short would run into the next one: the ledger goes, rebuilt at the next look
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self._inode = None
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         finally:
             os.close(fd)
         self._at += len(data)
