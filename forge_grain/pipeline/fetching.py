@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from forge_grain.errors import StoreError
 from forge_grain.lazy import lazy
 from forge_grain.stores import step_reads
 
@@ -111,7 +112,8 @@ class FetchWindow:
             self._empty(0)
             self._front, self._end = 0, -1  # (the next step is a first call)
             for i in self.fetching:
-                self.datasets[i].store.prefetch(np.zeros(0, np.int64))
+                with contextlib.suppress(StoreError):  # a download ahead that failed: no step reads it now
+                    self.datasets[i].store.prefetch(np.zeros(0, np.int64))  # (a read of it fetches it again)
 
     def _empty(self, step: int) -> None:
         """No step in the window, which starts at `step` (a fresh start, or a stop)."""

@@ -123,11 +123,12 @@ class Download:
     def _attempt_parts(self) -> bool:
         p, size = self.partial, self.size
         first = size if p is None else p.held
-        self.spans = []
-        with open(self.tmp, "r+b") as dst:
-            parts = self._submit(dst, 0, first, not self.ahead)
+        self.spans, self._reads = [], []
+        fd = os.open(self.tmp, os.O_RDWR)  # (bare: `open` makes three system calls more, on every download)
+        try:
+            parts = self._submit(fd, 0, first, not self.ahead)
             if first < size:  # a partial prefetch: the rest as soon as the cache has room for it
-                staged = self._submit(dst, first, size, False, staged=True) if size - first <= STAGED else []
+                staged = self._submit(fd, first, size, False, staged=True) if size - first <= STAGED else []
                 if not self._grow_beside(parts + staged):
                     self._collect(parts + staged)
                     return False
@@ -135,11 +136,16 @@ class Download:
                     a, _ = self.spans[len(parts) + i]
                     block = f.result()
                     with self.writing:
-                        os.pwrite(dst.fileno(), block, a)
-                parts += staged or self._submit(dst, first, size, p.hurried())
+                        os.pwrite(fd, block, a)
+                parts += staged or self._submit(fd, first, size, p.hurried())
             digest = hashlib.sha256()
-            self._collect(parts, self._hashing(digest, dst.fileno()) if self.sha256 is not None else None)
-            os.fsync(dst.fileno())  # durable before the rename: a power loss leaves no short copy behind
+            self._collect(parts, self._hashing(digest, fd) if self.sha256 is not None else None)
+            os.fsync(fd)  # durable before the rename: a power loss leaves no short copy behind
+        finally:  # (no read still running writes into the descriptor once it is closed, nor into its next owner)
+            for f in self._reads:
+                f.cancel()
+            concurrent.futures.wait(self._reads)
+            os.close(fd)
         if self.sha256 is not None and digest.hexdigest() != self.sha256:
             raise Damaged("its sha256 does not match the manifest's: the object is corrupt or was replaced")
         if self.tag is not None and self.condition is None:  # a HEAD after the reads: a rewrite before or during
@@ -164,9 +170,9 @@ class Download:
                 time.sleep(GROW_POLL_S)
         return True
 
-    def _submit(self, dst, lo: int, hi: int, urgent: bool, staged: bool = False) -> list:
-        """The ranged reads of bytes [lo, hi) into `dst`, queued on the request threads
-        (`staged`: each giving its bytes, for `dst` once the cache has room for them)."""
+    def _submit(self, fd: int, lo: int, hi: int, urgent: bool, staged: bool = False) -> list:
+        """The ranged reads of bytes [lo, hi) into descriptor `fd`, queued on the request threads
+        (`staged`: each giving its bytes, for `fd` once the cache has room for them)."""
         c, name, size, whole = self.cache, self.name, self.size, self.whole
         step = self._part_size(hi - lo, urgent)
         spans = [(0, size)] if whole else [(a, min(a + step, hi)) for a in range(lo, hi, step)]
@@ -183,10 +189,12 @@ class Download:
                 if staged:
                     return block
                 with self.writing:
-                    os.pwrite(dst.fileno(), block, a)
+                    os.pwrite(fd, block, a)
             return block if one else None
 
-        return [c.requests.submit(urgent, self.job, part, span, size=span[1] - span[0]) for span in spans]
+        reads = [c.requests.submit(urgent, self.job, part, span, size=span[1] - span[0]) for span in spans]
+        self._reads += reads
+        return reads
 
     def _hashing(self, digest, fd: int):
         """What `_collect` does with each part, in order: its bytes into `digest`, so the
