@@ -195,10 +195,10 @@ class CacheRoom:
             if name not in present:  # removed by hand, or a damaged copy dropped: not there to count
                 freed += self.ledger.files[name]
                 self.ledger.drop(name)
-        others = [name for name in names if name in present and name not in upcoming]
-        freed = self._evict_oldest(others, present, excess, freed)
+        names = [name for name in names if name in present]
+        freed = self._evict_oldest([n for n in names if n not in upcoming], present, excess, freed)
         if freed < excess and not ahead:
-            freed = self._evict_oldest([n for n in names if n in present and n in upcoming], present, excess, freed)
+            freed = self._evict_oldest([n for n in names if n in upcoming], present, excess, freed)
         return freed
 
     def _evict_oldest(self, names: list, used: dict, excess: int, freed: int) -> int:

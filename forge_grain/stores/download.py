@@ -141,7 +141,8 @@ class Download:
             digest = hashlib.sha256()
             self._collect(parts, self._hashing(digest, fd) if self.sha256 is not None else None)
             os.fsync(fd)  # durable before the rename: a power loss leaves no short copy behind
-        finally:  # (no read still running writes into the descriptor once it is closed, nor into its next owner)
+        finally:  # a failed part: the others are not left writing into the file being retried, nor into the
+            # descriptor once it is closed (or its next owner)
             for f in self._reads:
                 f.cancel()
             concurrent.futures.wait(self._reads)
@@ -215,16 +216,11 @@ class Download:
     @staticmethod
     def _collect(parts: list, each=None) -> None:
         """Wait for the parts, in order (`each(i, result)` as each is there); a failed one
-        raises."""
-        try:
-            for i, f in enumerate(parts):
-                result = f.result()
-                if each is not None:
-                    each(i, result)
-        finally:  # a failed part: the others are not left writing into the file being retried
-            for f in parts:
-                f.cancel()
-            concurrent.futures.wait(parts)
+        raises (the others are stopped as the attempt ends: `_attempt_parts`)."""
+        for i, f in enumerate(parts):
+            result = f.result()
+            if each is not None:
+                each(i, result)
 
     def _part_size(self, size: int, urgent: bool) -> int:
         """The bytes of one ranged part of `size` bytes to read: as many parts as request
