@@ -213,6 +213,63 @@ def test_a_cache_ledger_line_cut_short_by_a_full_disk_is_an_error_and_the_cache_
     assert Ledger(cache, walk).sync() == {"a.bin": 1000, name: 500, "c.bin": 7}  # as another process reads it
 
 
+def _churned(ledger, lines: int) -> None:
+    """`lines` lines of history appended to `ledger` (a file added, then dropped), its files unchanged."""
+    for i in range(lines // 2):
+        ledger.add(f"gone-{i}.bin", 1)
+        ledger.drop(f"gone-{i}.bin")
+    ledger.flush()
+
+
+def test_a_cache_ledger_rewritten_on_a_full_disk_leaves_no_temporary_and_is_counted_anew(small_disk):
+    """A ledger grown past its files is rewritten to a temporary, renamed over it. On a full
+    disk that write fails: the error names the ledger, no temporary is left to hold the disk's
+    last bytes (it lives in the cache, and counts against its limit), and the next look counts
+    the cache by a walk, since the old ledger lacks the lines of the turn that failed."""
+    import errno
+
+    from forge_grain.stores.cache_ledger import NAME, Ledger
+
+    cache = small_disk.path / "cache"
+    cache.mkdir()
+    (cache / "a.bin").write_bytes(b"a" * 1000)
+    walk = lambda: ((0, f.stat().st_size, f) for f in cache.glob("*.bin"))  # noqa: E731
+    ledger = Ledger(cache, walk)
+    assert ledger.sync() == {"a.bin": 1000}
+    _churned(ledger, 34)  # (the next line rewrites it: more than twice its files' lines and 32)
+    fd = os.open(small_disk.path / "filler", os.O_WRONLY | os.O_CREAT)  # the rest of the disk
+    with pytest.raises(OSError):
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    with pytest.raises(OSError) as failed:
+        ledger.add("b.bin", 500)
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(ledger.path)
+    assert sorted(p.name for p in cache.iterdir()) == ["a.bin"]  # neither the temporary nor the stale ledger
+    (small_disk.path / "filler").unlink()
+    assert ledger.sync() == {"a.bin": 1000}  # counted anew, by a walk
+    assert not list(cache.glob(f"{NAME}.tmp-*")) and ledger.size() == ledger.path.stat().st_size
+
+
+def test_a_cache_ledger_temporary_left_by_a_killed_rewrite_goes_at_the_next(tmp_path):
+    """A process killed between writing the ledger's temporary and renaming it leaves the
+    temporary behind, counted against the cache's limit (`Ledger.size`) for good. Rewrites run
+    under the cache's lock, so the next one knows no other is in progress and removes it."""
+    from forge_grain.stores.cache_ledger import NAME, Ledger
+
+    (tmp_path / "a.bin").write_bytes(b"a" * 100)
+    walk = lambda: ((0, f.stat().st_size, f) for f in tmp_path.glob("*.bin"))  # noqa: E731
+    ledger = Ledger(tmp_path, walk)
+    ledger.sync()
+    stale = tmp_path / f"{NAME}.tmp-4194304"  # (another process's: a pid no process here has)
+    stale.write_bytes(b"+5\ta.bin\n" * 100)
+    assert ledger.size() == ledger.path.stat().st_size + stale.stat().st_size
+    _churned(ledger, 34)
+    ledger.add("b.bin", 7)  # (rewrites)
+    ledger.flush()
+    assert not stale.exists() and ledger.size() == ledger.path.stat().st_size
+    assert Ledger(tmp_path, walk).sync() == {"a.bin": 100, "b.bin": 7}
+
 # -- read-only deployments ------------------------------------------------------------------------
 
 

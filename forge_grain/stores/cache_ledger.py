@@ -118,11 +118,24 @@ class Ledger:
         self._at += len(data)
 
     def _rewrite(self) -> None:
+        """The files as they are now written anew, to a temporary renamed over the ledger.
+        A temporary already there is a rewrite that never finished (its process killed, or
+        it failed): rewrites run under the lock, so none is in progress, and it goes."""
         self._unwritten = []  # (the files are written as they are now, these lines' changes included)
         text = "".join(f"+{size}\t{name}\n" for name, size in self.files.items()).encode()
+        for stale in self.path.parent.glob(f"{NAME}.tmp-*"):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
         tmp = self.path.with_name(f"{NAME}.tmp-{os.getpid()}")
-        tmp.write_bytes(text)
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_bytes(text)
+            os.replace(tmp, self.path)
+        except OSError as e:  # (a full disk): the ledger lacks this turn's lines, so it goes too, rebuilt at the next look
+            for path in (tmp, self.path):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            self._inode = None
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._at, self._inode, self._lines = len(text), os.stat(self.path).st_ino, len(self.files)
 
 

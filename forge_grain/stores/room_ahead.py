@@ -70,13 +70,15 @@ class Turns:
         """Wait until prefetch `job` may take room: no partial prefetch waits, and none
         submitted before it is still to take its room. False if `copy` is no longer hinted
         (`keep()`) meanwhile (looked at every `GROW_POLL_S * 5` s), or the interpreter exits."""
-        woken = threading.Event()
         with self._lock:
+            if self._may_go(job):  # (most: their turn is there, and nothing to be woken by)
+                return True
+            woken = threading.Event()
             self._waiting.setdefault(job, []).append(woken)
         try:
             while True:
                 with self._lock:
-                    if not self._partial and (job not in self._queued or job == min(self._queued)):
+                    if self._may_go(job):
                         return True
                     woken.clear()
                 if copy not in keep() or EXITING.is_set():
@@ -88,6 +90,10 @@ class Turns:
                 waiting.remove(woken)
                 if not waiting:
                     del self._waiting[job]
+
+    def _may_go(self, job) -> bool:
+        """Whether prefetch `job` may take room now (under `_lock`)."""
+        return not self._partial and (job not in self._queued or job == min(self._queued))
 
     def queued(self) -> int:
         """Prefetches submitted and not yet started (what `Download._part_size` counts)."""
