@@ -16,7 +16,8 @@ in a process of its own after a warm-up epoch (the store, unbounded: imports, co
 kernels, the request pool grown), and reports its seconds (the open included), the reader's
 CPU, and the voluntary context switches (sleeps, from `/proc`) of the reader (taking the
 lock back, or waiting for a block), of the download threads (a store's threads fetching
-shards or blocks ahead) and of the request threads, counting the threads alive at its end.
+shards or blocks ahead) and of the request threads, and those threads' CPU (user and system),
+counting the threads alive at its end.
 `--old PATH` runs each epoch a second time with the `forge_grain` package at PATH (a copy
 of an earlier version) in turn, for a comparison in the same run.
 """
@@ -52,17 +53,28 @@ def _sleeps() -> dict:
         except OSError:  # (ended meanwhile)
             continue
         count = int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.M).group(1))
+        try:  # (user and system CPU, in clock ticks: fields 14 and 15 of stat, after the name in parentheses)
+            ticks = sum(int(x) for x in open(f"/proc/self/task/{tid}/stat").read().rpartition(")")[2].split()[11:13])
+        except OSError:
+            continue
         name = re.sub(r"^forge-grain-", "", re.sub(r"[_-]?\d+$", "", names.get(int(tid), "other")))
-        out[int(tid)] = ("reader" if int(tid) == threading.main_thread().native_id else kinds.get(name, name), count)
+        kind = "reader" if int(tid) == threading.main_thread().native_id else kinds.get(name, name)
+        out[int(tid)] = (kind, count, ticks / TICKS)
     return out
 
 
-def _grown(before: dict, after: dict) -> collections.Counter:
-    """Sleeps by kind between two `_sleeps`, of the threads alive at the second."""
-    out: collections.Counter = collections.Counter()
-    for tid, (kind, count) in after.items():
-        out[kind] += count - before.get(tid, (kind, 0))[1]
-    return out
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _grown(before: dict, after: dict) -> tuple:
+    """Sleeps and CPU seconds by kind between two `_sleeps`, of the threads alive at the second."""
+    sleeps: collections.Counter = collections.Counter()
+    cpu: collections.Counter = collections.Counter()
+    for tid, (kind, count, seconds) in after.items():
+        _, count0, seconds0 = before.get(tid, (kind, 0, 0.0))
+        sleeps[kind] += count - count0
+        cpu[kind] += seconds - seconds0
+    return sleeps, cpu
 
 
 def child(args) -> None:
@@ -98,9 +110,10 @@ def child(args) -> None:
     bench.forge_grain(Unseen(), args.port, "s3://bench/store", None, work)  # (warm: imports, compiled kernels)
     before, cpu = _sleeps(), time.thread_time()
     got = bench.forge_grain(Unseen(), args.port, f"s3://bench/{args.readers}", int(args.limits) * args.unit or None, work)
-    slept = _grown(before, _sleeps())
+    slept, used = _grown(before, _sleeps())
     print(json.dumps({"seconds": got.get("seconds"), "error": got.get("error"), "cpu": time.thread_time() - cpu,
-                      "sleeps": {kind: slept[kind] for kind in ("reader", "download", "get")}}), flush=True)
+                      "sleeps": {kind: slept[kind] for kind in ("reader", "download", "get")},
+                      "threads_cpu": {kind: used[kind] for kind in ("download", "get")}}), flush=True)
 
 
 def main() -> None:
@@ -163,7 +176,9 @@ def main() -> None:
                         print(f"  {label:5} {reader:9} {f'{k} files' if k else 'unbounded':>10}"
                               + (f"  failed: {r['error']}" if r["error"] else
                                  f"  {r['seconds']:6.2f} s  reader CPU {r['cpu']:5.2f} s  sleeps: reader "
-                                 f"{s['reader']:6,}  download {s['download']:6,}  get {s['get']:6,}"), flush=True)
+                                 f"{s['reader']:6,}  download {s['download']:6,}  get {s['get']:6,}  CPU: download "
+                                 f"{r['threads_cpu']['download']:5.2f} s  get {r['threads_cpu']['get']:5.2f} s"),
+                              flush=True)
     finally:
         for proc in procs:
             proc.terminate()

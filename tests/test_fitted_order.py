@@ -717,6 +717,66 @@ def test_a_step_across_a_shard_boundary_lets_the_shard_it_leaves_go_before_it_wa
     assert boundaries >= 5, waits
 
 
+@pytest.mark.parametrize("files", [1, 3])
+def test_a_bounded_cache_fetches_a_chunk_of_the_fitted_order_as_one_block(tmp_path, s3, stores, files):
+    """Under a cache_limit a raw or Megatron file is planned in units of a thirty-second of the
+    limit, grouped into chunks of about twice that, and a window reads its chunks whole: the
+    cache fetches each chunk's units as one block (each download is a turn of the cache's
+    bookkeeping taken from the reader), never across two chunks or two files. Raw files, one
+    and three (a chunk may span files: one block in each), with the local copy's batches."""
+    from forge_grain.packing.fitted import unit_bounds
+
+    tokens = np.fromfile(stores["raw"] / "tokens.bin", np.uint16)
+    ends = np.flatnonzero(tokens == 1) + 1
+    base = tmp_path / "raw"
+    base.mkdir()
+    for k, part in enumerate(np.split(tokens, ends[[len(ends) * j // files - 1 for j in range(1, files)]])):
+        part.tofile(base / f"part-{k}.bin")
+    s3.fs().put(str(base), f"fit/raw{files}", recursive=True)
+    limit = two_files(stores["raw"])
+    pipe = Pipeline(config(f"s3://fit/raw{files}", **remote(s3, tmp_path, "raw", limit)), 0, 1, cache_dir=tmp_path / "p")
+    store, fit = pipe.stores[0], pipe.datasets[0].fitted
+    offsets = np.asarray(store.offsets, np.int64)
+    block_starts = set(store._pieces[0].tolist())  # (where each block's tokens start)
+    file_starts = set(offsets[np.asarray(store.file_doc_starts)].tolist())
+    assert set(offsets[fit.bounds].tolist()) <= block_starts  # a chunk's first unit starts a block
+    for a, b in zip(fit.bounds[:-1], fit.bounds[1:]):  # ... and a block inside it starts only at a file
+        inside = {t for t in block_starts if offsets[a] < t < offsets[b]}
+        assert inside <= file_starts, (a, b)
+    units = len(unit_bounds(store, limit // 4)) - 1
+    assert len(block_starts) - 1 <= units * 0.6, (len(block_starts) - 1, units)  # about half as many downloads
+    local = Pipeline(config(base, shuffle_bytes=limit // 4, **KINDS["raw"]), 0, 1, cache_dir=tmp_path / "l")
+    s3.proxy.clear()
+    assert epoch_as_local(pipe, local) <= limit
+    assert served(s3) <= 1.05 * tokens.nbytes
+
+
+def test_a_block_of_a_chunks_units_stays_within_the_most_one_download_takes(monkeypatch):
+    """On a large cache a chunk holds many units of the most a block takes (`BLOCK`): they are
+    fetched in blocks of at most that, not as one download of a sixteenth of the cache (the
+    first step would wait for it), and still never across a chunk."""
+    from forge_grain.stores import blocks
+
+    monkeypatch.setattr(blocks, "BLOCK", 10_000)
+    rng = np.random.default_rng(5)
+    files = [np.concatenate([[0], np.cumsum(rng.integers(1, 3_000, n))]) for n in (400, 0, 250)]
+    limit = 10**7  # (units of BLOCK, chunks of limit / 16: about 60 units)
+    units = [blocks.block_cuts(o, blocks.BLOCK // 2) for o in files]
+    sizes = [int(n) * 2 for c in units for n in np.diff(c)]
+    firsts = np.cumsum([0] + sizes)  # (bytes before each unit, over the files)
+    starts = {int(firsts[k]) for k in blocks.chunk_starts(sizes, limit // 4)}
+    assert 1 < len(starts) < len(sizes) // 8
+    at = 0
+    for cuts, got, offsets in zip(units, blocks.fetch_cuts(files, 2, limit), files):
+        assert got[0] == 0 and got[-1] == offsets[-1] and set(got.tolist()) <= set(cuts.tolist())
+        for a, b in zip(got[:-1], got[1:]):
+            one_unit = np.searchsorted(cuts, a) + 1 == np.searchsorted(cuts, b)
+            assert (b - a) * 2 <= blocks.BLOCK or one_unit
+        chunk_firsts = {s - at for s in starts if at <= s < at + 2 * int(offsets[-1])}
+        assert {2 * int(t) for t in got[:-1]} >= chunk_firsts  # every chunk starts a block
+        at += 2 * int(offsets[-1])
+
+
 @pytest.mark.parametrize("kind", ["megatron", "raw"])
 def test_the_parts_hinted_download_together_as_far_as_the_cache_holds_them(tmp_path, s3, stores, monkeypatch,
                                                                             kind):
@@ -737,7 +797,7 @@ def test_the_parts_hinted_download_together_as_far_as_the_cache_holds_them(tmp_p
         assert gate.wait(60), "no release"
         return attempt(self)
 
-    store = TokenStore.open(f"s3://fit/{kind}", **remote(s3, tmp_path, kind, 3 * sum(data_files(stores[kind]))))
+    store = TokenStore.open(f"s3://fit/{kind}", **remote(s3, tmp_path, kind, 3 * sum(data_files(stores[kind])) // 2))
     parts = store.units_of(np.arange(store.num_arrays))[0]
     hinted = len(set(parts.tolist()))
     assert hinted > 8

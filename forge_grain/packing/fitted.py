@@ -4,8 +4,9 @@ A store in object storage under a `cache_limit` holds only part of its files at 
 global shuffle reads every file at every step, so each step evicts files the next needs:
 a dataset re-downloaded a hundred times an epoch. Instead, with `shuffle_bytes = S`
 (by default a quarter of `cache_limit`), the store is planned in chunks of whole data files
-(a Megatron or raw file: of the same blocks of documents the bounded cache reads; at most
-S / 4 bytes a chunk, one file or block at least), and each epoch visits the chunks in a
+(a Megatron or raw file: of units of whole documents, and the bounded cache fetches each
+chunk's units as one block, `stores.blocks`; at most S / 4 bytes a chunk, one file or unit
+at least), and each epoch visits the chunks in a
 seeded order, as many at a time as fit in S (`windows.WindowOrder`): rows are shuffled
 within a window, and a window reads only its chunks' files. The window being read and the
 next one, fetched ahead, fit in half the cache.
@@ -24,16 +25,9 @@ import hashlib
 
 import numpy as np
 
-from forge_grain.stores.blocks import block_bytes, block_cuts
+from forge_grain.stores.blocks import FIT, block_bytes, block_cuts, chunk_starts
 
-FIT = 4  # cache_limit / shuffle_bytes by default: the window read, the next fetched ahead, room to spare
-CHUNKS_IN_WINDOW = 4  # a chunk holds at most shuffle_bytes / this (a window interleaves several)
 DIVISIBLE = ("megatron", "raw")  # formats the bounded cache reads in blocks, not whole files
-
-
-def default_shuffle_bytes(cache_limit: int | None) -> int | None:
-    """The window of a source with `cache_limit` and no `shuffle_bytes` of its own."""
-    return None if cache_limit is None else max(1, cache_limit // FIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,25 +56,19 @@ def fitted_chunks(store, shuffle_bytes: int, chunk_docs: int) -> Fitted | None:
         return None
     units = unit_bounds(store, shuffle_bytes)
     unit_bytes = np.diff(offsets[units]) * itemsize
-    target = max(1, shuffle_bytes // CHUNKS_IN_WINDOW)
-    bounds, units_in, acc, n = [0], [0], 0, 0
-    for k, size in enumerate(unit_bytes.tolist()):
-        if n and acc + size > target:
-            bounds.append(int(units[k]))
-            units_in.append(n)
-            acc = n = 0
-        acc, n = acc + size, n + 1
-    bounds.append(int(units[-1]))
-    units_in.append(n)
+    starts = chunk_starts(unit_bytes.tolist(), shuffle_bytes)  # (as `blocks.fetch_cuts` groups a file's blocks)
+    bounds = [int(units[k]) for k in starts] + [int(units[-1])]
+    units_in = np.diff(starts + [len(unit_bytes)])
     bounds = _split_large(np.array(bounds, np.int64), chunk_docs)
     largest = int((np.diff(offsets[bounds]) * itemsize).max())
     window = max(1, min(shuffle_bytes // max(largest, 1), len(bounds) - 1))
-    return Fitted(bounds, window, window * max(units_in), shuffle_bytes)
+    return Fitted(bounds, window, window * int(units_in.max()), shuffle_bytes)
 
 
 def unit_bounds(store, shuffle_bytes: int) -> np.ndarray:
-    """Document bounds of what the bounded cache fetches whole: data files, or (Megatron and
-    raw files) the blocks `mirror_ranges` cuts under a cache of FIT * shuffle_bytes."""
+    """Document bounds of the units chunks are made of: data files (fetched whole), or
+    (Megatron and raw files) the units `blocks.block_cuts` makes under a cache of
+    FIT * shuffle_bytes (fetched a chunk's at a time: `blocks.fetch_cuts`)."""
     starts = np.asarray(store.file_doc_starts, np.int64)
     if store.format not in DIVISIBLE:
         return np.unique(starts)

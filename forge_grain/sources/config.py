@@ -277,7 +277,7 @@ class SourceConfig:
     def fitted_bytes(self) -> int | None:
         """The `shuffle_bytes` in effect: its own, else a quarter of `cache_limit` (unless
         `shuffle_window` orders the reads instead)."""
-        from forge_grain.packing.fitted import default_shuffle_bytes
+        from forge_grain.stores.blocks import default_shuffle_bytes
 
         if self.shuffle_bytes is not None or self.shuffle_window is not None:
             return self.shuffle_bytes

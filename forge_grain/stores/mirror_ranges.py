@@ -34,7 +34,7 @@ from forge_grain.locks import file_lock
 from forge_grain.splits import select_split
 from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
-from forge_grain.stores.blocks import block_bytes, block_cuts
+from forge_grain.stores.blocks import fetch_cuts
 from forge_grain.stores.harvest import PRINTS, Prints
 from forge_grain.stores.mirror_parts import FetchedParts
 from forge_grain.stores.download import SPLIT
@@ -135,9 +135,8 @@ class Ranged(FetchedParts):
         self._file_docs = [len(o) - 1 for o in offsets]
         self._offsets = join_offsets(offsets)
         self._parts, starts, at = [], [], 0
-        target = max(1, block_bytes(self.cache.limit) // self.dtype.itemsize)
-        for name, file, off in zip(names, meta["files"], offsets):
-            cuts = block_cuts(off, target)
+        for name, file, off, cuts in zip(names, meta["files"], offsets,
+                                         fetch_cuts(offsets, self.dtype.itemsize, self.cache.limit)):
             for a, b in zip(cuts[:-1], cuts[1:]):
                 self._parts.append(_Block(self, name, file["start"] + int(a) * self.dtype.itemsize,
                                           int(b - a) * self.dtype.itemsize))
