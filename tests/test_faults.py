@@ -173,6 +173,27 @@ def test_plans_on_a_full_disk_stay_in_memory(small_disk, tmp_path, caplog):
     assert np.array_equal(ds.get_batch(np.arange(8))["inputs"], fresh.get_batch(np.arange(8))["inputs"])
 
 
+def _ledger_of_one_file(cache):
+    """A cache directory `cache` holding a.bin (1,000 bytes), its ledger read: (cache, ledger, walk)."""
+    from forge_grain.stores.cache_ledger import Ledger
+
+    cache.mkdir()
+    (cache / "a.bin").write_bytes(b"a" * 1000)
+    walk = lambda: ((0, f.stat().st_size, f) for f in cache.glob("*.bin"))  # noqa: E731
+    ledger = Ledger(cache, walk)
+    assert ledger.sync() == {"a.bin": 1000}
+    return cache, ledger, walk
+
+
+def _fill(filler) -> None:
+    """The rest of a disk taken by the file `filler`."""
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    with pytest.raises(OSError):
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+
+
 def test_a_cache_ledger_line_cut_short_by_a_full_disk_is_an_error_and_the_cache_is_counted_anew(small_disk):
     """A bounded cache's ledger is a log of lines: a line a full disk cut short would run
     into the next one written, and every process would read a file that is not there, and
@@ -181,22 +202,13 @@ def test_a_cache_ledger_line_cut_short_by_a_full_disk_is_an_error_and_the_cache_
 
     from forge_grain.stores.cache_ledger import Ledger
 
-    cache = small_disk.path / "cache"
-    cache.mkdir()
-    (cache / "a.bin").write_bytes(b"a" * 1000)
-    walk = lambda: ((0, f.stat().st_size, f) for f in cache.glob("*.bin"))  # noqa: E731
-    ledger = Ledger(cache, walk)
-    assert ledger.sync() == {"a.bin": 1000}
+    cache, ledger, walk = _ledger_of_one_file(small_disk.path / "cache")
     page = os.statvfs(small_disk.path).f_bsize
     pad = page - 20 - ledger.path.stat().st_size  # the ledger ends 20 bytes short of its page
     ledger.add("p" * (pad - len("+0\t.bin\n")) + ".bin", 0)
     ledger.flush()
     assert ledger.path.stat().st_size == page - 20
-    fd = os.open(small_disk.path / "filler", os.O_WRONLY | os.O_CREAT)  # the rest of the disk
-    with pytest.raises(OSError):
-        while True:
-            os.write(fd, b"\0" * 4096)
-    os.close(fd)
+    _fill(small_disk.path / "filler")
     name = "b" * 40 + ".bin"  # a line of 48 bytes: 20 fit
     (cache / name).touch()  # (its bytes written once there is room)
     ledger.add(name, 500)
@@ -228,20 +240,11 @@ def test_a_cache_ledger_rewritten_on_a_full_disk_leaves_no_temporary_and_is_coun
     the cache by a walk, since the old ledger lacks the lines of the turn that failed."""
     import errno
 
-    from forge_grain.stores.cache_ledger import NAME, Ledger
+    from forge_grain.stores.cache_ledger import NAME
 
-    cache = small_disk.path / "cache"
-    cache.mkdir()
-    (cache / "a.bin").write_bytes(b"a" * 1000)
-    walk = lambda: ((0, f.stat().st_size, f) for f in cache.glob("*.bin"))  # noqa: E731
-    ledger = Ledger(cache, walk)
-    assert ledger.sync() == {"a.bin": 1000}
+    cache, ledger, _ = _ledger_of_one_file(small_disk.path / "cache")
     _churned(ledger, 34)  # (the next line rewrites it: more than twice its files' lines and 32)
-    fd = os.open(small_disk.path / "filler", os.O_WRONLY | os.O_CREAT)  # the rest of the disk
-    with pytest.raises(OSError):
-        while True:
-            os.write(fd, b"\0" * 4096)
-    os.close(fd)
+    _fill(small_disk.path / "filler")
     with pytest.raises(OSError) as failed:
         ledger.add("b.bin", 500)
     assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(ledger.path)
@@ -257,18 +260,15 @@ def test_a_cache_ledger_temporary_left_by_a_killed_rewrite_goes_at_the_next(tmp_
     under the cache's lock, so the next one knows no other is in progress and removes it."""
     from forge_grain.stores.cache_ledger import NAME, Ledger
 
-    (tmp_path / "a.bin").write_bytes(b"a" * 100)
-    walk = lambda: ((0, f.stat().st_size, f) for f in tmp_path.glob("*.bin"))  # noqa: E731
-    ledger = Ledger(tmp_path, walk)
-    ledger.sync()
-    stale = tmp_path / f"{NAME}.tmp-4194304"  # (another process's: a pid no process here has)
+    cache, ledger, walk = _ledger_of_one_file(tmp_path / "cache")
+    stale = cache / f"{NAME}.tmp-4194304"  # (another process's: a pid no process here has)
     stale.write_bytes(b"+5\ta.bin\n" * 100)
     assert ledger.size() == ledger.path.stat().st_size + stale.stat().st_size
     _churned(ledger, 34)
     ledger.add("b.bin", 7)  # (rewrites)
     ledger.flush()
     assert not stale.exists() and ledger.size() == ledger.path.stat().st_size
-    assert Ledger(tmp_path, walk).sync() == {"a.bin": 100, "b.bin": 7}
+    assert Ledger(cache, walk).sync() == {"a.bin": 1000, "b.bin": 7}
 
 # -- read-only deployments ------------------------------------------------------------------------
 
