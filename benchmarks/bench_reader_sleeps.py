@@ -17,7 +17,8 @@ kernels, the request pool grown), and reports its seconds (the open included), t
 CPU, and the voluntary context switches (sleeps, from `/proc`) of the reader (taking the
 lock back, or waiting for a block), of the download threads (a store's threads fetching
 shards or blocks ahead) and of the request threads, and those threads' CPU (user and system),
-counting the threads alive at its end.
+counting the threads alive at its end; then its data GETs and how many were in flight on
+average (the seconds they took over the epoch's, the open included).
 `--old PATH` runs each epoch a second time with the `forge_grain` package at PATH (a copy
 of an earlier version) in turn, for a comparison in the same run.
 """
@@ -86,17 +87,20 @@ def child(args) -> None:
     local = json.loads(args.local)
     delay, rate = args.ttfb_ms / 1e3, args.mbps * 1e6
     read = remote_dir.RemoteDir.read_bounded
+    busy = []  # (seconds each data GET took: their sum over the epoch's is the mean of those in flight)
 
     def imitated(self, name, start, end=None, if_match=None):
         path = local.get(f"{self.url}/{name}")
         if path is None or end is None:  # (listings, indices, a read of unknown size: the server)
             return read(self, name, start, end, if_match)
+        began = time.perf_counter()
         time.sleep(delay + (end - start) / rate)
         fd = os.open(path, os.O_RDONLY)
         try:
             return memoryview(os.pread(fd, end - start, start))
         finally:
             os.close(fd)
+            busy.append(time.perf_counter() - began)
 
     remote_dir.RemoteDir.read_bounded = imitated
 
@@ -108,10 +112,13 @@ def child(args) -> None:
 
     work = Path(args.work)
     bench.forge_grain(Unseen(), args.port, "s3://bench/store", None, work)  # (warm: imports, compiled kernels)
-    before, cpu = _sleeps(), time.thread_time()
+    before, cpu, began = _sleeps(), time.thread_time(), time.perf_counter()
+    busy.clear()
     got = bench.forge_grain(Unseen(), args.port, f"s3://bench/{args.readers}", int(args.limits) * args.unit or None, work)
     slept, used = _grown(before, _sleeps())
+    flying = sum(busy) / (time.perf_counter() - began)
     print(json.dumps({"seconds": got.get("seconds"), "error": got.get("error"), "cpu": time.thread_time() - cpu,
+                      "gets": len(busy), "in_flight": flying,
                       "sleeps": {kind: slept[kind] for kind in ("reader", "download", "get")},
                       "threads_cpu": {kind: used[kind] for kind in ("download", "get")}}), flush=True)
 
@@ -167,7 +174,8 @@ def main() -> None:
                         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(ROOT)]))}
                         cmd = [sys.executable, "-W", "ignore", __file__, "--child", "--port", str(ports[0]),
                                "--unit", str(size // FILES), "--local", json.dumps(local), "--readers", reader,
-                               "--limits", str(k), "--work", str(work)]
+                               "--limits", str(k), "--work", str(work),
+                               "--ttfb-ms", str(a.ttfb_ms), "--mbps", str(a.mbps)]
                         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
                         if out.returncode:
                             raise SystemExit(out.stderr[-3000:])
@@ -177,7 +185,8 @@ def main() -> None:
                               + (f"  failed: {r['error']}" if r["error"] else
                                  f"  {r['seconds']:6.2f} s  reader CPU {r['cpu']:5.2f} s  sleeps: reader "
                                  f"{s['reader']:6,}  download {s['download']:6,}  get {s['get']:6,}  CPU: download "
-                                 f"{r['threads_cpu']['download']:5.2f} s  get {r['threads_cpu']['get']:5.2f} s"),
+                                 f"{r['threads_cpu']['download']:5.2f} s  get {r['threads_cpu']['get']:5.2f} s  "
+                                 f"GETs {r['gets']:,}, {r['in_flight']:.0f} in flight"),
                               flush=True)
     finally:
         for proc in procs:
