@@ -5,7 +5,7 @@ alone, so the two cut at the same places on any host and for a local copy alike.
 
 The order plans in units of at most `cache_limit / BLOCKS_IN_CACHE` bytes and groups
 consecutive units into chunks of at most `shuffle_bytes / CHUNKS_IN_WINDOW` (`chunk_starts`);
-a window of its reads its chunks whole. So the cache fetches a chunk's units as one block
+a window of them reads its chunks whole. So the cache fetches a chunk's units as one block
 (`fetch_cuts`): under the default `shuffle_bytes` that is half as many downloads as units,
 each a turn of the download threads' bookkeeping (the cache's lock, its ledger, eviction)
 taken from the reader's interpreter, for the same order and the same bytes."""
