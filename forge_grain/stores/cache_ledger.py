@@ -108,11 +108,8 @@ class Ledger:
             view = memoryview(data)
             while view:  # (a full disk takes part of a write, then refuses the rest)
                 view = view[os.write(fd, view):]
-        except OSError as e:  # a line cut short would run into the next one: the ledger goes, rebuilt at the next look
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            self._inode = None
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
+        except OSError as e:  # a line cut short would run into the next one
+            raise self._dropped(e) from None
         finally:
             os.close(fd)
         self._at += len(data)
@@ -130,13 +127,18 @@ class Ledger:
         try:
             tmp.write_bytes(text)
             os.replace(tmp, self.path)
-        except OSError as e:  # (a full disk): the ledger lacks this turn's lines, so it goes too, rebuilt at the next look
-            for path in (tmp, self.path):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            self._inode = None
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
+        except OSError as e:  # (a full disk): the ledger lacks this turn's lines
+            raise self._dropped(e, tmp) from None
         self._at, self._inode, self._lines = len(text), os.stat(self.path).st_ino, len(self.files)
+
+    def _dropped(self, e: OSError, *also: Path) -> OSError:
+        """After a failed write, the ledger (and `also`) removed, so the next look rebuilds it
+        by a walk: the error to raise, naming the ledger."""
+        for path in (*also, self.path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._inode = None
+        return OSError(e.errno, e.strerror, str(self.path))
 
 
 def _read_span(path: Path, start: int, end: int) -> bytes:

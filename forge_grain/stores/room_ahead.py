@@ -77,13 +77,13 @@ class Turns:
             self._waiting.setdefault(job, []).append(woken)
         try:
             while True:
-                with self._lock:
-                    if self._may_go(job):
-                        return True
-                    woken.clear()
                 if copy not in keep() or EXITING.is_set():
                     return False
                 woken.wait(GROW_POLL_S * 5)
+                with self._lock:  # (a turn ends under it too: none is missed between the look and the clear)
+                    if self._may_go(job):
+                        return True
+                    woken.clear()
         finally:
             with self._lock:
                 waiting = self._waiting[job]
