@@ -458,13 +458,15 @@ def test_a_large_object_is_read_in_parallel_ranged_parts_and_checked_whole(tmp_p
     from forge_grain.stores import download  # (its parts: BLOCK bytes at most)
 
     monkeypatch.setattr(download, "BLOCK", 4096)
+    s3.fs().put(str(local_stores["bin"]), "bucket/bin-parts", recursive=True)  # (no other test's reads counted)
     s3.proxy.clear()
-    store = TokenStore.open("s3://bucket/bin", storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path))
+    store = TokenStore.open("s3://bucket/bin-parts", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path))
     disk = TokenStore.open(local_stores["bin"])
     doc = int(store._file_doc_starts[3])
     assert np.array_equal(store[doc], disk[doc])
     size = (local_stores["bin"] / store.manifest.shards[3].tokens).stat().st_size
-    gets = [n for path, n in s3.proxy.gets.items() if path.endswith(store.manifest.shards[3].tokens)]
+    gets = [n for path, n in s3.proxy.gets.items() if path.endswith(f"bin-parts/{store.manifest.shards[3].tokens}")]
     assert size > 3 * 4096 and gets == [-(-size // 4096)]  # one GET a part
     s3.proxy.clear()
     s3.proxy.fail(store.manifest.shards[5].tokens, "truncate", times=1)  # one part cut short: retried, exact
