@@ -530,7 +530,8 @@ def test_a_shard_leaves_the_hints_once_the_last_step_reading_it_is_made(tmp_path
     A Megatron file's blocks too, where a window of the fitted order reads several blocks
     at once and the next window several others (they stayed until the block of steps where
     the windows meet was made, which waits for the next window's blocks: at 2 files' worth
-    behind 2 MB/s a connection, 8 of the 14 blocks held ahead were in flight, not 12)."""
+    behind 2 MB/s a connection, 5-6 of the 14 blocks held ahead were there already, and 8 in
+    flight)."""
     from forge_grain.pipeline.fetching import HINT_STEPS
 
     limit = 2 * max(data_files(stores["bin"])) if kind == "bin" else two_files(stores[kind])
