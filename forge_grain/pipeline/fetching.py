@@ -263,13 +263,10 @@ class FetchWindow:
         each = None
         if any(at_boundary) or any(changing):
             each = [datasets[i].arrays_read(rank[m], n[step_ends]) for i, m, n in zip(self.fetching, mine, before)]
-        for k, s in enumerate(starts):  # (a window of the fitted order ending, the next beginning)
-            if changing[k] and not at_boundary[k]:
-                at_boundary[k] = any(hands_over(each[j][s - a : min(s + size, c) - a]) for j in self._windowed)
         out = {}
         for k, s in enumerate(starts):
-            e = min(s + size, c)
-            if at_boundary[k]:
+            e = min(s + size, c)  # (a changing block: a window of the fitted order may end there, the next begin)
+            if at_boundary[k] or (changing[k] and any(hands_over(each[j][s - a : e - a]) for j in self._windowed)):
                 steps = [(t, [arrays[t - a] for arrays in each]) for t in range(s, e)]
             else:
                 steps = [(e - 1, [w[k] for w in wholes])]
