@@ -107,11 +107,12 @@ def server_ceiling(ports: list[int], name: str, size: int, part: int = PART, thr
 
 
 def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reach: int | None = None,
-                step_s: float = 0.0) -> dict:
+                step_s: float = 0.0, batch: int = BATCH) -> dict:
     """One epoch of a forge-grain source (defaults but `cache_limit`): the bytes its open and its
     epoch fetched, the epoch's seconds, and its order's shuffle. `reach`: the port it reads
     through (a shaped link to the server; default the proxy). `step_s`: a training step's
-    seconds after each batch (a sleep: the GIL released, as a GPU step releases it)."""
+    seconds after each batch (a sleep: the GIL released, as a GPU step releases it). `batch`:
+    rows a step."""
     from forge_grain import DataConfig, Pipeline
 
     options = {"key": "bench", "secret": "bench", "endpoint_url": f"http://127.0.0.1:{reach or proxy.port}"}
@@ -119,7 +120,7 @@ def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reac
     shutil.rmtree(cache, ignore_errors=True)
     src = dict(name="web", path=path, strategy="bestfit", storage_options=options, object_cache=str(cache),
                cache_limit=limit)
-    config = DataConfig.from_dict(dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=BATCH, seed=0,
+    config = DataConfig.from_dict(dict(sources=[src], seq_len=SEQ_LEN, global_batch_size=batch, seed=0,
                                        num_epochs=1))
     proxy.clear()
     shutil.rmtree(work / "plans", ignore_errors=True)

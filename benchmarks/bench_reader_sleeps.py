@@ -1,7 +1,7 @@
 """Where a bounded epoch's reader sleeps: the regime of a host of many cores, imitated on few.
 
     python benchmarks/bench_reader_sleeps.py [--docs 200000] [--readers megatron,store]
-        [--limits 2,0] [--rounds 2] [--old PATH]
+        [--limits 2,0] [--rounds 2] [--old PATH] [--files 16] [--batch 8]
 
 On a host of 16 cores the bounded Megatron epoch of `bench_cache_limit.py --link` is bound
 neither by the link nor by the reader's CPU but by the interpreter's lock: the reader sleeps
@@ -19,6 +19,8 @@ lock back, or waiting for a block), of the download threads (a store's threads f
 shards or blocks ahead) and of the request threads, and those threads' CPU (user and system),
 counting the threads alive at its end; then its data GETs and how many were in flight on
 average (the seconds they took over the epoch's, the open included).
+`--files` and `--batch` shape the store and the steps: many small files read a row a step
+make the most blocks of steps for the hints of object storage to look up.
 `--old PATH` runs each epoch a second time with the `forge_grain` package at PATH (a copy
 of an earlier version) in turn, for a comparison in the same run.
 """
@@ -37,7 +39,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = 16
 
 
 def _sleeps() -> dict:
@@ -114,7 +115,8 @@ def child(args) -> None:
     bench.forge_grain(Unseen(), args.port, "s3://bench/store", None, work)  # (warm: imports, compiled kernels)
     before, cpu, began = _sleeps(), time.thread_time(), time.perf_counter()
     busy.clear()
-    got = bench.forge_grain(Unseen(), args.port, f"s3://bench/{args.readers}", int(args.limits) * args.unit or None, work)
+    got = bench.forge_grain(Unseen(), args.port, f"s3://bench/{args.readers}", int(args.limits) * args.unit or None, work,
+                            batch=args.batch)
     slept, used = _grown(before, _sleeps())
     flying = sum(busy) / (time.perf_counter() - began)
     print(json.dumps({"seconds": got.get("seconds"), "error": got.get("error"), "cpu": time.thread_time() - cpu,
@@ -133,6 +135,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ttfb-ms", type=float, default=30.0)
     ap.add_argument("--mbps", type=float, default=10.0, help="MB/s a connection")
+    ap.add_argument("--files", type=int, default=16, help="the store's shards (a file's worth: the data / this)")
+    ap.add_argument("--batch", type=int, default=8, help="rows of 2,048 tokens a step")
     ap.add_argument("--old", help="a directory holding an earlier `forge_grain` package, run in turn with this one")
     ap.add_argument("--work", default="/tmp/forge-grain-bench-sleeps")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -151,20 +155,21 @@ def main() -> None:
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    store = sharded_synthetic_store(work / "store", a.docs, FILES)
-    if not (work / "megatron" / "text_document.bin").exists():
-        (work / "megatron").mkdir(exist_ok=True)
-        write_megatron(work / "megatron" / "text_document", [store[i] for i in range(len(store))], dtype=np.uint16)
+    dirs = {name: work / f"{name}-{a.docs}-{a.files}" for name in ("store", "megatron")}  # (the data of these options)
+    store = sharded_synthetic_store(dirs["store"], a.docs, a.files)
+    if not (dirs["megatron"] / "text_document.bin").exists():
+        dirs["megatron"].mkdir(exist_ok=True)
+        write_megatron(dirs["megatron"] / "text_document", [store[i] for i in range(len(store))], dtype=np.uint16)
     ports, procs = start_servers(work, 1)
     try:
         fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=f"http://127.0.0.1:{ports[0]}")
         fs.mkdir("bench")
         local = {}
-        for name in ("store", "megatron"):
-            fs.put(str(work / name), f"bench/{name}", recursive=True)
-            local.update({f"s3://bench/{name}/{f.name}": str(f) for f in (work / name).iterdir() if f.is_file()})
+        for name, path in dirs.items():
+            fs.put(str(path), f"bench/{name}", recursive=True)
+            local.update({f"s3://bench/{name}/{f.name}": str(f) for f in path.iterdir() if f.is_file()})
         size = sum(f.stat().st_size for f in store.path.glob("*.bin"))
-        print(f"{len(store):,} documents, {size / 1e6:.1f} MB of uint16 tokens ({FILES} files' worth); GETs of data "
+        print(f"{len(store):,} documents, {size / 1e6:.1f} MB of uint16 tokens ({a.files} files' worth), {a.batch} rows a step; GETs of data "
               f"files answered in-process after {a.ttfb_ms:g} ms + bytes at {a.mbps:g} MB/s a connection", flush=True)
         versions = [("this", None)] + ([("old", a.old)] if a.old else [])
         for _ in range(a.rounds):
@@ -173,7 +178,7 @@ def main() -> None:
                     for label, path in versions:  # (each epoch in a process of its own, after a warm-up epoch)
                         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(ROOT)]))}
                         cmd = [sys.executable, "-W", "ignore", __file__, "--child", "--port", str(ports[0]),
-                               "--unit", str(size // FILES), "--local", json.dumps(local), "--readers", reader,
+                               "--unit", str(size // a.files), "--batch", str(a.batch), "--local", json.dumps(local), "--readers", reader,
                                "--limits", str(k), "--work", str(work),
                                "--ttfb-ms", str(a.ttfb_ms), "--mbps", str(a.mbps)]
                         out = subprocess.run(cmd, env=env, capture_output=True, text=True)

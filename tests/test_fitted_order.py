@@ -556,27 +556,42 @@ def test_a_shard_leaves_the_hints_once_the_last_step_reading_it_is_made(tmp_path
         assert len(early) >= 5, early  # (shards that left before the end of their block of steps)
 
 
-def test_a_block_of_steps_is_looked_at_step_by_step_where_one_window_hands_over_to_the_next():
-    """The hints give a block of 16 steps' shards to its last step, except where a shard leaves
-    inside it: there each step gets its own. Under an order fitted to the cache, that is where
-    one window of chunks ends and the next begins, at any step of the block (its first, its
-    middle, its last); not inside a window, where a step may read only some of its chunks."""
-    from forge_grain.pipeline.fetching import changing_blocks, hands_over
+def test_a_block_of_steps_is_looked_at_step_by_step_where_one_window_hands_over_to_the_next(tmp_path, s3, stores):
+    """The hints give a block of steps' shards to its last step, except where one window of
+    the fitted order ends and the next begins (`windows_meet`): at any row of the block, and
+    at an epoch's end; never inside a window, where steps of a row or two each read only
+    some of its files (told from the arrays read, most blocks of such steps were looked at
+    step by step). The windows are found here from the rows alone: the span of each chunk's
+    rows in the epoch, overlapping spans merged (a window's rows are shuffled together)."""
+    from forge_grain.pipeline.fetching import windows_meet
 
-    steps = lambda *reads: [np.array(r, np.int64) for r in reads]  # noqa: E731
-    w1, w2 = [1, 2, 3, 4], [5, 6, 7, 8]
-    assert hands_over(steps(w1, w1, w1 + w2, w2, w2))  # a step reads the last rows of one, the first of the next
-    assert hands_over(steps(w1 + w2, w2, w2))  # ... at the block's first step
-    assert hands_over(steps(w1, w1, w1 + w2))  # ... at its last
-    assert hands_over(steps([1, 2], [3, 4], [5, 6]))  # (chunks ending one after another)
-    assert not hands_over(steps(w1, [1, 2, 4], [2, 3, 4], w1))  # inside a window: a chunk missed by a step
-    assert not hands_over(steps([1], [1], [1]))  # one chunk
-    assert not hands_over(steps([1, 2], [2, 1], [], [1, 2]))  # (a step of the mixture's other source)
-
-    blocks = [steps(w1, w1, w1 + w2, w2, w2)]  # blocks of a lookup: the one where the windows meet, and those beside it
-    assert changing_blocks(blocks, [0]) == [False, True, True, True, False]
-    assert changing_blocks(blocks, []) == [False] * 5  # (no source read in a fitted order)
-    assert changing_blocks([steps(w1)], [0]) == [True]  # a lookup of one block: nothing beside it to tell
+    pipe = Pipeline(config("s3://fit/megatron", top={"num_epochs": 2},
+                           **remote(s3, tmp_path, "megatron", two_files(stores["megatron"]))), 0, 1,
+                    num_threads=0, cache_dir=tmp_path / "plans")
+    d = pipe.datasets[0]
+    n = d.num_rows
+    window = []  # (each index's window, found for each epoch apart: each visits the chunks in its own order)
+    for e in range(2):
+        chunk = np.searchsorted(np.cumsum(d._chunk_rows), d.rows_of(np.arange(e * n, (e + 1) * n)), side="right")
+        first = {c: p for p, c in reversed(list(enumerate(chunk.tolist())))}
+        last = {c: p for p, c in enumerate(chunk.tolist())}
+        spans = []
+        for c in sorted(first, key=first.get):
+            if spans and first[c] <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], last[c])
+            else:
+                spans.append([first[c], last[c]])
+        assert d.fitted.window >= 3 and len(spans) >= 3  # (several windows of several chunks)
+        window.append(e * n + np.searchsorted([a for a, _ in spans], np.arange(n), side="right"))
+    window = np.concatenate(window)
+    for size in (1, 5, 16, 37):
+        indices = np.arange(2 * n)
+        cuts = np.arange(0, 2 * n + size, size).clip(max=2 * n)
+        want = [window[a] != window[b - 1] for a, b in zip(cuts[:-1], cuts[1:])]
+        assert windows_meet(d, indices, cuts).tolist() == want, size
+        assert sum(want) >= len(spans) if size > 1 else not any(want)  # (a block of one row is in one window)
+    shuffled = np.random.default_rng(0).permutation(indices)[:40]  # (a block's rows in any order: its least and greatest)
+    assert windows_meet(d, shuffled, np.array([0, 0, 40])).tolist() == [False, True]  # (a block of no rows: none)
 
 
 @pytest.mark.parametrize("kind", ["bin", "megatron"])

@@ -362,6 +362,10 @@ class PackedDataset(grain.MapDataset):
             return self._windows.rows(idx, first, last)
         return kernels.epoch_rows(idx, self.num_rows, self._seed_key, self.shuffle)
 
+    def windows_apart(self, lo, hi) -> np.ndarray:
+        """Whether indices `lo[k]` and `hi[k]` lie in two windows of the locality order (`WindowOrder.apart`)."""
+        return self._windows.apart(lo, hi) if self._windows is not None else np.zeros(len(lo), bool)
+
     def positions_of(self, plan_rows, epoch: int) -> np.ndarray:
         """The inverse of `rows_of` within one epoch: where in epoch `epoch` (dataset index
         minus epoch · num_rows) each of `plan_rows` is read."""

@@ -96,6 +96,18 @@ class WindowOrder:
             out[i] = starts[w] + kernels.epoch_positions(np.array([local], np.int64), m, key, 0, True)[0]
         return out
 
+    def apart(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Whether dataset indices `lo[k]` and `hi[k]` lie in different windows (or epochs):
+        where one window hands over to the next (the hints of object storage, `pipeline.fetching`)."""
+        lo, hi, n = np.asarray(lo, np.int64), np.asarray(hi, np.int64), self.num_rows
+        out = lo // n != hi // n
+        for e in np.unique(lo[~out] // n).tolist():
+            sel = np.flatnonzero(~out & (lo // n == e))
+            starts = self._epoch_windows(e)[1]
+            out[sel] = (np.searchsorted(starts, lo[sel] - e * n, side="right")
+                        != np.searchsorted(starts, hi[sel] - e * n, side="right"))
+        return out
+
     def _epoch_windows(self, e: int):
         """Epoch e's chunk order, the start of each window in the epoch's positions, and each
         chunk's first plan row (cached for a few epochs)."""

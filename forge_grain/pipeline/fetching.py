@@ -225,7 +225,7 @@ class FetchWindow:
     def _windowed(self) -> list[int]:
         """The fetching sources (their places in `fetching`) read in an order fitted to a
         bounded cache (`packing.fitted`), whose windows hand over from some shards to others
-        (found once, as `_want`)."""
+        (`windows_meet`; found once, as `_want`)."""
         return [j for j, i in enumerate(self.fetching) if getattr(self.datasets[i], "fitted", None) is not None]
 
     def _block(self, a: int, b: int) -> list:
@@ -234,7 +234,7 @@ class FetchWindow:
         are given to its last step (they leave the window with the block); where they read
         two or three (a boundary between shards of the locality order) and a cache is
         bounded, or where one window of an order fitted to the cache hands over to the next
-        (`hands_over`), each step gets its own, so a shard read only by the first steps leaves
+        (`windows_meet`), each step gets its own, so a shard read only by the first steps leaves
         the window once those are made, and may be evicted. Unbounded, nothing is evicted: with
         the docs' settings most blocks read two shards, and finding each step's took 0.085-
         0.115 s of an epoch's consumer thread (0.6-0.8 s in all, 16 shards, 6,043 steps)."""
@@ -258,15 +258,17 @@ class FetchWindow:
         mine = [src == i for i in self.fetching]  # (each source's rows of each group: its rows before the group's end)
         before = [np.concatenate([[0], np.cumsum(m)]) for m in mine]
         wholes = [datasets[i].arrays_read(rank[m], n[block_ends]) for i, m, n in zip(self.fetching, mine, before)]
-        at_boundary = [self._bounded and any(2 <= len(w[k]) <= BOUNDARY for w in wholes) for k in range(len(starts))]
-        changing = changing_blocks(wholes, self._windowed)
-        each = None
-        if any(at_boundary) or any(changing):
+        each_step = np.array([self._bounded and any(2 <= len(w[k]) <= BOUNDARY for w in wholes)
+                              for k in range(len(starts))], bool)
+        for j in self._windowed:  # (where one window of a fitted order hands over to the next)
+            i = self.fetching[j]
+            each_step |= windows_meet(datasets[i], rank[mine[j]], np.concatenate([[0], before[j][block_ends]]))
+        if each_step.any():
             each = [datasets[i].arrays_read(rank[m], n[step_ends]) for i, m, n in zip(self.fetching, mine, before)]
         out = {}
         for k, s in enumerate(starts):
-            e = min(s + size, c)  # (a changing block: a window of the fitted order may end there, the next begin)
-            if at_boundary[k] or (changing[k] and any(hands_over(each[j][s - a : e - a]) for j in self._windowed)):
+            e = min(s + size, c)
+            if each_step[k]:
                 steps = [(t, [arrays[t - a] for arrays in each]) for t in range(s, e)]
             else:
                 steps = [(e - 1, [w[k] for w in wholes])]
@@ -314,41 +316,26 @@ class FetchWindow:
         return [base[requests] + r for requests, r in zip(pools, np.split(rank, ends[:-1]))]
 
 
-def changing_blocks(wholes: list, windowed: list[int]) -> list[bool]:
-    """For each block of steps of a lookup (`wholes`: each fetching source's arrays, by
-    block), whether a source of `windowed` (read in an order fitted to its cache) reads other
-    arrays there than in a block beside it: where one of its windows may end and the next
-    begin (inside a window, the blocks of steps read its chunks alike). Only these are looked
-    at step by step (`hands_over`): each step's arrays found for every lookup took a third
-    more of the hints' CPU."""
-    n = len(wholes[0]) if wholes else 0
-    out = [n == 1 and bool(windowed)] * n
-    for j in windowed:
-        read = [frozenset(block.tolist()) for block in wholes[j]]
-        for k in range(n):
-            out[k] = out[k] or (k > 0 and read[k] != read[k - 1]) or (k + 1 < n and read[k] != read[k + 1])
+def windows_meet(dataset, indices: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """For each block of steps (block k reads rows `indices[cuts[k]:cuts[k + 1]]` of
+    `dataset`, an order fitted to a bounded cache), whether one window of the order ends in
+    it and the next begins: its least and greatest rows lie in two windows
+    (`PackedDataset.windows_apart`). Each step of such a block gets its own arrays
+    (`FetchWindow._block`), so the window ending leaves the hints once read, not with the
+    block's last step: given to the last step, a window of four blocks waited for the next
+    window's blocks to arrive (a Megatron file at 2 files' worth, behind 2 MB/s a
+    connection: 5-6 of the 14 blocks the cache held ahead were there already, so only 8 were
+    in flight). Told from the arrays the steps read, most blocks of a window of many small
+    files looked like hand-overs (steps of one row read some of its files each): 1,171 of
+    1,217 blocks looked at step by step, the reader's CPU 1.49-1.56 s an epoch against
+    1.11-1.32 s told from the windows (`benchmarks/bench_reader_sleeps.py --files 256`)."""
+    out = np.zeros(len(cuts) - 1, bool)
+    full = np.flatnonzero(np.diff(cuts) > 0)  # (blocks where the source reads rows; the last ends at the end)
+    if len(full) and hasattr(dataset, "windows_apart"):  # (a schedule of sequence lengths: given to the last step)
+        lo = np.minimum.reduceat(indices, cuts[full])
+        hi = np.maximum.reduceat(indices, cuts[full])
+        out[full] = dataset.windows_apart(lo, hi)
     return out
-
-
-def hands_over(reads: list) -> bool:
-    """Whether steps reading `reads` (the arrays of each) hand over from some arrays to
-    others: one is read no more from a step at or before the one where another is first
-    read. So a window of an order fitted to a bounded cache ends and the next begins; each of
-    these steps then gets its own arrays (`FetchWindow._block`), so the window ending leaves
-    the hints once read, not with the block's last step. Given to the last step, a window of
-    four blocks waited for the next window's blocks to arrive (a Megatron file at 2 files'
-    worth, behind 2 MB/s a connection: 5-6 of the 14 blocks the cache held ahead were
-    already there, so only 8 were in flight)."""
-    first: dict = {}
-    last: dict = {}
-    for t, read in enumerate(reads):
-        for k in read.tolist():
-            first.setdefault(k, t)
-            last[k] = t
-    if len(first) < 2:
-        return False
-    (t0, k0), (t1, _) = sorted((t, k) for k, t in last.items())[:2]
-    return any(f >= (t0 if k != k0 else t1) for k, f in first.items())
 
 
 _NOTHING = contextlib.nullcontext()
