@@ -145,6 +145,36 @@ def test_an_epoch_under_a_cache_limit_of_two_files_fetches_each_file_about_once(
     assert most <= limit, (most, limit)
 
 
+@pytest.mark.parametrize("kind", ["bin", "megatron"])
+def test_a_length_change_inside_an_epoch_reads_the_rest_of_it_a_window_at_a_time(tmp_path, s3, stores, kind):
+    """A sequence-length change inside an epoch plans the rest of the epoch afresh
+    (`packing.rest`). Under a cache_limit its runs are planned by the chunks of the order
+    fitted to the cache and read a window of chunks at a time, as the epoch's rows were:
+    planned whole and shuffled, the rest read every file at every step, and the Megatron file
+    fetched 27x its bytes in that epoch. Now about once: the windows being read and fetched
+    ahead at the change are fetched again (two windows, half the limit, at most). The
+    batches are the local copy's with the same shuffle_bytes; the cache stays under the limit."""
+    limit = two_files(stores[kind])
+    top = {"seq_lens": [[0, 128], [20, 256]], "num_epochs": None, "max_steps": 2000}
+    pipe = Pipeline(config(f"s3://fit/{kind}", top=top, **remote(s3, tmp_path, kind, limit)), 0, 1,
+                    num_threads=0, cache_dir=tmp_path / "p2")
+    local = Pipeline(config(stores[kind], top=top, shuffle_bytes=limit // 4, **KINDS[kind]), 0, 1, num_threads=0,
+                     cache_dir=tmp_path / "p1")
+    rest = [p for p in pipe.mixture.datasets[0]._pieces_to(4000) if p.rest]
+    assert len(rest) == 1 and rest[0].dataset.shuffle_window == pipe.datasets[0].fitted.window
+    s3.proxy.clear()
+    peak = Peak(pipe.stores[0].cache)
+    try:
+        for step, batch in zip(range(rest[0].end // 8), pipe.iterator()):  # (to the epoch's end: 8 rows a step)
+            want = local.batch(step)
+            assert all(np.array_equal(batch[k], want[k]) for k in want), step
+    finally:
+        most = peak.stop()
+    data = sum(data_files(stores[kind]))
+    assert served(s3) <= 1.05 * data + 2 * (limit // 4), served(s3) / data
+    assert most <= limit, (most, limit)
+
+
 def test_an_epoch_of_a_litdata_dataset_under_a_tight_limit_fetches_each_chunk_once(tmp_path, s3):
     """A LitData dataset (written by `litdata.optimize`) under a cache_limit that holds its records
     and two chunks, no more: the first open reads the chunks' heads only, and the epoch, in the
@@ -592,6 +622,17 @@ def test_a_block_of_steps_is_looked_at_step_by_step_where_one_window_hands_over_
         assert sum(want) >= len(spans) if size > 1 else not any(want)  # (a block of one row is in one window)
     shuffled = np.random.default_rng(0).permutation(indices)[:40]  # (a block's rows in any order: its least and greatest)
     assert windows_meet(d, shuffled, np.array([0, 0, 40])).tolist() == [False, True]  # (a block of no rows: none)
+
+    top = {"seq_lens": [[0, 128], [20, 256]], "num_epochs": None, "max_steps": 200}  # (rows of two lengths: pieces)
+    pipe = Pipeline(config("s3://fit/megatron", top=top, **remote(s3, tmp_path / "lens", "megatron",
+                                                                   two_files(stores["megatron"]))), 0, 1,
+                    num_threads=0, cache_dir=tmp_path / "plans-lens")
+    d = pipe.mixture.datasets[0]
+    rows = np.arange(pipe.num_steps * 8)
+    where = [d.locate(j)[:2] for j in rows.tolist()]  # (each row's piece's dataset, and its index there)
+    want = [a[0] is not b[0] or bool(a[0].windows_apart([a[1]], [b[1]])[0]) for a, b in zip(where, where[1:])]
+    assert d.windows_apart(rows[:-1], rows[1:]).tolist() == want
+    assert len({id(w[0]) for w in where}) >= 2 and sum(want) >= 4  # (a change, and windows on both sides)
 
 
 @pytest.mark.parametrize("kind", ["bin", "megatron"])

@@ -371,6 +371,45 @@ def test_the_rest_of_an_epoch_is_planned_once_and_cached(three, tmp_path, monkey
     assert all(np.array_equal(first[k], again[k]) for k in first)
 
 
+def test_a_change_inside_an_epoch_of_an_order_fitted_to_a_cache_trains_each_target_once(three, tmp_path):
+    """Under an order fitted to a bounded cache (`shuffle_bytes`, as a `cache_limit` sets it)
+    the rest of an epoch after a change is planned by the order's chunks and read a window of
+    chunks at a time, as the epoch was (`packing.rest`): every target is still trained exactly
+    once per epoch across the changes, and a resume at and across each is exact. A Megatron
+    file (written by Megatron's own writer) of the bestfit source's documents: its chunks are
+    blocks of whole documents, several to a window."""
+    from test_formats import write_megatron
+
+    from forge_grain import TokenStore
+
+    path, ids, ends = three["a"]
+    store = TokenStore.open(path)
+    (tmp_path / "m").mkdir()
+    write_megatron(tmp_path / "m" / "a", [store[i] for i in range(len(store))], dtype=np.uint16)
+    for seq_lens in ([[0, 24], [7, 48]], [[0, 48], [30, 16], [33, 64]]):
+        config = DataConfig.from_dict(dict(
+            sources=[dict(name="a", path=str(tmp_path / "m"), strategy="bestfit", shuffle_bytes=2000)],
+            seq_len=seq_lens[-1][1], global_batch_size=8, seed=13, num_epochs=None, max_steps=STEPS, seq_lens=seq_lens))
+        p = Pipeline(config, 0, 1, num_threads=0)
+        d = p.mixture.datasets[0]
+        rest = [piece for piece in d._pieces_to(8 * STEPS) if piece.rest]
+        assert d.base.fitted.window >= 2 and rest and all(r.dataset.shuffle_window == d.base.fitted.window for r in rest)
+        trained, batches = Trained(ids, ends, True), []
+        for s in range(STEPS):
+            b = p.global_batch(s)
+            for row in range(len(b["inputs"])):
+                mask = b["loss_mask"][row]
+                trained.add(b["targets"][row][mask], b["natural_stop"][row][mask])
+            batches.append(b)
+        assert trained.epoch >= 1  # (the oracle saw an epoch end)
+        for step, shards in [(start + delta, n) for start, _ in seq_lens[1:] for delta, n in ((-1, 4), (0, 2), (1, 4))]:
+            state = json.loads(json.dumps(p.state_at(step)))
+            q = Pipeline(config, step % shards, shards, num_threads=0, resume_from=state)
+            for s in range(step, step + 3):
+                n = 8 // shards
+                assert np.array_equal(q.batch(s)["inputs"], batches[s]["inputs"][step % shards * n:(step % shards + 1) * n])
+
+
 def test_the_jax_iterator_changes_length_on_the_devices(three):
     jax = pytest.importorskip("jax")
     from forge_grain.bridges.jax import JaxIterator

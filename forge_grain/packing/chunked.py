@@ -116,14 +116,14 @@ def _plan_in_memory(offsets: np.ndarray, bounds: np.ndarray, directory: Path, jo
             chunks.append(_chunk_plan(offsets[int(bounds[k]) : int(bounds[k + 1]) + 1], k, **job))
             bar.update(1)
     stats = _join_stats(chunks, seq_len, strategy, time.perf_counter() - t0)
-    plan = PackingPlan(strategy, seq_len, **_joined(chunks), stats=stats)
+    plan = PackingPlan(strategy, seq_len, **joined_arrays(chunks), stats=stats)
     shutil.rmtree(directory, ignore_errors=True)  # (a plan found invalid: the caller holds the plan's lock)
     plan.save(directory)
     shutil.rmtree(directory.with_name(directory.name + ".chunks"), ignore_errors=True)  # (an earlier run's)
     return _planned(directory, offsets, name, seq_len)
 
 
-def _joined(chunks: list[PackingPlan]) -> dict:
+def joined_arrays(chunks: list[PackingPlan]) -> dict:
     """The chunks' arrays as one plan's, as `_join` writes them (`_continued`), each array in
     its first chunk's dtype."""
     out = {}

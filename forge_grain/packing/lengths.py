@@ -147,6 +147,19 @@ class LengthSchedule:
         parts = [piece.dataset.arrays_read(piece.base + idx[sel] - piece.start) for piece, sel in self._by_piece(idx)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
+    def windows_apart(self, lo, hi) -> np.ndarray:
+        """Whether source rows `lo[k]` and `hi[k]` lie in two windows of a piece's locality
+        order (`PackedDataset.windows_apart`), or in two pieces (a length changed between)."""
+        lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+        out = np.ones(len(lo), bool)
+        pieces = self._pieces_to(int(hi.max()) + 1) if len(hi) else []
+        starts = np.array([p.start for p in pieces], np.int64)
+        a, b = np.searchsorted(starts, lo, side="right") - 1, np.searchsorted(starts, hi, side="right") - 1
+        for i in np.unique(a[a == b]).tolist():
+            sel, p = np.flatnonzero((a == i) & (b == i)), pieces[i]
+            out[sel] = p.dataset.windows_apart(p.base + lo[sel] - p.start, p.base + hi[sel] - p.start)
+        return out
+
     def trained_tokens(self, n: int) -> int:
         """Loss positions in the first `n` rows."""
         total = 0
@@ -248,8 +261,10 @@ class LengthSchedule:
         else:
             key = stream_key("rest-of-epoch", self.seed, row, seq_len)
             q = self._rest(d, 0 if last.rest else epoch * n, position, seq_len, key)
-            if q.num_rows:
-                rest = PackedDataset(d.store, q, seed=key, shuffle=True, num_epochs=1, pad_id=d.pad_id)
+            if q.num_rows:  # (read a window of chunks at a time where the source's order fits a bounded cache)
+                window = self.base.fitted.window if self.base.fitted is not None else None
+                rest = PackedDataset(d.store, q, seed=key, shuffle=True, shuffle_window=window, num_epochs=1,
+                                     pad_id=d.pad_id)
                 pieces.append(Piece(row, row + q.num_rows, rest, 0, epoch, rest=True))
             pieces.append(Piece(row + q.num_rows, None, whole, (epoch + 1) * whole.num_rows, epoch + 1))
         self._pieces = pieces
@@ -258,15 +273,18 @@ class LengthSchedule:
         """The rest of the epoch of `d` starting at its index `first`, from `position` on, planned
         at `seq_len`: from the plan cache, else planned and saved there (processes that reach the
         change together wait for the first: DataLoader workers and ranks plan it once a host)."""
+        fit = self.base.fitted
+
         def plan() -> PackingPlan:
             unread = d.rows_of(np.arange(first + position, first + d.num_rows, dtype=np.int64))
-            return rest_plan(d.plan, unread, d.store.offsets, seq_len, key, self.pack_args.get("max_segments"))
+            return rest_plan(d.plan, unread, d.store.offsets, seq_len, key, self.pack_args.get("max_segments"),
+                             fit.bounds if fit is not None else None)
 
         cache = plan_cache_dir(d.store.path, self.pack_args.get("cache_dir"))
         if cache is None:
             return plan()
         what = [d.plan.checksum(), d.seed, d.shuffle, d.shuffle_window, first, position, seq_len, key,
-                self.pack_args.get("max_segments")]
+                self.pack_args.get("max_segments")] + ([fit.key] if fit is not None else [])
         name = f"rest-{seq_len}-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]}"
         directory = cache / name
         try:

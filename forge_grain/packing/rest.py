@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from forge_grain.packing import kernels
-from forge_grain.packing.plans import PLAN_ARRAYS, PackingPlan, plan_offsets
+from forge_grain.packing.chunked import joined_arrays
+from forge_grain.packing.plans import PLAN_ARRAYS, PackingPlan, joined_stats, plan_offsets
 
 
 def untrained_runs(p: PackingPlan, plan_rows) -> tuple[np.ndarray, np.ndarray]:
@@ -45,9 +46,14 @@ def untrained_runs(p: PackingPlan, plan_rows) -> tuple[np.ndarray, np.ndarray]:
 
 
 def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
-              max_segments: int | None = None) -> PackingPlan:
+              max_segments: int | None = None, bounds=None) -> PackingPlan:
     """The targets of `plan_rows` of plan `p` (the rows an epoch has not read yet), planned
-    into rows of `seq_len` with `p`'s strategy; seeded by `seed` (see the module docstring)."""
+    into rows of `seq_len` with `p`'s strategy; seeded by `seed` (see the module docstring).
+    `bounds`: the document bounds of the chunks of an order fitted to a bounded cache
+    (`packing.fitted`); each chunk's runs are then planned apart, as its documents are, so
+    the rest is read a window of chunks at a time (`stats["chunk_rows"]`). Planned whole and
+    read in one shuffle, the rest of an epoch read every file at every step: a Megatron file
+    under a limit of 2 files' worth fetched 27x its bytes in the epoch of a change."""
     first, last = untrained_runs(p, plan_rows)
     if not len(first):
         return _empty(p.strategy, seq_len)
@@ -61,8 +67,12 @@ def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
     if p.strategy == "bos_bestfit":  # a run starting inside a document fills gaps, as a tail does
         filler = np.zeros(len(spaced) - 1, np.bool_)
         filler[runs] = ~starts
-    q = plan_offsets(spaced, seq_len, p.strategy, seed=seed, chunk=0, max_segments=max_segments, filler=filler,
-                     documents=runs)
+    if bounds is None:
+        q = plan_offsets(spaced, seq_len, p.strategy, seed=seed, chunk=0, max_segments=max_segments, filler=filler,
+                         documents=runs)
+    else:
+        chunk = np.searchsorted(np.asarray(offsets, np.int64)[np.asarray(bounds)], first, side="right") - 1
+        q = _by_chunk(spaced, runs, chunk, seq_len, p.strategy, seed, max_segments, filler)
     q.seg_flags = _unnatural_ends(q, np.sort(last[~natural] + 1))
     q.stats["rest_of_epoch"] = {"runs": int(len(first)), "targets": int((last - first).sum())}
     q.__dict__.pop("_checksum", None)
@@ -70,6 +80,18 @@ def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
         setattr(q, name, np.ascontiguousarray(getattr(q, name)))  # code is the one those use (no
         getattr(q, name).setflags(write=False)  # compiling on the first batch past a change)
     return q
+
+
+def _by_chunk(spaced, runs, chunk, seq_len: int, strategy: str, seed: int, max_segments, filler) -> PackingPlan:
+    """The runs planned a chunk at a time (`chunk`: each run's, in order), joined: each chunk's
+    rows after the one before's (`stats["chunk_rows"]`); chunks left with no row dropped."""
+    cuts = np.flatnonzero(np.diff(chunk)) + 1
+    plans = [plan_offsets(spaced, seq_len, strategy, seed=seed, chunk=int(chunk[group[0]]),
+                          max_segments=max_segments, filler=filler, documents=runs[group])
+             for group in np.split(np.arange(len(runs)), cuts)]
+    plans = [q for q in plans if q.num_rows] or plans[:1]
+    stats = {**joined_stats([q.stats for q in plans], seq_len, strategy), "chunk_rows": [q.num_rows for q in plans]}
+    return PackingPlan(strategy, seq_len, **joined_arrays(plans), stats=stats)
 
 
 def _unnatural_ends(q: PackingPlan, ends: np.ndarray) -> np.ndarray:

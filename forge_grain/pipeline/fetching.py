@@ -331,7 +331,7 @@ def windows_meet(dataset, indices: np.ndarray, cuts: np.ndarray) -> np.ndarray:
     1.11-1.32 s told from the windows (`benchmarks/bench_reader_sleeps.py --files 256`)."""
     out = np.zeros(len(cuts) - 1, bool)
     full = np.flatnonzero(np.diff(cuts) > 0)  # (blocks where the source reads rows; the last ends at the end)
-    if len(full) and hasattr(dataset, "windows_apart"):  # (a schedule of sequence lengths: given to the last step)
+    if len(full):
         lo = np.minimum.reduceat(indices, cuts[full])
         hi = np.maximum.reduceat(indices, cuts[full])
         out[full] = dataset.windows_apart(lo, hi)
