@@ -5,7 +5,8 @@ of any two axes at least once (a greedy pairwise covering array), leaving out th
 cannot exist (`ABSENT`: a Hub-style dataset is on local disk). Every case has one oracle: the
 batches each rank sees equal its slice of the uninterrupted single-process run of the same
 config over the local copy of the data, or the case ends in the refusal that `REFUSED` lists
-for one of its pairs (docs/failures.md shows that table). `tests/crossings.md` prints the set.
+for one of its pairs (docs/failures.md shows that table). Under a cache_limit the bytes of the
+data's files the server sent are bounded too (`test_crossings.FETCHED_AT_MOST`). `tests/crossings.md` prints the set.
 
 The axes:
 - store: the format of the source under test (forge-grain's bin and ArrayRecord layouts,

@@ -41,6 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # steps trained (the run has 4 more: skips shorten it); where a resume shape changes the run; the
 # odd step of an interruption
 STEPS, RESUME, BREAK = 10, 4, 5
+# the most bytes of the tested dataset's token files a case under a cache_limit may fetch, over
+# the data's, all its processes and tools sharing one cache (one host): its steps read the first
+# windows of the order fitted to the cache (a length change inside an epoch read every file at
+# every step: 27x for a Megatron file over an epoch; each tool in a cache of its own, up to 4x);
+# a Megatron or raw file up to 64 MiB is also read whole once at its first open, its checks and
+# fingerprint taken from memory, before the epoch fetches its blocks
+FETCHED_AT_MOST = 1.5
+READ_WHOLE_AT_OPEN = ("megatron", "raw_bin", "raw_npy")
 DEADLINE_S = 300  # one process of a case
 CASES = crossings.covering()
 
@@ -106,10 +114,20 @@ def data(tmp_path_factory, s3):
 def cache_limit(path: Path) -> int:
     """A cache_limit that holds a few of the dataset's files, not all of them (half of a
     single-file dataset: it is then read in blocks), and the records beside them."""
-    files = [f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.name.endswith((".json", ".idx"))]
+    files = [f.stat().st_size for f in data_files(path)]
     if len(files) == 1:
         return files[0] // 2 + 65536
     return 3 * max(files) + 65536
+
+
+def data_files(path: Path) -> list[Path]:
+    """A dataset's files of tokens (not its indices and manifests)."""
+    return [f for f in path.rglob("*") if f.is_file() and not f.name.endswith((".json", ".idx"))]
+
+
+def fetched(s3, kind: str) -> int:
+    """Bytes of the dataset `kind`'s token files the server sent through the counting proxy."""
+    return sum(n for p, n in s3.proxy.sent.items() if f"/cross/{kind}/" in p and not p.endswith((".json", ".idx")))
 
 
 FOREIGN = {"megatron": {}, "raw_bin": {"dtype": "uint16", "eos_id": 1}, "raw_npy": {"eos_id": 1}, "litdata": {},
@@ -124,8 +142,9 @@ def source(data, case: dict, s3, local: bool = False) -> dict:
     where = "local" if local else case["location"]
     remote = {}
     if where != "local":
-        options = s3.options() if case["credentials"] == "explicit" else {
-            k: v for k, v in s3.options().items() if k not in ("key", "secret")}
+        proxied = s3.options(via_proxy=where == "s3_limit")  # (under a limit the bytes served are counted)
+        options = proxied if case["credentials"] == "explicit" else {
+            k: v for k, v in proxied.items() if k not in ("key", "secret")}
         remote = {"storage_options": options}
     if kind in crossings.STREAMING:
         stream = dict(name="t", hf_streaming=True, window=20, strategy="bestfit")
@@ -142,7 +161,7 @@ def source(data, case: dict, s3, local: bool = False) -> dict:
     elif case["location"] == "s3_limit":  # the reference reads its local copy in the order fitted to that cache
         out["shuffle_bytes"] = data["limits"][kind] // 4
     if where != "local":
-        out["object_cache"] = str(data["base"] / "objects" / uuid.uuid4().hex[:8])
+        out["object_cache"] = str(data["base"] / "objects" / crossings.case_id(case))  # (one host: its runs and tools)
     return out
 
 
@@ -155,7 +174,7 @@ def config(data, case, s3, local=False, weights=(0.7, 0.3)) -> dict:
     a = dict(name="aux", path=str(data["local"][aux]), weight=weights[1], strategy="concat")
     if case["location"] == "s3" and not local:
         a.update(path=f"s3://cross/{aux}", storage_options=t.get("storage_options") or s3.options(),
-                 object_cache=str(data["base"] / "objects" / uuid.uuid4().hex[:8]))
+                 object_cache=str(data["base"] / "objects" / f"{crossings.case_id(case)}-aux"))
     d = dict(sources=[t, a],
              seq_len=32, global_batch_size=8, seed=5, num_epochs=None, max_steps=STEPS + 4, canonical_streams=4,
              canonical_workers=2)
@@ -454,11 +473,16 @@ def test_a_crossing_gives_the_reference_batches_or_its_documented_refusal(data, 
         assert re.search(refused[0], records[0][1]), records[0][1][-3000:]
         return
     want = reference(data, case, s3, tmp_path)
+    s3.proxy.clear()
     if case["consumer"] in TOOLS:
         check_tool(case["consumer"], data, case, s3, tmp_path, want)
     else:
         records, _ = train(data, case, s3, tmp_path, case["consumer"])
         check_records(records, want, legs(data, case, s3))
+    if case["location"] == "s3_limit":  # an order that fits the cache: its files fetched about once, whatever crosses it
+        size = sum(f.stat().st_size for f in data_files(Path(data["local"][case["store"]])))
+        most = FETCHED_AT_MOST + (1 if case["store"] in READ_WHOLE_AT_OPEN else 0)
+        assert fetched(s3, case["store"]) <= most * size, fetched(s3, case["store"]) / size
 
 
 def test_the_printed_table_is_the_covering_set():
