@@ -48,6 +48,7 @@ STEPS, RESUME, BREAK = 10, 4, 5
 # a Megatron or raw file up to 64 MiB is also read whole once at its first open, its checks and
 # fingerprint taken from memory, before the epoch fetches its blocks
 FETCHED_AT_MOST = 1.5
+RECORDS = 16384  # bytes of a cache_limit for the records beside the data (what the first open found, the ledger)
 READ_WHOLE_AT_OPEN = ("megatron", "raw_bin", "raw_npy")
 DEADLINE_S = 300  # one process of a case
 CASES = crossings.covering()
@@ -108,16 +109,21 @@ def data(tmp_path_factory, s3):
     for f in halves:
         fs.put(str(f), f"cross/texts/{f.name}")
     return {"local": local, "files": [str(f) for f in halves], "hub": str(base / "hub"), "base": base,
-            "limits": {kind: cache_limit(Path(path)) for kind, path in local.items()}}
+            "limits": {kind: cache_limit(kind, Path(path)) for kind, path in local.items()}}
 
 
-def cache_limit(path: Path) -> int:
-    """A cache_limit that holds a few of the dataset's files, not all of them (half of a
-    single-file dataset: it is then read in blocks), and the records beside them."""
+def cache_limit(kind: str, path: Path) -> int:
+    """A cache_limit below the dataset's size that holds two of its files (half of a
+    single-file dataset: it is then read in blocks), and the records beside them: the order is
+    fitted to it, and the cache evicts. (Three files and 64 KiB of records held these small
+    datasets whole: the order of most kinds was not fitted, and nothing was evicted.) Compressed
+    MDS shards are decompressed into the cache beside their compressed copy: one of these
+    takes more than two compressed files' worth, so that dataset keeps the larger limit, below
+    its decompressed size (its order is fitted to it)."""
     files = [f.stat().st_size for f in data_files(path)]
-    if len(files) == 1:
-        return files[0] // 2 + 65536
-    return 3 * max(files) + 65536
+    if kind == "mds_zstd":
+        return 3 * max(files) + 65536
+    return (files[0] // 2 if len(files) == 1 else 2 * max(files)) + RECORDS
 
 
 def data_files(path: Path) -> list[Path]:
