@@ -115,8 +115,8 @@ def child(args) -> None:
     bench.forge_grain(Unseen(), args.port, "s3://bench/store", None, work)  # (warm: imports, compiled kernels)
     before, cpu, began = _sleeps(), time.thread_time(), time.perf_counter()
     busy.clear()
-    got = bench.forge_grain(Unseen(), args.port, f"s3://bench/{args.readers}", int(args.limits) * args.unit or None, work,
-                            batch=args.batch)
+    got = bench.forge_grain(Unseen(), args.port, f"s3://bench/{args.readers}", int(args.limits) * args.unit or None,
+                            work, batch=args.batch)
     slept, used = _grown(before, _sleeps())
     flying = sum(busy) / (time.perf_counter() - began)
     print(json.dumps({"seconds": got.get("seconds"), "error": got.get("error"), "cpu": time.thread_time() - cpu,
@@ -169,8 +169,9 @@ def main() -> None:
             fs.put(str(path), f"bench/{name}", recursive=True)
             local.update({f"s3://bench/{name}/{f.name}": str(f) for f in path.iterdir() if f.is_file()})
         size = sum(f.stat().st_size for f in store.path.glob("*.bin"))
-        print(f"{len(store):,} documents, {size / 1e6:.1f} MB of uint16 tokens ({a.files} files' worth), {a.batch} rows a step; GETs of data "
-              f"files answered in-process after {a.ttfb_ms:g} ms + bytes at {a.mbps:g} MB/s a connection", flush=True)
+        print(f"{len(store):,} documents, {size / 1e6:.1f} MB of uint16 tokens ({a.files} files' worth), "
+              f"{a.batch} rows a step; GETs of data files answered in-process after {a.ttfb_ms:g} ms + bytes at "
+              f"{a.mbps:g} MB/s a connection", flush=True)
         versions = [("this", None)] + ([("old", a.old)] if a.old else [])
         for _ in range(a.rounds):
             for reader in a.readers.split(","):
@@ -178,7 +179,8 @@ def main() -> None:
                     for label, path in versions:  # (each epoch in a process of its own, after a warm-up epoch)
                         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(ROOT)]))}
                         cmd = [sys.executable, "-W", "ignore", __file__, "--child", "--port", str(ports[0]),
-                               "--unit", str(size // a.files), "--batch", str(a.batch), "--local", json.dumps(local), "--readers", reader,
+                               "--unit", str(size // a.files), "--batch", str(a.batch), "--local", json.dumps(local),
+                               "--readers", reader,
                                "--limits", str(k), "--work", str(work),
                                "--ttfb-ms", str(a.ttfb_ms), "--mbps", str(a.mbps)]
                         out = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -126,14 +126,17 @@ def cache_limit(kind: str, path: Path) -> int:
     return (files[0] // 2 if len(files) == 1 else 2 * max(files)) + RECORDS
 
 
+NOT_TOKENS = (".json", ".idx")  # a dataset's indices and manifests
+
+
 def data_files(path: Path) -> list[Path]:
     """A dataset's files of tokens (not its indices and manifests)."""
-    return [f for f in path.rglob("*") if f.is_file() and not f.name.endswith((".json", ".idx"))]
+    return [f for f in path.rglob("*") if f.is_file() and not f.name.endswith(NOT_TOKENS)]
 
 
 def fetched(s3, kind: str) -> int:
     """Bytes of the dataset `kind`'s token files the server sent through the counting proxy."""
-    return sum(n for p, n in s3.proxy.sent.items() if f"/cross/{kind}/" in p and not p.endswith((".json", ".idx")))
+    return sum(n for p, n in s3.proxy.sent.items() if f"/cross/{kind}/" in p and not p.endswith(NOT_TOKENS))
 
 
 FOREIGN = {"megatron": {}, "raw_bin": {"dtype": "uint16", "eos_id": 1}, "raw_npy": {"eos_id": 1}, "litdata": {},

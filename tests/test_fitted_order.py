@@ -6,6 +6,7 @@ the limit; `forge-grain plan` says what an epoch will fetch and warns when an or
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import subprocess
@@ -109,11 +110,12 @@ class Peak:
         return self.most
 
 
-def epoch_as_local(pipe, local) -> int:
-    """One epoch of `pipe`, each batch the `local` pipeline's: the most bytes its cache held."""
+def epoch_as_local(pipe, local, steps: int | None = None) -> int:
+    """One epoch of `pipe` (or its first `steps`), each batch the `local` pipeline's: the most
+    bytes its cache held."""
     peak = Peak(pipe.stores[0].cache)
     try:
-        for step, batch in enumerate(pipe.iterator()):
+        for step, batch in zip(range(steps) if steps is not None else itertools.count(), pipe.iterator()):
             want = local.batch(step)
             assert all(np.array_equal(batch[k], want[k]) for k in want), step
     finally:
@@ -163,13 +165,7 @@ def test_a_length_change_inside_an_epoch_reads_the_rest_of_it_a_window_at_a_time
     rest = [p for p in pipe.mixture.datasets[0]._pieces_to(4000) if p.rest]
     assert len(rest) == 1 and rest[0].dataset.shuffle_window == pipe.datasets[0].fitted.window
     s3.proxy.clear()
-    peak = Peak(pipe.stores[0].cache)
-    try:
-        for step, batch in zip(range(rest[0].end // 8), pipe.iterator()):  # (to the epoch's end: 8 rows a step)
-            want = local.batch(step)
-            assert all(np.array_equal(batch[k], want[k]) for k in want), step
-    finally:
-        most = peak.stop()
+    most = epoch_as_local(pipe, local, rest[0].end // 8)  # (to the epoch's end: 8 rows a step)
     data = sum(data_files(stores[kind]))
     assert served(s3) <= 1.05 * data + 2 * (limit // 4), served(s3) / data
     assert most <= limit, (most, limit)

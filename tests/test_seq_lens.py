@@ -107,15 +107,7 @@ def check_run(stores, seq_lens, batch_sizes, resumes):
     config = make_config(stores, seq_lens, batch_sizes)
     p = Pipeline(config, 0, 1, num_threads=0)
     trained = {n: Trained(stores[n][1], stores[n][2], STRATEGIES[n] == "bestfit") for n in NAMES}
-    batches = []
-    for s in range(STEPS):
-        b = p.global_batch(s)
-        length = next(n for start, n in reversed(seq_lens) if start <= s)
-        assert b["inputs"].shape == (p.batches.size(s), length)
-        for row in range(len(b["inputs"])):
-            mask = b["loss_mask"][row]
-            trained[NAMES[b["source_id"][row]]].add(b["targets"][row][mask], b["natural_stop"][row][mask])
-        batches.append(b)
+    batches = train_all(p, seq_lens, [trained[n] for n in NAMES])
     assert {n: v["trained_tokens"] for n, v in p.consumed(STEPS).items()} == {n: t.total for n, t in trained.items()}
     assert trained["a"].epoch >= 1  # the oracle saw an epoch end
     for k in range(1, len(seq_lens)):  # the steps before each change: as the run without it trained them
@@ -124,7 +116,27 @@ def check_run(stores, seq_lens, batch_sizes, resumes):
         for s in range(seq_lens[k][0]):
             assert all(np.array_equal(before.global_batch(s)[key], batches[s][key]) for key in batches[s])
     at_changes = [(start + d, shards) for start, _ in seq_lens[1:] for d, shards in ((-1, 4), (0, 2), (0, 4))]
-    for step, shards in [*resumes, *at_changes]:  # plain and elastic resumes, at and across changes
+    check_resumes(config, p, batches, [*resumes, *at_changes])  # plain and elastic resumes, at and across changes
+
+
+def train_all(p, seq_lens, trained: list) -> list[dict]:
+    """The run's global batches, each row's targets given to its source's `Trained` (by
+    source id), each batch checked to be [rows, the step's length]."""
+    batches = []
+    for s in range(STEPS):
+        b = p.global_batch(s)
+        length = next(n for start, n in reversed(seq_lens) if start <= s)
+        assert b["inputs"].shape == (p.batches.size(s), length)
+        for row in range(len(b["inputs"])):
+            mask = b["loss_mask"][row]
+            trained[b["source_id"][row]].add(b["targets"][row][mask], b["natural_stop"][row][mask])
+        batches.append(b)
+    return batches
+
+
+def check_resumes(config, p, batches: list, points) -> None:
+    """A state of `p` at each (step, shards) of `points` resumes exactly on that many shards."""
+    for step, shards in points:
         state = json.loads(json.dumps(p.state_at(step)))
         shard = step % shards
         q = Pipeline(config, shard, shards, num_threads=0, resume_from=state)
@@ -394,20 +406,11 @@ def test_a_change_inside_an_epoch_of_an_order_fitted_to_a_cache_trains_each_targ
         d = p.mixture.datasets[0]
         rest = [piece for piece in d._pieces_to(8 * STEPS) if piece.rest]
         assert d.base.fitted.window >= 2 and rest and all(r.dataset.shuffle_window == d.base.fitted.window for r in rest)
-        trained, batches = Trained(ids, ends, True), []
-        for s in range(STEPS):
-            b = p.global_batch(s)
-            for row in range(len(b["inputs"])):
-                mask = b["loss_mask"][row]
-                trained.add(b["targets"][row][mask], b["natural_stop"][row][mask])
-            batches.append(b)
+        trained = Trained(ids, ends, True)
+        batches = train_all(p, seq_lens, [trained])
         assert trained.epoch >= 1  # (the oracle saw an epoch end)
-        for step, shards in [(start + delta, n) for start, _ in seq_lens[1:] for delta, n in ((-1, 4), (0, 2), (1, 4))]:
-            state = json.loads(json.dumps(p.state_at(step)))
-            q = Pipeline(config, step % shards, shards, num_threads=0, resume_from=state)
-            for s in range(step, step + 3):
-                n = 8 // shards
-                assert np.array_equal(q.batch(s)["inputs"], batches[s]["inputs"][step % shards * n:(step % shards + 1) * n])
+        check_resumes(config, p, batches, [(start + delta, n) for start, _ in seq_lens[1:]
+                                           for delta, n in ((-1, 4), (0, 2), (1, 4))])
 
 
 def test_the_jax_iterator_changes_length_on_the_devices(three):

@@ -57,7 +57,8 @@ def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
     first, last = untrained_runs(p, plan_rows)
     if not len(first):
         return _empty(p.strategy, seq_len)
-    starts, natural = kernels.runs_in_documents(first, last, np.asarray(offsets, np.int64))
+    offsets = np.asarray(offsets, np.int64)
+    starts, natural = kernels.runs_in_documents(first, last, offsets)
     # the runs as the documents of a token space whose gaps (the tokens between them) are
     # documents never planned: segments come out at the store's own token positions
     spaced = np.empty(2 * len(first), np.int64)
@@ -71,7 +72,7 @@ def rest_plan(p: PackingPlan, plan_rows, offsets, seq_len: int, seed: int,
         q = plan_offsets(spaced, seq_len, p.strategy, seed=seed, chunk=0, max_segments=max_segments, filler=filler,
                          documents=runs)
     else:
-        chunk = np.searchsorted(np.asarray(offsets, np.int64)[np.asarray(bounds)], first, side="right") - 1
+        chunk = np.searchsorted(offsets[np.asarray(bounds)], first, side="right") - 1
         q = _by_chunk(spaced, runs, chunk, seq_len, p.strategy, seed, max_segments, filler)
     q.seg_flags = _unnatural_ends(q, np.sort(last[~natural] + 1))
     q.stats["rest_of_epoch"] = {"runs": int(len(first)), "targets": int((last - first).sum())}
