@@ -564,6 +564,49 @@ def test_an_object_fetched_ahead_alone_is_read_in_whole_rounds_of_the_request_th
     assert -(-24_746_264 // whole_rounds(24_746_264, PART_LONE, 32)) == 32  # (48 parts of 512 KiB before)
 
 
+def test_an_object_fetched_ahead_is_cut_into_parts_that_a_connection_carries_in_part_seconds(tmp_path, s3,
+                                                                                            monkeypatch):
+    """Each ranged read is a request, and each request costs CPU in the client and the server:
+    an object fetched ahead is cut into parts no smaller than what one connection was lately
+    seen to carry in PART_SECONDS. Behind 30 ms and 10 MB/s a connection that is about 1.2 MB
+    (a 24.7 MB chunk in about 20 GETs, not 48: a LitData dataset under a cache_limit of 4
+    chunks' worth read its epoch in 2.18-2.21 s, not 2.8-3.0 s, on two cores shared with the
+    server); a link whose connections carry 2 MB/s keeps the parts the request threads call
+    for, a fast one is read in parts of BLOCK; reads slowed by a busy CPU do not make them
+    smaller, and a link that slows is followed once its reads are the recent ones."""
+    from forge_grain.stores import request_pool
+    from forge_grain.stores.download import BLOCK, Download
+    from forge_grain.stores.object_cache import ObjectCache
+
+    monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool: nothing read yet
+    cache = ObjectCache("s3://bucket/bin", s3.options(), tmp_path)
+    size = 24_746_264
+    ahead = Download(cache, "x", tmp_path / "x", None, size, frozenset, True, None, 0, None)
+    cache._in_flight[1] = 1  # (one download running: this one, alone)
+    carried = cache.requests.carried
+
+    def parts() -> int:
+        return -(-size // ahead._part_size(size, False))
+
+    def link(mbps: float, ttfb: float = 0.03, rounds: int = 6, slower: float = 1.0) -> int:
+        """Parts a download is cut into once `rounds` downloads' worth of reads came through a
+        link of `ttfb` and `mbps` a connection (each read `slower` times its time)."""
+        for _ in range(rounds):
+            part = ahead._part_size(size, False)
+            for _ in range(-(-size // part)):
+                carried.read(part, slower * (ttfb + part / (mbps * 1e6)))
+        return parts()
+
+    asked = parts()  # (what the request threads call for: nothing was read yet)
+    assert asked >= 24
+    assert link(2) == asked
+    fast = link(10)
+    assert 16 <= fast <= 25 and fast < asked, fast
+    assert link(10, slower=3, rounds=4) == fast  # (a busy CPU a while)
+    assert link(2, rounds=12) == asked  # (the link slowed for good)
+    assert parts() == asked and link(200) == -(-size // BLOCK)
+
+
 def test_fetch_threads_set_in_a_toml_config_bound_the_reads_in_flight(tmp_path, s3, local_stores, monkeypatch):
     """`fetch_threads` of a source in object storage reaches its store from a job file: at
     most that many ranged reads are in flight (index reads at open included), and a larger
