@@ -573,7 +573,8 @@ def test_an_object_fetched_ahead_is_cut_into_parts_that_a_connection_carries_in_
     chunks' worth read its epoch in 2.18-2.21 s, not 2.8-3.0 s, on two cores shared with the
     server); a link whose connections carry 2 MB/s keeps the parts the request threads call
     for, a fast one is read in parts of BLOCK; reads slowed by a busy CPU do not make them
-    smaller, and a link that slows is followed once its reads are the recent ones."""
+    smaller, and a link that slows is followed once its reads are the recent ones. Each
+    endpoint and bucket is measured apart (a near one's parts are not a far one's)."""
     from forge_grain.stores import request_pool
     from forge_grain.stores.download import BLOCK, Download
     from forge_grain.stores.object_cache import ObjectCache
@@ -583,7 +584,7 @@ def test_an_object_fetched_ahead_is_cut_into_parts_that_a_connection_carries_in_
     size = 24_746_264
     ahead = Download(cache, "x", tmp_path / "x", None, size, frozenset, True, None, 0, None)
     cache._in_flight[1] = 1  # (one download running: this one, alone)
-    carried = cache.requests.carried
+    carried = cache.carried
 
     def parts() -> int:
         return -(-size // ahead._part_size(size, False))
@@ -605,6 +606,9 @@ def test_an_object_fetched_ahead_is_cut_into_parts_that_a_connection_carries_in_
     assert link(10, slower=3, rounds=4) == fast  # (a busy CPU a while)
     assert link(2, rounds=12) == asked  # (the link slowed for good)
     assert parts() == asked and link(200) == -(-size // BLOCK)
+    elsewhere = ObjectCache("s3://bucket/bin", s3.options(via_proxy=True), tmp_path)  # (another endpoint)
+    assert elsewhere.carried is not carried and elsewhere.carried.bytes_in(1.0) == 0
+    assert ObjectCache("s3://bucket/other", s3.options(), tmp_path).carried is carried  # (the same link)
 
 
 def test_fetch_threads_set_in_a_toml_config_bound_the_reads_in_flight(tmp_path, s3, local_stores, monkeypatch):

@@ -46,13 +46,13 @@ PART_MIN = 1 << 18
 PART_LONE = 1 << 19
 PART_AHEAD = 1 << 20
 SPLIT = 8
-# an object fetched ahead is cut into parts no smaller than what one connection was lately seen to
-# carry in PART_SECONDS (`request_pool.Carried`): each part is a request, costing CPU in the client and
-# the server, and a part of 0.15 s spends a fifth of it waiting for a 30 ms first byte. Behind 30 ms
-# and 10 MB/s a connection that is about 1.2 MB: a LitData dataset of 16 chunks of 24.7 MB under a
-# cache_limit of 2 / 4 / 8 chunks' worth, on two cores shared with the server and the link, read its
-# epoch in 2.90-3.02 / 2.18-2.21 / 1.99-2.18 s, against 3.2-4.1 / 2.75-3.0 / 2.1-2.6 s in parts of
-# 512 KiB (the unbounded 1.96-2.01 s); a store and a Megatron file gained as much. At 2 MB/s a
+# an object fetched ahead is cut into parts no smaller than what one connection to its endpoint was
+# lately seen to carry in PART_SECONDS (`request_pool.Carried`): each part is a request, costing CPU in
+# the client and the server, and a part of 0.15 s spends a fifth of it waiting for a 30 ms first byte.
+# Behind 30 ms and 10 MB/s a connection that is about 1.2 MB: a LitData dataset of 16 chunks of 24.7 MB
+# under a cache_limit of 2 / 4 / 8 chunks' worth, on two cores shared with the server and the link,
+# read its epoch in 2.90-3.02 / 2.18-2.21 / 1.99-2.18 s, against 3.2-4.1 / 2.75-3.0 / 2.1-2.6 s in parts
+# of 512 KiB (the unbounded 1.96-2.01 s); a store and a Megatron file gained as much. At 2 MB/s a
 # connection the parts stay those the request threads call for (a part of 0.15 s is 0.3 MB there);
 # from a bucket near the host (80 MB/s a connection) they reach BLOCK
 PART_SECONDS = 0.15
@@ -193,8 +193,12 @@ class Download:
         def part(span):  # one ranged GET (no HEAD first), written where it belongs
             a, b = span
             with read_slot():  # (a retry reads ranges: the whole object's bytes are used once)
-                block = whole.pop() if whole else memoryview(c.read_bounded(name, self.start + a,
-                                                                          self.start + b, self.condition))
+                if whole:
+                    block = whole.pop()
+                else:
+                    began = time.monotonic()
+                    block = memoryview(c.read_bounded(name, self.start + a, self.start + b, self.condition))
+                    c.carried.read(block.nbytes, time.monotonic() - began)
                 if block.nbytes != b - a:
                     raise Damaged(f"{a + block.nbytes} bytes arrived of the {size} expected")
                 if staged:
@@ -254,7 +258,7 @@ class Download:
             return min(BLOCK, max(PART_MIN, even * max(1, c._in_flight[2])))
         objects = c._in_flight[1] + c.turns.queued()  # (those queued count: they start in a moment)
         share = -(-size * objects // (2 * workers))
-        carried = c.requests.carried.bytes_in(PART_SECONDS)
+        carried = c.carried.bytes_in(PART_SECONDS)
         part = min(BLOCK, max(PART_LONE, min(max(PART_AHEAD, even), share), carried))
         return whole_rounds(size, part, workers) if c.requests.growth.settled else part
 

@@ -149,12 +149,16 @@ class Growth:
 
 
 class Carried:
-    """The bytes one request carries in a given time at the best rate a connection was seen to
-    read at lately (over the last `RECENT` reads of `SMALLEST` bytes or more: each read's
-    bytes over its seconds, its wait for the first byte included): what `Download` cuts an
-    object fetched ahead by. The best, not a mean: reads slowed by a busy CPU would otherwise
-    ask for smaller parts, so more requests, so a busier CPU. A link that slows for good is
-    followed once its reads are all the recent ones (a 24.7 MB shard is 20-50 reads)."""
+    """The bytes one request to an endpoint carries in a given time at the best rate a
+    connection was seen to read at lately (over the last `RECENT` reads of `SMALLEST` bytes or
+    more: each read's bytes over its seconds, its wait for the first byte included): what
+    `Download` cuts an object fetched ahead by. The best, not a mean: reads slowed by a busy
+    CPU would otherwise ask for smaller parts, so more requests, so a busier CPU. A link that
+    slows for good is followed once its reads are all the recent ones (a 24.7 MB shard is
+    20-50 reads). One for each endpoint and bucket (`carried_on`): a process reading a near
+    bucket and a far one (or a benchmark reading one server straight and through a shaped
+    link) cuts each by its own link; shared, the near one's 8 MiB parts took a shard 0.8 s a
+    part through the far one."""
 
     RECENT = 256
     SMALLEST = 1 << 18
@@ -200,7 +204,6 @@ class Requests:
         self._numbering = threading.Lock()
         self._resting, self._more = 0, threading.Condition(self._lock)  # (workers above the growth's)
         self.growth = Growth(self.fixed, self.fixed) if self.fixed else Growth()
-        self.carried = Carried()
         self._held, self._unheld = 0, threading.Condition()
 
     def holding(self) -> "_Holding":
@@ -255,14 +258,12 @@ class Requests:
                 with self._unheld:
                     self._unheld.wait_for(lambda: not self._held)
             if future.set_running_or_notify_cancel():
-                began = time.monotonic()
                 try:
                     future.set_result(fn(*args))
                 except BaseException as e:  # handed to the waiting download
                     future.set_exception(e)
                     continue
                 if jobs is self._queue:  # (not a parent's queue, in a forked child)
-                    self.carried.read(size, time.monotonic() - began)
                     self._grow(self.growth.done(size, not jobs.empty()))
                     self._rest()
 
@@ -294,6 +295,7 @@ class _Holding:
 
 
 _REQUESTS: dict[int | None, Requests] = {}  # by worker count: shared by every cache of the process
+_CARRIED: dict[tuple, Carried] = {}  # by endpoint and bucket (`carried_on`)
 _REQUESTS_LOCK = threading.Lock()
 _ALL_REQUESTS: weakref.WeakSet = weakref.WeakSet()
 
@@ -305,6 +307,7 @@ def _after_fork() -> None:
     _REQUESTS_LOCK = threading.Lock()
     _IN_FLIGHT = threading.BoundedSemaphore(IN_FLIGHT)
     _AHEAD.clear()
+    _CARRIED.clear()
     for pool in list(_ALL_REQUESTS):
         pool._reset()
 
@@ -367,6 +370,13 @@ def read_slot() -> threading.BoundedSemaphore:
     """One of the `IN_FLIGHT` slots a ranged read holds while its bytes are in memory (this
     process's: a forked child starts with all of them free)."""
     return _IN_FLIGHT
+
+
+def carried_on(link: tuple) -> Carried:
+    """This process's `Carried` of the endpoint and bucket `link` (the caches of its stores
+    there share it)."""
+    with _REQUESTS_LOCK:
+        return _CARRIED.setdefault(link, Carried())
 
 
 def shared_requests(workers: int | None = None) -> Requests:
