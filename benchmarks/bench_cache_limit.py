@@ -26,7 +26,8 @@ reader is measured by its downloads alone; `--step-ms` adds a training step afte
 (a sleep), and the rate says how much of the step time the reads could not hide.
 
 The server's own ceiling is measured too (ranged GETs of 512 KiB a second, 32 threads asking
-straight to it), with each reader's GETs of data files (counted at the proxy): moto answers in
+straight to it), with each reader's GETs of data files (counted at the proxy; forge-grain's on
+the link, counted by the reader, `count_gets`: it cuts its parts by the link): moto answers in
 one Python process, about 400-500 GETs a second on one core whatever the machine, so an epoch
 of G GETs spends at least G / that on the server, and a rate nearer the unbounded one than
 that allows is not there to be had from this server. `--servers N` puts N moto servers
@@ -106,6 +107,26 @@ def server_ceiling(ports: list[int], name: str, size: int, part: int = PART, thr
     return sum(done) / (time.perf_counter() - t)
 
 
+ASKED = [0]  # ranged GETs of data files this process asked (`count_gets`)
+
+
+def count_gets() -> None:
+    """Count this process's ranged GETs of data files (`ASKED`): forge-grain's epoch on the
+    link goes straight to the server, not through the counting proxy, and cuts its parts by
+    what a connection there carries (`request_pool.Carried`), so its GETs differ from its
+    pass through the proxy."""
+    from forge_grain.stores.remote_dir import RemoteDir
+
+    read = RemoteDir.read_bounded
+
+    def counted(self, name, *args, **kwargs):
+        if str(name).endswith(DATA):
+            ASKED[0] += 1
+        return read(self, name, *args, **kwargs)
+
+    RemoteDir.read_bounded = counted
+
+
 def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reach: int | None = None,
                 step_s: float = 0.0, batch: int = BATCH) -> dict:
     """One epoch of a forge-grain source (defaults but `cache_limit`): the bytes its open and its
@@ -124,6 +145,7 @@ def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reac
                                        num_epochs=1))
     proxy.clear()
     shutil.rmtree(work / "plans", ignore_errors=True)
+    ASKED[0] = 0
     try:
         t = time.perf_counter()
         pipe = Pipeline(config, 0, 1, cache_dir=work / "plans")
@@ -138,7 +160,8 @@ def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reac
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     fit = pipe._sources[0].dataset.fitted
     return {"open": opened, "epoch": served(proxy) - opened, "seconds": seconds, "open_s": open_s, "steps": steps,
-            "gets": asked(proxy), "files_together": fit.files_together if fit is not None else None}
+            "gets": asked(proxy) if reach is None else ASKED[0],
+            "files_together": fit.files_together if fit is not None else None}
 
 
 def peer(proxy, port: int, name: str, python: str, limit: int | None, work: Path, part: int,
@@ -189,6 +212,7 @@ def main() -> None:
                                    "(shaped_link.py: the rates are those of a link, not of this machine's CPU "
                                    "serving moto and the proxy)")
     a = ap.parse_args()
+    count_gets()
     import s3fs
     from s3server import FaultProxy
     from test_formats import write_megatron
@@ -265,6 +289,8 @@ def main() -> None:
                         results[k]["link_error"] = got["error"]
                     else:
                         results[k]["seconds"] = got["seconds"]
+                        if kind == "fg":  # (its GETs on the link: counted by the reader)
+                            results[k]["gets"] = got["gets"]
             lines.append(f"  {label:<36}" + "".join(f"{cell(results[k], size):>18}" for k in LIMITS))
             print(lines[-1], flush=True)
             for k, r in results.items():

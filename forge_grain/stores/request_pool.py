@@ -149,19 +149,21 @@ class Growth:
 
 
 class Carried:
-    """The bytes one request to an endpoint carries in a given time at the best rate a
-    connection was seen to read at lately (over the last `RECENT` reads of `SMALLEST` bytes or
-    more: each read's bytes over its seconds, its wait for the first byte included): what
-    `Download` cuts an object fetched ahead by. The best, not a mean: reads slowed by a busy
-    CPU would otherwise ask for smaller parts, so more requests, so a busier CPU. A link that
-    slows for good is followed once its reads are all the recent ones (a 24.7 MB shard is
-    20-50 reads). One for each endpoint and bucket (`carried_on`): a process reading a near
-    bucket and a far one (or a benchmark reading one server straight and through a shaped
-    link) cuts each by its own link; shared, the near one's 8 MiB parts took a shard 0.8 s a
-    part through the far one."""
+    """The bytes one request to an endpoint carries in a given time at the rate a connection
+    was seen to read at lately: the `BEST` quantile of the rates of the last `RECENT` reads of
+    `SMALLEST` bytes or more (each read's bytes over its seconds, its wait for the first byte
+    included). What `Download` cuts an object fetched ahead by. Near the best, not a mean:
+    reads slowed by a busy CPU would otherwise ask for smaller parts, so more requests, so a
+    busier CPU; and not the very best, which one read served from a cache near the host
+    would set. A link that slows for good is followed once nine in ten recent reads are slow
+    (a 24.7 MB shard is 20-50 reads). One for each endpoint and bucket (`carried_on`): a
+    process reading a near bucket and a far one (or a benchmark reading one server straight
+    and through a shaped link) cuts each by its own link; shared, the near one's 8 MiB parts
+    took a shard 0.8 s a part through the far one."""
 
     RECENT = 256
     SMALLEST = 1 << 18
+    BEST = 0.9
 
     def __init__(self):
         self._rates: collections.deque = collections.deque(maxlen=self.RECENT)
@@ -175,7 +177,8 @@ class Carried:
     def bytes_in(self, seconds: float) -> int:
         """What a request carries in `seconds` (0 until a read was seen)."""
         with self._lock:
-            return int(max(self._rates, default=0.0) * seconds)
+            rates = sorted(self._rates)
+        return int(rates[int(self.BEST * (len(rates) - 1))] * seconds) if rates else 0
 
 
 class Requests:
