@@ -49,7 +49,7 @@ SPLIT = 8
 # an object fetched ahead is cut into parts no smaller than what one connection to its endpoint was
 # lately seen to carry in PART_SECONDS (`request_pool.Carried`): each part is a request, costing CPU in
 # the client and the server, and a part of 0.15 s spends a fifth of it waiting for a 30 ms first byte.
-# Behind 30 ms and 10 MB/s a connection that is about 1.2 MB: a LitData dataset of 16 chunks of 24.7 MB
+# Behind 30 ms and 10 MB/s a connection that is about 1 MB: a LitData dataset of 16 chunks of 24.7 MB
 # under a cache_limit of 2 / 4 / 8 chunks' worth, on two cores shared with the server and the link,
 # read its epoch in 2.90-3.02 / 2.18-2.21 / 1.99-2.18 s, against 3.2-4.1 / 2.75-3.0 / 2.1-2.6 s in parts
 # of 512 KiB (the unbounded 1.96-2.01 s); a store and a Megatron file gained as much. At 2 MB/s a
