@@ -579,7 +579,8 @@ def test_an_object_fetched_ahead_is_cut_into_parts_that_a_connection_carries_in_
     from forge_grain.stores.download import BLOCK, Download
     from forge_grain.stores.object_cache import ObjectCache
 
-    monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool: nothing read yet
+    monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool and links: nothing read yet
+    monkeypatch.setattr(request_pool, "_CARRIED", {})
     cache = ObjectCache("s3://bucket/bin", s3.options(), tmp_path)
     size = 24_746_264
     ahead = Download(cache, "x", tmp_path / "x", None, size, frozenset, True, None, 0, None)
