@@ -31,7 +31,7 @@ from forge_grain.stores.handles import share_of_descriptors
 from forge_grain.stores.cache_room import CacheRoom
 from forge_grain.files import temporary
 from forge_grain.stores.download import SPLIT, Download
-from forge_grain.stores.remote_dir import Damaged, RemoteDir, check_unchanged, remote_sizes
+from forge_grain.stores.remote_dir import Damaged, RemoteDir, check_unchanged, endpoint_of, remote_sizes
 from forge_grain.stores.request_pool import RETRIES, Carried, ahead_slots, carried_on, read_slot, shared_requests
 
 AT_ONCE = 64  # small reads a batch waits for made at once at most (`read_at_once`; fewer under a low ulimit -n)
@@ -74,9 +74,7 @@ class ObjectCache(CacheRoom, RemoteDir):
     @per_process
     def carried(self) -> Carried:
         """What one request to this store's endpoint and bucket carries (`Carried`)."""
-        options = self.storage_options
-        endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
-        return carried_on(("/".join(self.url.split("/")[:3]), endpoint))
+        return carried_on(("/".join(self.url.split("/")[:3]), endpoint_of(self.storage_options)))
 
     def _name(self, path: Path) -> str:
         return str(path.relative_to(self.dir))
