@@ -74,7 +74,7 @@ def data(tmp_path_factory, s3):
     docs = make_docs(160, seed=23)
     local = {
         "bin": prepare(corpus, base / "bin", num_shards=3, progress=False),
-        "arrayrecord": prepare(corpus, base / "ar", layout="arrayrecord", num_shards=2, progress=False),
+        "arrayrecord": prepare(corpus, base / "ar", layout="arrayrecord", num_shards=4, progress=False),
         "aux_text": prepare(write_jsonl(base / "aux.jsonl", make_texts(120, seed=22)), base / "aux_text", num_shards=1,
                             progress=False),
         "aux_ids": write_store(base / "aux_ids", make_docs(100, seed=24), vocab_size=1000, eos_id=1),

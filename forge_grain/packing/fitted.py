@@ -13,7 +13,8 @@ next one, fetched ahead, fit in half the cache.
 
 The price is shuffle quality, and it is stated: documents of at most `window` chunks
 (`files_together` files) are interleaved at a time, and a row packs documents of one chunk.
-The chunks follow from the store's layout, its document lengths and S alone: the same on
+The chunks follow from the store's layout, its document lengths (and an ArrayRecord
+store's file sizes) and S alone: the same on
 every host and for a local copy given the same `shuffle_bytes`. Exact and elastic resume
 hold as for any windowed order (the order is a pure function of the index).
 """
@@ -28,6 +29,7 @@ import numpy as np
 from forge_grain.stores.blocks import FIT, block_bytes, block_cuts, chunk_starts
 
 DIVISIBLE = ("megatron", "raw")  # formats the bounded cache reads in blocks, not whole files
+PADDED = ("arrayrecord",)  # layouts whose files outweigh their tokens: planned in their `file_bytes`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,39 +48,47 @@ class Fitted:
 
 
 def fitted_chunks(store, shuffle_bytes: int, chunk_docs: int) -> Fitted | None:
-    """The chunks and window of `store` for windows of `shuffle_bytes` bytes of tokens; None
-    when the store holds at most twice that (half the default cache: no order thrashes a
-    cache that holds the data twice over), and the epoch is shuffled whole, as without. No
-    chunk has more than `chunk_docs` documents (a plan's memory)."""
-    itemsize = store.dtype.itemsize
-    offsets = np.asarray(store.offsets, np.int64)
-    if int(offsets[-1]) * itemsize <= 2 * shuffle_bytes:
+    """The chunks and window of `store` for windows of `shuffle_bytes` bytes of its data
+    files as the cache holds them (`unit_bounds`); None when the store holds at most twice
+    that (half the default cache: no order thrashes a cache that holds the data twice over),
+    and the epoch is shuffled whole, as without. No chunk has more than `chunk_docs`
+    documents (a plan's memory)."""
+    units, unit_bytes = unit_bounds(store, shuffle_bytes)
+    if int(unit_bytes.sum()) <= 2 * shuffle_bytes:
         return None
-    units = unit_bounds(store, shuffle_bytes)
-    unit_bytes = np.diff(offsets[units]) * itemsize
     starts = chunk_starts(unit_bytes.tolist(), shuffle_bytes)  # (as `blocks.fetch_cuts` groups a file's blocks)
     bounds = [int(units[k]) for k in starts] + [int(units[-1])]
     units_in = np.diff(starts + [len(unit_bytes)])
     bounds = _split_large(np.array(bounds, np.int64), chunk_docs)
-    largest = int((np.diff(offsets[bounds]) * itemsize).max())
+    held = np.concatenate([[0], np.cumsum(unit_bytes)])  # a chunk holds its units whole, also one cut by `chunk_docs`
+    first, end = np.searchsorted(units, bounds[:-1], side="right") - 1, np.searchsorted(units, bounds[1:])
+    largest = int((held[end] - held[first]).max())
     window = max(1, min(shuffle_bytes // max(largest, 1), len(bounds) - 1))
     return Fitted(bounds, window, window * int(units_in.max()), shuffle_bytes)
 
 
-def unit_bounds(store, shuffle_bytes: int) -> np.ndarray:
-    """Document bounds of the units chunks are made of: data files (fetched whole), or
-    (Megatron and raw files) the units `blocks.block_cuts` makes under a cache of
-    FIT * shuffle_bytes (fetched a chunk's at a time: `blocks.fetch_cuts`)."""
-    starts = np.asarray(store.file_doc_starts, np.int64)
+def unit_bounds(store, shuffle_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Document bounds of the units chunks are made of, and each unit's bytes: data files
+    (fetched whole; their tokens' bytes, or their sizes where the files are padded:
+    `NativeStore.file_bytes`), or (Megatron and raw files) the units `blocks.block_cuts`
+    makes under a cache of FIT * shuffle_bytes (fetched a chunk's at a time:
+    `blocks.fetch_cuts`; their tokens' bytes)."""
+    starts, offsets = np.asarray(store.file_doc_starts, np.int64), np.asarray(store.offsets, np.int64)
     if store.format not in DIVISIBLE:
-        return np.unique(starts)
-    offsets = np.asarray(store.offsets, np.int64)
+        files = store.file_bytes if store.layout in PADDED else np.diff(offsets[starts]) * store.dtype.itemsize
+        units = np.unique(starts)
+        unit = np.searchsorted(units, starts[:-1], side="right") - 1  # (an empty file: the unit of the file after it)
+        inside = unit < len(units) - 1
+        sizes = np.zeros(len(units) - 1, np.int64)
+        np.add.at(sizes, unit[inside], np.asarray(files, np.int64)[inside])
+        return units, sizes
     target = max(1, block_bytes(FIT * shuffle_bytes) // store.dtype.itemsize)
     out = [starts[-1:]]
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
         local = offsets[a : b + 1] - offsets[a]
         out.append(a + np.searchsorted(local, block_cuts(local, target)))
-    return np.unique(np.concatenate(out))
+    units = np.unique(np.concatenate(out))
+    return units, np.diff(offsets[units]) * store.dtype.itemsize
 
 
 def _split_large(bounds: np.ndarray, chunk_docs: int) -> np.ndarray:

@@ -104,7 +104,7 @@ def pack(
     one) a row, for attention kernels that need a bound; rows that reach it are padded.
     `progress=False` hides the planning bar of a chunked store. `shuffle_bytes`: the order
     fits a bounded cache (`forge_grain.packing.fitted`: chunks of whole data files, as many
-    shuffled together as hold `shuffle_bytes` bytes of tokens; it replaces `shuffle_window`),
+    shuffled together as hold `shuffle_bytes` bytes of their files; it replaces `shuffle_window`),
     unless the store holds at most twice that.
     """
     store = store if isinstance(store, TokenStore) else TokenStore.open(store)

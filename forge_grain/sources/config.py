@@ -265,7 +265,8 @@ class SourceConfig:
 
     shuffle_bytes: int | None = None
     """Read the data in windows of whole data files (blocks of a Megatron or raw file)
-    holding at most this many bytes of tokens: each epoch visits the windows in a seeded
+    holding at most this many bytes of tokens (an ArrayRecord store: of its files, which
+    ArrayRecord pads): each epoch visits the windows in a seeded
     order and shuffles the rows within each, so a bounded cache never evicts what the
     coming steps read. Data of at most twice this many bytes is shuffled whole. Default
     with `cache_limit`: a quarter of it (the window read and the next fetched ahead fit

@@ -186,6 +186,17 @@ class NativeStore(TokenStore):
     def layout(self) -> str:
         return self.manifest.layout
 
+    @property
+    def file_bytes(self) -> np.ndarray:
+        """Each shard's bytes as a bounded cache holds it (`packing.fitted`): its file's size for
+        ArrayRecord (which pads a small shard: 128 KiB for a few KB of tokens), else its tokens'."""
+        if self.layout != "arrayrecord":
+            return np.array([s.num_tokens for s in self.manifest.shards], np.int64) * self.dtype.itemsize
+        return np.array([self._shard_size(s) for s in self.manifest.shards], np.int64)
+
+    def _shard_size(self, shard) -> int:
+        return (self.path / shard.tokens).stat().st_size
+
     def close(self) -> None:
         super().close()
         self._records = None

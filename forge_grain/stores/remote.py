@@ -294,6 +294,13 @@ class RemoteStore(NativeStore):
             for k in [k for k, f in self._pending.items() if f.done()]:
                 self._pending.pop(k).result()  # a failed download raises here, naming the object
 
+    def _shard_size(self, shard) -> int:
+        """An ArrayRecord shard's size from the store's listing (no shard is fetched to plan)."""
+        size = self._sizes.get(shard.tokens)
+        if size is None:
+            raise StoreError(f"{self.url}/{shard.tokens}: listed in {MANIFEST_NAME} but not found in the store")
+        return size
+
     def _refetch(self, k: int, path: Path) -> Path:
         """Shard `k` downloaded again, its cached copy at `path` having failed a check."""
         log.warning("forge-grain: the cached copy %s of %s/%s is damaged; downloading it "
