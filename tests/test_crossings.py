@@ -73,7 +73,8 @@ def data(tmp_path_factory, s3):
     corpus = write_jsonl(base / "corpus.jsonl", texts)
     docs = make_docs(160, seed=23)
     local = {
-        "bin": prepare(corpus, base / "bin", num_shards=3, progress=False),
+        "bin": prepare(write_jsonl(base / "bin.jsonl", make_texts(800, seed=26, empty_every=41)), base / "bin",
+                       num_shards=4, progress=False),  # (two of its shards and the records are below its size)
         "arrayrecord": prepare(corpus, base / "ar", layout="arrayrecord", num_shards=4, progress=False),
         "aux_text": prepare(write_jsonl(base / "aux.jsonl", make_texts(120, seed=22)), base / "aux_text", num_shards=1,
                             progress=False),
@@ -95,7 +96,7 @@ def data(tmp_path_factory, s3):
     local["megatron"] = write_megatron(base / "meg" / "text_document", docs).parent
     for kind, suffix in (("raw_bin", "bin"), ("raw_npy", "npy")):
         (base / kind).mkdir()
-        flat = np.concatenate(docs).astype(np.uint16)
+        flat = np.concatenate(docs * 3).astype(np.uint16)  # (half of it and the records are below its size)
         flat.tofile(base / kind / "part-0.bin") if suffix == "bin" else np.save(base / kind / "part-0.npy", flat)
         local[kind] = base / kind
     halves = [write_jsonl(base / f"s{k}.jsonl", texts[k * 100:(k + 1) * 100]) for k in range(2)]
@@ -126,7 +127,7 @@ def cache_limit(kind: str, path: Path) -> int:
     return (files[0] // 2 if len(files) == 1 else 2 * max(files)) + RECORDS
 
 
-NOT_TOKENS = (".json", ".idx")  # a dataset's indices and manifests
+NOT_TOKENS = (".json", ".idx", ".idx.npy")  # a dataset's indices and manifests
 
 
 def data_files(path: Path) -> list[Path]:
