@@ -8,6 +8,7 @@ removes a dead process's leftovers and leaves a live one's work alone.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import json
@@ -40,6 +41,30 @@ def fsync_rename(tmp: Path, final: Path) -> None:
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
+
+
+def _sync_file_range():
+    """Linux's `sync_file_range`, or None where the C library has none."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    call.argtypes, call.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_WRITE = 2  # SYNC_FILE_RANGE_WRITE: start writing the range's dirty pages, wait for none
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing bytes [offset, offset + length) of `fd` to disk now,
+    without waiting: the fsync before a download's rename then finds little left to write
+    (a 24.7 MB shard's took 9-14 ms after its last part, on the path of a read waiting for
+    it; about 1-2 ms with its parts' writeback started as each was written). Advisory: a
+    file system or platform without it is left to the fsync."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _WRITE)
 
 
 def temporary(path: Path, kind: str = "tmp") -> Path:

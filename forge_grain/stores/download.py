@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from forge_grain.errors import StoreError
-from forge_grain.files import temporary
+from forge_grain.files import start_writeback, temporary
 from forge_grain.stores.room_ahead import GROW_POLL_S
 from forge_grain.stores.remote_dir import Damaged, check_unchanged
 from forge_grain.stores.request_pool import read_slot
@@ -205,6 +205,7 @@ class Download:
                     return block
                 with self.writing:
                     os.pwrite(fd, block, a)
+                start_writeback(fd, a, b - a)  # (so the fsync before the rename has little left)
             return block if one else None
 
         reads = [c.requests.submit(urgent, self.job, part, span, size=span[1] - span[0]) for span in spans]
