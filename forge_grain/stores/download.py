@@ -213,29 +213,40 @@ class Download:
         return reads
 
     def _hashing(self, digest, fd: int):
-        """What `_collect` does with each part, in order: its bytes into `digest`, so the
-        checksum is taken while the later parts arrive, not after the last (12 ms of a 24.7 MB
-        shard, where a bounded cache fetches one shard at a time). The part is mapped from the
-        file just written, not kept from the read (one slow part would hold every later one in
-        memory) nor copied."""
-        def each(i: int, block) -> None:
-            a, b = self.spans[i]
-            if block is not None:  # (an object read in one part: its bytes, kept)
+        """What `_collect` does with each run of parts there in order: their bytes into
+        `digest`, so the checksum is taken while the later parts arrive, not after the last
+        (12 ms of a 24.7 MB shard, where a bounded cache fetches one shard at a time). A run
+        is mapped from the file just written, not kept from the reads (one slow part would
+        hold every later one in memory) nor copied, and hashed in one call: a shard's parts
+        arrive within a few ms of one another, and each call waits for the GIL the reader
+        holds. A part at a time, a 24.7 MB shard's fsync began a median 24 ms after its last
+        part came (16-29 ms, at a cache_limit of two shards: on the path of the read waiting
+        for it); a run at a time, 19 ms (2-27 ms)."""
+        def each(i: int, j: int, block) -> None:
+            if block is not None and j == i + 1:  # (an object read in one part: its bytes, kept)
                 digest.update(block)
                 return
+            a, b = self.spans[i][0], self.spans[j - 1][1]
             start = a - a % mmap.ALLOCATIONGRANULARITY
-            with mmap.mmap(fd, b - start, offset=start, access=mmap.ACCESS_READ) as part:
-                digest.update(part if start == a else part[a - start:])
+            with mmap.mmap(fd, b - start, offset=start, access=mmap.ACCESS_READ) as run, memoryview(run) as view, \
+                    view[a - start:] as ours:
+                digest.update(ours)
         return each
 
     @staticmethod
     def _collect(parts: list, each=None) -> None:
-        """Wait for the parts, in order (`each(i, result)` as each is there); a failed one
-        raises (the others are stopped as the attempt ends: `_attempt_parts`)."""
-        for i, f in enumerate(parts):
-            result = f.result()
+        """Wait for the parts, in order (`each(i, j, result)` once parts [i, j) are there, as
+        many as are by then, `result` part i's); a failed one raises (the others are stopped
+        as the attempt ends: `_attempt_parts`)."""
+        i = 0
+        while i < len(parts):
+            result, j = parts[i].result(), i + 1
+            while each is not None and j < len(parts) and parts[j].done():
+                parts[j].result()  # (a failed part raises here)
+                j += 1
             if each is not None:
-                each(i, result)
+                each(i, j, result)
+            i = j
 
     def _part_size(self, size: int, urgent: bool) -> int:
         """The bytes of one ranged part of `size` bytes to read: as many parts as request
