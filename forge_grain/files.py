@@ -47,7 +47,7 @@ def _sync_file_range():
     """Linux's `sync_file_range`, or None where the C library has none."""
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # (TypeError: a platform that cannot load its C library by None)
         return None
     call.argtypes, call.restype = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
     return call
