@@ -188,10 +188,9 @@ class NativeStore(TokenStore):
 
     @property
     def file_bytes(self) -> np.ndarray:
-        """Each shard's bytes as a bounded cache holds it (`packing.fitted`): its file's size for
-        ArrayRecord (which pads a small shard: 128 KiB for a few KB of tokens), else its tokens'."""
-        if self.layout != "arrayrecord":
-            return np.array([s.num_tokens for s in self.manifest.shards], np.int64) * self.dtype.itemsize
+        """Each shard's file size: what a bounded cache holds of an ArrayRecord store, which pads
+        a small shard (128 KiB for a few KB of tokens); `packing.fitted` plans in them, and
+        `forge-grain plan` counts them (a `bin` shard is its tokens, planned from the offsets)."""
         return np.array([self._shard_size(s) for s in self.manifest.shards], np.int64)
 
     def _shard_size(self, shard) -> int:
