@@ -238,7 +238,7 @@ def main() -> None:
         fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=f"http://127.0.0.1:{port}")
         fs.mkdir("bench")
         fs.put(str(store.path), "bench/store", recursive=True)
-        if chosen("a Megatron file"):  # (Megatron's own writer: torch and megatron-core)
+        if chosen("forge-grain, a Megatron file"):  # (Megatron's own writer: torch and megatron-core)
             (work / "megatron").mkdir()
             write_megatron(work / "megatron" / "text_document", docs, dtype=np.uint16)
             fs.put(str(work / "megatron"), "bench/megatron", recursive=True)

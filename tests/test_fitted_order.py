@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
-from forge_grain import DataConfig, Pipeline, StateError, TokenStore, prepare  # noqa: E402
+from forge_grain import DataConfig, Pipeline, StateError, StoreError, TokenStore, prepare  # noqa: E402
 from s3server import S3Server  # noqa: E402
 
 FILES = 16
@@ -320,10 +320,7 @@ def test_an_arrayrecord_store_of_small_shards_is_fitted_to_the_cache_by_its_file
     the files' sizes (from the listing; from disk for a local copy, which gets the same chunks):
     one file a window, each fetched about once, the batches the local copy's; and `plan`
     counts what the epoch fetches (it gave no figure for ArrayRecord)."""
-    texts = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(5 + i % 40)) for i in range(200)]
-    with open(tmp_path / "ar.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-    base = prepare(tmp_path / "ar.jsonl", tmp_path / "ar", layout="arrayrecord", num_shards=4, progress=False)
+    base = small_arrayrecord(tmp_path)
     s3.fs().put(str(base), "fit-ar/small", recursive=True)  # (its own bucket: "fit" is `stores`')
     files = [f.stat().st_size for f in Path(base).glob("*.array_record")]
     store = TokenStore.open(base)
@@ -342,6 +339,29 @@ def test_an_arrayrecord_store_of_small_shards_is_fitted_to_the_cache_by_its_file
     assert served_ar <= 1.05 * sum(files), served_ar / sum(files)
     assert 0.95 * cache["fetch_bytes"] <= served_ar <= 1.05 * cache["fetch_bytes"], (served_ar, cache)
     assert most <= limit, (most, limit)
+
+
+def small_arrayrecord(tmp_path) -> Path:
+    """A store of four ArrayRecord shards of 50 short documents each, written by `prepare`."""
+    texts = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(5 + i % 40)) for i in range(200)]
+    with open(tmp_path / "ar.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    return prepare(tmp_path / "ar.jsonl", tmp_path / "ar", layout="arrayrecord", num_shards=4, progress=False)
+
+
+def test_an_arrayrecord_shard_missing_from_the_store_is_named_when_the_order_is_planned(tmp_path, s3):
+    """The fitted order of an ArrayRecord store is planned in its files' sizes, read from the
+    store's listing: a shard its manifest lists but the bucket lacks (deleted, or an upload cut
+    short) stops the open with an error naming that object, not an order planned as if it
+    were empty."""
+    base = small_arrayrecord(tmp_path)
+    fs = s3.fs()
+    fs.put(str(base), "fit-ar/gone", recursive=True)
+    shard = sorted(p.name for p in Path(base).glob("*.array_record"))[2]
+    fs.rm(f"fit-ar/gone/{shard}")
+    limit = 2 * max(f.stat().st_size for f in Path(base).glob("*.array_record")) + 60_000
+    with pytest.raises(StoreError, match=rf"fit-ar/gone/{shard}: listed in .* but not found in the store"):
+        Pipeline(config("s3://fit-ar/gone", **remote(s3, tmp_path, "bin", limit)), 0, 1, cache_dir=tmp_path / "p")
 
 
 def test_a_limit_of_only_the_two_largest_files_fetches_at_most_one_and_a_half_times(tmp_path, s3, stores):
