@@ -82,7 +82,7 @@ def data(tmp_path_factory, s3):
         "litdata": LITDATA / "dataset",
         "mds": write_mds(base / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs], samples_per_shard=40),
         "mds_zstd": write_mds(base / "mds_zstd", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
-                              samples_per_shard=40, compression="zstd"),
+                              samples_per_shard=20, compression="zstd"),  # (8 shards: two with their copies fit below it)
         "arrow": write_arrow(base / "arrow", docs, num_shards=4),
     }
     rng = np.random.default_rng(25)
@@ -118,12 +118,13 @@ def cache_limit(kind: str, path: Path) -> int:
     single-file dataset: it is then read in blocks), and the records beside them: the order is
     fitted to it, and the cache evicts. (Three files and 64 KiB of records held these small
     datasets whole: the order of most kinds was not fitted, and nothing was evicted.) Compressed
-    MDS shards are decompressed into the cache beside their compressed copy: one of these
-    takes more than two compressed files' worth, so that dataset keeps the larger limit, below
-    its decompressed size (its order is fitted to it)."""
+    MDS shards are decompressed into the cache beside their compressed copy: two of them with
+    their copies, and the records of its eight shards (about 3.7 KB each), below the decompressed
+    data (the limit was once above it)."""
     files = [f.stat().st_size for f in data_files(path)]
     if kind == "mds_zstd":
-        return 3 * max(files) + 65536
+        shards = json.loads((path / "index.json").read_text())["shards"]
+        return 2 * max((path / s["zip_data"]["basename"]).stat().st_size + s["raw_data"]["bytes"] for s in shards) + 2 * RECORDS
     return (files[0] // 2 if len(files) == 1 else 2 * max(files)) + RECORDS
 
 

@@ -1914,6 +1914,50 @@ def test_compressed_mds_shards_read_a_file_at_a_time_stay_within_cache_limit(tmp
     assert not [p for p in remote.cache.dir.rglob("*") if p.name in names]  # compressed copies gone
 
 
+KILLED_HOLDING_COMPRESSED = """
+import json, os, signal, sys
+from forge_grain import StoreError, TokenStore
+store = TokenStore.open(sys.argv[1], storage_options=json.loads(sys.argv[2]), object_cache=sys.argv[3],
+                        cache_limit=int(sys.argv[4]))
+for p in store._parts:  # each compressed shard fetched, as a read does before decompressing it
+    try:
+        store.cache.get(p.name, p.fetched, size=p.packed_size)
+    except StoreError:  # (the cache holds no more of them)
+        break
+os.kill(os.getpid(), signal.SIGKILL)  # killed before any is decompressed and dropped
+"""
+
+
+def test_compressed_copies_left_by_a_killed_process_do_not_stop_a_rerun_at_the_same_limit(tmp_path, s3):
+    """A compressed MDS shard is fetched, decompressed beside its copy, and the copy dropped: a
+    process killed in between left copies that were never evicted (not data copies), and the
+    re-run at the same cache_limit stopped ("nothing can be evicted; raise it", found by the
+    crossing harness with a SIGKILL). They are evicted now where nothing else frees the room a
+    read needs, and the re-run reads every document, the cache within the limit."""
+    from mds_writer import write_mds
+    from test_formats import make_docs
+
+    docs = make_docs(160, seed=23)
+    packed = write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
+                       samples_per_shard=20, compression="zstd")
+    s3.fs().put(str(packed), "peers/mds-killed", recursive=True)
+    index = json.loads((packed / "index.json").read_text())
+    peak = max((packed / s["zip_data"]["basename"]).stat().st_size + s["raw_data"]["bytes"] for s in index["shards"])
+    limit = 2 * peak + 4 * LEDGER_ROOM  # (eight shards' records, about 3.7 KB each, and the ledger)
+    assert limit < sum(s["raw_data"]["bytes"] for s in index["shards"])
+    cache = str(tmp_path / "objects")
+    killed = subprocess.run([sys.executable, "-c", KILLED_HOLDING_COMPRESSED, "s3://peers/mds-killed",
+                             json.dumps(s3.options()), cache, str(limit)], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    left = [p for p in Path(cache).rglob("*.mds.zstd")]
+    assert len(left) >= 2, left
+    store = TokenStore.open("s3://peers/mds-killed", storage_options=s3.options(), object_cache=cache,
+                            cache_limit=limit)
+    for i, d in enumerate(docs):
+        assert np.array_equal(store[i], d), i
+        assert store.cache.used() <= limit
+
+
 def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (a file at a time) what is refused on disk is refused too, naming the
     object in the bucket: a declared dtype the data disagrees with, a shard cut short, and a

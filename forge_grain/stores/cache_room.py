@@ -16,12 +16,17 @@ from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.processes import per_process
 from forge_grain.stores import handles
+from forge_grain.stores.decompress import ALGORITHMS
 from forge_grain.stores.request_pool import ahead_slots
 from forge_grain.stores.room_ahead import Partial, Turns
 from forge_grain.files import remove_stale_temporaries
 
 # data files (shards, LitData chunks, MDS shards, Arrow files): what eviction removes; indices stay
 EVICTABLE = (".bin", ".array_record", ".mds", ".arrow")
+# a compressed MDS shard's copy (shard.00000.mds.zstd), dropped once decompressed: evicted only where
+# nothing else frees the room a fetch needs now (one being decompressed is fetched again), for a
+# process killed before it dropped one left it behind, and a re-run at the same limit had no room
+PACKED = tuple(f".mds.{a}" for a in ALGORITHMS)
 LISTED = 4  # copies in one directory above which eviction lists it (one call) rather than look up each
 
 
@@ -35,7 +40,8 @@ class CacheRoom:
             return None
         with self._accounting():
             files = self.ledger.sync()
-            kept = sum(size for name, size in files.items() if not name.endswith(EVICTABLE) and ".tmp-" not in name)
+            kept = sum(size for name, size in files.items()
+                       if not name.endswith(EVICTABLE + PACKED) and ".tmp-" not in name)
             return self.limit - kept - self.ledger.reserve()
 
     def ledger_reserve(self) -> int:
@@ -182,7 +188,8 @@ class CacheRoom:
 
     def _evict(self, excess: int, upcoming, ahead: bool, never=frozenset()) -> int:
         """Remove copies of shards until `excess` bytes are freed, least recently used first and
-        those in `upcoming` last (none of them for a prefetch), none in `never`: the bytes freed.
+        those in `upcoming` last (none of them for a prefetch), then compressed copies (`PACKED`),
+        none in `never`: the bytes freed.
         Copies removed behind the cache's back are found first (`_present`) and count as freed;
         a copy's time of last use is looked up (a stat) only where it may go: those the next
         steps read only when the others do not free enough. A Megatron file at a limit of two
@@ -199,6 +206,9 @@ class CacheRoom:
         freed = self._evict_oldest([n for n in names if n not in upcoming], present, excess, freed)
         if freed < excess and not ahead:
             freed = self._evict_oldest([n for n in names if n in upcoming], present, excess, freed)
+        if freed < excess and not ahead:
+            packed = self._present([n for n in self.ledger.files if n.endswith(PACKED) and n not in never])
+            freed = self._evict_oldest(list(packed), packed, excess, freed)
         return freed
 
     def _evict_oldest(self, names: list, used: dict, excess: int, freed: int) -> int:
