@@ -321,9 +321,12 @@ def read_copy(fetch, read, what: str, limit: int | None, needed: str):
     evicted it between the two (the read found no file, and the copy is gone), at most
     `EVICTED_TRIES` times; then an error naming `what` and saying the limit cannot hold
     `needed`. A read that fails on a copy still there raises as it is. The copy read is
-    touched: recently used, evicted last."""
+    touched: recently used, evicted last. None where `fetch` gives none (a prefetch that
+    found no room)."""
     for _ in range(EVICTED_TRIES):
         path = fetch()
+        if path is None:  # a prefetch that found no room
+            return None
         try:
             value = read(path)
         except (FileNotFoundError, StoreError):

@@ -41,7 +41,7 @@ from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
-from forge_grain.stores.cache_room import EVICTED_TRIES, read_copy
+from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.harvest import PRINTS, Prints
 from forge_grain.stores.mapping import Maps
 from forge_grain.stores.room_ahead import arrived, first_numbers
@@ -441,33 +441,28 @@ class _Part:
             return c.get(self.name, self.copy, size=self.size, upcoming=keep, ahead=ahead, job=job, tag=self.tag)
         if (c.dir / self.copy).exists():
             return c.dir / self.copy
-        for _ in range(EVICTED_TRIES):
-            packed = c.get(self.name, self.fetched, size=self.packed_size, upcoming=keep, ahead=ahead, job=job,
-                           tag=self.tag)
-            if packed is None:  # a prefetch that found no room
-                return None
-            try:
-                plain = self._decompressed(packed, keep)
-            except (StoreError, FileNotFoundError) as e:  # named as the object, not its copy in the cache
-                if packed.exists():
-                    raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
-                continue  # (evicted by another download before its decompression began: fetched again)
-            c.discard(self.fetched)
-            return plain
-        raise StoreError(f"{self.owner.url}/{self.name}: evicted before it could be decompressed, {EVICTED_TRIES} "
-                         f"times: cache_limit {c.limit} bytes cannot hold it and its decompressed copy; raise "
-                         "cache_limit")
+        # (a compressed copy evicted by another download before its decompression began: fetched again)
+        return read_copy(lambda: c.get(self.name, self.fetched, size=self.packed_size, upcoming=keep, ahead=ahead,
+                                       job=job, tag=self.tag),
+                         lambda packed: self._decompressed(packed, keep), f"{self.owner.url}/{self.name}", c.limit,
+                         "it and its decompressed copy")
 
     def _decompressed(self, packed: Path, keep) -> Path:
         """The decompressed copy of the compressed copy at `packed`, made in the cache (which
-        never evicts `packed` to make room for it)."""
+        never evicts `packed` to make room for it), and `packed` then dropped."""
         from forge_grain.stores.decompress import copy_name, decompress_into
 
         c = self.owner.cache
-        if not (self.dir / "copy-name").exists():  # the local reader's name for the copy (its fingerprint's)
-            c.write_record(self.dir / "copy-name", copy_name(packed, self.raw_name).encode())
-        return c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp,
-                                                                            self.promised), keep, source=self.fetched)
+        try:
+            if not (self.dir / "copy-name").exists():  # the local reader's name for the copy (its fingerprint's)
+                c.write_record(self.dir / "copy-name", copy_name(packed, self.raw_name).encode())
+            plain = c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp,
+                                                                                 self.promised), keep,
+                             source=self.fetched)
+        except StoreError as e:  # named as the object, not its copy in the cache
+            raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
+        c.discard(self.fetched)
+        return plain
 
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:
         """The file's token arrays (maps that outlive the store object that made them), opened
