@@ -1958,6 +1958,39 @@ def test_compressed_copies_left_by_a_killed_process_do_not_stop_a_rerun_at_the_s
         assert store.cache.used() <= limit
 
 
+def test_a_compressed_copy_evicted_before_its_decompression_is_fetched_again(tmp_path, s3, monkeypatch):
+    """Another process sharing the cache may evict a compressed MDS shard's copy between its
+    download and its decompression: the shard is fetched again and read, not reported as
+    damaged or missing. (The eviction is made to happen there: the cache removes that copy,
+    as an eviction does, the first time it hands one over.)"""
+    from mds_writer import write_mds
+    from test_formats import make_docs
+
+    from forge_grain.stores.object_cache import ObjectCache
+
+    docs = make_docs(120, seed=29)
+    packed = write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
+                       samples_per_shard=30, compression="zstd")
+    s3.fs().put(str(packed), "peers/mds-evicted", recursive=True)
+    index = json.loads((packed / "index.json").read_text())
+    peak = max((packed / s["zip_data"]["basename"]).stat().st_size + s["raw_data"]["bytes"] for s in index["shards"])
+    get, evicted = ObjectCache.get, []
+
+    def get_then_evicted(self, name, copy, *args, **kwargs):
+        path = get(self, name, copy, *args, **kwargs)
+        if path is not None and copy.endswith(".mds.zstd") and not evicted:
+            self.discard(copy)
+            evicted.append(name)
+        return path
+
+    monkeypatch.setattr(ObjectCache, "get", get_then_evicted)
+    s3.proxy.clear()
+    store = TokenStore.open("s3://peers/mds-evicted", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "objects"), cache_limit=2 * peak + 4 * LEDGER_ROOM)
+    assert [np.array_equal(store[i], d) for i, d in enumerate(docs)] == [True] * len(docs)
+    assert len(evicted) == 1 and s3.proxy.gets[f"/peers/mds-evicted/{evicted[0]}"] >= 2, (evicted, s3.proxy.gets)
+
+
 def test_a_peer_dataset_read_a_file_at_a_time_keeps_the_local_checks(tmp_path, s3, peers):
     """With cache_limit (a file at a time) what is refused on disk is refused too, naming the
     object in the bucket: a declared dtype the data disagrees with, a shard cut short, and a
