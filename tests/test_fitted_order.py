@@ -220,6 +220,36 @@ def test_a_second_epoch_reads_each_file_from_its_new_copy(tmp_path, s3, stores, 
     # last in the first may still be in the cache when the second reads it first)
 
 
+@pytest.mark.parametrize("kind", ["bin", "megatron", "mds"])
+def test_dataloader_workers_sharing_the_cache_fetch_each_file_about_once(tmp_path, s3, stores, kind):
+    """Two forked DataLoader workers read one epoch through one bounded cache of two files'
+    worth: each reads every other step, both in the same windows, so a file one fetched is
+    there for the other. Together they fetch at most 1.05x the data (not a copy each), the
+    cache never above the limit, and the batches are those the local copy makes."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from forge_grain.bridges.torch import GrainIterableDataset
+    from forge_grain.stores.object_cache import ObjectCache
+
+    limit = two_files(stores[kind])
+    local = Pipeline(config(stores[kind], shuffle_bytes=limit // 4, **KINDS[kind]), 0, 1, cache_dir=tmp_path / "p1")
+    ds = GrainIterableDataset(config(f"s3://fit/{kind}", **remote(s3, tmp_path, kind, limit)), rank=0,
+                              world_size=1, cache_dir=tmp_path / "p2")
+    s3.proxy.clear()
+    peak = Peak(ObjectCache(f"s3://fit/{kind}", s3.options(via_proxy=True), tmp_path / "objects", limit=limit))
+    try:
+        steps = 0
+        for steps, batch in enumerate(DataLoader(ds, batch_size=None, num_workers=2), 1):
+            want = local.batch(steps - 1)
+            assert all(torch.equal(batch[k], torch.as_tensor(want[k])) for k in want), steps - 1
+    finally:
+        most = peak.stop()
+    assert steps == local.num_steps
+    data = sum(data_files(stores[kind]))
+    assert served(s3) <= 1.05 * data, served(s3) / data
+    assert limit // 4 <= most <= limit, (most, limit)  # (the poll saw the workers' cache)
+
 def test_a_threads_table_of_addresses_holds_only_the_arrays_its_last_gather_read():
     """A gather from object storage finds its arrays in its thread's table of addresses over all
     the store's arrays (`mapping.Addresses`): only the arrays of the last gather are held and

@@ -181,6 +181,57 @@ def test_a_full_cache_finds_copies_removed_behind_its_back_in_a_directory_of_man
     assert on_disk() == first - {"b", "c"} | {"g", "h"}  # c: the least recently used the next steps do not read
 
 
+LEDGER_OF_ANOTHER_PROCESS = """
+import os, sys
+from pathlib import Path
+from forge_grain.stores.object_cache import ObjectCache
+cache = ObjectCache("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:9"}, Path(sys.argv[1]), 10**9)
+with cache._accounting():
+    cache.ledger.sync()
+    for k in range(8):
+        (cache.dir / f"copy/new{k}.bin").write_bytes(b"1234567")
+        cache.ledger.add(f"copy/new{k}.bin", 7)
+for k in range(100):  # rewrites until one has the inode the other process read (ext4 gives it back)
+    with cache._accounting():
+        cache.ledger.sync()
+        cache.ledger._rewrite()
+    if os.stat(cache.ledger.path).st_ino == int(sys.argv[2]):
+        break
+"""
+
+
+def test_a_ledger_rewritten_by_another_process_is_read_anew_whatever_inode_it_gets(tmp_path):
+    """Processes sharing a bounded cache (DataLoader workers, ranks of a host) each read the
+    ledger from where they last stopped, and read it from the start once it is rewritten,
+    told by its inode. ext4 gives a rewrite the inode the one before it freed, so after two
+    rewrites a process took the new file for the old one and read on from its old place: it
+    missed the other's files, and two workers held up to 1.6x the limit. Each process now
+    sees every file the other added, across rewrites."""
+    import subprocess
+    import sys
+
+    from forge_grain.stores.object_cache import ObjectCache
+
+    cache = ObjectCache("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:9"}, tmp_path / "objects", 10**9)
+    (cache.dir / "copy").mkdir()
+    for i in range(40):  # (a ledger longer than the other's rewrite: read on from its old place, nothing)
+        (cache.dir / f"copy/old{i}.bin").write_bytes(b"x" * 100)
+    with cache._accounting():
+        cache.ledger.rebuild()
+        for i in range(40):
+            cache.ledger.drop(f"copy/old{i}.bin")
+            cache.ledger.add(f"copy/old{i}.bin", 100)
+    with cache._accounting():
+        assert len(cache.ledger.sync()) == 40
+    other = subprocess.run([sys.executable, "-c", LEDGER_OF_ANOTHER_PROCESS, str(tmp_path / "objects"),
+                            str(os.stat(cache.ledger.path).st_ino)],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-3000:]
+    with cache._accounting():
+        files = dict(cache.ledger.sync())
+    assert files == {str(p.relative_to(cache.dir)): p.stat().st_size for p in (cache.dir / "copy").iterdir()}
+
+
 def test_a_record_written_while_another_threads_download_lands_counts_the_ledger_safely(tmp_path):
     """Whether a record (or a download) fits beside the ledger is read under the lock the
     ledger's files change under: read outside it while a fetch thread's download landed, a

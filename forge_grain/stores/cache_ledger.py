@@ -11,15 +11,37 @@ added since it last looked, so a download costs a few lines, not a walk. When th
 grown well past the files it describes it is rewritten (to a temporary name, renamed); a
 process that sees a new file reads it from the start. A missing or unreadable ledger is
 rebuilt by one walk, as is one that says the cache is full when it may not be.
+
+A new file is told by its inode, and so that no other file can have that inode meanwhile,
+the file read is held open (in the process's pool of handles, `handles.POOL`: one dropped
+from it is read anew from the start). ext4 gives a rewrite the inode that the rewrite before
+it freed: two rewrites in a row left the ledger at an inode a process had seen, and it read
+on from its old place in the old file. Two DataLoader workers sharing a Megatron file's cache
+under a limit of two files' worth then held 1.1-1.6x the limit, each counting what the other
+had added as gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from pathlib import Path
 
+from forge_grain.stores.handles import POOL
+
 NAME = ".ledger"
+_SERIALS = itertools.count(1)  # each ledger file opened, numbered: told apart even where inodes repeat
+
+
+class _Held:
+    """A ledger file held open (closed once the pool drops it and no `sync` reads it)."""
+
+    __slots__ = ("file", "inode", "serial")
+
+    def __init__(self, path: Path):
+        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (its life is the pool's)
+        self.inode, self.serial = os.fstat(self.file.fileno()).st_ino, next(_SERIALS)
 
 
 class Ledger:
@@ -29,19 +51,23 @@ class Ledger:
     def __init__(self, directory: Path, walk):
         self.path, self._walk = Path(directory) / NAME, walk
         self.files: dict[str, int] = {}
-        self._at, self._inode, self._lines = 0, None, 0
+        self._at, self._serial, self._lines = 0, None, 0  # (`_serial`: the `_Held` file read up to `_at`)
         self._unwritten: list[str] = []  # lines of this turn of the lock, written by `flush`
 
     def sync(self) -> dict[str, int]:
         """The files now: the lines other processes appended since this one last looked."""
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
+            held = self._held()
+            if held.inode != st.st_ino:  # rewritten since it was opened
+                POOL.drop(self._key)
+                held = self._held()
+        except FileNotFoundError:  # (removed by hand)
             return self.rebuild()
-        if st.st_ino != self._inode:  # rewritten (or first read): from the start
-            self.files, self._at, self._inode, self._lines = {}, 0, st.st_ino, 0
+        if held.serial != self._serial:  # another file (or one the pool dropped): from the start
+            self.files, self._at, self._serial, self._lines = {}, 0, held.serial, 0
         if st.st_size > self._at:
-            data = _read_span(self.path, self._at, st.st_size)
+            data = os.pread(held.file.fileno(), st.st_size - self._at, self._at)
             end = data.rfind(b"\n") + 1  # a line being written by a process that died is not read
             for line in data[:end].decode("utf-8", "replace").splitlines():
                 self._apply(line)
@@ -103,7 +129,7 @@ class Ledger:
         if not self._unwritten:
             return
         data, self._unwritten = "".join(self._unwritten).encode(), []
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # (not `open`: see `_read_span`)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # (bare: `open` makes 4 calls more)
         try:
             view = memoryview(data)
             while view:  # (a full disk takes part of a write, then refuses the rest)
@@ -129,7 +155,16 @@ class Ledger:
             os.replace(tmp, self.path)
         except OSError as e:  # (a full disk): the ledger lacks this turn's lines
             raise self._dropped(e, tmp) from None
-        self._at, self._inode, self._lines = len(text), os.stat(self.path).st_ino, len(self.files)
+        POOL.drop(self._key)
+        self._at, self._serial, self._lines = len(text), self._held().serial, len(self.files)
+
+    @property
+    def _key(self) -> tuple:
+        return ("ledger", str(self.path))
+
+    def _held(self) -> _Held:
+        """The ledger file this process holds open: the one at the path when it was opened."""
+        return POOL.get(self._key, lambda: _Held(self.path))
 
     def _dropped(self, e: OSError, *also: Path) -> OSError:
         """After a failed write, the ledger (and `also`) removed, so the next look rebuilds it
@@ -137,17 +172,7 @@ class Ledger:
         for path in (*also, self.path):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        self._inode = None
+        POOL.drop(self._key)
+        self._serial = None
         return OSError(e.errno, e.strerror, str(self.path))
 
-
-def _read_span(path: Path, start: int, end: int) -> bytes:
-    """Bytes [start, end) of file `path` (fewer if it is shorter), in three system calls:
-    `open` makes six before its first read, and each is a hand-over of the interpreter's lock
-    among the download threads of a bounded cache (the processes sharing it read each
-    other's lines at every download)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.pread(fd, end - start, start)
-    finally:
-        os.close(fd)

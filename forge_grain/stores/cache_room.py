@@ -167,7 +167,7 @@ class CacheRoom:
                     used -= self._evict(used + size - self.limit, upcoming, ahead, never)
                 if used + size <= self.limit:
                     fd = os.open(reserve, os.O_WRONLY | (0 if held else os.O_CREAT | os.O_TRUNC), 0o666)
-                    try:  # (a bare descriptor: see `cache_ledger._read_span`)
+                    try:  # (a bare descriptor: `open` makes four system calls more)
                         os.ftruncate(fd, held + size)
                     finally:
                         os.close(fd)
