@@ -1,6 +1,7 @@
 """A real S3-compatible server for the tests (moto in server mode on 127.0.0.1), and an HTTP
 proxy between client and server that injects faults into object reads: dropped
-connections, 500s, slow and truncated responses. It also counts the GETs of each object."""
+connections, 500s, slow and truncated responses. It also counts the GETs of each object.
+`Peak` polls a bounded object cache for the most bytes it held."""
 
 from __future__ import annotations
 
@@ -223,3 +224,24 @@ def _handler(proxy: FaultProxy):
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
     return Handler
+
+
+class Peak:
+    """The most bytes a bounded object cache held (its directory, ledger included), polled
+    under its lock while a run reads: `cache`, an `ObjectCache` of the directory (any
+    process's runs may share it)."""
+
+    def __init__(self, cache):
+        self.cache, self.most, self._stop = cache, 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.most = max(self.most, self.cache.used())
+            self._stop.wait(0.002)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.most

@@ -35,7 +35,7 @@ from crossing_run import run_legs
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
-from s3server import KEYS, S3Server  # noqa: E402
+from s3server import KEYS, Peak, S3Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # steps trained (the run has 4 more: skips shorten it); where a resume shape changes the run; the
@@ -471,6 +471,16 @@ def check_tool(tool: str, data, case, s3, tmp_path, want: dict) -> None:
         assert d["steps"] == len(want) and d["tokens"] == sum(w["inputs"].size for w in want.values())
 
 
+def cache_peak(data, case, s3):
+    """A poll of the bounded cache a case under a cache_limit reads through (None for others)."""
+    src = source(data, case, s3)
+    if "cache_limit" not in src:
+        return None
+    from forge_grain.stores.object_cache import ObjectCache
+
+    return Peak(ObjectCache(src["path"], s3.options(via_proxy=True), src["object_cache"], limit=src["cache_limit"]))
+
+
 # -- the test -----------------------------------------------------------------------------------
 
 CHOSEN = CASES if SLOW else crossings.default_subset(CASES)
@@ -487,11 +497,17 @@ def test_a_crossing_gives_the_reference_batches_or_its_documented_refusal(data, 
         return
     want = reference(data, case, s3, tmp_path)
     s3.proxy.clear()
-    if case["consumer"] in TOOLS:
-        check_tool(case["consumer"], data, case, s3, tmp_path, want)
-    else:
-        records, _ = train(data, case, s3, tmp_path, case["consumer"])
-        check_records(records, want, legs(data, case, s3))
+    peak = cache_peak(data, case, s3)
+    try:
+        if case["consumer"] in TOOLS:
+            check_tool(case["consumer"], data, case, s3, tmp_path, want)
+        else:
+            records, _ = train(data, case, s3, tmp_path, case["consumer"])
+            check_records(records, want, legs(data, case, s3))
+    finally:
+        most = peak.stop() if peak else None
+    if peak:  # the cache shared by all the case's processes, ledger included, never above its limit
+        assert 0 < most <= data["limits"][case["store"]], (most, data["limits"][case["store"]])
     if case["location"] == "s3_limit":  # an order that fits the cache: its files fetched about once, whatever crosses it
         size = sum(f.stat().st_size for f in data_files(Path(data["local"][case["store"]])))
         most = (FETCHED_AT_MOST + (1 if case["store"] in READ_WHOLE_AT_OPEN else 0)) * size

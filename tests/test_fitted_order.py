@@ -22,7 +22,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 from forge_grain import DataConfig, Pipeline, StateError, StoreError, TokenStore, prepare  # noqa: E402
-from s3server import S3Server  # noqa: E402
+from s3server import Peak, S3Server  # noqa: E402
 
 FILES = 16
 DATA_SUFFIXES = (".bin", ".mds", ".arrow")
@@ -89,25 +89,6 @@ def remote(s3, tmp_path, kind: str, limit: int, **extra) -> dict:
 
 def served(s3) -> int:
     return sum(n for p, n in s3.proxy.sent.items() if p.endswith(DATA_SUFFIXES))
-
-
-class Peak:
-    """The most bytes the cache directory held (ledger included), polled under its lock."""
-
-    def __init__(self, cache):
-        self.cache, self.most, self._stop = cache, 0, threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self):
-        while not self._stop.is_set():
-            self.most = max(self.most, self.cache.used())
-            self._stop.wait(0.002)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.most
 
 
 def epoch_as_local(pipe, local, steps: int | None = None) -> int:
