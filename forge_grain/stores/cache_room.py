@@ -174,8 +174,9 @@ class CacheRoom:
                     self.ledger.add(self._name(reserve), held + size)
                     return True
                 downloading = self._downloading(self._name(reserve) if held else None)
-                if not downloading and not walked:  # the ledger may count files gone: count once more
-                    self.ledger.rebuild()
+                if not downloading and not walked and not ahead:  # the ledger may count files gone: count once
+                    self.ledger.rebuild()  # more (not for a prefetch: one waiting for room asked every 10 ms,
+                    # and a store at two files' worth walked and rewrote the ledger 130 times an epoch)
                     walked = True
                     continue
             if ahead:
