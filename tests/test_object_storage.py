@@ -200,16 +200,19 @@ for k in range(100):  # rewrites until one has the inode the other process read 
 """
 
 
-def test_a_ledger_rewritten_by_another_process_is_read_anew_whatever_inode_it_gets(tmp_path):
+@pytest.mark.parametrize("pool", ["held", "dropped"])
+def test_a_ledger_rewritten_by_another_process_is_read_anew_whatever_inode_it_gets(tmp_path, monkeypatch, pool):
     """Processes sharing a bounded cache (DataLoader workers, ranks of a host) each read the
     ledger from where they last stopped, and read it from the start once it is rewritten,
     told by its inode. ext4 gives a rewrite the inode the one before it freed, so after two
     rewrites a process took the new file for the old one and read on from its old place: it
     missed the other's files, and two workers held up to 1.6x the limit. Each process now
-    sees every file the other added, across rewrites."""
+    sees every file the other added, across rewrites; also where the ledger it held open was
+    dropped from the pool of handles (by the ledgers of other caches: a pool of one here)."""
     import subprocess
     import sys
 
+    from forge_grain.stores.handles import POOL
     from forge_grain.stores.object_cache import ObjectCache
 
     cache = ObjectCache("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:9"}, tmp_path / "objects", 10**9)
@@ -223,6 +226,11 @@ def test_a_ledger_rewritten_by_another_process_is_read_anew_whatever_inode_it_ge
             cache.ledger.add(f"copy/old{i}.bin", 100)
     with cache._accounting():
         assert len(cache.ledger.sync()) == 40
+    if pool == "dropped":
+        monkeypatch.setattr(POOL, "capacity", 1)
+        elsewhere = ObjectCache("s3://bucket/y", {"endpoint_url": "http://127.0.0.1:9"}, tmp_path / "objects", 10**9)
+        with elsewhere._accounting():
+            elsewhere.ledger.rebuild()  # its ledger held open in the pool in place of the first cache's
     other = subprocess.run([sys.executable, "-c", LEDGER_OF_ANOTHER_PROCESS, str(tmp_path / "objects"),
                             str(os.stat(cache.ledger.path).st_ino)],
                            capture_output=True, text=True, timeout=120)
