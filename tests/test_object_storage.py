@@ -1973,6 +1973,20 @@ def test_compressed_mds_shards_read_a_file_at_a_time_stay_within_cache_limit(tmp
     assert not [p for p in remote.cache.dir.rglob("*") if p.name in names]  # compressed copies gone
 
 
+def zstd_mds(tmp_path, s3, name: str, docs: list, per_shard: int) -> tuple[dict, int]:
+    """`docs` written as an MDS dataset of zstd shards (`zip_data` only), uploaded to
+    s3://peers/<name>: its index, and the most bytes a shard takes of the cache at once (its
+    compressed copy beside its decompressed one)."""
+    from mds_writer import write_mds
+
+    packed = write_mds(tmp_path / name, {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
+                       samples_per_shard=per_shard, compression="zstd")
+    s3.fs().put(str(packed), f"peers/{name}", recursive=True)
+    index = json.loads((packed / "index.json").read_text())
+    return index, max((packed / s["zip_data"]["basename"]).stat().st_size + s["raw_data"]["bytes"]
+                      for s in index["shards"])
+
+
 KILLED_HOLDING_COMPRESSED = """
 import json, os, signal, sys
 from forge_grain import StoreError, TokenStore
@@ -1993,15 +2007,10 @@ def test_compressed_copies_left_by_a_killed_process_do_not_stop_a_rerun_at_the_s
     re-run at the same cache_limit stopped ("nothing can be evicted; raise it", found by the
     crossing harness with a SIGKILL). They are evicted now where nothing else frees the room a
     read needs, and the re-run reads every document, the cache within the limit."""
-    from mds_writer import write_mds
     from test_formats import make_docs
 
     docs = make_docs(160, seed=23)
-    packed = write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
-                       samples_per_shard=20, compression="zstd")
-    s3.fs().put(str(packed), "peers/mds-killed", recursive=True)
-    index = json.loads((packed / "index.json").read_text())
-    peak = max((packed / s["zip_data"]["basename"]).stat().st_size + s["raw_data"]["bytes"] for s in index["shards"])
+    index, peak = zstd_mds(tmp_path, s3, "mds-killed", docs, 20)
     limit = 2 * peak + 4 * LEDGER_ROOM  # (eight shards' records, about 3.7 KB each, and the ledger)
     assert limit < sum(s["raw_data"]["bytes"] for s in index["shards"])
     cache = str(tmp_path / "objects")
@@ -2022,17 +2031,12 @@ def test_a_compressed_copy_evicted_before_its_decompression_is_fetched_again(tmp
     download and its decompression: the shard is fetched again and read, not reported as
     damaged or missing. (The eviction is made to happen there: the cache removes that copy,
     as an eviction does, the first time it hands one over.)"""
-    from mds_writer import write_mds
     from test_formats import make_docs
 
     from forge_grain.stores.object_cache import ObjectCache
 
     docs = make_docs(120, seed=29)
-    packed = write_mds(tmp_path / "mds", {"tokens": "ndarray:int32"}, [{"tokens": d} for d in docs],
-                       samples_per_shard=30, compression="zstd")
-    s3.fs().put(str(packed), "peers/mds-evicted", recursive=True)
-    index = json.loads((packed / "index.json").read_text())
-    peak = max((packed / s["zip_data"]["basename"]).stat().st_size + s["raw_data"]["bytes"] for s in index["shards"])
+    _, peak = zstd_mds(tmp_path, s3, "mds-evicted", docs, 30)
     get, evicted = ObjectCache.get, []
 
     def get_then_evicted(self, name, copy, *args, **kwargs):
