@@ -174,9 +174,10 @@ class CacheRoom:
                     self.ledger.add(self._name(reserve), held + size)
                     return True
                 downloading = self._downloading(self._name(reserve) if held else None)
-                if not downloading and not walked and not ahead:  # the ledger may count files gone: count once
-                    self.ledger.rebuild()  # more (not for a prefetch: one waiting for room asked every 10 ms,
-                    # and a store at two files' worth walked and rewrote the ledger 130 times an epoch)
+                # the ledger may count files gone: count once more, for a read needed now (a prefetch waiting
+                # for room asks every 10 ms: a store at two files' worth walked and rewrote it 130 times an epoch)
+                if not downloading and not walked and not ahead:
+                    self.ledger.rebuild()
                     walked = True
                     continue
             if ahead:

@@ -2,9 +2,9 @@
 number of shards and sources.
 
 Memory maps hold no descriptor (`forge_grain.stores.mapping`). Readers that do (ArrayRecord's,
-and each object cache's ledger, `cache_ledger`) are opened on first use and kept here, least recently used dropped first past
-`FORGE_GRAIN_MAX_OPEN_FILES` (default 128, well under the 1024 clusters commonly allow, or
-a quarter of the process's `ulimit -n` where that is less).
+and each object cache's ledger, `cache_ledger`) are opened on first use and kept here, least
+recently used dropped first past `FORGE_GRAIN_MAX_OPEN_FILES` (default 128, well under the
+1024 clusters commonly allow, or a quarter of the process's `ulimit -n` where that is less).
 A dropped handle is not closed by the pool: a thread still reading it keeps it alive,
 and it closes its file when collected, so eviction never races a read.
 """
