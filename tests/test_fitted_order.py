@@ -231,6 +231,7 @@ def test_dataloader_workers_sharing_the_cache_fetch_each_file_about_once(tmp_pat
     assert served(s3) <= 1.05 * data, served(s3) / data
     assert limit // 4 <= most <= limit, (most, limit)  # (the poll saw the workers' cache)
 
+
 def test_a_threads_table_of_addresses_holds_only_the_arrays_its_last_gather_read():
     """A gather from object storage finds its arrays in its thread's table of addresses over all
     the store's arrays (`mapping.Addresses`): only the arrays of the last gather are held and
