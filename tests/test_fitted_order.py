@@ -201,7 +201,7 @@ def test_a_second_epoch_reads_each_file_from_its_new_copy(tmp_path, s3, stores, 
     # last in the first may still be in the cache when the second reads it first)
 
 
-@pytest.mark.parametrize("kind", ["bin", "megatron", "mds"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_dataloader_workers_sharing_the_cache_fetch_each_file_about_once(tmp_path, s3, stores, kind):
     """Two forked DataLoader workers read one epoch through one bounded cache of two files'
     worth: each reads every other step, both in the same windows, so a file one fetched is
