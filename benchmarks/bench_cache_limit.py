@@ -315,6 +315,8 @@ def main() -> None:
                 for _ in range(a.rounds - 1):
                     for k in LIMITS:
                         got = forge_grain(proxy, port, path, k * unit if k else None, work, reach, a.step_ms / 1e3)
+                        if "error" in got:  # (its note says what the link run did)
+                            results[k]["link_error"] = got["error"]
                         results[k].setdefault("rounds", [results[k].get("seconds")]).append(got.get("seconds"))
             lines.append(f"  {label:<36}" + "".join(f"{cell(results[k], size):>18}" for k in LIMITS))
             print(lines[-1], flush=True)
@@ -322,8 +324,7 @@ def main() -> None:
                 for key, where in (("error", ""), ("link_error", "on the link: ")):
                     if key in r:
                         notes.append(f"  {label}, {k or 'unbounded'} files: {where}{r[key]}")
-            if kind == "fg" and all("error" not in r and "link_error" not in r and None not in r.get("rounds", [0])
-                                    for r in results.values()):
+            if kind == "fg" and all("error" not in r and "link_error" not in r for r in results.values()):
                 notes.append(f"  {label}: rate from the request (open and epoch) against the unbounded cache's "
                              + ", ".join(f"{rate(results, k)} at {k} files" for k in LIMITS if k)
                              + " (" + ", ".join(f"{median(r.get('rounds', [r['seconds']])):.2f} s"

@@ -50,6 +50,7 @@ class Ledger:
 
     def __init__(self, directory: Path, walk):
         self.path, self._walk = Path(directory) / NAME, walk
+        self._key = ("ledger", str(self.path))  # (its file's in `handles.POOL`)
         self.files: dict[str, int] = {}
         self._at, self._serial, self._lines = 0, None, 0  # (`_serial`: the `_Held` file read up to `_at`)
         self._unwritten: list[str] = []  # lines of this turn of the lock, written by `flush`
@@ -157,10 +158,6 @@ class Ledger:
             raise self._dropped(e, tmp) from None
         POOL.drop(self._key)
         self._at, self._serial, self._lines = len(text), self._held().serial, len(self.files)
-
-    @property
-    def _key(self) -> tuple:
-        return ("ledger", str(self.path))
 
     def _held(self) -> _Held:
         """The ledger file this process holds open: the one at the path when it was opened."""
