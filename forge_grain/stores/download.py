@@ -56,6 +56,13 @@ SPLIT = 8
 # connection the parts stay those the request threads call for (a part of 0.15 s is 0.3 MB there);
 # from a bucket near the host (80 MB/s a connection) they reach BLOCK
 PART_SECONDS = 0.15
+# under a cache_limit, a part fetched ahead is at least cache_limit / (IN_FLIGHT * request threads):
+# with a part on every thread, 1 / IN_FLIGHT of the cache is in flight, and the rest holds the window
+# being read and the blocks arrived. Behind 30 ms and 10 MB/s a connection, at a limit of 8 files'
+# worth (198 MB), a 16-shard store took 266 GETs an epoch instead of 410 and read it in a median
+# 1.99 s instead of 2.33 (4 rounds, each faster); a Megatron file 289 GETs instead of 448, 2.01 s
+# instead of 2.26. At 2 and 4 files' worth the share is below what a connection carries: unchanged
+IN_FLIGHT = 2
 
 
 class Download:
@@ -262,7 +269,8 @@ class Download:
         stays full and the request threads grow (one 24.7 MB shard at a time behind a link of
         10 MB/s a connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew
         to); once the pool has stopped growing, in whole rounds of its threads (`whole_rounds`).
-        Never smaller than what a connection carries in PART_SECONDS."""
+        Never smaller than what a connection carries in PART_SECONDS, nor, under a cache_limit,
+        than a share of it (`IN_FLIGHT`)."""
         c = self.cache
         workers = max(SPLIT, c.requests.workers)
         even = -(-size // workers)
@@ -271,7 +279,8 @@ class Download:
         objects = c._in_flight[1] + c.turns.queued()  # (those queued count: they start in a moment)
         share = -(-size * objects // (2 * workers))
         carried = c.carried.bytes_in(PART_SECONDS)
-        part = min(BLOCK, max(PART_LONE, min(max(PART_AHEAD, even), share), carried))
+        room = 0 if c.limit is None else c.limit // (IN_FLIGHT * workers)
+        part = min(BLOCK, max(PART_LONE, min(max(PART_AHEAD, even), share), carried, room))
         return whole_rounds(size, part, workers) if c.requests.growth.settled else part
 
 
