@@ -39,7 +39,7 @@ class S3Server:
         self.server.start()
         self.proxy = FaultProxy(self.port)
         if bucket is not None:
-            self.fs().mkdir(bucket)
+            self.fresh_bucket(bucket)
 
     def __enter__(self) -> "S3Server":
         return self
@@ -57,6 +57,15 @@ class S3Server:
         import s3fs
 
         return s3fs.S3FileSystem(**self.options())
+
+    def fresh_bucket(self, name: str) -> None:
+        """Bucket `name`, empty: moto keeps one state per process, and a module's fixtures set up
+        again on the same xdist worker find the bucket of their first set-up there."""
+        fs = self.fs()
+        if fs.exists(name):
+            fs.rm(name, recursive=True)
+            fs.invalidate_cache()
+        fs.mkdir(name)
 
     def stop(self) -> None:
         self.proxy.stop()

@@ -59,7 +59,7 @@ def stores(tmp_path_factory, s3):
     np.concatenate(docs).astype(np.uint16).tofile(base / "raw" / "tokens.bin")
     local["raw"] = base / "raw"
     fs = s3.fs()
-    fs.mkdir("fit")
+    s3.fresh_bucket("fit")
     for kind, path in local.items():
         fs.put(str(path), f"fit/{kind}", recursive=True)
     return local

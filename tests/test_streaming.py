@@ -200,7 +200,7 @@ def s3(parts):
 
     server = S3Server()
     fs = server.fs()
-    fs.mkdir("texts")  # its own bucket: moto keeps one state per process
+    server.fresh_bucket("texts")  # its own bucket: moto keeps one state per process
     for kind, files in parts.items():
         for f in files:
             fs.put(f, f"texts/{kind}/{f.rsplit('/', 1)[1]}")
