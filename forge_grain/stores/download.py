@@ -274,7 +274,8 @@ class Download:
         10 MB/s a connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew
         to); once the pool has stopped growing, in whole rounds of its threads (`whole_rounds`).
         Never smaller than what a connection carries in PART_SECONDS, nor, under a cache_limit,
-        than a share of it (`IN_FLIGHT`, up to what a connection carries in ROOM_SECONDS)."""
+        than the limit's share for each request thread (`IN_FLIGHT`; that share no more than a
+        connection carries in ROOM_SECONDS)."""
         c = self.cache
         workers = max(SPLIT, c.requests.workers)
         even = -(-size // workers)
