@@ -1632,8 +1632,7 @@ def peers(tmp_path_factory, s3):
         "raw": base / "raw",
     }
     fs = s3.fs()
-    if not fs.exists("peers"):  # (a test putting a dataset of its own there may have made the bucket)
-        fs.mkdir("peers")
+    s3.fresh_bucket("peers")  # (a test putting a dataset of its own there may have made it, or a set-up before)
     for name, path in local.items():
         fs.put(str(path), f"peers/{name}", recursive=True)
     return local
