@@ -711,20 +711,19 @@ def test_a_prefetch_under_a_large_cache_limit_is_cut_into_fewer_parts(tmp_path, 
     (a 16-shard store at 8 shards' worth behind 30 ms and 10 MB/s a connection: 266 GETs an
     epoch instead of 410, read in 1.99 s instead of 2.33); a cache whose share is no larger
     than the parts are anyway (2 shards' worth, once the threads have grown) changes nothing,
-    and no part takes a connection longer than ROOM_SECONDS (behind 2 MB/s a connection the
+    and no part takes a connection longer than ROOM_PARTS parts of PART_SECONDS (behind 2 MB/s a connection the
     share of a few threads took 1.5 s a part, and the first epoch 6.1 s against 5.1 s)."""
     from forge_grain.stores import request_pool
-    from forge_grain.stores.download import BLOCK, IN_FLIGHT, ROOM_SECONDS, Download
+    from forge_grain.stores.download import BLOCK, IN_FLIGHT, PART_SECONDS, ROOM_PARTS, Download
     from forge_grain.stores.object_cache import ObjectCache
 
-    monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool and links: nothing read yet
-    monkeypatch.setattr(request_pool, "_CARRIED", {})
+    monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool: nothing read yet
     size = 24_746_264
 
     def part(limit: int | None, mbps: float = 10.0) -> tuple[int, int]:
         """The part an object of `size` fetched ahead alone is cut into behind a link of 30 ms
         and `mbps` a connection, and the request threads."""
-        monkeypatch.setattr(request_pool, "_CARRIED", {})
+        monkeypatch.setattr(request_pool, "_CARRIED", {})  # (its own link: nothing read yet)
         cache = ObjectCache("s3://bucket/bin", s3.options(), tmp_path / f"{limit}-{mbps}", limit=limit)
         for _ in range(request_pool.Carried.RECENT):  # (reads of 1 MB through that link)
             cache.carried.read(1 << 20, 0.03 + (1 << 20) / (mbps * 1e6))
@@ -737,7 +736,7 @@ def test_a_prefetch_under_a_large_cache_limit_is_cut_into_fewer_parts(tmp_path, 
     large = 4 * size
     assert part(large)[0] == large // (IN_FLIGHT * workers) > unbounded
     slow, _ = part(large, mbps=2.0)
-    assert part(None, mbps=2.0)[0] < slow <= 2e6 * ROOM_SECONDS < large // (IN_FLIGHT * workers)
+    assert part(None, mbps=2.0)[0] < slow <= 2e6 * ROOM_PARTS * PART_SECONDS < large // (IN_FLIGHT * workers)
     assert part(1 << 40, mbps=200.0)[0] == BLOCK  # (never more than one read holds)
 
 

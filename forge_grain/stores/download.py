@@ -62,11 +62,12 @@ PART_SECONDS = 0.15
 # worth (198 MB), a 16-shard store took 266 GETs an epoch instead of 410 and read it in a median
 # 1.99 s instead of 2.33 (4 rounds, each faster); a Megatron file 289 GETs instead of 448, 2.01 s
 # instead of 2.26. At 2 and 4 files' worth the share is below what a connection carries: unchanged.
-# Never more than a connection carries in ROOM_SECONDS: the pool starts with few threads, so a
-# large share, and a Megatron file's first epoch at 4 files' worth behind 2 MB/s a connection took
-# 6.1 s in parts of up to 1.5 s, against 5.1 s so bounded (4.3-4.5 s once the threads had grown)
+# Never more than ROOM_PARTS parts of PART_SECONDS (0.6 s of a connection): the pool starts with
+# few threads, so a large share, and a Megatron file's first epoch at 4 files' worth behind 2 MB/s a
+# connection took 6.1 s in parts of up to 1.5 s, against 5.1 s so bounded (4.3-4.5 s once the
+# threads had grown)
 IN_FLIGHT = 2
-ROOM_SECONDS = 4 * PART_SECONDS
+ROOM_PARTS = 4
 
 
 class Download:
@@ -274,8 +275,8 @@ class Download:
         10 MB/s a connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew
         to); once the pool has stopped growing, in whole rounds of its threads (`whole_rounds`).
         Never smaller than what a connection carries in PART_SECONDS, nor, under a cache_limit,
-        than the limit's share for each request thread (`IN_FLIGHT`; that share no more than a
-        connection carries in ROOM_SECONDS)."""
+        than the limit's share for each request thread (`IN_FLIGHT`; that share no more than
+        ROOM_PARTS such parts)."""
         c = self.cache
         workers = max(SPLIT, c.requests.workers)
         even = -(-size // workers)
@@ -284,7 +285,7 @@ class Download:
         objects = c._in_flight[1] + c.turns.queued()  # (those queued count: they start in a moment)
         share = -(-size * objects // (2 * workers))
         carried = c.carried.bytes_in(PART_SECONDS)
-        room = 0 if c.limit is None else min(c.limit // (IN_FLIGHT * workers), c.carried.bytes_in(ROOM_SECONDS))
+        room = 0 if c.limit is None else min(c.limit // (IN_FLIGHT * workers), ROOM_PARTS * carried)
         part = min(BLOCK, max(PART_LONE, min(max(PART_AHEAD, even), share), carried, room))
         return whole_rounds(size, part, workers) if c.requests.growth.settled else part
 
