@@ -20,7 +20,9 @@ def test_example_resumes_to_the_same_loss_curve(tmp_path, script):
     assert "resumed loss curve matches the uninterrupted run" in r.stdout
 
 
-@pytest.mark.parametrize("source", ["streaming", "stored"])
+# (the streaming source only in a slow run: each is four processes importing the Trainer, a minute on
+# two cores, the suite's longest test; the stored mixture meets the same Trainer paths and a phase switch)
+@pytest.mark.parametrize("source", [pytest.param("streaming", marks=pytest.mark.slow), "stored"])
 def test_hugging_face_trainer_resumes_from_its_checkpoint_to_the_same_batches(tmp_path, source):
     """3 epochs, 2 DataLoader workers, killed in the middle of epoch 2, resumed with
     Trainer.train(resume_from_checkpoint=True): every batch is the uninterrupted run's."""
