@@ -43,17 +43,25 @@ def within_cache(needed: list, size_of, limit: int | None) -> list:
     hinted further ahead would evict each other's before they are read), but keeping the
     one read next along with the one read now (with one alone, every object boundary
     waited for a download; where the two do not fit, the next is fetched as far as it
-    fits: `room_ahead.Partial`). Under a read order that fits the cache
+    fits: `room_ahead.Partial`). "The one read next" is counted in bytes: objects past the
+    limit are kept until those kept after the first hold half the next one's bytes. A
+    small object between two large ones (the short last chunk `litdata.optimize` writes)
+    counted as the one read next, and the large one after it was fetched only once the reads
+    had left the first: at a limit of two chunks' worth of 24.7 MB, behind 30 ms and 10 MB/s a
+    connection, a step waited 0.29 s for it, and the epoch read in a median 2.88 s against
+    3.13 s (3 rounds, each faster). Under a read order that fits the cache
     (`packing.fitted`) the processes of a host read the same files at the same steps, so
     their hints name the same copies."""
     if limit is None:
         return needed
-    total, kept = 0, []
+    total, ahead, kept = 0, 0, []
     for k in needed:
-        total += size_of(k)
-        if len(kept) >= 2 and total > limit:
+        size = size_of(k)
+        total += size
+        if len(kept) >= 2 and total > limit and 2 * ahead >= size:
             break
         kept.append(k)
+        ahead += size if len(kept) > 1 else 0
     return kept
 
 
