@@ -1975,6 +1975,47 @@ def test_compressed_litdata_chunks_read_a_file_at_a_time_stay_within_cache_limit
         p.name.startswith("plain-") for p in remote.cache.dir.rglob("chunk-0-*.bin"))  # compressed copies gone
 
 
+def test_a_prefetch_with_no_room_to_decompress_a_chunk_leaves_it_to_the_read(tmp_path, s3):
+    """A prefetch of a compressed chunk decompresses it where the cache has room beside the
+    copies the next steps read; where it has not, the compressed copy waits for the read, which
+    makes room as it comes. The prefetch decompressed as a read does: it evicted the chunk the
+    next steps read first (fetched again when they came), or, where every copy was hinted,
+    stopped with "nothing can be evicted", and the read that came for the chunk raised that
+    (a crossing: zstd MDS shards under a limit, killed and resumed, on two cores)."""
+    packed, index = zstd_litdata(tmp_path, s3)
+    plain = {c["filename"]: c["chunk_bytes"] for c in index["chunks"]}
+    small = {name: (packed / name).stat().st_size for name in plain}
+    a, c = sorted(plain, key=plain.get)[-2:]
+    opts = dict(storage_options=s3.options(via_proxy=True))
+    big = TokenStore.open("s3://peers/litdata-zstd", cache_limit=10 * sum(plain.values()),
+                          object_cache=str(tmp_path / "records"), **opts).cache
+    limit = big.limit - big.room() + plain[a] + small[c] + plain[c] // 2  # (the records and the ledger, and ...)
+    store = TokenStore.open("s3://peers/litdata-zstd", cache_limit=limit, object_cache=str(tmp_path / "c"), **opts)
+    room = store.cache.room()
+    assert plain[a] + small[c] <= room < plain[a] + small[c] + plain[c]  # (c arrives; its decompressed copy cannot)
+    arrays = np.arange(store.num_arrays)
+    parts = store.units_of(arrays)[0]
+    first = {store._parts[p].name: int(arrays[parts == p][0]) for p in set(parts.tolist())}
+    local = TokenStore.open(packed)
+
+    def read(name) -> int:  # (the GETs of its object the read of its first array took)
+        s3.proxy.clear()
+        want = np.array([first[name]])
+        assert all(np.array_equal(x, y) for x, y in zip(store.arrays_for(want), local.arrays_for(want)))
+        return sum(n for path, n in s3.proxy.gets.items() if path.endswith("/" + name))
+
+    try:
+        for hint in ([a], [a, c]):  # the chunk read now arrives first; then the next is hinted
+            store.prefetch(np.array([first[k] for k in hint]))
+            concurrent.futures.wait(list(store._pending.values()))
+            assert all(f.exception() is None for f in store._pending.values())
+        assert read(a) == 0, "the prefetch of the next chunk evicted the one read now"
+        store.prefetch(np.array([first[c]]))  # the reads move on: the first leaves the hints
+        assert read(c) == 0 and store.cache.used() <= limit  # (its compressed copy was there: decompressed now)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("compression", ["zstd", "br", "snappy", "gz"])
 def test_compressed_mds_shards_read_a_file_at_a_time_stay_within_cache_limit(tmp_path, s3, monkeypatch, compression):
     """MDS shards written compressed (only `zip_data` in the bucket), under a cache_limit below

@@ -444,12 +444,13 @@ class _Part:
         # (a compressed copy evicted by another download before its decompression began: fetched again)
         return read_copy(lambda: c.get(self.name, self.fetched, size=self.packed_size, upcoming=keep, ahead=ahead,
                                        job=job, tag=self.tag),
-                         lambda packed: self._decompressed(packed, keep), f"{self.owner.url}/{self.name}", c.limit,
-                         "it and its decompressed copy")
+                         lambda packed: self._decompressed(packed, keep, ahead), f"{self.owner.url}/{self.name}",
+                         c.limit, "it and its decompressed copy")
 
-    def _decompressed(self, packed: Path, keep) -> Path:
+    def _decompressed(self, packed: Path, keep, ahead: bool = False) -> Path | None:
         """The decompressed copy of the compressed copy at `packed`, made in the cache (which
-        never evicts `packed` to make room for it), and `packed` then dropped."""
+        never evicts `packed` to make room for it), and `packed` then dropped; for a prefetch
+        (`ahead`) with no room for it, None (`packed` stays, for the read)."""
         from forge_grain.stores.decompress import copy_name, decompress_into
 
         c = self.owner.cache
@@ -458,10 +459,11 @@ class _Part:
                 c.write_record(self.dir / "copy-name", copy_name(packed, self.raw_name).encode())
             plain = c.derive(self.copy, self.size, lambda tmp: decompress_into(packed, self.compression, tmp,
                                                                                  self.promised), keep,
-                             source=self.fetched)
+                             source=self.fetched, ahead=ahead)
         except StoreError as e:  # named as the object, not its copy in the cache
             raise StoreError(str(e).replace(str(self.dir), self.owner.url)) from None
-        c.discard(self.fetched)
+        if plain is not None:
+            c.discard(self.fetched)
         return plain
 
     def arrays(self, keep=frozenset()) -> list[np.ndarray]:

@@ -144,12 +144,17 @@ class ObjectCache(CacheRoom, RemoteDir):
             if held:
                 slots.give()
 
-    def derive(self, copy: str, size: int | None, write, upcoming=frozenset(), source: str | None = None) -> Path:
+    def derive(self, copy: str, size: int | None, write, upcoming=frozenset(), source: str | None = None,
+               ahead: bool = False) -> Path | None:
         """A file made in the cache from copies there (a compressed chunk's decompressed copy), at
         `copy`, made once per host: `size` bytes (what it will hold, when known) are reserved
         first as a download's are (never evicting the copy at `source` it is made from),
         `write(path)` writes it to a temporary name, then it is renamed and counted at its real
-        size."""
+        size. `ahead`: made by a prefetch, which evicts no copy the next steps read and, where
+        there is no room, gives up (None) as its download does; the read makes it when it
+        comes. (Made as a read makes it, a prefetch's copy evicted the chunk the next steps read
+        first, fetched again when they came; where every copy was hinted it stopped the run with
+        "nothing can be evicted".)"""
         local = self.dir / copy
         if local.exists():
             return local
@@ -157,9 +162,9 @@ class ObjectCache(CacheRoom, RemoteDir):
             if local.exists():
                 return local
             tmp = temporary(local)
-            if self.limit is not None and size:
-                self._make_room(size, upcoming() if callable(upcoming) else upcoming, tmp, ahead=False,
-                                never={source})
+            if self.limit is not None and size and not self._make_room(
+                    size, upcoming() if callable(upcoming) else upcoming, tmp, ahead=ahead, never={source}):
+                return None
             try:
                 write(tmp)
                 self._commit(tmp, local, tmp.stat().st_size)
