@@ -196,9 +196,7 @@ def test_the_chunk_after_a_small_last_chunk_is_fetched_while_the_one_before_is_r
     records = TokenStore.open("s3://fit/litdata-small-last", cache_limit=10 * sum(sizes.values()), **options).cache.used()
     store = TokenStore.open("s3://fit/litdata-small-last", **{**options, "object_cache": str(tmp_path / "objects"),
                                                                "cache_limit": records + 2 * max(sizes.values()) + 2_000})
-    arrays = np.arange(store.num_arrays)
-    parts = store.units_of(arrays)[0]
-    first = {store._parts[p].name: int(arrays[parts == p][0]) for p in set(parts.tolist())}
+    first = {part.name: int(store._first_array[part.k]) for part in store._parts}  # (each file's first array)
     small = min(sizes, key=sizes.get)
     now, after = sorted(set(sizes) - {small})[:2]
     assert store.cache.room() < sizes[now] + sizes[small] + sizes[after]  # (the three do not fit: the case here)

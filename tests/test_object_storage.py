@@ -1993,9 +1993,7 @@ def test_a_prefetch_with_no_room_to_decompress_a_chunk_leaves_it_to_the_read(tmp
     store = TokenStore.open("s3://peers/litdata-zstd", cache_limit=limit, object_cache=str(tmp_path / "c"), **opts)
     room = store.cache.room()
     assert plain[a] + small[c] <= room < plain[a] + small[c] + plain[c]  # (c arrives; its decompressed copy cannot)
-    arrays = np.arange(store.num_arrays)
-    parts = store.units_of(arrays)[0]
-    first = {store._parts[p].name: int(arrays[parts == p][0]) for p in set(parts.tolist())}
+    first = {part.name: int(store._first_array[part.k]) for part in store._parts}  # (each file's first array)
     local = TokenStore.open(packed)
 
     def read(name) -> int:  # (the GETs of its object the read of its first array took)
