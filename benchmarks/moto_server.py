@@ -11,10 +11,11 @@ slices them without the lock.
 Two more costs of moto's on every request are taken out, both a server's own work that a
 real bucket does not do on the reader's host: its dispatcher, under one lock for all
 requests, lists moto's package directory (`list_of_moto_modules`: a `listdir` and ~150
-`isdir` calls) to find the service a request is for, so requests were answered one at a
-time; the list is read once here. And werkzeug logs a line for every request to stderr
-(a file here). With both, moto answered ranged GETs of 512 KiB at 5.6 ms of its CPU each on
-a two-core machine (176 a second, 16 threads asking); without, see `docs/benchmarks.md`.
+`isdir` calls) to find the service a request is for, so every request passed through that
+one section in turn; the list is read once here. And werkzeug logs a line for every request
+to stderr (a file here); warnings only here. On a two-core machine, 16 threads asking for
+ranged GETs of 512 KiB, moto answered 176 a second with both, at 5.6 ms of its CPU each, and
+270-284 a second without, at 3.1-3.4 ms (`docs/benchmarks.md`).
 Everything else is moto's. Every reader in a benchmark reads the same server, forge-grain and
 the peers alike. The tests use moto as it is.
 """
