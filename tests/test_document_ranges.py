@@ -211,3 +211,90 @@ def test_only_the_first_step_of_a_fresh_start_reads_ranges_and_only_where_they_c
     assert ranges.left == 4 * mib - 35 * 4096
     assert ranges.take({0: [(0, 100), (2000, 2100)]}, 8 * mib, 7) == {0: [(0, 2100)]}  # joined within GAP
     assert ranges.take({0: [(0, 5 * mib)]}, 200 * mib, 7) is None  # past the budget
+
+
+@pytest.fixture
+def megatron(s3, tmp_path, monkeypatch):
+    """A Megatron prefix on disk and at s3://ranges/meg, read in blocks of 256 KiB (64 MiB in
+    use), of a file past what a first open holds whole (9 MB here, 64 MiB in use); every
+    block's prefetch held at a gate (`Gate`)."""
+    from test_formats import make_docs, write_megatron
+
+    from forge_grain.stores import blocks, mirror_ranges
+
+    monkeypatch.setattr(mirror_ranges, "KEEP", 9 << 20)
+    monkeypatch.setattr(blocks, "BLOCK", 256 << 10)
+    monkeypatch.setattr(document_ranges, "REQUEST_BYTES", 1024)  # (blocks of 256 KiB: see `gate`)
+    held = Gate(tmp_path / "gate")
+    monkeypatch.setattr(mirror_ranges._Block, "fetch", _held_block(held, mirror_ranges._Block.fetch))
+    (tmp_path / "meg").mkdir()
+    docs = [np.concatenate([d] * 12) for d in make_docs(2_400, seed=5)]
+    prefix = write_megatron(tmp_path / "meg" / "web_text_document", docs)
+    s3.fs().put(str(prefix.parent), "ranges/meg", recursive=True)
+    yield prefix, held
+    held.open()  # (downloads still held in another thread go on, and end)
+
+
+def _held_block(gate: Gate, fetch):
+    """`_Block.fetch`, its prefetches held at `gate` (as `Gate.wrap` holds a shard's)."""
+    def held(block, keep=frozenset(), ahead=False, job=None):
+        if ahead:
+            end = time.monotonic() + 60
+            while not gate.door.exists():
+                if time.monotonic() > end:
+                    raise TimeoutError("a download held at the gate for 60 s: a batch waited for it")
+                time.sleep(0.01)
+        else:
+            gate.fetched.append(block.start)
+        return fetch(block, keep, ahead, job)
+    return held
+
+
+def megatron_config(path, **options) -> DataConfig:
+    return DataConfig(sources=[dict(name="web", path=str(path), **options)], seq_len=256, global_batch_size=8,
+                      seed=5, num_epochs=1)
+
+
+def test_the_first_batch_of_a_megatron_file_comes_while_its_blocks_download(s3, tmp_path, megatron):
+    """A Megatron `.bin` in a bucket without a cache_limit is read in blocks of documents as
+    the steps need them: the first batch of a global shuffle, a document or two of dozens of
+    blocks, reads them in ranges while every block download is held, and equals the local
+    file's; so do the rest, and the whole fetches each byte about once."""
+    prefix, held = megatron
+    size = prefix.with_suffix(".bin").stat().st_size
+    local = Pipeline(megatron_config(prefix.parent), 0, 1, num_threads=0, cache_dir=tmp_path / "local")
+    want = [local.batch(s)["inputs"].copy() for s in range(local.num_steps)]
+    s3.proxy.clear()
+    remote = megatron_config("s3://ranges/meg", storage_options=s3.options(via_proxy=True),
+                             object_cache=str(tmp_path / "o"))
+    pipe = Pipeline(remote, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    assert pipe.datasets[0].store.fetches and len(pipe.datasets[0].store._parts) >= 30
+    it = pipe.iterator()
+    assert np.array_equal(next(it)["inputs"], want[0])
+    assert held.fetched == []  # no block was fetched whole for it: every download is held
+    held.open()
+    rest = [b["inputs"].copy() for b in it]
+    assert len(rest) == len(want) - 1 and all(np.array_equal(a, b) for a, b in zip(rest, want[1:]))
+    fetched = sum(n for p, n in s3.proxy.sent.items() if p.endswith(".bin"))
+    assert fetched <= size * (1.05 + document_ranges.SHARE), (fetched, size)
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_megatron_file_rewritten_after_the_open_is_refused_by_its_first_ranges(s3, tmp_path, megatron, client):
+    """The ranges are read of the version the `.idx` was read beside (through obstore each GET
+    carries its ETag; through s3fs a HEAD after them checks it): a `.bin` rewritten in place
+    since the open is an error naming it, not other tokens. (Every block download is held:
+    only the ranges read it.)"""
+    options = s3.options() if client == "obstore" else {**s3.options(), "requester_pays": False}  # (not obstore's)
+    pipe = Pipeline(megatron_config("s3://ranges/meg", storage_options=options, object_cache=str(tmp_path / "o")),
+                    0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    assert (pipe.datasets[0].store.cache._fast is not None) == (client == "obstore")
+    fs, name = s3.fs(), "ranges/meg/web_text_document.bin"
+    kept = fs.cat_file(name)
+    try:
+        fs.pipe(name, bytes(255 - b for b in kept))  # rewritten in place, the same size
+        with pytest.raises(StoreError, match=r"s3://ranges/meg/web_text_document\.bin: the data at this URL changed "
+                                             "after the pipeline opened it"):
+            next(pipe.iterator())
+    finally:
+        fs.pipe(name, kept)

@@ -1824,6 +1824,55 @@ def test_a_megatron_or_raw_dataset_larger_than_cache_limit_reads_in_blocks(tmp_p
     assert 0 < fetched <= max(b.size for b in remote._parts) < limit  # one block (evicted since it was read)
 
 
+def test_a_megatron_dataset_without_cache_limit_is_not_copied_whole_at_open(tmp_path, s3, monkeypatch):
+    """A Megatron `.bin` in a bucket, no cache_limit: the open reads its `.idx` and a few sampled
+    ranges, not the file (a copy at open kept the first batch of a 100 GB file waiting for all
+    of it); a read fetches the block its document lies in; an epoch of batches equals the local
+    file's and fetches each byte about once; a worker reopening it fetches nothing more.
+    (The sizes are scaled down: a file past 9 MB is not held whole at open, blocks of 1 MB.)"""
+    import pickle
+
+    from forge_grain.stores import blocks, mirror_ranges
+    from test_formats import make_docs, write_megatron
+
+    monkeypatch.setattr(mirror_ranges, "KEEP", 9 << 20)
+    monkeypatch.setattr(blocks, "BLOCK", 1 << 20)
+    docs = [np.concatenate([d] * 12) for d in make_docs(2_400, seed=3)]  # about 10 MB of int32 tokens
+    (tmp_path / "meg").mkdir()
+    prefix = write_megatron(tmp_path / "meg" / "big_text_document", docs)
+    size = prefix.with_suffix(".bin").stat().st_size
+    assert size > (9 << 20)
+    s3.fs().put(str(prefix.parent), "peers/meg-big", recursive=True)
+    s3.proxy.clear()
+    opts = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "c"))
+
+    def fetched():
+        return sum(n for p, n in s3.proxy.sent.items() if p.endswith(".bin"))
+
+    remote = TokenStore.open("s3://peers/meg-big", **opts)
+    local = TokenStore.open(prefix.parent)
+    assert remote.fetches and len(remote) == len(local)
+    opened = fetched()
+    assert opened < size // 10, (opened, size)
+    assert np.array_equal(remote[0], local[0])
+    assert fetched() - opened <= 2 * (1 << 20)  # the first block, not the file
+    src = dict(name="web", path="s3://peers/meg-big", strategy="bestfit", **opts)
+    cfg = DataConfig.from_dict(dict(sources=[src], seq_len=2048, global_batch_size=16, seed=1, num_epochs=1))
+    disk = Pipeline(DataConfig.from_dict({**cfg.to_dict(), "sources": [dict(name="web", path=str(prefix.parent),
+                                                                            strategy="bestfit")]}), 0, 1)
+    pipe = Pipeline(cfg, 0, 1, cache_dir=tmp_path / "p")
+    assert pipe.num_steps == disk.num_steps
+    for step, batch in enumerate(pipe.iterator()):
+        assert same(batch, disk.batch(step)), step
+    before = fetched()
+    assert before <= opened + 1.05 * size, (before, size)
+    assert pipe.stores[0].fingerprint == local.fingerprint  # a state saved over a local copy resumes here ...
+    assert fetched() == before  # ... its sampled places taken from the blocks the epoch read
+    again = pickle.loads(pickle.dumps(remote))  # as a DataLoader worker reopens it
+    assert np.array_equal(again[len(local) - 1], local[len(local) - 1])
+    assert fetched() == before
+
+
 @pytest.mark.parametrize("limit,suffix", [(None, "bin"), (10_000, "bin"), (10_000, "npy")])
 def test_one_raw_token_file_at_a_url_opens_like_the_local_file(tmp_path, s3, peers, limit, suffix):
     """nanoGPT's `train.bin` (or a `.npy` with its header) in a bucket, named by its own URL:

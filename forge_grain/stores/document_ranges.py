@@ -33,6 +33,8 @@ from __future__ import annotations
 import hashlib
 import threading
 
+import numpy as np
+
 from forge_grain.errors import StoreError
 from forge_grain.stores.object_cache import read_at_once
 from forge_grain.stores.remote_dir import changed_under
@@ -55,6 +57,17 @@ def merged(spans, gap: int = GAP) -> list[tuple[int, int]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
+
+
+def token_spans(got: dict[int, list], spans: dict[int, list], keys, dtype) -> dict[int, list[np.ndarray]]:
+    """Each of `keys` (shards, blocks) -> the tokens of each of its `spans` (token [a, b)), in
+    order, viewed in the bytes read (`got`: key -> [(a, b, bytes)], byte spans holding them)."""
+    dtype = np.dtype(dtype)
+    item, out = dtype.itemsize, {}
+    for k in keys:
+        at = [next(r for r in got[k] if r[0] <= a * item and b * item <= r[1]) for a, b in spans[k]]
+        out[k] = [np.frombuffer(d, dtype, b - a, a * item - ja) for (a, b), (ja, _, d) in zip(spans[k], at)]
+    return out
 
 
 class DocumentRanges:

@@ -25,8 +25,9 @@ def store_class(path, format: str | None = None, options: dict | None = None):
     """The `TokenStore` subclass for `path`: `format` when given (it must be one of the formats
     the directory's marker files show, if any), else the one detected. A URL (`s3://...`) is
     detected from its listing (`options`' `storage_options` reach it): a forge-grain store
-    fetches its shards as the plan needs them, a peer's dataset is copied into the cache (with a
-    `cache_limit`, read a data file at a time, or a Megatron or raw file in blocks of documents)."""
+    fetches its shards as the plan needs them, a Megatron dataset in blocks of documents, and
+    another peer's dataset is copied into the cache (with a `cache_limit`, read a data file at
+    a time, or a raw file in blocks of documents)."""
     if is_url(path):
         from forge_grain.stores.mirror import mirrored_class, remote_format
         from forge_grain.stores.mirror_parts import PARTED, parted_class
@@ -40,8 +41,8 @@ def store_class(path, format: str | None = None, options: dict | None = None):
             return RemoteStore
         if name in PARTED and (options or {}).get("cache_limit") is not None:  # a file at a time, bounded
             return parted_class(_load(name))
-        if name in RANGED and (options or {}).get("cache_limit") is not None:  # blocks of documents, bounded
-            return ranged_class(_load(name))
+        if name == "megatron" or (name in RANGED and (options or {}).get("cache_limit") is not None):
+            return ranged_class(_load(name))  # blocks of documents (a Megatron .idx lists them: no copy at open)
         return mirrored_class(_load(name))
     path = local_path(path)
     name = format or detect(path)

@@ -1,9 +1,10 @@
-"""Megatron datasets and raw token files at a URL, read in ranges through the bounded cache.
+"""Megatron datasets and raw token files at a URL, read in ranges through the cache.
 
 A Megatron `.bin` or a raw token file is one object, often larger than the cache may hold.
-With a `cache_limit`, such a dataset is read in blocks of whole documents, each a ranged GET
-of its object copied into the cache as a file of its own and evicted like a shard, the
-coming steps' blocks fetched ahead (`FetchedParts`). Where the documents are comes first: a
+With a `cache_limit` (a Megatron dataset also without one: nothing needs its `.bin` whole),
+such a dataset is read in blocks of whole documents, each a ranged GET of its object copied
+into the cache as a file of its own and evicted like a shard, the coming steps' blocks
+fetched ahead (`FetchedParts`). Where the documents are comes first: a
 Megatron `.idx` is fetched whole (it lists them); a raw file is read through once, in ranged
 parts held in memory only while they are scanned for the EOS (or BOS) ids that end (start)
 its documents. That first open also makes the local reader's checks, with errors naming the
@@ -32,15 +33,18 @@ import numpy as np
 from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.splits import select_split
-from forge_grain.stores import checks, identify
+from forge_grain.processes import per_process
+from forge_grain.stores import checks, identify, step_reads
 from forge_grain.stores.base import join_offsets
 from forge_grain.stores.blocks import fetch_cuts
 from forge_grain.stores.harvest import PRINTS, Prints
 from forge_grain.stores.mirror_parts import FetchedParts
 from forge_grain.stores.download import SPLIT
-from forge_grain.stores.object_cache import ObjectCache, read_spans
+from forge_grain.stores.object_cache import ObjectCache, read_at_once, read_spans
 from forge_grain.stores.cache_room import read_copy
-from forge_grain.stores.remote_dir import objects_at
+from forge_grain.stores.document_ranges import DocumentRanges, token_spans
+from forge_grain.stores.remote_dir import check_unchanged, objects_at
+from forge_grain.stores.room_ahead import arrived
 
 RANGED = ("megatron", "raw")
 SCAN_PART = 8 << 20  # bytes of each ranged read while a raw file is scanned for its documents
@@ -129,6 +133,7 @@ class Ranged(FetchedParts):
     def _open(self, dtype=None, whole_documents=True, split=None, file_pattern=None) -> None:
         """(`split` and `file_pattern` chose the objects: `_find_objects`.)"""
         names = self._data_names()
+        self._held: dict[str, _Tokens] = {}  # files read whole by the record made now (`_seed`)
         meta, offsets = self._record(names, dtype, whole_documents)
         self.dtype = np.dtype(meta["dtype"])
         self._files = [self.path / n for n in names]
@@ -152,6 +157,72 @@ class Ranged(FetchedParts):
         self._extra = meta["extra"]
         self._fingerprint = self._of_prints() if self._prints.known else None
         self._keep: frozenset = frozenset()
+        self._seed()
+
+    def _seed(self) -> None:
+        """Without a `cache_limit`, the blocks of the files the first open read whole (`KEEP`)
+        are written to the cache from those bytes: the first epoch does not fetch them again.
+        (Under a limit the blocks come as the epoch reads them: written now, the first ones
+        would be evicted for the last.)"""
+        held, self._held = self._held, {}
+        if self.cache.limit is not None:
+            return
+        for block in self._parts:
+            tokens = held.get(block.name)
+            if tokens is not None:
+                self.cache.derive(block.copy, block.size, functools.partial(tokens.write, block.start, block.size))
+
+    # -- the first step of a fresh window read in ranges ----------------------------------------
+
+    @per_process
+    def _ranges(self) -> DocumentRanges:
+        """This process's ranged reads ahead of the downloads (`document_ranges`: the budget, and
+        which step may read them)."""
+        return DocumentRanges(sum(b.size for b in self._parts), self.url)
+
+    def prefetch(self, needed, first: int | None = None, jobs=None) -> None:
+        """As `FetchedParts.prefetch`; `first`: the step the hinted steps start afresh at, which
+        may read its documents in ranges (`read_ranges`)."""
+        if first is not None:
+            self._ranges.first = first
+        super().prefetch(needed, first, jobs)
+
+    def may_read_ranges(self) -> bool:
+        """Whether the step this thread makes may read its documents in ranges: the first of a
+        fresh window of hints, budget left, no `cache_limit` (as a forge-grain store's, for the
+        same reason: the first step of a global shuffle reads a document or two of dozens of
+        blocks of 64 MiB)."""
+        return self.cache.limit is None and self._ranges.may(step_reads.step_now())
+
+    def read_ranges(self, spans: dict[int, list]) -> dict[int, list[np.ndarray]] | None:
+        """For the blocks of `spans` (block -> token spans [a, b) a step reads) still arriving:
+        the tokens of each span, read now in ranged GETs of the version the dataset was indexed
+        from, block -> arrays in `spans`' order; blocks here are left out. None: the step waits
+        for the downloads (a block no prefetch asked for, or ranges that cost more than the
+        wait, `DocumentRanges.take`). (No comparison once a block lands, as a forge-grain
+        shard's ranges have: both are read of the same version, checked the same way.)"""
+        with self._lock:
+            pending, opened = self._pending, self._opened
+            arriving = [k for k in spans if k not in opened and not arrived(pending.get(k))]
+            if not arriving or any(k not in pending for k in arriving):
+                return None
+        item, parts = self.dtype.itemsize, self._parts
+        joined = self._ranges.take({k: [(a * item, b * item) for a, b in spans[k]] for k in arriving},
+                                   sum(parts[k].size for k in arriving), step_reads.step_now())
+        if joined is None:
+            return None
+        order = [(k, a, b) for k, s in joined.items() for a, b in s]
+        names = {parts[k].name for k in joined}
+        conditions = {n: self.cache.conditional(self._tag(n)) for n in names}
+        data = read_at_once(self.cache, [(parts[k].name, parts[k].start + a, parts[k].start + b) for k, a, b in order],
+                            conditions)
+        for n in names:
+            if self._tag(n) is not None and conditions[n] is None:
+                check_unchanged(self.cache, n, self._tag(n))
+        got: dict[int, list] = {}
+        for (k, a, b), d in zip(order, data):
+            got.setdefault(k, []).append((a, b, d))
+        return token_spans(got, spans, arriving, self.dtype)
 
     def _complete_prints(self) -> None:
         """The places of the fingerprints not seen in the blocks read so far, read now (`harvest`)."""
@@ -193,6 +264,8 @@ class Ranged(FetchedParts):
         for name in names:
             file_dtype, start, off, more, tokens = (self._index_megatron(name, dtype) if self.format == "megatron"
                                                     else self._index_raw(name, dtype, whole))
+            if tokens.held():
+                self._held[name] = tokens
             files.append({"start": start, "print": None if self._gathers(tokens) else tokens.fingerprint(self._full)})
             offsets.append(off)
             dtypes.add(file_dtype)
@@ -205,9 +278,10 @@ class Ranged(FetchedParts):
 
     def _gathers(self, tokens) -> bool:
         """Whether a file's sampled fingerprint is gathered from the blocks an epoch reads
-        (`harvest`) instead of ranged GETs now: under a `cache_limit`, for a file larger than
-        `checks.WHOLE_BELOW` (a smaller one is hashed whole) and not held in memory (`KEEP`)."""
-        return self.cache.limit is not None and not self._full and tokens.size > KEEP  # (KEEP > WHOLE_BELOW)
+        (`harvest`) instead of ranged GETs now: for a file larger than
+        `checks.WHOLE_BELOW` (a smaller one is hashed whole) and not held in memory (`KEEP`): a
+        first batch does not wait for some 2,000 ranged GETs."""
+        return not self._full and tokens.size > KEEP  # (KEEP > WHOLE_BELOW)
 
     def _index_megatron(self, name: str, dtype):
         """A Megatron `.bin`'s dtype and documents, from its `.idx` (fetched whole), checked as
@@ -242,7 +316,7 @@ class Ranged(FetchedParts):
         spans = [(0, min(HEAD, size))] if size else []
         head = b"".join(bytes(b) for b in read_spans(self.cache, name, spans, tag=self._tag(name)))
         self._refuse_other_formats(name, head)
-        file_dtype, start, declared = self._raw_dtype(name, head, size, dtype)
+        file_dtype, start, declared = raw_header(where, head, size, dtype, self.vocab_size)
         n = (size - start) // file_dtype.itemsize
         if n == 0:
             raise StoreError(f"{where}: holds no tokens ({size} bytes); a token file holds at least one (write it "
@@ -267,40 +341,41 @@ class Ranged(FetchedParts):
         if found:
             raise StoreError(found.replace(str(local), self._where(name)))
 
-    def _raw_dtype(self, name: str, head: bytes, size: int, dtype) -> tuple[np.dtype, int, bool]:
-        """(dtype, the byte its tokens start at, whether the dtype was declared or recorded): a
-        `.npy` header's, or the declared (or vocabulary's) one, as `raw.map_tokens` decides."""
-        from forge_grain.stores.raw import raw_dtype
-
-        where = self._where(name)
-        if not head.startswith(identify.NPY_MAGIC):
-            file_dtype = raw_dtype(where, dtype, self.vocab_size)
-            if size % file_dtype.itemsize:
-                raise StoreError(f"{where}: {size} bytes is not a multiple of the {file_dtype} item size "
-                                 f"({file_dtype.itemsize}); the file is truncated or the dtype is wrong")
-            return file_dtype, 0, dtype is not None
-        f = io.BytesIO(head)
-        try:
-            version = np.lib.format.read_magic(f)
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, _, file_dtype = read(f)
-        except ValueError as e:
-            raise StoreError(f"{where}: not a readable .npy array ({e})") from None
-        if len(shape) != 1 or file_dtype.kind not in "iu":
-            raise StoreError(f"{where}: expected a 1-D integer token array, found {len(shape)}-D {file_dtype}")
-        if dtype is not None and checks.declared_dtype(where, dtype) != file_dtype:
-            raise StoreError(f"{where}: the .npy header says {file_dtype}, but dtype={np.dtype(dtype)} was declared")
-        start = f.tell()
-        if size != start + shape[0] * file_dtype.itemsize:
-            raise StoreError(f"{where}: {size} bytes, but its .npy header describes {shape[0]} {file_dtype} tokens "
-                             f"after {start} header bytes; the file is truncated or damaged")
-        return file_dtype, start, True
-
     def _validate(self) -> None:
         """The checks were made when the record was (`_index_megatron`, `_index_raw`)."""
 
     def _verify_files(self) -> None:
         """No checksums in these formats; `verify` reads every token id."""
+
+
+def raw_header(where: str, head: bytes, size: int, dtype, vocab_size) -> tuple[np.dtype, int, bool]:
+    """Of the raw token file `where` (its first bytes `head`, `size` in all): (dtype, the byte
+    its tokens start at, whether the dtype was declared or recorded), a `.npy` header's, or the
+    declared (or vocabulary's) one, as `raw.map_tokens` decides."""
+    from forge_grain.stores.raw import raw_dtype
+
+    if not head.startswith(identify.NPY_MAGIC):
+        file_dtype = raw_dtype(where, dtype, vocab_size)
+        if size % file_dtype.itemsize:
+            raise StoreError(f"{where}: {size} bytes is not a multiple of the {file_dtype} item size "
+                             f"({file_dtype.itemsize}); the file is truncated or the dtype is wrong")
+        return file_dtype, 0, dtype is not None
+    f = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, file_dtype = read(f)
+    except ValueError as e:
+        raise StoreError(f"{where}: not a readable .npy array ({e})") from None
+    if len(shape) != 1 or file_dtype.kind not in "iu":
+        raise StoreError(f"{where}: expected a 1-D integer token array, found {len(shape)}-D {file_dtype}")
+    if dtype is not None and checks.declared_dtype(where, dtype) != file_dtype:
+        raise StoreError(f"{where}: the .npy header says {file_dtype}, but dtype={np.dtype(dtype)} was declared")
+    start = f.tell()
+    if size != start + shape[0] * file_dtype.itemsize:
+        raise StoreError(f"{where}: {size} bytes, but its .npy header describes {shape[0]} {file_dtype} tokens "
+                         f"after {start} header bytes; the file is truncated or damaged")
+    return file_dtype, start, True
 
 
 class _Block:
@@ -348,6 +423,28 @@ class _Tokens:
             if self.size <= KEEP:
                 self._kept[a] = data
             yield data
+
+    def held(self) -> bool:
+        """Whether the object's bytes are all held in memory (read whole: `load`)."""
+        return self.size <= KEEP and self._covered(0, self.size)
+
+    def write(self, start: int, size: int, path: Path) -> None:
+        """Bytes [start, start + size) of the object, held in memory, written to `path`."""
+        with open(path, "wb") as f:
+            self._covered(start, start + size, f.write)
+
+    def _covered(self, start: int, end: int, out=None) -> bool:
+        """Whether the bytes held cover [start, end), giving them in order to `out` if so."""
+        at = start
+        for a, data in sorted(self._kept.items()):
+            if a > at:
+                break
+            hi = min(a + len(data), end)
+            if hi > at:
+                if out is not None:
+                    out(data[at - a : hi - a])
+                at = hi
+        return at >= end
 
     def load(self) -> None:
         """Read an object of up to `KEEP` bytes whole now (it is kept); nothing for a larger one."""

@@ -272,7 +272,7 @@ def span_reader(cache: ObjectCache, name: str, condition: str | None = None, slo
     return read
 
 
-def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
+def read_at_once(cache: ObjectCache, spans, conditions: dict | None = None) -> list[memoryview]:
     """The bytes of each span (name, a, b) of objects at `cache`'s URL, in order: small reads a
     batch waits for, made at once on threads of their own (up to `AT_ONCE`, each reading
     spans in turn: each read holds a connection, and a large batch's first step read 1000s),
@@ -281,12 +281,13 @@ def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
     first batch behind a 30 ms link, on 2 cores). The threads are started without waiting
     for each to run (`_thread`: `Thread.start` waits a few ms each while another thread holds
     the GIL). Where `fetch_threads` fixes the reads in flight, they queue first on its
-    threads instead. Their memory is their caller's (no read slot)."""
-    requests = cache.requests
+    threads instead. Their memory is their caller's (no read slot). `conditions`: object ->
+    the version its reads must come from (`RemoteDir.conditional`)."""
+    requests, conditions = cache.requests, conditions or {}
     if requests.fixed:
         job = requests.job()
-        futures = [requests.submit(True, job, span_reader(cache, name, slot=False), a, b, size=b - a)
-                   for name, a, b in spans]
+        futures = [requests.submit(True, job, span_reader(cache, name, conditions.get(name), slot=False), a, b,
+                                   size=b - a) for name, a, b in spans]
         try:
             return [f.result() for f in futures]
         finally:  # (one failed: the others are not left queued)
@@ -296,7 +297,7 @@ def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
     jobs, lock = iter(list(zip(futures, spans))), threading.Lock()
     with requests.holding():
         for _ in range(min(len(spans), share_of_descriptors(AT_ONCE))):
-            _thread.start_new_thread(_each_into, (cache, jobs, lock))
+            _thread.start_new_thread(_each_into, (cache, jobs, lock, conditions))
         try:
             return [f.result() for f in futures]
         finally:  # (one failed: the others are not started)
@@ -304,7 +305,7 @@ def read_at_once(cache: ObjectCache, spans) -> list[memoryview]:
                 f.cancel()
 
 
-def _each_into(cache: ObjectCache, jobs, lock: threading.Lock) -> None:
+def _each_into(cache: ObjectCache, jobs, lock: threading.Lock, conditions: dict) -> None:
     """Each span of `jobs` ((future, (name, a, b)), shared with the other threads) read, its
     bytes or error into its future, until none is left."""
     while True:
@@ -315,6 +316,6 @@ def _each_into(cache: ObjectCache, jobs, lock: threading.Lock) -> None:
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            future.set_result(span_reader(cache, name, slot=False)(a, b))
+            future.set_result(span_reader(cache, name, conditions.get(name), slot=False)(a, b))
         except BaseException as e:  # handed to the caller
             future.set_exception(e)

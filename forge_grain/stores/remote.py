@@ -35,7 +35,7 @@ from forge_grain.stores.mapping import Maps
 from forge_grain.files import npy_size, remove_stale_temporaries, sha256_file
 from forge_grain.stores.native import NativeStore
 from forge_grain.stores.cache_room import read_copy
-from forge_grain.stores.document_ranges import DocumentRanges
+from forge_grain.stores.document_ranges import DocumentRanges, token_spans
 from forge_grain.stores.download import PART_MIN, WrongSize
 from forge_grain.stores.room_ahead import arrived, first_numbers
 from forge_grain.stores.object_cache import ObjectCache, within_cache
@@ -194,12 +194,7 @@ class RemoteStore(NativeStore):
         if joined is None:
             return None
         got = self._ranges.read(self.cache, joined, lambda k: shards[k].tokens, self._fetch)
-        out = {}
-        for k in arriving:
-            reads = got[k]
-            at = [next(r for r in reads if r[0] <= a * item and b * item <= r[1]) for a, b in spans[k]]
-            out[k] = [np.frombuffer(d, self.dtype, b - a, a * item - ja) for (a, b), (ja, _, d) in zip(spans[k], at)]
-        return out
+        return token_spans(got, spans, arriving, self.dtype)
 
     def _landed(self, k: int, path: Path | None) -> Path | None:
         """A prefetch of shard `k` landed at `path`: the ranges read of it before are compared."""
