@@ -63,16 +63,20 @@ class Gate:
     def close(self) -> None:
         self.door.unlink(missing_ok=True)
 
+    def hold(self, ahead: bool, what) -> None:
+        """A prefetch (`ahead`) waits until the gate opens; a fetch of `what` needed now is noted."""
+        if ahead:
+            end = time.monotonic() + 60
+            while not self.door.exists():
+                if time.monotonic() > end:
+                    raise TimeoutError("a download held at the gate for 60 s: a batch waited for it")
+                time.sleep(0.01)
+        else:
+            self.fetched.append(what)
+
     def wrap(self, fetch):
         def held(store, k, ahead=False, job=None):
-            if ahead:
-                end = time.monotonic() + 60
-                while not self.door.exists():
-                    if time.monotonic() > end:
-                        raise TimeoutError("a download held at the gate for 60 s: a batch waited for it")
-                    time.sleep(0.01)
-            else:
-                self.fetched.append(k)
+            self.hold(ahead, k)
             return fetch(store, k, ahead, job)
         return held
 
@@ -238,14 +242,7 @@ def megatron(s3, tmp_path, monkeypatch):
 def _held_block(gate: Gate, fetch):
     """`_Block.fetch`, its prefetches held at `gate` (as `Gate.wrap` holds a shard's)."""
     def held(block, keep=frozenset(), ahead=False, job=None):
-        if ahead:
-            end = time.monotonic() + 60
-            while not gate.door.exists():
-                if time.monotonic() > end:
-                    raise TimeoutError("a download held at the gate for 60 s: a batch waited for it")
-                time.sleep(0.01)
-        else:
-            gate.fetched.append(block.start)
+        gate.hold(ahead, block.start)
         return fetch(block, keep, ahead, job)
     return held
 
