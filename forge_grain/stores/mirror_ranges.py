@@ -133,7 +133,6 @@ class Ranged(FetchedParts):
     def _open(self, dtype=None, whole_documents=True, split=None, file_pattern=None) -> None:
         """(`split` and `file_pattern` chose the objects: `_find_objects`.)"""
         names = self._data_names()
-        self._held: dict[str, _Tokens] = {}  # files read whole by the record made now (`_seed`)
         meta, offsets = self._record(names, dtype, whole_documents)
         self.dtype = np.dtype(meta["dtype"])
         self._files = [self.path / n for n in names]
@@ -157,20 +156,18 @@ class Ranged(FetchedParts):
         self._extra = meta["extra"]
         self._fingerprint = self._of_prints() if self._prints.known else None
         self._keep: frozenset = frozenset()
-        self._seed()
 
-    def _seed(self) -> None:
-        """Without a `cache_limit`, the blocks of the files the first open read whole (`KEEP`)
-        are written to the cache from those bytes: the first epoch does not fetch them again.
-        (Under a limit the blocks come as the epoch reads them: written now, the first ones
-        would be evicted for the last.)"""
-        held, self._held = self._held, {}
-        if self.cache.limit is not None:
-            return
-        for block in self._parts:
-            tokens = held.get(block.name)
-            if tokens is not None:
-                self.cache.derive(block.copy, block.size, functools.partial(tokens.write, block.start, block.size))
+    def _seed(self, name: str, start: int, offsets: np.ndarray, tokens: "_Tokens") -> None:
+        """Without a `cache_limit`, the blocks of a file the first open read whole (`KEEP`) are
+        written to the cache from those bytes, as `_open` cuts them, before the next file is
+        read (its bytes are let go then): the first epoch does not fetch them again. (Under a
+        limit the blocks come as the epoch reads them: written now, the first ones would be
+        evicted for the last.)"""
+        item = tokens.dtype.itemsize
+        cuts = fetch_cuts([offsets], item, None)[0]  # (unbounded, a file's blocks are its own)
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            block = _Block(self, name, start + a * item, (b - a) * item)
+            self.cache.derive(block.copy, block.size, functools.partial(tokens.write, block.start, block.size))
 
     # -- the first step of a fresh window read in ranges ----------------------------------------
 
@@ -264,8 +261,8 @@ class Ranged(FetchedParts):
         for name in names:
             file_dtype, start, off, more, tokens = (self._index_megatron(name, dtype) if self.format == "megatron"
                                                     else self._index_raw(name, dtype, whole))
-            if tokens.held():
-                self._held[name] = tokens
+            if self.cache.limit is None and tokens.held():
+                self._seed(name, start, off, tokens)
             files.append({"start": start, "print": None if self._gathers(tokens) else tokens.fingerprint(self._full)})
             offsets.append(off)
             dtypes.add(file_dtype)
