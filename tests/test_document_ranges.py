@@ -9,7 +9,10 @@ first batch of a global shuffle does not wait for dozens of whole shards. These 
   (checked against the manifest's sha256) lands, is an error naming it at the next batch
   (the download's future holds it: a batch reading the shard, or the next hint, raises it);
 - under a `cache_limit`, or once the budget is spent, a step waits for its shards instead;
-  and only the first step of a fresh window of hints reads ranges, where they cost less.
+  and only the first step of a fresh window of hints reads ranges, where they cost less;
+- the same for a Megatron `.bin` without a `cache_limit`, read in blocks of documents (their
+  downloads held instead): its first batch, in this process and in forked workers, and a
+  `.bin` rewritten after the open refused by the ranges themselves.
 """
 
 from __future__ import annotations
@@ -295,3 +298,26 @@ def test_a_megatron_file_rewritten_after_the_open_is_refused_by_its_first_ranges
             next(pipe.iterator())
     finally:
         fs.pipe(name, kept)
+
+
+def test_forked_workers_read_their_first_megatron_batches_in_ranges_too(s3, tmp_path, megatron):
+    """Under DataLoader workers (forked), each worker's first batch of a Megatron `.bin` without
+    a cache_limit comes while every block download is held (the gate is a file: the workers'
+    too), equal to the local one; so do the rest."""
+    from torch.utils.data import DataLoader
+
+    from forge_grain.bridges.torch import GrainIterableDataset
+
+    prefix, held = megatron
+    local = Pipeline(megatron_config(prefix.parent), 0, 1, num_threads=0, cache_dir=tmp_path / "local")
+    want = [local.batch(s)["inputs"].copy() for s in range(local.num_steps)]
+    remote = megatron_config("s3://ranges/meg", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
+    ds = GrainIterableDataset(remote, rank=0, world_size=1, cache_dir=tmp_path / "cache")
+    batches = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120))
+    firsts = [next(batches) for _ in range(2)]  # each worker's first, its downloads held at the gate
+    assert [int(b["step"]) for b in firsts] == [0, 1]
+    assert all(np.array_equal(b["inputs"].numpy(), want[int(b["step"])]) for b in firsts)
+    held.open()
+    rest = [(int(b["step"]), b["inputs"].numpy()) for b in batches]
+    assert [s for s, _ in rest] == list(range(2, len(want)))
+    assert all(np.array_equal(x, want[s]) for s, x in rest)
