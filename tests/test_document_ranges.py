@@ -104,8 +104,31 @@ def config(store, s3, tmp_path, **options) -> DataConfig:
 def local_batches(store, tmp_path) -> list[np.ndarray]:
     cfg = DataConfig(sources=[dict(name="web", path=str(store))], seq_len=64, global_batch_size=8, seed=5,
                      num_epochs=1)
-    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=tmp_path / "local")
+    return batches_of(cfg, tmp_path / "local")
+
+
+def batches_of(cfg: DataConfig, cache_dir) -> list[np.ndarray]:
+    """Every batch's inputs of the epoch of `cfg`, made one at a time."""
+    p = Pipeline(cfg, 0, 1, num_threads=0, cache_dir=cache_dir)
     return [p.batch(s)["inputs"].copy() for s in range(p.num_steps)]
+
+
+def assert_workers_read_held(cfg: DataConfig, cache_dir, want: list, gate: Gate) -> None:
+    """Two forked DataLoader workers' first batches of `cfg` come while every download is held
+    at `gate` (a file: the workers' too) and are `want`'s; once it opens, so are the rest."""
+    from torch.utils.data import DataLoader
+
+    from forge_grain.bridges.torch import GrainIterableDataset
+
+    ds = GrainIterableDataset(cfg, rank=0, world_size=1, cache_dir=cache_dir)
+    batches = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120))
+    firsts = [next(batches) for _ in range(2)]  # each worker's first, its downloads held at the gate
+    assert [int(b["step"]) for b in firsts] == [0, 1]
+    assert all(np.array_equal(b["inputs"].numpy(), want[int(b["step"])]) for b in firsts)
+    gate.open()
+    rest = [(int(b["step"]), b["inputs"].numpy()) for b in batches]
+    assert [s for s, _ in rest] == list(range(2, len(want)))
+    assert all(np.array_equal(x, want[s]) for s, x in rest)
 
 
 def test_the_first_batch_comes_while_its_shards_download_and_is_the_local_ones(store, s3, tmp_path, gate):
@@ -142,20 +165,7 @@ def test_an_iterator_restored_at_an_odd_step_reads_that_step_in_ranges(store, s3
 
 
 def test_forked_workers_read_their_first_batches_in_ranges_too(store, s3, tmp_path, gate):
-    from torch.utils.data import DataLoader
-
-    from forge_grain.bridges.torch import GrainIterableDataset
-
-    want = local_batches(store, tmp_path)
-    ds = GrainIterableDataset(config(store, s3, tmp_path), rank=0, world_size=1, cache_dir=tmp_path / "cache")
-    batches = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120))
-    firsts = [next(batches) for _ in range(2)]  # each worker's first, its downloads held at the gate
-    assert [int(b["step"]) for b in firsts] == [0, 1]
-    assert all(np.array_equal(b["inputs"].numpy(), want[int(b["step"])]) for b in firsts)
-    gate.open()
-    rest = [(int(b["step"]), b["inputs"].numpy()) for b in batches]
-    assert [s for s, _ in rest] == list(range(2, len(want)))
-    assert all(np.array_equal(x, want[s]) for s, x in rest)
+    assert_workers_read_held(config(store, s3, tmp_path), tmp_path / "cache", local_batches(store, tmp_path), gate)
 
 
 def test_a_range_read_from_a_replaced_object_is_an_error_once_the_download_lands(store, s3, tmp_path, gate):
@@ -262,8 +272,7 @@ def test_the_first_batch_of_a_megatron_file_comes_while_its_blocks_download(s3, 
     file's; so do the rest, and the whole fetches each byte about once."""
     prefix, held = megatron
     size = prefix.with_suffix(".bin").stat().st_size
-    local = Pipeline(megatron_config(prefix.parent), 0, 1, num_threads=0, cache_dir=tmp_path / "local")
-    want = [local.batch(s)["inputs"].copy() for s in range(local.num_steps)]
+    want = batches_of(megatron_config(prefix.parent), tmp_path / "local")
     s3.proxy.clear()
     remote = megatron_config("s3://ranges/meg", storage_options=s3.options(via_proxy=True),
                              object_cache=str(tmp_path / "o"))
@@ -304,20 +313,7 @@ def test_forked_workers_read_their_first_megatron_batches_in_ranges_too(s3, tmp_
     """Under DataLoader workers (forked), each worker's first batch of a Megatron `.bin` without
     a cache_limit comes while every block download is held (the gate is a file: the workers'
     too), equal to the local one; so do the rest."""
-    from torch.utils.data import DataLoader
-
-    from forge_grain.bridges.torch import GrainIterableDataset
-
     prefix, held = megatron
-    local = Pipeline(megatron_config(prefix.parent), 0, 1, num_threads=0, cache_dir=tmp_path / "local")
-    want = [local.batch(s)["inputs"].copy() for s in range(local.num_steps)]
+    want = batches_of(megatron_config(prefix.parent), tmp_path / "local")
     remote = megatron_config("s3://ranges/meg", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
-    ds = GrainIterableDataset(remote, rank=0, world_size=1, cache_dir=tmp_path / "cache")
-    batches = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120))
-    firsts = [next(batches) for _ in range(2)]  # each worker's first, its downloads held at the gate
-    assert [int(b["step"]) for b in firsts] == [0, 1]
-    assert all(np.array_equal(b["inputs"].numpy(), want[int(b["step"])]) for b in firsts)
-    held.open()
-    rest = [(int(b["step"]), b["inputs"].numpy()) for b in batches]
-    assert [s for s, _ in rest] == list(range(2, len(want)))
-    assert all(np.array_equal(x, want[s]) for s, x in rest)
+    assert_workers_read_held(remote, tmp_path / "cache", want, held)
