@@ -1936,7 +1936,8 @@ def test_megatron_and_raw_files_read_in_blocks_keep_the_local_checks(tmp_path, s
     """With cache_limit (blocks of documents) what is refused on disk is refused too, naming the
     object in the bucket: a raw file without a dtype, with a dtype its bytes contradict, cut
     short, or really Parquet; a document larger than the cache; a Megatron .bin cut short, a
-    dtype its index contradicts, an EOS its documents do not end with."""
+    dtype its index contradicts, an EOS its documents do not end with (these also without a
+    cache_limit: a Megatron dataset is read in blocks then too)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -1962,13 +1963,15 @@ def test_megatron_and_raw_files_read_in_blocks_keep_the_local_checks(tmp_path, s
             r"more than cache_limit 20000 holds.*eos_id", dtype="uint16")  # no eos_id: one document
     fs.put(str(peers["megatron"]), "peers/meg-cut", recursive=True)
     fs.pipe_file("peers/meg-cut/c4_text_document.bin", fs.cat_file("peers/meg-cut/c4_text_document.bin")[:-8])
-    refused("s3://peers/meg-cut", r"s3://peers/meg-cut/c4_text_document\.bin: .* bytes, but its index describes .* "
-            r"truncated")
-    refused("s3://peers/megatron", r"s3://peers/megatron/c4_text_document\.idx: dtype=uint16 was declared, but the "
-            r"Megatron index records int32",
-            dtype="uint16")
-    refused("s3://peers/megatron", r"s3://peers/megatron/c4_text_document\.bin: eos_id=3 was declared, but "
-            r"document 0 does not end with it", eos_id=3)  # (EOS is 1)
+    for limit in (20_000, None):  # (a Megatron dataset is read in blocks without a limit too)
+        opts["cache_limit"] = limit
+        refused("s3://peers/meg-cut", r"s3://peers/meg-cut/c4_text_document\.bin: .* bytes, but its index describes "
+                r".* truncated")
+        refused("s3://peers/megatron", r"s3://peers/megatron/c4_text_document\.idx: dtype=uint16 was declared, but "
+                r"the Megatron index records int32", dtype="uint16")
+        refused("s3://peers/megatron", r"s3://peers/megatron/c4_text_document\.bin: eos_id=3 was declared, but "
+                r"document 0 does not end with it", eos_id=3)  # (EOS is 1)
+    opts["cache_limit"] = 20_000
     store = TokenStore.open("s3://peers/megatron", eos_id=EOS, object_cache=str(tmp_path / "ok"), **opts)
     assert len(store) == len(TokenStore.open(peers["megatron"]))
 
