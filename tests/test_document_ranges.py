@@ -113,6 +113,17 @@ def batches_of(cfg: DataConfig, cache_dir) -> list[np.ndarray]:
     return [p.batch(s)["inputs"].copy() for s in range(p.num_steps)]
 
 
+def assert_first_batch_held(pipe: Pipeline, want: list, gate: Gate) -> None:
+    """`pipe`'s first batch is `want`'s while every download ahead is held at `gate` (none was
+    fetched whole for it); once it opens, so are the rest."""
+    it = pipe.iterator()
+    assert np.array_equal(next(it)["inputs"], want[0])
+    assert gate.fetched == []
+    gate.open()
+    rest = [b["inputs"].copy() for b in it]
+    assert len(rest) == len(want) - 1 and all(np.array_equal(a, b) for a, b in zip(rest, want[1:]))
+
+
 def assert_workers_read_held(cfg: DataConfig, cache_dir, want: list, gate: Gate) -> None:
     """Two forked DataLoader workers' first batches of `cfg` come while every download is held
     at `gate` (a file: the workers' too) and are `want`'s; once it opens, so are the rest."""
@@ -278,12 +289,7 @@ def test_the_first_batch_of_a_megatron_file_comes_while_its_blocks_download(s3, 
                              object_cache=str(tmp_path / "o"))
     pipe = Pipeline(remote, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
     assert pipe.datasets[0].store.fetches and len(pipe.datasets[0].store._parts) >= 30
-    it = pipe.iterator()
-    assert np.array_equal(next(it)["inputs"], want[0])
-    assert held.fetched == []  # no block was fetched whole for it: every download is held
-    held.open()
-    rest = [b["inputs"].copy() for b in it]
-    assert len(rest) == len(want) - 1 and all(np.array_equal(a, b) for a, b in zip(rest, want[1:]))
+    assert_first_batch_held(pipe, want, held)
     fetched = sum(n for p, n in s3.proxy.sent.items() if p.endswith(".bin"))
     assert fetched <= size * (1.05 + document_ranges.SHARE), (fetched, size)
 
@@ -316,4 +322,84 @@ def test_forked_workers_read_their_first_megatron_batches_in_ranges_too(s3, tmp_
     prefix, held = megatron
     want = batches_of(megatron_config(prefix.parent), tmp_path / "local")
     remote = megatron_config("s3://ranges/meg", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
+    assert_workers_read_held(remote, tmp_path / "cache", want, held)
+
+
+@pytest.fixture
+def litdata(s3, tmp_path, monkeypatch):
+    """The LitData dataset of the tests' data (written by `litdata.optimize`, 6 chunks) at
+    s3://ranges/litdata, every chunk's prefetch held at a gate (`Gate`). Its chunks are small
+    (31 KB): a step's ranges are within the budget only at a tenth of the dataset (a hundredth
+    in use) and a GET a KiB (see `gate`)."""
+    from test_formats import LITDATA
+
+    from forge_grain.stores import mirror_parts
+
+    monkeypatch.setattr(document_ranges, "SHARE", 0.1)
+    monkeypatch.setattr(document_ranges, "REQUEST_BYTES", 1024)
+    held = Gate(tmp_path / "gate")
+    fetch = mirror_parts._Part.fetch
+
+    def held_fetch(part, keep=frozenset(), ahead=False, job=None):
+        held.hold(ahead, part.name)
+        return fetch(part, keep, ahead, job)
+
+    monkeypatch.setattr(mirror_parts._Part, "fetch", held_fetch)
+    s3.fs().put(str(LITDATA / "dataset"), "ranges/litdata", recursive=True)
+    yield LITDATA / "dataset", held
+    held.open()
+
+
+def litdata_config(path, **options) -> DataConfig:
+    return DataConfig(sources=[dict(name="web", path=str(path), **options)], seq_len=64, global_batch_size=8,
+                      seed=5, num_epochs=1)
+
+
+def test_a_litdata_dataset_without_cache_limit_gives_its_first_batch_while_its_chunks_download(s3, tmp_path,
+                                                                                            litdata):
+    """A LitData dataset in a bucket without a cache_limit is not copied whole at the open: the
+    open reads its index and each chunk's head, and the first batch of a global shuffle reads
+    its documents in ranges while every chunk download is held, equal to the local dataset's;
+    so do the rest, and each chunk is fetched once (beside the ranges' budget)."""
+    path, held = litdata
+    chunks = {f"/ranges/litdata/{c.name}": c.stat().st_size for c in path.glob("*.bin")}
+    want = batches_of(litdata_config(path), tmp_path / "local")
+    s3.proxy.clear()
+    remote = litdata_config("s3://ranges/litdata", storage_options=s3.options(via_proxy=True),
+                            object_cache=str(tmp_path / "o"))
+    pipe = Pipeline(remote, 0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    opened = sum(s3.proxy.sent.get(p, 0) for p in chunks)
+    assert 0 < opened < sum(chunks.values()) / 10  # the heads (item tables) only
+    assert_first_batch_held(pipe, want, held)
+    assert sum(s3.proxy.sent.get(p, 0) for p in chunks) <= opened + sum(chunks.values()) * (1.05 + document_ranges.SHARE)
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_litdata_chunk_rewritten_after_the_open_is_refused_by_its_first_ranges(s3, tmp_path, litdata, client):
+    """The first batch's ranges are read of the chunks' versions the open read the heads of
+    (obstore: each GET carries the ETag; s3fs: a HEAD after them): every chunk rewritten in
+    place since is an error naming one, not other tokens. (Every chunk download is held.)"""
+    path, _ = litdata
+    options = s3.options() if client == "obstore" else {**s3.options(), "requester_pays": False}  # (not obstore's)
+    pipe = Pipeline(litdata_config("s3://ranges/litdata", storage_options=options, object_cache=str(tmp_path / "o")),
+                    0, 1, num_threads=0, cache_dir=tmp_path / "cache")
+    assert (pipe.datasets[0].store.cache._fast is not None) == (client == "obstore")
+    fs, kept = s3.fs(), {c.name: c.read_bytes() for c in path.glob("*.bin")}
+    try:
+        for name, data in kept.items():  # (the same heads, other tokens: the same size)
+            fs.pipe(f"ranges/litdata/{name}", data[:64] + bytes(255 - b for b in data[64:]))
+        with pytest.raises(StoreError, match=r"s3://ranges/litdata/chunk-0-\d\.bin: the data at this URL changed "
+                                             "after the pipeline opened it"):
+            next(pipe.iterator())
+    finally:
+        for name, data in kept.items():
+            fs.pipe(f"ranges/litdata/{name}", data)
+
+
+def test_forked_workers_read_their_first_litdata_batches_in_ranges_too(s3, tmp_path, litdata):
+    """Under DataLoader workers (forked), each worker's first batch of a LitData dataset without
+    a cache_limit comes while every chunk download is held, equal to the local one; so do the rest."""
+    path, held = litdata
+    want = batches_of(litdata_config(path), tmp_path / "local")
+    remote = litdata_config("s3://ranges/litdata", storage_options=s3.options(), object_cache=str(tmp_path / "o"))
     assert_workers_read_held(remote, tmp_path / "cache", want, held)

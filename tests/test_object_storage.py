@@ -1649,7 +1649,7 @@ def test_a_peer_dataset_in_object_storage_reads_equal_to_its_local_copy(tmp_path
 
     opts = dict(storage_options=s3.options(via_proxy=True), object_cache=str(tmp_path / "c"), **PEER_OPTIONS.get(name, {}))
     local = TokenStore.open(peers[name], **PEER_OPTIONS.get(name, {}))
-    before = s3.proxy.gets.copy()
+    before, sent_before = s3.proxy.gets.copy(), s3.proxy.sent.copy()
     remote = TokenStore.open(f"s3://peers/{name}", **opts)
     downloaded = sum(s3.proxy.gets.values()) - sum(before.values())
     assert remote.format == local.format and len(remote) == len(local) and remote.dtype == local.dtype
@@ -1658,6 +1658,12 @@ def test_a_peer_dataset_in_object_storage_reads_equal_to_its_local_copy(tmp_path
         assert np.array_equal(remote[i], local[i])
     assert "s3://peers" in repr(remote)
     assert downloaded > 0
+    if name == "litdata":  # (its open reads the chunks' heads; each chunk is fetched once, as it is read)
+        sent = {path: n - sent_before.get(path, 0) for path, n in s3.proxy.sent.items()}
+        for chunk in peers[name].glob("*.bin"):
+            head = 4 * (2 + int(np.frombuffer(chunk.read_bytes()[:4], "<u4")[0]))
+            assert sent.get(f"/peers/{name}/{chunk.name}", 0) <= chunk.stat().st_size + head
+        downloaded = sum(s3.proxy.gets.values()) - sum(before.values())
     # each byte fetched once: what the open read is what the reads read (a Megatron .bin this
     # small is read whole by its open's checks, and its blocks are written from those bytes)
     assert sum(s3.proxy.gets.values()) - sum(before.values()) == downloaded

@@ -25,9 +25,9 @@ def store_class(path, format: str | None = None, options: dict | None = None):
     """The `TokenStore` subclass for `path`: `format` when given (it must be one of the formats
     the directory's marker files show, if any), else the one detected. A URL (`s3://...`) is
     detected from its listing (`options`' `storage_options` reach it): a forge-grain store
-    fetches its shards as the plan needs them, a Megatron dataset in blocks of documents, and
-    another peer's dataset is copied into the cache (with a `cache_limit`, read a data file at
-    a time, or a raw file in blocks of documents)."""
+    fetches its shards as the plan needs them, a Megatron dataset in blocks of documents, a
+    LitData dataset a chunk at a time, and another peer's dataset is copied into the cache
+    (with a `cache_limit`, read a data file at a time, or a raw file in blocks of documents)."""
     if is_url(path):
         from forge_grain.stores.mirror import mirrored_class, remote_format
         from forge_grain.stores.mirror_parts import PARTED, parted_class
@@ -39,8 +39,8 @@ def store_class(path, format: str | None = None, options: dict | None = None):
         name = format or remote_format(str(path), (options or {}).get("storage_options"))
         if name == "native":
             return RemoteStore
-        if name in PARTED and (options or {}).get("cache_limit") is not None:  # a file at a time, bounded
-            return parted_class(_load(name))
+        if name in PARTED and (name == "litdata" or (options or {}).get("cache_limit") is not None):
+            return parted_class(_load(name))  # a file at a time (LitData chunks say where their documents are)
         if name == "megatron" or (name in RANGED and (options or {}).get("cache_limit") is not None):
             return ranged_class(_load(name))  # blocks of documents (a Megatron .idx lists them: no copy at open)
         return mirrored_class(_load(name))

@@ -7,11 +7,12 @@ Megatron `.idx`), so counting a dataset's documents reads every data file. Witho
 `cache_limit` the dataset is copied into the cache whole when it opens (concurrently, each
 file checked against the size the listing gives, written to a temporary name and renamed),
 then read by the format's own local reader with the same checks as on disk. With a
-`cache_limit`, LitData, MDS and Arrow datasets are read a data file at a time instead
+`cache_limit`, MDS and Arrow datasets are read a data file at a time instead
 (`mirror_parts.py`), and raw token files in ranges, blocks of whole documents
 (`mirror_ranges.py`): no format is copied whole then. A Megatron dataset is read in blocks
-with or without a limit: its `.idx` says where the documents are, so nothing needs the
-`.bin` whole at the open. The copy's directory is
+and a LitData dataset a chunk at a time with or without a limit: a Megatron `.idx`, and the
+head of an uncompressed LitData chunk, say where the documents are, so nothing needs the data
+whole at the open (the first batch reads its documents in ranges, `fetched_parts.py`). The copy's directory is
 named by the listing (names, sizes, ETags), so a dataset rewritten in place gets a new copy
 and nothing stale is read; a copy made once is reused by every process of the host. A
 forge-grain store (a `manifest.json`) is what fetches shards as the plan needs them:

@@ -4,8 +4,9 @@ stores are.
 
 These formats keep where each document starts inside their data files (the item table at
 the head of a LitData chunk, the sample table of an MDS shard, the list offsets of an Arrow
-record batch), so knowing a dataset's documents means reading every data file once. Without a limit the dataset is copied whole
-(`mirror.py`). With one, each data file is a part: at the first open it is downloaded
+record batch), so knowing a dataset's documents means reading every data file once. Without a
+limit an MDS or Arrow dataset is copied whole (`mirror.py`); a LitData dataset is read here
+with or without one. Each data file is a part: at the first open it is downloaded
 through the cache (which evicts least recently used parts to stay under the limit), opened
 by the format's own local reader as a dataset of that one file (its index — `index.json`, or
 Arrow's `state.json` — listing only it, with every check of a local open), and what the reader found (document offsets, the
@@ -16,7 +17,9 @@ files of the coming steps ahead, as for a forge-grain store.
 
 An uncompressed LitData chunk says where its documents are in its head, so its record is
 made from one ranged GET of that head (`_Part.headed`): a first epoch fetches the dataset
-once, not twice. The local reader still opens each chunk as the epoch first reads it, with
+once, not twice, and without a limit nothing waits for the whole dataset at the open: the
+first step of a fresh start reads its documents in ranges of the chunks while they download
+(`FetchedParts.read_ranges`). The local reader still opens each chunk as the epoch first reads it, with
 all its checks, and the chunk's content fingerprint is taken from that copy (`harvest.Prints`;
 asked for earlier, the chunks not read yet are fetched for it).
 
@@ -32,21 +35,17 @@ import functools
 import hashlib
 import io
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
 
 from forge_grain.errors import StoreError
-from forge_grain.processes import per_process
 from forge_grain.stores import checks
 from forge_grain.stores.base import TokenStore, join_offsets
 from forge_grain.stores.cache_room import read_copy
 from forge_grain.stores.harvest import PRINTS, Prints
-from forge_grain.stores.mapping import Maps
-from forge_grain.stores.room_ahead import arrived, first_numbers
-from forge_grain.stores.object_cache import ObjectCache, read_spans, within_cache
-from forge_grain.stores.request_pool import OBJECTS
+from forge_grain.stores.object_cache import ObjectCache, read_spans
+from forge_grain.stores.fetched_parts import FetchedParts
 from forge_grain.stores.remote_dir import changed_under, listing
 
 # format -> (its index file, the list in it naming the data files)
@@ -66,172 +65,6 @@ def parted_class(base: type) -> type:
                                   "OPTIONS": base.OPTIONS | {"storage_options", "object_cache", "cache_limit",
                                                              "fetch_threads"},
                                   "__module__": __name__, "__qualname__": name})
-
-
-class FetchedParts(TokenStore):
-    """A dataset at a URL whose token arrays are in parts fetched into the bounded cache as
-    the reads need them (`_parts`: each with its `size`, its `copy` in the cache, `fetch` and
-    `arrays`; `_first_array`: each part's first token array), the coming steps' parts fetched
-    ahead; `Parted` and `mirror_ranges.Ranged` say what the parts are."""
-
-    fetches = True
-    _parts: list
-    _first_array: list
-
-    @per_process
-    def _opened(self) -> Maps:
-        """The token arrays of the parts this process has mapped, by part."""
-        return Maps()
-
-    @property
-    def maps(self) -> Maps:
-        """The parts mapped now (a gather's table of addresses holds them while these are unchanged)."""
-        return self._opened
-
-    @per_process
-    def _lock(self):
-        return threading.Lock()
-
-    @per_process
-    def _pool(self):
-        """This process's download threads, one for each part downloading ahead (`OBJECTS`)."""
-        return concurrent.futures.ThreadPoolExecutor(OBJECTS, thread_name_prefix="forge-grain-part")
-
-    @per_process
-    def _pending(self) -> dict:
-        return {}
-
-    def _array(self, k: int) -> np.ndarray:
-        return self.arrays_for([k])[0]
-
-    @property
-    def fingerprint(self) -> str:
-        """The files' content fingerprints (those the first open did not take, taken from the
-        parts an epoch reads: those not read yet are read now, `_complete_prints`) and the
-        document boundaries."""
-        if self._fingerprint is None:
-            self._complete_prints()
-            self._fingerprint = self._of_prints()
-        return self._fingerprint
-
-    def _complete_prints(self) -> None:
-        """Take the content fingerprints not taken yet (`_prints`), reading what they need."""
-
-    def _of_prints(self) -> str:
-        """The store's fingerprint, once `_prints` knows every file's."""
-        raise NotImplementedError
-
-    def may_read_ranges(self) -> bool:
-        """No: a step waits for its parts (a forge-grain store's first step reads ranges of the
-        shards still arriving, `RemoteStore.read_ranges`; these parts' documents are found
-        inside them, or their blocks are already ranges)."""
-        return False
-
-    def _parts_of(self, arrays) -> np.ndarray:
-        """The parts (files, blocks) holding token arrays `arrays`."""
-        return np.searchsorted(self._first_array, np.asarray(arrays, np.int64), side="right") - 1
-
-    def arrays_for(self, needed) -> list[np.ndarray]:
-        """Token arrays `needed`, their parts mapped first where they are not (those still
-        downloading ahead all needed now: `CacheRoom.needed_now`; not those downloaded
-        already: saying so is a file made and removed, 0.2 ms of this thread's CPU)."""
-        first, parts = self._first_array, self._parts_of(needed).tolist()
-        with self._lock:
-            pending = self._pending
-            waiting = [self._parts[p].fetched for p in dict.fromkeys(parts) if p in pending and not arrived(pending[p])]
-        with self.cache.needed_now(waiting):
-            return [self._map_part(p)[k - int(first[p])] for k, p in zip(np.asarray(needed, np.int64).tolist(), parts)]
-
-    def mapped(self, needed) -> list[np.ndarray] | None:
-        """Token arrays `needed` if their parts are all mapped: one search and one lock for them
-        all (a step reads about six arrays; a lock, a search and the per-process lookups for
-        each were a fifth of a Megatron epoch's CPU under a limit)."""
-        first, opened, pending, out = self._first_array, self._opened, self._pending, []
-        needed = np.asarray(needed, np.int64)
-        parts = self._parts_of(needed).tolist()
-        with self._lock:  # (as `_map_part` reads them: a prefetch's hints may drop a map meanwhile)
-            for k, p in zip(needed.tolist(), parts):
-                arrays = opened.get(p)
-                if arrays is None or p in pending:
-                    return None
-                out.append(arrays[k - int(first[p])])
-        return out
-
-    def _map_part(self, p: int) -> list[np.ndarray]:
-        """Part `p`'s token arrays, mapped (after its prefetch, or fetched now)."""
-        with self._lock:
-            arrays, future = self._opened.get(p), self._pending.pop(p, None)
-        if arrays is None:
-            if future is not None:
-                self.cache.result_now(future, self._parts[p].fetched)  # (a failed prefetch raises, naming it)
-            arrays = self._parts[p].arrays(self._keep)
-            with self._lock:
-                self._opened[p] = arrays
-                self._forget_unhinted(p)
-            self._arrived(p, arrays)
-        return arrays
-
-    def _arrived(self, p: int, arrays: list) -> None:
-        """Part `p` was mapped (`arrays`): what else its bytes serve (see `Ranged`)."""
-
-    def _forget_unhinted(self, now: int) -> None:
-        """Drop the maps of parts no hint keeps, oldest first, while the mapped parts exceed
-        `cache_limit`: a read across the whole dataset without the pipeline's hints (`verify`,
-        random access) keeps no more of it mapped than the cache holds (an evicted file's disk
-        space is freed only with its maps)."""
-        limit = self.cache.limit
-        if limit is None:
-            return
-        held = sum(self._parts[q].size for q in self._opened)
-        for q in [q for q in self._opened if q != now and self._parts[q].copy not in self._keep]:
-            if held <= limit:
-                break
-            held -= self._parts[q].size
-            del self._opened[q]
-
-    def held(self, arrays) -> np.ndarray:
-        """Which of `arrays` lie in parts mapped, or downloaded by a prefetch."""
-        opened, pending = self._opened, self._pending
-        return np.array([p in opened or arrived(pending.get(p)) for p in self._parts_of(arrays).tolist()], bool)
-
-    def units_of(self, arrays) -> tuple[np.ndarray, np.ndarray]:
-        """The parts (files, blocks) holding token arrays `arrays`, and their bytes: what the
-        cache fetches whole."""
-        parts = self._parts_of(arrays)
-        return parts, np.array([self._parts[p].size for p in parts.tolist()], np.int64)
-
-    def prefetch(self, needed, first: int | None = None, jobs=None) -> None:
-        """Fetch the files holding token arrays `needed` (in reading order) in the background,
-        as many as the cache holds ahead (`within_cache`); files no longer hinted are
-        unmapped, so eviction frees their space."""
-        holding = self._parts_of(needed)
-        number = first_numbers(holding, jobs)
-        ordered = list(dict.fromkeys(holding.tolist()))
-        parts = within_cache(ordered, lambda p: self._parts[p].size, self.cache.room())
-        with self._lock:
-            self._keep = frozenset(n for p in parts for n in (self._parts[p].copy, self._parts[p].fetched))
-            hinted = set(parts)
-            for p in [p for p in self._opened if p not in hinted]:
-                del self._opened[p]  # (views handed out stay valid; the file's space is freed with them)
-            for p in parts:
-                if p not in self._opened and p not in self._pending:
-                    self._pending[p] = self.cache.turns.submit(
-                        self._pool, lambda job, part=self._parts[p]: part.fetch(lambda: self._keep, True, job),
-                        number.get(p))
-
-    def close(self) -> None:
-        super().close()
-        self._opened.clear()
-        self._keep = frozenset()  # (a prefetch waiting for room stops)
-        pool = FetchedParts._pool.made(self)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def __reduce__(self):
-        return (_reopen_parted, (self.format, self.url, self._options, str(self.home)))
-
-    def __repr__(self) -> str:
-        return super().__repr__().replace(repr(str(self.path)), repr(self.url), 1)
 
 
 class Parted(FetchedParts):
@@ -367,6 +200,17 @@ class Parted(FetchedParts):
         self._each([p for p in self._parts if self._prints.waits(p.name)], lambda p: p.arrays(self._keep),
                    "fingerprint")
 
+    def _ranged(self) -> bool:
+        """Only uncompressed LitData chunks (`_Part.headed`) say where their tokens are in the
+        object itself; an MDS shard's or Arrow file's are read out of it."""
+        return bool(self._parts) and all(p.headed for p in self._parts)
+
+    def _array_at(self, k: int) -> tuple[str, int, str | None]:
+        """Token array `k` (a LitData chunk's one array): its chunk's object, the byte after its
+        head, and its ETag."""
+        part = self._parts[int(self._parts_of([k])[0])]
+        return part.name, part.head, part.tag
+
     def _validate(self) -> None:
         """Each file was checked by the local reader when its record was made."""
 
@@ -420,6 +264,13 @@ class _Part:
         reads it (`arrays`): an uncompressed LitData chunk (its item table is at its head),
         fingerprinted sampled. Its first epoch then fetches it once, not twice."""
         return self.owner.local.format == "litdata" and not self.compression and not self.owner._full
+
+    @property
+    def head(self) -> int:
+        """The bytes of a LitData chunk's head (its item count and table): its tokens follow."""
+        from forge_grain.stores.litdata import header_bytes
+
+        return header_bytes(f"{self.owner.url}/{self.name}", self._index["chunks"][0], self.size)
 
     def record(self) -> dict:
         with np.load(self.dir / "part.npz") as r:
@@ -581,12 +432,3 @@ def _name(part: _Part, record: dict) -> str:
     """The data file's name as the local reader's fingerprint takes it: a decompressed copy's
     for a compressed chunk (its record says), else the file's own."""
     return str(record["name"]) if "name" in record else part.local.name
-
-
-def _reopen_parted(format, url, options, home=None):
-    """The dataset at `url` opened again in another process (a spawned DataLoader worker), only
-    if it is still the one the pipeline opened (its listing names the same records)."""
-    store = TokenStore.open(url, **{**options, "format": format})
-    if home is not None and str(store.home) != home:
-        raise changed_under(url)
-    return store

@@ -33,18 +33,15 @@ import numpy as np
 from forge_grain.errors import StoreError
 from forge_grain.locks import file_lock
 from forge_grain.splits import select_split
-from forge_grain.processes import per_process
-from forge_grain.stores import checks, identify, step_reads
+from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
 from forge_grain.stores.blocks import fetch_cuts
 from forge_grain.stores.harvest import PRINTS, Prints
-from forge_grain.stores.mirror_parts import FetchedParts
+from forge_grain.stores.fetched_parts import FetchedParts
 from forge_grain.stores.download import SPLIT
-from forge_grain.stores.object_cache import ObjectCache, read_at_once, read_spans
+from forge_grain.stores.object_cache import ObjectCache, read_spans
 from forge_grain.stores.cache_room import read_copy
-from forge_grain.stores.document_ranges import DocumentRanges, token_spans
-from forge_grain.stores.remote_dir import check_unchanged, objects_at
-from forge_grain.stores.room_ahead import arrived
+from forge_grain.stores.remote_dir import objects_at
 
 RANGED = ("megatron", "raw")
 SCAN_PART = 8 << 20  # bytes of each ranged read while a raw file is scanned for its documents
@@ -169,57 +166,10 @@ class Ranged(FetchedParts):
             block = _Block(self, name, start + a * item, (b - a) * item)
             self.cache.derive(block.copy, block.size, functools.partial(tokens.write, block.start, block.size))
 
-    # -- the first step of a fresh window read in ranges ----------------------------------------
-
-    @per_process
-    def _ranges(self) -> DocumentRanges:
-        """This process's ranged reads ahead of the downloads (`document_ranges`: the budget, and
-        which step may read them)."""
-        return DocumentRanges(sum(b.size for b in self._parts), self.url)
-
-    def prefetch(self, needed, first: int | None = None, jobs=None) -> None:
-        """As `FetchedParts.prefetch`; `first`: the step the hinted steps start afresh at, which
-        may read its documents in ranges (`read_ranges`)."""
-        if first is not None:
-            self._ranges.first = first
-        super().prefetch(needed, first, jobs)
-
-    def may_read_ranges(self) -> bool:
-        """Whether the step this thread makes may read its documents in ranges: the first of a
-        fresh window of hints, budget left, no `cache_limit` (as a forge-grain store's, for the
-        same reason: the first step of a global shuffle reads a document or two of dozens of
-        blocks of 64 MiB)."""
-        return self.cache.limit is None and self._ranges.may(step_reads.step_now())
-
-    def read_ranges(self, spans: dict[int, list]) -> dict[int, list[np.ndarray]] | None:
-        """For the blocks of `spans` (block -> token spans [a, b) a step reads) still arriving:
-        the tokens of each span, read now in ranged GETs of the version the dataset was indexed
-        from, block -> arrays in `spans`' order; blocks here are left out. None: the step waits
-        for the downloads (a block no prefetch asked for, or ranges that cost more than the
-        wait, `DocumentRanges.take`). (No comparison once a block lands, as a forge-grain
-        shard's ranges have: both are read of the same version, checked the same way.)"""
-        with self._lock:
-            pending, opened = self._pending, self._opened
-            arriving = [k for k in spans if k not in opened and not arrived(pending.get(k))]
-            if not arriving or any(k not in pending for k in arriving):
-                return None
-        item, parts = self.dtype.itemsize, self._parts
-        joined = self._ranges.take({k: [(a * item, b * item) for a, b in spans[k]] for k in arriving},
-                                   sum(parts[k].size for k in arriving), step_reads.step_now())
-        if joined is None:
-            return None
-        order = [(k, a, b) for k, s in joined.items() for a, b in s]
-        names = {parts[k].name for k in joined}
-        conditions = {n: self.cache.conditional(self._tag(n)) for n in names}
-        data = read_at_once(self.cache, [(parts[k].name, parts[k].start + a, parts[k].start + b) for k, a, b in order],
-                            conditions)
-        for n in names:
-            if self._tag(n) is not None and conditions[n] is None:
-                check_unchanged(self.cache, n, self._tag(n))
-        got: dict[int, list] = {}
-        for (k, a, b), d in zip(order, data):
-            got.setdefault(k, []).append((a, b, d))
-        return token_spans(got, spans, arriving, self.dtype)
+    def _array_at(self, k: int) -> tuple[str, int, str | None]:
+        """Block `k`'s object, the byte it starts at there, and its ETag (the version indexed)."""
+        block = self._parts[k]
+        return block.name, block.start, self._tag(block.name)
 
     def _complete_prints(self) -> None:
         """The places of the fingerprints not seen in the blocks read so far, read now (`harvest`)."""
