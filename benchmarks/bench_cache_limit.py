@@ -17,8 +17,8 @@ fetched divided by the dataset's bytes; forge-grain's first open (which reads a 
 chunk's documents out of it, and a Megatron index) is shown apart from its epoch. A reader
 that fails, or hangs (no end of the epoch in `HUNG_S`), is recorded as such. Beside
 forge-grain's figures: its epoch's rate against the unbounded one (from the request, the open
-included: unbounded, a peer's dataset is copied at open), and the shuffle it keeps (documents
-of at most N files interleaved at a time). On 127.0.0.1 that rate measures the CPU the
+included: unbounded, an MDS dataset is copied at open), the shuffle it keeps (documents of at
+most N files interleaved at a time), and on the link its first batch from the request. On 127.0.0.1 that rate measures the CPU the
 server, the proxy and the loader share; with `--link` each epoch is read again through
 `shaped_link.py` straight to the server, and the rates are that link's. The server is
 `moto_server.py` (moto, its ranged GETs served at the cost of the range). Read flat out, a
@@ -153,16 +153,18 @@ def forge_grain(proxy, port: int, path: str, limit: int | None, work: Path, reac
         t = time.perf_counter()
         pipe = Pipeline(config, 0, 1, cache_dir=work / "plans")
         opened, open_s = served(proxy), time.perf_counter() - t
-        steps = 0
+        steps, first = 0, None
         for _ in pipe.iterator():
             steps += 1
+            first = first or time.perf_counter() - t
             if step_s:
                 time.sleep(step_s)
         seconds = time.perf_counter() - t  # (from the request: an unbounded peer's dataset is copied at open)
     except Exception as e:  # noqa: BLE001 (a failure is a result)
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     fit = pipe._sources[0].dataset.fitted
-    return {"open": opened, "epoch": served(proxy) - opened, "seconds": seconds, "open_s": open_s, "steps": steps,
+    return {"open": opened, "epoch": served(proxy) - opened, "seconds": seconds, "open_s": open_s, "first": first,
+            "steps": steps,
             "gets": asked(proxy) if reach is None else ASKED[0],
             "files_together": fit.files_together if fit is not None else None}
 
@@ -308,7 +310,7 @@ def main() -> None:
                     elif "error" in got:  # (its bytes stand; the note says what the link run did)
                         results[k]["link_error"] = got["error"]
                     else:
-                        results[k]["seconds"] = got["seconds"]
+                        results[k]["seconds"], results[k]["first"] = got["seconds"], got.get("first")
                         if kind == "fg":  # (its GETs on the link: counted by the reader)
                             results[k]["gets"] = got["gets"]
             if kind == "fg" and reach:  # more rounds on the link, the limits in turn
@@ -318,6 +320,7 @@ def main() -> None:
                         if "error" in got:  # (its note says what the link run did)
                             results[k]["link_error"] = got["error"]
                         results[k].setdefault("rounds", [results[k].get("seconds")]).append(got.get("seconds"))
+                        results[k].setdefault("firsts", [results[k].get("first")]).append(got.get("first"))
             lines.append(f"  {label:<36}" + "".join(f"{cell(results[k], size):>18}" for k in LIMITS))
             print(lines[-1], flush=True)
             for k, r in results.items():
@@ -334,6 +337,11 @@ def main() -> None:
                              + ", ".join(f"{results[k]['files_together']} files" for k in LIMITS if k)
                              + " interleaved at a time")
                 print(notes[-1], flush=True)  # (as soon as it is known: a peer's run may hang for minutes)
+                if reach:
+                    notes.append(f"  {label}: first batch from the request (the open included) " + ", ".join(
+                        f"{median(r.get('firsts', [r['first']])):.2f} s {f'at {k} files' if k else 'unbounded'}"
+                        for k, r in results.items()) + (" (medians)" if a.rounds > 1 else ""))
+                    print(notes[-1], flush=True)
             elif kind != "fg" and reach and all("seconds" in r for r in results.values()):
                 notes.append(f"  {label}: an epoch from the request, " + ", ".join(
                     f"{r['seconds']:.2f} s {f'at {k} files' if k else 'unbounded'}" for k, r in results.items()))

@@ -99,7 +99,7 @@ class FetchedParts(TokenStore):
         fresh window of hints, budget left, no `cache_limit` (as a forge-grain store's, for the
         same reason: the first step of a global shuffle reads a document or two of dozens of
         files or blocks, each downloaded whole)."""
-        return self.cache.limit is None and self._ranged() and self._ranges.may(step_reads.step_now())
+        return self.cache.limit is None and self._ranges.may(step_reads.step_now()) and self._ranged()
 
     def read_ranges(self, spans: dict[int, list]) -> dict[int, list[np.ndarray]] | None:
         """For the token arrays of `spans` (array -> token spans [a, b) a step reads) whose parts
