@@ -2036,6 +2036,32 @@ def test_compressed_litdata_chunks_read_a_file_at_a_time_stay_within_cache_limit
         p.name.startswith("plain-") for p in remote.cache.dir.rglob("chunk-0-*.bin"))  # compressed copies gone
 
 
+def test_compressed_litdata_chunks_without_cache_limit_are_each_fetched_once(tmp_path, s3, monkeypatch):
+    """Without a cache_limit a LitData dataset is read a chunk at a time too; its compressed
+    chunks say nothing of their documents in their heads, so the first open fetches and
+    decompresses each one in the cache (once: the reads and a reopen in another process fetch
+    nothing more, and no compressed copy stays), and the documents and the fingerprint are the
+    local dataset's. Its first batch waits for its chunks: no ranges of compressed bytes."""
+    monkeypatch.setenv("FORGE_GRAIN_CACHE", str(tmp_path / "cache"))
+    import pickle
+
+    packed, index = zstd_litdata(tmp_path, s3)
+    s3.proxy.clear()
+    remote = TokenStore.open("s3://peers/litdata-zstd", storage_options=s3.options(via_proxy=True),
+                             object_cache=str(tmp_path / "objects"))
+    chunks = {f"/peers/litdata-zstd/{c['filename']}": (packed / c["filename"]).stat().st_size for c in index["chunks"]}
+    assert {p: s3.proxy.sent.get(p) for p in chunks} == chunks  # each whole, once, at the open
+    local = TokenStore.open(packed)
+    assert remote.fingerprint == local.fingerprint and len(remote) == len(local)
+    for i in range(len(local)):
+        assert np.array_equal(remote[i], local[i]), i
+    again = pickle.loads(pickle.dumps(remote))  # as a DataLoader worker reopens it
+    assert np.array_equal(again[len(local) - 1], local[len(local) - 1])
+    assert {p: s3.proxy.sent.get(p) for p in chunks} == chunks  # nothing fetched again
+    assert not remote._ranged()  # (its first step waits for its chunks: no ranges of compressed bytes)
+    assert all(p.name.startswith("plain-") for p in remote.cache.dir.rglob("chunk-0-*.bin"))  # compressed copies gone
+
+
 def test_a_prefetch_with_no_room_to_decompress_a_chunk_leaves_it_to_the_read(tmp_path, s3):
     """A prefetch of a compressed chunk decompresses it where the cache has room beside the
     copies the next steps read; where it has not, the compressed copy waits for the read, which
