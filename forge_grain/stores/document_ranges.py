@@ -70,6 +70,19 @@ def token_spans(got: dict[int, list], spans: dict[int, list], keys, dtype) -> di
     return out
 
 
+def read_joined(cache, joined: dict[int, list], where, conditions=None) -> dict[int, list]:
+    """Byte spans of shards or token arrays (`joined`: key -> [(a, b)]) read at once, each of
+    the object `where(k)` names from the byte it gives: key -> [(a, b, bytes)].
+    `conditions`: `read_at_once`'s, by object."""
+    order = [(k, a, b) for k, s in joined.items() for a, b in s]
+    at = {k: where(k) for k in joined}
+    data = read_at_once(cache, [(at[k][0], at[k][1] + a, at[k][1] + b) for k, a, b in order], conditions)
+    got: dict[int, list] = {}
+    for (k, a, b), d in zip(order, data):
+        got.setdefault(k, []).append((a, b, d))
+    return got
+
+
 class DocumentRanges:
     """One process's ranged reads of a store's shards ahead of their downloads: what is left
     of its budget, and the sha256 of each range not yet compared with its shard."""
@@ -109,11 +122,7 @@ class DocumentRanges:
         """Byte spans of shards (`joined`: shard -> [(a, b)], from `take`), read at once:
         shard -> [(a, b, bytes)]. `name_of(k)`: the shard's object; `copy_of(k)`: the path of
         its checked copy, where it landed meanwhile (the ranges are compared with it now)."""
-        order = [(k, a, b) for k, s in joined.items() for a, b in s]
-        data = read_at_once(cache, [(name_of(k), a, b) for k, a, b in order])
-        got: dict[int, list] = {}
-        for (k, a, b), d in zip(order, data):
-            got.setdefault(k, []).append((a, b, d))
+        got = read_joined(cache, joined, lambda k: (name_of(k), 0))
         records = {k: [(a, b, hashlib.sha256(d).digest()) for a, b, d in reads] for k, reads in got.items()}
         with self._lock:
             now = [k for k in records if k in self._landed]

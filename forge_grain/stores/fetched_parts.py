@@ -16,9 +16,9 @@ import numpy as np
 from forge_grain.processes import per_process
 from forge_grain.stores import step_reads
 from forge_grain.stores.base import TokenStore
-from forge_grain.stores.document_ranges import DocumentRanges, token_spans
+from forge_grain.stores.document_ranges import DocumentRanges, read_joined, token_spans
 from forge_grain.stores.mapping import Maps
-from forge_grain.stores.object_cache import read_at_once, within_cache
+from forge_grain.stores.object_cache import within_cache
 from forge_grain.stores.remote_dir import changed_under, check_unchanged
 from forge_grain.stores.request_pool import OBJECTS
 from forge_grain.stores.room_ahead import arrived, first_numbers
@@ -121,16 +121,12 @@ class FetchedParts(TokenStore):
                                    step_reads.step_now())
         if joined is None:
             return None
-        order = [(k, a, b) for k, s in joined.items() for a, b in s]
         tags = {name: tag for name, _, tag in at.values()}
         conditions = {name: self.cache.conditional(tag) for name, tag in tags.items()}
-        data = read_at_once(self.cache, [(at[k][0], at[k][1] + a, at[k][1] + b) for k, a, b in order], conditions)
+        got = read_joined(self.cache, joined, lambda k: at[k][:2], conditions)
         for name, tag in tags.items():
             if tag is not None and conditions[name] is None:
                 check_unchanged(self.cache, name, tag)
-        got: dict[int, list] = {}
-        for (k, a, b), d in zip(order, data):
-            got.setdefault(k, []).append((a, b, d))
         return token_spans(got, spans, arriving, self.dtype)
 
     def _parts_of(self, arrays) -> np.ndarray:
