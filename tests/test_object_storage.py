@@ -1749,13 +1749,18 @@ def test_a_litdata_dataset_under_a_cache_limit_opens_from_its_chunk_heads(tmp_pa
     assert chunks(s3.proxy.sent) == heads + sum(sizes)
 
 
-def test_a_litdata_chunk_opened_from_its_head_keeps_the_local_checks(tmp_path, s3, peers):
-    """What the local reader refuses in a LitData dataset is refused under a cache_limit too,
-    naming the object: a damaged item table, a chunk cut short or really Parquet, a declared
-    dtype the index contradicts, or an index whose item count the chunk cannot hold at the open
-    (no more than its head read; a count of 10**15, or of -3, reads nothing), a token id past
-    the declared vocabulary when the epoch reaches that chunk."""
-    fs, opts = s3.fs(), dict(storage_options=s3.options(via_proxy=True), cache_limit=200_000)
+@pytest.mark.parametrize("limit", [200_000, None])
+def test_a_litdata_chunk_opened_from_its_head_keeps_the_local_checks(tmp_path, s3, peers, limit):
+    """What the local reader refuses in a LitData dataset is refused at a URL too, with a
+    cache_limit or without one (read a chunk at a time either way), naming the object: a
+    damaged item table, a chunk cut short or really Parquet, a declared dtype the index
+    contradicts, or an index whose item count the chunk cannot hold at the open (no more than
+    its head read; a count of 10**15, or of -3, reads nothing), a token id past the declared
+    vocabulary when the epoch reaches that chunk."""
+    fs, opts = s3.fs(), dict(storage_options=s3.options(via_proxy=True), cache_limit=limit)
+    for made in ("lit-table", "lit-count", "lit-cut", "lit-parquet"):  # (by the other case: put afresh)
+        if fs.exists(f"peers/{made}"):
+            fs.rm(f"peers/{made}", recursive=True)
     sizes, _ = litdata_chunks(peers["litdata"])
     local = TokenStore.open(peers["litdata"])
 
