@@ -61,22 +61,29 @@ class WindowOrder:
 
     def _rows_in_window(self, e: int, w: int, local) -> np.ndarray:
         """Plan rows of positions `local` among window w's rows in epoch e."""
-        key, m, cum, first, perm = self._window(e, w)
-        return kernels.window_rows(np.asarray(local, np.int64), m, key, perm, cum, first)
+        key, m, cum, first, table = self._window(e, w)
+        if len(table):  # (a window shuffled exactly: its rows found once, `_window`)
+            return table[local]
+        return kernels.window_rows(np.asarray(local, np.int64), m, key, table, cum, first)
 
     def _window(self, e: int, w: int) -> tuple:
         """Window w of epoch e: its shuffle key, row count, its chunks' cumulative rows and
-        first plan rows, and its rows' shuffle where `epoch_rows` would build it on every
-        call (cached: every batch of the window asks; building the shuffle of a window of
-        4,000 rows for each batch was a tenth of an epoch under a `cache_limit`)."""
+        first plan rows, and, where `epoch_rows` would build its shuffle on every call, the
+        plan row of each of its positions (cached: every batch of the window asks; building
+        the shuffle of a window of 4,000 rows for each batch was a tenth of an epoch under a
+        `cache_limit`, and finding a batch's rows through it in a compiled call a twentieth
+        of the consumer's time, against a lookup in this table)."""
         cached = self._window_parts.get((e, w))
         if cached is None:
             order, starts, firsts = self._epoch_windows(e)
             chunks = order[w * self.window : (w + 1) * self.window]
             cum = np.concatenate([[0], np.cumsum(self.chunk_rows[chunks])])
             key, m = stream_key("window", self.seed_key, e, w), int(starts[w + 1] - starts[w])
-            perm = kernels.epoch_permutation(m, key, 0) if m <= kernels.EXACT_SHUFFLE_MAX else np.zeros(0, np.int64)
-            cached = (key, m, cum.astype(np.int64), firsts[chunks].astype(np.int64), perm)
+            cum, first, table = cum.astype(np.int64), firsts[chunks].astype(np.int64), np.zeros(0, np.int64)
+            if m <= kernels.EXACT_SHUFFLE_MAX:
+                perm = kernels.epoch_permutation(m, key, 0)
+                table = kernels.window_rows(np.arange(m, dtype=np.int64), m, key, perm, cum, first)
+            cached = (key, m, cum, first, table)
             if len(self._window_parts) > 64:
                 self._window_parts = {}
             self._window_parts[(e, w)] = cached
