@@ -870,18 +870,21 @@ def test_a_closed_iterator_stops_the_downloads_ahead_it_asked_for(tmp_path, s3, 
                                   object_cache=str(tmp_path / "objects"))), 0, 1)
     it = pipe.iterator()
     next(it)
-    hinted = len(pipe.datasets[0].store._keep)
-    it.close()
 
     def fetched():
         return {path for method, path in s3.proxy.seen if method == "GET" and "/closing/" in path and
                 path.endswith(".bin")}
 
+    hinted, before = len(pipe.datasets[0].store._keep), fetched()
+    it.close()
     seen, deadline = None, time.monotonic() + 30
     while fetched() != seen and time.monotonic() < deadline:  # until no new shard for a second
         seen = fetched()
         time.sleep(1.0)
-    assert hinted >= 20 and len(seen) <= 8, (hinted, len(seen))  # (the first batch's, and two running)
+    # (at the close, at most the two slots' downloads had begun and not yet been seen; the
+    # shards begun before it depend on how far the downloads ahead got while the first batch
+    # was read: 6-9 under load)
+    assert hinted >= 20 and len(seen - before) <= 2 and len(seen) < hinted // 2, (hinted, len(before), len(seen))
     assert not pipe.datasets[0].store._keep
     again = pipe.iterator()  # a new iterator tells its own hints again, and reads as before
     got = [next(again) for _ in range(3)]
