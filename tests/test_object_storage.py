@@ -884,7 +884,7 @@ def test_a_closed_iterator_stops_the_downloads_ahead_it_asked_for(tmp_path, s3, 
     # (at the close, at most the two slots' downloads had begun and not yet been seen; the
     # shards begun before it depend on how far the downloads ahead got while the first batch
     # was read: 6-9 under load)
-    assert hinted >= 20 and len(seen - before) <= 2 and len(seen) < hinted // 2, (hinted, len(before), len(seen))
+    assert hinted >= 20 and len(seen - before) <= 2, (hinted, len(before), len(seen))
     assert not pipe.datasets[0].store._keep
     again = pipe.iterator()  # a new iterator tells its own hints again, and reads as before
     got = [next(again) for _ in range(3)]
