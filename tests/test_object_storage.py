@@ -623,6 +623,23 @@ def test_an_object_fetched_ahead_alone_is_read_in_whole_rounds_of_the_request_th
     assert -(-24_746_264 // whole_rounds(24_746_264, PART_LONE, 32)) == 32  # (48 parts of 512 KiB before)
 
 
+def test_an_object_fetched_ahead_is_cut_into_even_parts_with_no_sliver_at_the_end():
+    """An object is cut into parts of one size, as many as its size over the part asked for,
+    rounded to the nearest: a Megatron block of 3.09 MB cut at 0.94 MB was four GETs, the
+    last of 0.27 MB (a whole request's first-byte wait and CPU for a sliver); now three."""
+    from forge_grain.stores.download import BLOCK, even_parts
+
+    assert -(-3_090_000 // even_parts(3_090_000, 940_000)) == 3
+    for size in (1, 1000, 3_090_000, 24_746_264, 400_000_000):
+        for part in (1, 262_144, 940_000, 1 << 20, 5 << 20, BLOCK):
+            got = even_parts(size, part)
+            parts = -(-size // got)
+            assert parts == max(int(size / part + 0.5), 1) or got == BLOCK, (size, part)  # (halves up)
+            assert got * (parts - 1) < size <= got * parts  # (every part one size but the last, short by < parts)
+            assert size - got * (parts - 1) > got - parts
+            assert got <= BLOCK
+
+
 @pytest.mark.parametrize("refused", [False, True])
 def test_a_download_starts_writing_each_part_to_disk_as_it_arrives(tmp_path, s3, monkeypatch, refused):
     """Each part of a download is handed to the kernel's writeback as it is written
@@ -734,10 +751,11 @@ def test_a_prefetch_under_a_large_cache_limit_is_cut_into_fewer_parts(tmp_path, 
     unbounded, workers = part(None)
     assert part(IN_FLIGHT * workers * unbounded)[0] == unbounded
     large = 4 * size
-    assert part(large)[0] == large // (IN_FLIGHT * workers) > unbounded
+    share = large // (IN_FLIGHT * workers)
+    assert share <= part(large)[0] <= share + 1 and share > unbounded  # (the share, cut evenly: `even_parts`)
     slow, _ = part(large, mbps=2.0)
     assert part(None, mbps=2.0)[0] < slow <= 2e6 * ROOM_PARTS * PART_SECONDS < large // (IN_FLIGHT * workers)
-    assert part(1 << 40, mbps=200.0)[0] == BLOCK  # (never more than one read holds)
+    assert part(1 << 40, mbps=200.0)[0] == -(-size // 3) <= BLOCK  # (never more than one read holds; three even parts)
 
 
 def test_fetch_threads_set_in_a_toml_config_bound_the_reads_in_flight(tmp_path, s3, local_stores, monkeypatch):
