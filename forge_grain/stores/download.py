@@ -274,9 +274,10 @@ class Download:
         stays full and the request threads grow (one 24.7 MB shard at a time behind a link of
         10 MB/s a connection: 1 MiB parts kept 16 connections busy, not the 32 the pool grew
         to); once the pool has stopped growing, in whole rounds of its threads (`whole_rounds`).
-        Never smaller than what a connection carries in PART_SECONDS, nor, under a cache_limit,
-        than the limit's share for each request thread (`IN_FLIGHT`; that share no more than
-        ROOM_PARTS such parts)."""
+        Asked no smaller than what a connection carries in PART_SECONDS, nor, under a
+        cache_limit, than the limit's share for each request thread (`IN_FLIGHT`; that share no
+        more than ROOM_PARTS such parts), then cut evenly (`even_parts`: each part between three
+        quarters and one and a half of the size asked, or the whole object where it is smaller)."""
         c = self.cache
         workers = max(SPLIT, c.requests.workers)
         even = -(-size // workers)
