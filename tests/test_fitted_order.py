@@ -865,6 +865,61 @@ def test_the_rest_of_a_prefetch_the_cache_cannot_hold_yet_arrives_meanwhile_and_
     assert served(s3) == size and cache.used() <= limit
 
 
+def test_a_prefetch_waiting_for_room_takes_what_another_process_frees_without_asking_again_meanwhile(
+        tmp_path, s3, stores):
+    """A prefetch fetched as far as the cache holds it, waiting beside a copy still hinted and a
+    download of another process that holds room, does not take the cache's lock every few
+    milliseconds while nothing changes (asked every 10 ms, it cost a LitData epoch at two
+    chunks' worth 72-114 ms of a download thread's CPU beside the reader); once that other
+    process gives its room back, the prefetch takes it and finishes, soon."""
+    from forge_grain.stores.object_cache import ObjectCache
+
+    local = stores["bin"]
+    a, b = sorted(f.name for f in Path(local).iterdir() if f.suffix == ".bin")[5:7]
+    size = (Path(local) / b).stat().st_size
+    limit = (Path(local) / a).stat().st_size + size + size // 8
+    cache = ObjectCache("s3://fit/bin", s3.options(via_proxy=True), tmp_path / "objects", limit)
+    copy = lambda name: f"m/{name}"  # noqa: E731
+    cache.get(a, copy(a))
+    script = (f"import sys\nfrom forge_grain.files import temporary\n"
+              f"from forge_grain.stores.object_cache import ObjectCache\n"
+              f"c = ObjectCache('s3://fit/bin', {{}}, {str(tmp_path / 'objects')!r}, {limit})\n"
+              f"tmp = temporary(c.dir / 'm' / 'other.bin')\n"
+              f"assert c._make_room({size // 2}, set(), tmp, ahead=False)  # (as a download of it does)\n"
+              f"print('held', flush=True)\nsys.stdin.readline()\nc._forget(tmp)\nprint('freed', flush=True)\n")
+    other = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    hinted, got, asks = {copy(a), copy(b)}, {}, []
+    try:
+        assert other.stdout.readline().strip() == "held", other.stderr.read()[-2000:]
+        make_room = cache._make_room
+        cache._make_room = lambda *args, **kw: asks.append(time.monotonic()) or make_room(*args, **kw)
+        waiting = threading.Thread(target=lambda: got.update(b=cache.get(b, copy(b), upcoming=lambda: hinted,
+                                                                          ahead=True)), daemon=True)
+        waiting.start()
+        for _ in range(500):  # all of it arrives (the rest held in memory), though the cache has room for part
+            if served(s3) >= size:
+                break
+            time.sleep(0.01)
+        time.sleep(0.1)
+        before = len(asks)
+        time.sleep(1.0)
+        assert waiting.is_alive() and not (cache.dir / copy(b)).exists()  # (it waits: there is no room)
+        assert len(asks) - before <= 6, len(asks) - before  # (every 10 ms: about 100)
+        freed = time.monotonic()
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "freed", other.stderr.read()[-2000:]
+        waiting.join(30)
+        assert not waiting.is_alive() and got["b"] == cache.dir / copy(b)
+        assert time.monotonic() - freed < 5
+        assert asks[-1] - freed < 0.2  # (the room was taken at the first look after it was given back)
+    finally:
+        hinted.clear()
+        other.kill()
+    assert got["b"].read_bytes() == (Path(local) / b).read_bytes() and cache.used() <= limit
+
+
 def test_a_step_across_a_shard_boundary_lets_the_shard_it_leaves_go_before_it_waits_for_the_next(
         tmp_path, s3, stores):
     """A step of the read order that fits the cache may read the last rows of one shard and the

@@ -175,7 +175,8 @@ class CacheRoom:
                     return True
                 downloading = self._downloading(self._name(reserve) if held else None)
                 # the ledger may count files gone: count once more, for a read needed now (a prefetch waiting
-                # for room asks every 10 ms: a store at two files' worth walked and rewrote it 130 times an epoch)
+                # for room asks again whenever the ledger changes: a store at two files' worth walked and
+                # rewrote it 130 times an epoch)
                 if not downloading and not walked and not ahead:
                     self.ledger.rebuild()
                     walked = True

@@ -4,14 +4,17 @@ it (`Turns`), and a prefetch fetched as far as the cache holds it (`Partial`), t
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
 from forge_grain.processes import EXITING
 
-GROW_POLL_S = 0.01  # how often a partial prefetch looks for room (a lock and the ledger's tail)
+GROW_POLL_S = 0.01  # how often a partial prefetch looks whether the room may have changed (two stats)
+GROW_ANYWAY_S = 0.25  # how often it asks for room though nothing it watches changed (copies removed by hand)
 
 
 def first_numbers(needed, jobs) -> dict:
@@ -139,6 +142,7 @@ class Partial:
         self.cache, self.copy, self.tmp, self.held, self.size, self.keep = cache, copy, tmp, held, size, keep
         self.marker = cache._hurry_marker(copy)
         self._counted = True  # (in `cache.turns`, by `_partial`)
+        self._seen, self._asked = None, 0.0  # (what `_news` said when room was last asked for, and when)
 
     def hurried(self) -> bool:
         return self.marker.exists()
@@ -148,11 +152,29 @@ class Partial:
         interpreter exits: then what it fetched is dropped)."""
         return self.hurried() or (self.copy in self.keep() and not EXITING.is_set())
 
+    def _news(self) -> tuple:
+        """What decides whether the rest fits: the hints, the word that it is needed now, and the
+        ledger, which every change of the cache's bytes by any process appends to (or rewrites)."""
+        try:
+            st = os.stat(self.cache.ledger.path)
+            ledger = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            ledger = None
+        return self.hurried(), frozenset(self.keep()), ledger
+
     def try_grow(self) -> bool:
         """Whether the rest's room is reserved: now, evicting none of the copies the next steps
-        read unless it is needed now (then it waits for room as such a fetch does)."""
+        read unless it is needed now (then it waits for room as such a fetch does). Room is
+        asked for only when something it depends on changed (`_news`), or `GROW_ANYWAY_S`
+        after the last ask: asked every `GROW_POLL_S`, under the cache's lock, a LitData
+        dataset at two chunks' worth spent 72-114 ms an epoch of a download thread's CPU
+        beside the reader on 182-244 asks, nearly all finding what the one before found."""
         if self.held < self.size:
-            hurried = self.hurried()
+            news, now = self._news(), time.monotonic()
+            if news == self._seen and now - self._asked < GROW_ANYWAY_S:
+                return False
+            self._seen, self._asked = news, now
+            hurried = news[0]
             if not self.cache._make_room(self.size - self.held, self.keep(), self.tmp, ahead=not hurried,
                                          held=self.held):
                 return False
