@@ -14,6 +14,9 @@ import numpy as np
 from forge_grain.packing import kernels
 from forge_grain.packing.plans import stream_key
 
+TABLE_ROWS = 1 << 21  # the most rows of a window given a table of its plan rows once read enough (16 MB)
+TABLED_ROWS = 4 * TABLE_ROWS  # the most rows all of a dataset's tables hold together
+
 
 class WindowOrder:
     """Plan rows <-> positions in an epoch, for windows of `window` chunks."""
@@ -22,6 +25,7 @@ class WindowOrder:
         self.chunk_rows, self.num_rows, self.window, self.seed_key = chunk_rows, num_rows, window, seed_key
         self._windows: dict = {}  # epoch -> its chunk order and window starts (`_epoch_windows`)
         self._window_parts: dict = {}  # (epoch, window) -> what its rows are found from (`_window`)
+        self._asked: dict = {}  # (epoch, window) -> rows found of it while it had no table
         self._last = (0, 0, 0, 0)  # the indices [a, b) of the window read last, its epoch and number
 
     def rows(self, idx: np.ndarray, first: int, last: int) -> np.ndarray:
@@ -60,11 +64,30 @@ class WindowOrder:
         return out
 
     def _rows_in_window(self, e: int, w: int, local) -> np.ndarray:
-        """Plan rows of positions `local` among window w's rows in epoch e."""
+        """Plan rows of positions `local` among window w's rows in epoch e: from its table, once
+        an eighth of its rows were found without one (a table costs ~50 ns a row to build, a
+        compiled call ~4 us a batch: 6 us a batch against 1.5 for the global shuffle, an
+        eighth of a second in a LitData epoch of 12,090 batches under a `cache_limit`). A
+        window read here and there (random access, a resume) is not tabled whole."""
         key, m, cum, first, table = self._window(e, w)
-        if len(table):  # (a window shuffled exactly: its rows found once, `_window`)
+        if not len(table) and m <= TABLE_ROWS:
+            asked = self._asked.get((e, w), 0) + len(local)
+            self._asked[(e, w)] = asked
+            if asked * 8 >= m:
+                table = self._table(e, w)
+        if len(table):  # (a window shuffled exactly has one from the start, `_window`)
             return table[local]
         return kernels.window_rows(np.asarray(local, np.int64), m, key, table, cum, first)
+
+    def _table(self, e: int, w: int) -> np.ndarray:
+        """Window w of epoch e's plan row at each of its positions, kept with its parts (those
+        of other windows dropped where all would hold more than `TABLED_ROWS`)."""
+        key, m, cum, first, _ = self._window(e, w)
+        table = kernels.window_rows(np.arange(m, dtype=np.int64), m, key, np.zeros(0, np.int64), cum, first)
+        if sum(len(parts[4]) for parts in self._window_parts.values()) + m > TABLED_ROWS:
+            self._window_parts, self._asked = {}, {}
+        self._window_parts[(e, w)] = (key, m, cum, first, table)
+        return table
 
     def _window(self, e: int, w: int) -> tuple:
         """Window w of epoch e: its shuffle key, row count, its chunks' cumulative rows and
@@ -85,7 +108,7 @@ class WindowOrder:
                 table = kernels.window_rows(np.arange(m, dtype=np.int64), m, key, perm, cum, first)
             cached = (key, m, cum, first, table)
             if len(self._window_parts) > 64:
-                self._window_parts = {}
+                self._window_parts, self._asked = {}, {}
             self._window_parts[(e, w)] = cached
         return cached
 
