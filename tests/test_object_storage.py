@@ -630,11 +630,12 @@ def test_an_object_fetched_ahead_is_cut_into_even_parts_with_no_sliver_at_the_en
     from forge_grain.stores.download import BLOCK, even_parts
 
     assert -(-3_090_000 // even_parts(3_090_000, 940_000)) == 3
-    for size in (1, 1000, 3_090_000, 24_746_264, 400_000_000):
+    assert even_parts(int(2.05 * BLOCK), BLOCK) == -(-int(2.05 * BLOCK) // 3)  # (not two of BLOCK and a sliver)
+    for size in (1, 1000, 3_090_000, 24_746_264, int(2.05 * BLOCK), 400_000_000):
         for part in (1, 262_144, 940_000, 1 << 20, 5 << 20, BLOCK):
             got = even_parts(size, part)
             parts = -(-size // got)
-            assert parts == max(int(size / part + 0.5), 1) or got == BLOCK, (size, part)  # (halves up)
+            assert parts == max(int(size / part + 0.5), 1, -(-size // BLOCK)), (size, part)  # (halves up)
             assert got * (parts - 1) < size <= got * parts  # (every part one size but the last, short by < parts)
             assert size - got * (parts - 1) > got - parts
             assert got <= BLOCK

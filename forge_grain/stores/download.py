@@ -293,15 +293,16 @@ class Download:
 
 def even_parts(size: int, part: int) -> int:
     """Parts of about `part` bytes for `size` bytes, all of one size: as many as `size / part`
-    rounded to the nearest (one at least), not up. A last part of a sliver is a request of
-    its own (its wait for the first byte, its CPU at the client and at the server). A
-    Megatron file's blocks of 3.09 MB at a cache_limit of 2 files' worth: once the client,
-    the server and the link were busy, a connection carried 0.91-0.96 MB in PART_SECONDS,
-    and each block took four GETs (the last of 0.2 MB), 495-583 an epoch; cut evenly,
-    three. Two cores, 30 ms and 10 MB/s a connection, two runs of each version in turn, 5
+    rounded to the nearest (one at least), not up, but never fewer than BLOCK allows (cut
+    at BLOCK instead, 2.05 BLOCK was two whole parts and a sliver). A last part of a sliver
+    is a request of its own (its wait for the first byte, its CPU at the client and at the
+    server). A Megatron file's blocks of 3.09 MB at a cache_limit of 2 files' worth: once
+    the client, the server and the link were busy, a connection carried 0.91-0.96 MB in
+    PART_SECONDS, and each block took four GETs (the last of 0.2 MB), 495-583 an epoch;
+    cut evenly, three. Two cores, 30 ms and 10 MB/s a connection, two runs of each version in turn, 5
     rounds a run: a median 439 GETs against 489, the bounded epoch 3.37 s against 3.54 s
     (0.93x the unbounded rate against 0.84x)."""
-    return min(BLOCK, -(-size // max(1, int(size / part + 0.5))))
+    return -(-size // max(1, int(size / part + 0.5), -(-size // BLOCK)))
 
 
 def whole_rounds(size: int, part: int, workers: int) -> int:
