@@ -174,8 +174,8 @@ class Partial:
             if news == self._seen and now - self._asked < GROW_ANYWAY_S:
                 return False
             self._seen, self._asked = news, now
-            hurried = news[0]
-            if not self.cache._make_room(self.size - self.held, self.keep(), self.tmp, ahead=not hurried,
+            hurried, upcoming, _ = news  # (asked with the hints it recorded)
+            if not self.cache._make_room(self.size - self.held, upcoming, self.tmp, ahead=not hurried,
                                          held=self.held):
                 return False
             self.held = self.size
