@@ -722,6 +722,44 @@ def test_an_object_fetched_ahead_is_cut_into_parts_that_a_connection_carries_in_
     assert ObjectCache("s3://bucket/other", s3.options(), tmp_path).carried is carried  # (the same link)
 
 
+def test_under_a_cache_limit_reads_slowed_by_a_busy_cpu_for_good_do_not_cut_the_prefetch_finer(tmp_path, s3,
+                                                                                                monkeypatch):
+    """Under a cache_limit the next file is fetched beside the reader the whole epoch, so every
+    recent read was timed on a busy CPU, and a read's time counts its first byte: the smaller
+    the parts, the less a connection is seen to carry, so the smaller the next parts. On two
+    cores shared with the server a LitData dataset at 2 chunks' worth fell to parts of
+    0.57-0.8 MB, 500-780 GETs an epoch (410 unbounded), and rounds at 0.73-0.80x the
+    unbounded rate. There a part fetched ahead is at least twice what a connection carried in
+    PART_SECONDS, up to PART_AHEAD; a link that binds (2 MB/s a connection) keeps the parts
+    its request threads call for."""
+    from forge_grain.stores import request_pool
+    from forge_grain.stores.download import PART_AHEAD, Download
+    from forge_grain.stores.object_cache import ObjectCache
+
+    monkeypatch.setattr(request_pool, "_REQUESTS", {})  # this test's own pool: nothing read yet
+    size = 24_746_264
+
+    def parts(limit: int | None, mbps: float, slower: float = 1.0) -> int:
+        """Parts of an object of `size` fetched ahead alone, once 8 such objects came through a
+        link of 30 ms and `mbps` a connection, each read `slower` times its time."""
+        monkeypatch.setattr(request_pool, "_CARRIED", {})  # (its own link: nothing read yet)
+        cache = ObjectCache("s3://bucket/bin", s3.options(), tmp_path / f"{limit}-{mbps}-{slower}", limit=limit)
+        cache.requests.growth.workers = request_pool.BOUND  # (grown: the limit's share is below the parts)
+        ahead = Download(cache, "x", tmp_path / "x", None, size, frozenset, True, None, 0, None)
+        cache._in_flight[1] = 1  # (one download running: this one, alone)
+        for _ in range(8):
+            part = ahead._part_size(size, False)
+            for _ in range(-(-size // part)):
+                cache.carried.read(part, slower * (0.03 + part / (mbps * 1e6)))
+        return -(-size // ahead._part_size(size, False))
+
+    two = 2 * size  # (two files' worth)
+    assert parts(two, 10.0, slower=2.0) == -(-size // PART_AHEAD)  # (47 before: parts of PART_LONE)
+    assert parts(two, 10.0) <= -(-size // PART_AHEAD)  # (reads at the link's own pace: as before)
+    assert parts(two, 2.0) >= 32 > -(-size // PART_AHEAD)  # (the link binds: every request thread on it)
+    assert parts(None, 10.0, slower=2.0) > parts(two, 10.0, slower=2.0)  # (unbounded: as before)
+
+
 def test_a_prefetch_under_a_large_cache_limit_is_cut_into_fewer_parts(tmp_path, s3, monkeypatch):
     """Under a cache_limit, a part fetched ahead is at least cache_limit / (IN_FLIGHT * request
     threads): with a part on every thread, that share of the cache is in flight, the rest holds
