@@ -62,8 +62,10 @@ PART_SECONDS = 0.15
 # dataset at 2 chunks' worth (two cores shared with the server, 30 ms and 10 MB/s a connection) fell
 # to parts of 0.57-0.8 MB, 500-780 GETs an epoch against 410 unbounded, and rounds at 0.73-0.80x the
 # unbounded rate. There a part fetched ahead is at least BUSY_READS times what a connection carried
-# (up to PART_AHEAD): 417 GETs, and 0.91-0.96x against 0.83-0.97x in the same runs (a link that binds,
-# 2 MB/s a connection, still carries under half a MiB in PART_SECONDS: its parts stay as they were)
+# (up to PART_AHEAD): 417 GETs, and 0.91-0.96x against 0.83-0.97x in the same runs. A link that binds
+# (2 MB/s a connection) carries about a quarter of a MiB in PART_SECONDS, twice that about PART_LONE:
+# its parts stay about as they were (734 GETs against 769, 0.99x both); a flat floor of PART_AHEAD
+# there left threads idle that the link needed (0.76-0.81x)
 BUSY_READS = 2
 # under a cache_limit, a part fetched ahead is at least cache_limit / (IN_FLIGHT * request threads):
 # with a part on every thread, 1 / IN_FLIGHT of the cache is in flight, and the rest holds the window
