@@ -83,6 +83,24 @@ def test_changing_a_small_fraction_of_a_file_changes_its_fingerprint(tmp_path, s
     assert checks.content_fingerprint(path) == checks.content_fingerprint(path)  # reproducible
 
 
+def test_a_file_cut_short_while_its_fingerprint_is_taken_is_an_error_naming_it(tmp_path, monkeypatch):
+    """A writer that truncates a file between the fingerprint's look at its size and its map
+    (another process rewriting a shard in place): a StoreError naming the file, not a
+    fingerprint of whatever bytes were left, nor a bare IndexError."""
+    path = tmp_path / "f.bin"
+    np.arange(12 << 20, dtype=np.uint8).tofile(path)  # (past 8 MiB: sampled)
+    mapped = checks.mapping.map_bytes
+
+    def cut_then_map(p, *args):
+        with open(p, "r+b") as f:
+            f.truncate(10 << 20)
+        return mapped(p, *args)
+
+    monkeypatch.setattr(checks.mapping, "map_bytes", cut_then_map)
+    with pytest.raises(StoreError, match=rf"{path}: changed while its fingerprint was taken \(12582912 bytes"):
+        checks.content_fingerprint(path)
+
+
 # -- peers' formats: files swapped for others of the same size, boundaries moved ----------------
 
 
