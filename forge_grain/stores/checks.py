@@ -157,13 +157,13 @@ def sampled_places(size: int) -> tuple[tuple, tuple]:
     are drawn in Python (10 ms), and a dataset's files mostly share a size (LitData's chunks,
     a store's shards), each fingerprinted at open and again as an epoch first reads it."""
     blocks = tuple((o, min(o + SAMPLE_BLOCK_BYTES, size)) for o in sample_offsets(size))
-    return blocks, tuple((int(p), int(p) + PROBE_BYTES) for p in probe_offsets(size))
+    return blocks, tuple((p, p + PROBE_BYTES) for p in probe_starts(size).tolist())
 
 
 @functools.lru_cache(maxsize=64)
 def probe_starts(size: int) -> np.ndarray:
-    """The offsets of `sampled_places`' probes as an array (kept, read-only: one for each size)."""
-    starts = np.array([a for a, _ in sampled_places(size)[1]], np.int64)
+    """`probe_offsets(size)`, kept (read-only: one array for each size, drawn once)."""
+    starts = probe_offsets(size)
     starts.flags.writeable = False
     return starts
 
