@@ -308,6 +308,31 @@ def test_a_fingerprint_gathered_from_a_files_blocks_is_its_content_fingerprint(t
     assert h.complete and h.fingerprint() == content_fingerprint(tmp_path / "big.bin")
 
 
+@pytest.mark.parametrize("block", [4095, 1_000_003])
+def test_the_places_a_fingerprint_still_needs_are_read_in_a_few_ranges(tmp_path, block):
+    """Asked for before an epoch's blocks have all arrived, a fingerprint reads the places not
+    seen yet in ranges (`Harvest.ranges`): a 9 MiB file's in a few, not a GET a probe, none
+    over `RANGE` bytes; read over places whose other part a block gave, the fingerprint is
+    still the local file's (the version before counted such a place's bytes twice, and never
+    had it whole)."""
+    from forge_grain.stores.checks import PROBES, content_fingerprint
+    from forge_grain.stores.harvest import RANGE, Harvest
+
+    n = 9 * 2**20 + 12345
+    data = ((np.arange(n, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(13)).astype(np.uint8)
+    (tmp_path / "big.bin").write_bytes(data.tobytes())
+    h = Harvest(n)
+    for a in range(block, n, 2 * block):  # every other block: places cut at their edges are half seen
+        h.take(a, data[a : a + block])
+    missing, ranges = h.missing(), h.ranges()
+    assert len(missing) > PROBES // 4
+    assert len(ranges) <= 2 * (n // RANGE + 1) and all(b - a <= RANGE for a, b in ranges)
+    assert all(any(a <= p and q <= b for a, b in ranges) for p, q in missing)
+    for a, b in ranges:
+        h.take(a, data[a:b])
+    assert h.complete and h.fingerprint() == content_fingerprint(tmp_path / "big.bin")
+
+
 @pytest.mark.parametrize("size", [9, 10, 4096, 123457, 2**31, 2**32 - 1, 2**32 + 9, 2**40 + 7, 10**15])
 def test_probe_offsets_are_the_stream_numpy_gave_them(size):
     """`probe_stream` spells out numpy's `default_rng(entropy).integers` (SeedSequence, PCG64,
