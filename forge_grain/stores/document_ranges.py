@@ -48,11 +48,12 @@ REQUEST_BYTES = 1 << 20  # ... and a download's request for each of the step's r
 GAP = 1 << 12
 
 
-def merged(spans, gap: int = GAP) -> list[tuple[int, int]]:
-    """Byte spans [a, b), sorted, and joined where they overlap or lie within `gap`."""
+def merged(spans, gap: int = GAP, most: int | None = None) -> list[tuple[int, int]]:
+    """Byte spans [a, b), sorted, and joined where they overlap or lie within `gap` (into spans
+    of at most `most` bytes, if given)."""
     out: list[list[int]] = []
     for a, b in sorted(spans):
-        if out and a <= out[-1][1] + gap:
+        if out and a <= out[-1][1] + gap and (most is None or max(out[-1][1], b) - out[-1][0] <= most):
             out[-1][1] = max(out[-1][1], b)
         else:
             out.append([a, b])

@@ -9,7 +9,7 @@ blocks of 4 KiB and 2,048 probes of 8 bytes at places spread over the file) took
 5 s of an 8 s epoch. The blocks an epoch downloads hold every one of those places, so the
 fingerprint is taken from them as they arrive (`Harvest.take`); where it is asked for
 first (a state saved, a worker started, a resume checked), the places not seen yet are
-read then (`ranges`: those close together in one ranged GET). Either way the bytes hashed are the
+read then (`ranges`), in ranged GETs as before. Either way the bytes hashed are the
 file's own, in the formula's order: the same fingerprint as a local copy's, so a state
 resumes here and there alike.
 """
@@ -27,12 +27,14 @@ import numpy as np
 from forge_grain.errors import StoreError
 from forge_grain.processes import per_process
 from forge_grain.stores import checks
+from forge_grain.stores.document_ranges import merged
 
 log = logging.getLogger(__name__)
 PRINTS = "prints.json"  # the content fingerprints gathered after a dataset's record was made
-# Places of a fingerprint read where the epoch has not: those closer than GAP in one range of at
-# most RANGE bytes (64 KiB more of a range takes 6 ms at 10 MB/s, a GET's wait 30 ms or more)
-GAP, RANGE = 64 << 10, 1 << 20
+# places in an object closer than this are read in one ranged GET (a request costs what some
+# 100s of KB take to arrive), while the bytes between add at most a fiftieth of the object
+GAP = 1 << 18
+RANGE = 1 << 20  # bytes of a range read for a fingerprint's places, at most
 
 
 class Harvest:
@@ -58,17 +60,8 @@ class Harvest:
         return [(int(self._a[i]), int(self._b[i])) for i in range(len(self._a)) if i not in self._whole]
 
     def ranges(self) -> list[tuple[int, int]]:
-        """The places not seen yet, those less than `GAP` apart read in one range (of at most
-        `RANGE` bytes): a file of up to 32 MiB, whose probes lie closer than that, is a few
-        ranged GETs, not 2,048 (a raw dataset of small files, its state saved before the
-        first epoch had read them, made a GET a probe of each)."""
-        out: list[list[int]] = []
-        for a, b in self.missing():
-            if out and a - out[-1][1] < GAP and b - out[-1][0] <= RANGE:
-                out[-1][1] = max(out[-1][1], b)
-            else:
-                out.append([a, b])
-        return [(a, b) for a, b in out]
+        """The places not seen yet, as the ranges to read them in (`frugal`)."""
+        return frugal(self.missing(), self.size, RANGE)
 
     def take(self, start: int, data) -> None:
         """Bytes `data` (a buffer) of the file from byte `start`: the parts of places they hold."""
@@ -97,6 +90,15 @@ class Harvest:
             raise ValueError(f"{len(self.missing())} places of the fingerprint are not seen yet")
         seen = {(int(self._a[i]), int(self._b[i])): data for i, data in self._whole.items()}
         return checks.fingerprint_of(self.size, False, None, lambda spans: lambda a, n: seen[(a, a + n)])
+
+
+def frugal(spans, size: int, most: int) -> list[tuple[int, int]]:
+    """[a, b) `spans` of an object of `size` bytes, sorted, those close together (`GAP`) in one
+    span of at most `most` bytes, so long as the bytes between them add at most a fiftieth of
+    the object: the places an epoch reads anyway are not fetched twice over (a fingerprint's
+    2,048 probes lie a 2,048th of the file apart: joined, they were the file)."""
+    spans = list(spans)
+    return merged(spans, min(GAP, size // (50 * max(1, len(spans)))), most)
 
 
 def _joined(parts: dict[int, bytes], a: int, b: int) -> bytes | None:

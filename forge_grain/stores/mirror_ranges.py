@@ -36,7 +36,7 @@ from forge_grain.splits import select_split
 from forge_grain.stores import checks, identify
 from forge_grain.stores.base import join_offsets
 from forge_grain.stores.blocks import fetch_cuts
-from forge_grain.stores.harvest import PRINTS, Prints
+from forge_grain.stores.harvest import PRINTS, Prints, frugal
 from forge_grain.stores.fetched_parts import FetchedParts
 from forge_grain.stores.download import SPLIT
 from forge_grain.stores.object_cache import ObjectCache, read_spans
@@ -45,9 +45,6 @@ from forge_grain.stores.remote_dir import objects_at
 
 RANGED = ("megatron", "raw")
 SCAN_PART = 8 << 20  # bytes of each ranged read while a raw file is scanned for its documents
-# places in an object closer than this are read in one ranged GET (a request costs what some
-# 100s of KB take to arrive), up to SCAN_PART bytes a GET
-GAP = 1 << 18
 KEEP = 64 << 20  # an object up to this size is held in memory through its first open (each byte read once)
 SAMPLED_ENDS = 1024  # documents whose delimiters are read at the first open (all of them by `verify`)
 HEAD = 4096  # bytes of a raw file's start that say what it is
@@ -451,19 +448,10 @@ class _Tokens:
 
     def read(self, spans):
         """A function giving `length` bytes at any offset inside `spans`, after reading those not
-        kept already (in one ranged GET of `SCAN_PART` bytes at most where they lie less than
-        `GAP` apart, and the bytes between add at most a fiftieth of the object; many GETs at
-        once)."""
+        kept already (those close together in one ranged GET of `SCAN_PART` bytes at most,
+        `harvest.frugal`; many GETs at once)."""
         pieces = sorted(self._kept.items())
-        missing = [(a, b) for a, b in sorted(spans) if _covering(pieces, a, b - a) is None]
-        gap = min(GAP, self.size // (50 * max(1, len(missing))))
-        merged = []
-        for a, b in missing:
-            if merged and a <= merged[-1][1] + gap and max(merged[-1][1], b) - merged[-1][0] <= SCAN_PART:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        spans = [tuple(m) for m in merged]
+        spans = frugal([(a, b) for a, b in spans if _covering(pieces, a, b - a) is None], self.size, SCAN_PART)
         pieces = sorted(pieces + list(zip([a for a, _ in spans], self._fetch(spans, ahead=64))))
 
         def got(offset: int, length: int) -> memoryview:
