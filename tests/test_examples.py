@@ -1,5 +1,6 @@
 """The training examples run to completion (short mode) and their resumed loss curves match."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,13 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 @pytest.mark.parametrize("script", ["train_torch.py", "train_jax.py"])
 def test_example_resumes_to_the_same_loss_curve(tmp_path, script):
+    # JAX's compilation cache, the test's own: the killed and the resumed run load the programs
+    # the uninterrupted one compiled (44 -> 33 s of the example's 52 s on two cores)
+    jax_cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     r = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--steps", "16", "--checkpoint-at", "8", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=os.environ | jax_cache,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "checkpoint at step 8; killing the process" in r.stdout
