@@ -1896,7 +1896,8 @@ def test_a_megatron_or_raw_dataset_larger_than_cache_limit_reads_in_blocks(tmp_p
     assert not any(p.endswith(".idx") for p in s3.proxy.gets)
     assert sum(n for p, n in s3.proxy.gets.items() if p.endswith(".bin")) > 0  # (evicted since it was read)
     fetched = sum(n for p, n in s3.proxy.sent.items() if p.endswith(".bin"))
-    assert 0 < fetched <= max(b.size for b in remote._parts) < limit  # one block
+    # one block (a run under load once fetched 44,568 bytes here: the requests say which)
+    assert 0 < fetched <= max(b.size for b in remote._parts) < limit, (s3.proxy.seen, dict(s3.proxy.sent))
 
 
 def test_a_megatron_dataset_without_cache_limit_is_not_copied_whole_at_open(tmp_path, s3, monkeypatch):
