@@ -73,10 +73,6 @@ class Harvest:
             if b <= start or i in self._whole:
                 continue
             lo, hi = max(a, start), min(b, end)
-            if (lo, hi) == (a, b):
-                self._whole[i] = bytes(view[lo - start : hi - start])
-                self._pieces.pop(i, None)
-                continue
             parts = self._pieces.setdefault(i, {})
             parts[lo] = bytes(view[lo - start : hi - start])
             whole = _joined(parts, a, b)
